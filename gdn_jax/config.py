@@ -1,0 +1,163 @@
+"""Model configuration: a frozen, hashable dataclass (static under jit), built from presets or a HF config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    layer_types: tuple[str, ...] = (LINEAR, LINEAR, LINEAR, FULL)
+    # gated full attention
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10000.0
+    # Gated DeltaNet
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    eos_token_id: int | None = None
+    name: str = "custom"
+
+    def __post_init__(self):
+        bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
+        if bad:
+            raise ValueError(f"unsupported layer type(s) {sorted(set(bad))}; expected {LINEAR!r} or {FULL!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.rotary_dim % 2:
+            raise ValueError(f"rotary dim head_dim * partial_rotary_factor = {self.rotary_dim} must be even")
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels of the qkv conv: [Q | K | V]
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def fingerprint(self) -> str:
+        """Identifies the model's state layout; mixed into the prefix-cache hash domains."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, name: str = "custom") -> "ModelConfig":
+        """Builds the config from a HF `config.json` dict (`qwen3_5_text`, or the text part of `qwen3_5`)."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        tie = cfg.get("tie_word_embeddings", False)
+        if model_type == "qwen3_5":
+            tie = cfg.get("text_config", {}).get("tie_word_embeddings", tie)
+            cfg = cfg["text_config"]
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        prf = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+        n = cfg["num_hidden_layers"]
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            interval = cfg.get("full_attention_interval", 4)
+            layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
+        if len(layer_types) != n:
+            raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers is {n}")
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            layer_types=tuple(layer_types),
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            partial_rotary_factor=float(prf),
+            rope_theta=float(rope_theta),
+            linear_num_key_heads=cfg["linear_num_key_heads"],
+            linear_num_value_heads=cfg["linear_num_value_heads"],
+            linear_key_head_dim=cfg["linear_key_head_dim"],
+            linear_value_head_dim=cfg["linear_value_head_dim"],
+            linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(tie),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            eos_token_id=eos,
+            name=name,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {path}")
+        return cls.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+
+
+def _hybrid(n_layers: int, interval: int = 4) -> tuple[str, ...]:
+    return tuple(LINEAR if (i + 1) % interval else FULL for i in range(n_layers))
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The embedded default: deterministic random weights, byte-level vocabulary (256 bytes + specials).
+    "tiny": ModelConfig(name="tiny", eos_token_id=1, max_position_embeddings=4096),
+    # The 8-layer hidden-1024 config of the forward and TTFT benchmarks.
+    "hybrid-1024": ModelConfig(
+        name="hybrid-1024", vocab_size=8192, hidden_size=1024, intermediate_size=3072, layer_types=_hybrid(8),
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=8,
+        linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64, eos_token_id=1,
+    ),
+    # Qwen3.5-9B shapes (random weights; for memory sizing and GPU benchmarks).
+    "qwen3.5-9b": ModelConfig(
+        name="qwen3.5-9b", vocab_size=248320, hidden_size=4096, intermediate_size=12288, layer_types=_hybrid(32),
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256, rope_theta=10_000_000.0,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        max_position_embeddings=262144, eos_token_id=248044,
+    ),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+    return PRESETS[name]

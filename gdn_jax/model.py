@@ -1,0 +1,264 @@
+"""Qwen3.5 hybrid model (Gated DeltaNet + gated full attention) as Flax NNX modules.
+
+The modules hold parameters only. The recurrent and KV state lives outside them in `DeviceState`, so a jitted
+step can take it as a donated argument: `forward(graphdef, params, batch, state) -> (logits, state)`.
+
+Batch layout: `B` rows (sequences), `T` tokens per row (a prefill chunk, or 1 for decode), rows right-padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn_jax.config import FULL, LINEAR, ModelConfig
+from gdn_jax.gated_delta import causal_conv1d, chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=[
+    "tokens", "start_pos", "lengths", "block_tables", "slot_mapping", "linear_ids", "has_initial_state",
+], meta_fields=[])
+@dataclasses.dataclass
+class Batch:
+    tokens: jax.Array             # [B, T] int32
+    start_pos: jax.Array          # [B] int32, absolute position of tokens[:, 0]
+    lengths: jax.Array            # [B] int32, real tokens per row (0 for a padding row)
+    block_tables: jax.Array       # [B, NB] int32 KV block ids (0 = padding block)
+    slot_mapping: jax.Array       # [B, T] int32 flat KV slot per token (padding tokens -> block 0)
+    linear_ids: jax.Array         # [B] int32 live linear-state slot per row (0 = padding slot)
+    has_initial_state: jax.Array  # [B] bool, False: the GDN state starts from zeros whatever the slot holds
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "conv", "ssm"], meta_fields=[])
+@dataclasses.dataclass
+class DeviceState:
+    k: tuple[jax.Array, ...]      # per full-attention layer [num_blocks, block_size, kv_heads, head_dim]
+    v: tuple[jax.Array, ...]
+    conv: tuple[jax.Array, ...]   # per GDN layer [num_slots, kernel - 1, conv_dim] (activation dtype)
+    ssm: tuple[jax.Array, ...]    # per GDN layer [num_slots, Hv, dk, dv] float32
+
+
+def init_state(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int, dtype=jnp.float32) -> DeviceState:
+    kv_shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    n_full, n_lin = len(cfg.full_layer_ids), len(cfg.linear_layer_ids)
+    conv_shape = (num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
+    ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return DeviceState(
+        k=tuple(jnp.zeros(kv_shape, dtype) for _ in range(n_full)),
+        v=tuple(jnp.zeros(kv_shape, dtype) for _ in range(n_full)),
+        conv=tuple(jnp.zeros(conv_shape, dtype) for _ in range(n_lin)),
+        ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(n_lin)),
+    )
+
+
+def _linear(rngs, n_in, n_out, dtype, std):
+    return nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype,
+                      kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
+def rms_norm(x, eps):
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return (rms_norm(x, self.eps) * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """GDN output norm (not zero-centred): w * rmsnorm(o) * silu(z), per value head."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, o, z):
+        h = self.weight[...] * rms_norm(o, self.eps).astype(o.dtype)
+        return (h.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, std):
+        self.gate_proj = _linear(rngs, cfg.hidden_size, cfg.intermediate_size, dtype, std)
+        self.up_proj = _linear(rngs, cfg.hidden_size, cfg.intermediate_size, dtype, std)
+        self.down_proj = _linear(rngs, cfg.intermediate_size, cfg.hidden_size, dtype, std)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, std):
+        self.cfg = cfg
+        nv, K = cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim
+        self.in_proj_qkv = _linear(rngs, cfg.hidden_size, cfg.conv_dim, dtype, std)
+        self.in_proj_z = _linear(rngs, cfg.hidden_size, cfg.linear_value_dim, dtype, std)
+        self.in_proj_b = _linear(rngs, cfg.hidden_size, nv, dtype, std)
+        self.in_proj_a = _linear(rngs, cfg.hidden_size, nv, dtype, std)
+        self.conv1d = nnx.Param(jax.random.normal(rngs.params(), (cfg.conv_dim, K), dtype) * 0.3)  # [C, K]
+        self.dt_bias = nnx.Param(jnp.ones((nv,), jnp.float32))
+        # Mild decay by default (exp(A_log) in [0.01, 0.3]) so the state carries information over many tokens.
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (nv,), jnp.float32, 0.01, 0.3)))
+        self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype)
+        self.out_proj = _linear(rngs, cfg.linear_value_dim, cfg.hidden_size, dtype, std)
+
+    def __call__(self, x, conv_state, ssm_state, lengths):
+        """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        qkv, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d[...], conv_state, lengths)  # [B, T, C]
+        q, k, v = jnp.split(qkv, [cfg.linear_key_dim, 2 * cfg.linear_key_dim], axis=-1)
+        q = l2norm(q.reshape(B, T, nk, dk).astype(jnp.float32)) * dk**-0.5
+        k = l2norm(k.reshape(B, T, nk, dk).astype(jnp.float32))
+        q, k = jnp.repeat(q, nv // nk, axis=2), jnp.repeat(k, nv // nk, axis=2)  # value head h -> key head h // (nv/nk)
+        v = v.reshape(B, T, nv, dv)
+        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))  # [B, T, Hv]
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...])
+        rule = recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
+        o, ssm_state = rule(q, k, v, g, beta, initial_state=ssm_state, lengths=lengths)  # o: [B, T, Hv, dv]
+        o = self.norm(o.astype(x.dtype), self.in_proj_z(x).reshape(B, T, nv, dv))
+        return self.out_proj(o.reshape(B, T, nv * dv)), conv_state, ssm_state
+
+
+def rope(x, positions, rotary_dim: int, theta: float):
+    """Partial NeoX RoPE on the first `rotary_dim` dims. x: [B, T, H, hd]; positions: [B, T]."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, r/2]
+    cos = jnp.concatenate([jnp.cos(freqs)] * 2, -1)[:, :, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(freqs)] * 2, -1)[:, :, None, :].astype(x.dtype)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    x1, x2 = jnp.split(x_rot, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, std):
+        self.cfg = cfg
+        H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = _linear(rngs, cfg.hidden_size, H * hd * 2, dtype, std)  # per head [query | gate]
+        self.k_proj = _linear(rngs, cfg.hidden_size, kvh * hd, dtype, std)
+        self.v_proj = _linear(rngs, cfg.hidden_size, kvh * hd, dtype, std)
+        self.o_proj = _linear(rngs, H * hd, cfg.hidden_size, dtype, std)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+
+    def __call__(self, x, k_cache, v_cache, batch: Batch):
+        """x: [B, T, D]; caches: [NB, bs, kvh, hd] paged -> (out, k_cache, v_cache)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg = self.q_proj(x).reshape(B, T, H, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, H * hd)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).reshape(B, T, kvh, hd))
+        v = self.v_proj(x).reshape(B, T, kvh, hd)
+        positions = batch.start_pos[:, None] + jnp.arange(T)[None, :]  # [B, T]
+        q = rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
+        k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
+
+        # write this chunk's K/V into the paged cache, then read each row's whole prefix back
+        nb, bs = k_cache.shape[:2]
+        flat = batch.slot_mapping.reshape(-1)
+        k_cache = k_cache.reshape(nb * bs, kvh, hd).at[flat].set(k.reshape(B * T, kvh, hd)).reshape(k_cache.shape)
+        v_cache = v_cache.reshape(nb * bs, kvh, hd).at[flat].set(v.reshape(B * T, kvh, hd)).reshape(v_cache.shape)
+        S = batch.block_tables.shape[1] * bs
+        keys = k_cache[batch.block_tables].reshape(B, S, kvh, hd)
+        values = v_cache[batch.block_tables].reshape(B, S, kvh, hd)
+
+        qh = q.reshape(B, T, kvh, H // kvh, hd)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qh, keys, preferred_element_type=jnp.float32) * hd**-0.5
+        causal = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        scores = jnp.where(causal[:, None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, H * hd)
+        out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
+        return self.o_proj(out), k_cache, v_cache
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, dtype, rngs, std):
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, dtype, rngs, std)
+        else:
+            self.self_attn = Attention(cfg, dtype, rngs, std)
+        self.mlp = MLP(cfg, dtype, rngs, std)
+
+
+class Qwen35Model(nnx.Module):
+    """Qwen3_5ForCausalLM: embeddings, hybrid decoder layers, final norm, lm_head (tied or not)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, std: float = 0.02):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype) * std)
+        self.layers = nnx.List([DecoderLayer(cfg, t, dtype, rngs, std) for t in cfg.layer_types])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(rngs, cfg.hidden_size, cfg.vocab_size, dtype, std)
+
+    def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False):
+        cfg = self.cfg
+        x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
+        ks, vs, convs, ssms = list(state.k), list(state.v), list(state.conv), list(state.ssm)
+        warm = batch.has_initial_state
+        i_full = i_lin = 0
+        for layer in self.layers:
+            h = layer.input_layernorm(x)
+            if layer.layer_type == LINEAR:
+                ids = batch.linear_ids
+                conv_in = jnp.where(warm[:, None, None], convs[i_lin][ids], 0).astype(convs[i_lin].dtype)
+                ssm_in = jnp.where(warm[:, None, None, None], ssms[i_lin][ids], 0.0)
+                h, conv_out, ssm_out = layer.linear_attn(h, conv_in, ssm_in, batch.lengths)
+                convs[i_lin] = convs[i_lin].at[ids].set(conv_out.astype(convs[i_lin].dtype))
+                ssms[i_lin] = ssms[i_lin].at[ids].set(ssm_out)
+                i_lin += 1
+            else:
+                h, ks[i_full], vs[i_full] = layer.self_attn(h, ks[i_full], vs[i_full], batch)
+                i_full += 1
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if not all_logits:  # hidden state of each row's last real token
+            last = jnp.maximum(batch.lengths - 1, 0)
+            x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
+        x = self.norm(x)
+        if cfg.tie_word_embeddings:
+            logits = jnp.einsum("...d,vd->...v", x, self.embed_tokens[...], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        return logits, DeviceState(tuple(ks), tuple(vs), tuple(convs), tuple(ssms))
+
+
+def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False):
+    """Pure forward: (graphdef, params, batch, state) -> (logits [B, V] or [B, T, V] float32, new state)."""
+    model = nnx.merge(graphdef, params)
+    return model(batch, state, all_logits=all_logits)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
+    """Deterministic random model; returns (graphdef, params). Norm weights are perturbed so that a
+    `(1 + w)` vs `w` mistake shows."""
+    model = Qwen35Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed), std=0.05)
+    key = jax.random.PRNGKey(seed + 1)
+    for path, p in nnx.iter_graph(model):
+        if isinstance(p, (RMSNorm, GatedRMSNorm)):
+            key, sub = jax.random.split(key)
+            base = 1.0 if isinstance(p, GatedRMSNorm) else 0.0
+            p.weight[...] = (base + 0.2 * jax.random.normal(sub, p.weight.shape)).astype(dtype)
+    return nnx.split(model)

@@ -1,0 +1,136 @@
+"""Weights: HF safetensors folders (text or multimodal layout) -> NNX params; orbax save / restore of converted params."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn_jax.config import LINEAR, ModelConfig, get_preset, PRESETS
+from gdn_jax.model import Qwen35Model, init_model
+
+SKIPPED_PREFIXES = ("mtp.", "model.visual.")
+
+
+def _hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
+    """HF tensor name (text layout) -> (param path in the NNX state, transpose?)."""
+    names = {"model.embed_tokens.weight": (("embed_tokens",), False), "model.norm.weight": (("norm", "weight"), False)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = (("lm_head", "kernel"), True)
+    for i, t in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        names[p + "input_layernorm.weight"] = (("layers", i, "input_layernorm", "weight"), False)
+        names[p + "post_attention_layernorm.weight"] = (("layers", i, "post_attention_layernorm", "weight"), False)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[p + f"mlp.{proj}.weight"] = (("layers", i, "mlp", proj, "kernel"), True)
+        if t == LINEAR:
+            for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+                names[p + f"linear_attn.{proj}.weight"] = (("layers", i, "linear_attn", proj, "kernel"), True)
+            for leaf in ("conv1d", "dt_bias", "A_log"):
+                key = p + f"linear_attn.{leaf}" + (".weight" if leaf == "conv1d" else "")
+                names[key] = (("layers", i, "linear_attn", leaf), False)
+            names[p + "linear_attn.norm.weight"] = (("layers", i, "linear_attn", "norm", "weight"), False)
+        else:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                names[p + f"self_attn.{proj}.weight"] = (("layers", i, "self_attn", proj, "kernel"), True)
+            for norm in ("q_norm", "k_norm"):
+                names[p + f"self_attn.{norm}.weight"] = (("layers", i, "self_attn", norm, "weight"), False)
+    return names
+
+
+def _open_tensors(folder: Path):
+    """Yields (name, array) for every tensor of a single-file or sharded safetensors checkpoint."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+    for fname in files:
+        with safe_open(str(folder / fname), framework="flax") as f:
+            for name in f.keys():
+                if not name.startswith(SKIPPED_PREFIXES):
+                    yield name, f.get_tensor(name)
+
+
+def _canonical(name: str) -> str:
+    """Maps the multimodal layout (`model.language_model.*`) onto the text layout (`model.*`)."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
+    """(graphdef, abstract params) without allocating weights."""
+    return nnx.split(nnx.eval_shape(lambda: Qwen35Model(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+
+
+def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jnp.float32):
+    """Loads a HF Qwen3.5 folder; returns (cfg, graphdef, params). Errors name the missing or mis-shaped tensor."""
+    folder = Path(folder)
+    cfg = cfg or ModelConfig.from_pretrained(folder)
+    graphdef, abstract = abstract_model(cfg, dtype)
+    flat = dict(nnx.to_flat_state(abstract))
+    expected = _hf_names(cfg)
+    loaded = {}
+    for name, arr in _open_tensors(folder):
+        name = _canonical(name)
+        if name not in expected:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            raise ValueError(f"unexpected tensor {name!r} in {folder} (not part of the {cfg.name} layout)")
+        path, transpose = expected[name]
+        if name.endswith("conv1d.weight") and arr.ndim == 3:
+            arr = arr[:, 0, :]  # [C, 1, K] -> [C, K]
+        if transpose:
+            arr = arr.T
+        want = flat[path].get_value().shape
+        if tuple(arr.shape) != tuple(want):
+            raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want)}")
+        param_dtype = flat[path].get_value().dtype
+        loaded[path] = jnp.asarray(arr, dtype=param_dtype)
+    missing = [n for n, (p, _) in expected.items() if p not in loaded]
+    if missing:
+        raise ValueError(f"missing tensor(s) in {folder}: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    for path, arr in loaded.items():
+        flat[path] = flat[path].replace(arr)
+    params = nnx.from_flat_state(flat)
+    return cfg, graphdef, params
+
+
+def save_params(params, path: str | Path) -> None:
+    """Saves converted params with orbax (fast reload, no safetensors conversion)."""
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(Path(path).absolute(), nnx.to_pure_dict(params), force=True)
+    ckpt.wait_until_finished()
+
+
+def restore_params(path: str | Path, cfg: ModelConfig, dtype=jnp.float32):
+    """Restores params saved by `save_params`; returns (graphdef, params)."""
+    import orbax.checkpoint as ocp
+
+    graphdef, abstract = abstract_model(cfg, dtype)
+    target = nnx.to_pure_dict(abstract)
+    restored = ocp.StandardCheckpointer().restore(Path(path).absolute(), target)
+    nnx.replace_by_pure_dict(abstract, restored)
+    return graphdef, abstract
+
+
+def load_model(model: str, dtype=jnp.float32, seed: int = 0):
+    """A preset name (random deterministic weights) or a HF folder path -> (cfg, graphdef, params)."""
+    if model in PRESETS:
+        cfg = get_preset(model)
+        graphdef, params = init_model(cfg, seed=seed, dtype=dtype)
+        return cfg, graphdef, params
+    if not Path(model).is_dir():
+        raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a folder")
+    return load_hf_weights(model, dtype=dtype)

@@ -1,0 +1,23 @@
+"""Small builders shared by the model tests: a one-row batch over a contiguous block table."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from gdn_jax.model import Batch
+
+BLOCK_SIZE = 16
+
+
+def single_row_batch(tokens, start: int, num_blocks: int, slot: int = 1, warm: bool | None = None) -> Batch:
+    """Row 0 owns KV blocks 1..num_blocks (block 0 is padding) and linear slot `slot`."""
+    tokens = np.asarray(tokens, np.int32)
+    pos = start + np.arange(len(tokens))
+    return Batch(
+        tokens=jnp.asarray(tokens)[None],
+        start_pos=jnp.asarray([start], jnp.int32),
+        lengths=jnp.asarray([len(tokens)], jnp.int32),
+        block_tables=jnp.arange(1, num_blocks + 1, dtype=jnp.int32)[None],
+        slot_mapping=jnp.asarray(pos + BLOCK_SIZE, jnp.int32)[None],
+        linear_ids=jnp.asarray([slot], jnp.int32),
+        has_initial_state=jnp.asarray([start > 0 if warm is None else warm]),
+    )
