@@ -1,0 +1,56 @@
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Everything the scheduler needs to size its pools and cut its steps.
+
+    Slot and block id 0 are padding: usable KV blocks are [1, num_kv_blocks),
+    usable linear-state slots are [1, num_linear_slots).
+    """
+
+    num_kv_blocks: int
+    num_linear_slots: int = 0
+    block_size: int = 16
+    chunk_stride: int = 64
+    max_num_seqs: int = 16
+    max_model_len: int = 4096
+    max_num_batched_tokens: int | None = None  # prefill tokens per step; None: max(chunk_stride, 2048)
+    enable_prefix_caching: bool = True
+    has_linear_attention_layers: bool = True
+    state_fingerprint: str = ""
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", max(self.chunk_stride, 2048))
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.chunk_stride < 1 or self.chunk_stride % self.block_size:
+            raise ValueError(
+                f"chunk_stride must be a positive multiple of block_size "
+                f"({self.block_size}), got {self.chunk_stride}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.chunk_stride:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"chunk_stride ({self.chunk_stride})")
+        # One sequence alone must always fit, or preemption could never make progress.
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if self.num_kv_blocks - 1 < blocks_per_seq:
+            raise ValueError(
+                f"num_kv_blocks ({self.num_kv_blocks}) too small: one sequence of "
+                f"max_model_len={self.max_model_len} needs {blocks_per_seq} blocks plus padding block 0")
+        if self.has_linear_attention_layers and self.num_linear_slots <= self.max_num_seqs:
+            raise ValueError(
+                f"num_linear_slots ({self.num_linear_slots}): too few linear slots for max_num_seqs "
+                f"({self.max_num_seqs}); need more than max_num_seqs (slot 0 is padding)")
+        if not isinstance(self.state_fingerprint, str):
+            raise ValueError("state_fingerprint must be a str")
+
+    @property
+    def prefix_caches_linear_state(self) -> bool:
+        return self.has_linear_attention_layers and self.enable_prefix_caching

@@ -1,0 +1,89 @@
+from enum import Enum, auto
+
+from scheduler.hashing import KV_DOMAIN, LINEAR_DOMAIN, domain_seed, extend_chain
+from scheduler.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request: its tokens, progress, per-leaf cache handles and reuse metrics."""
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams | None = None):
+        self.seq_id = seq_id
+        self.token_ids = [int(t) for t in prompt_token_ids]  # prompt + generated
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.num_computed_tokens = 0
+
+        # KV leaf: physical blocks covering positions [0, len(block_table) * block_size).
+        self.block_table: list[int] = []
+        self.num_kv_hashed_blocks = 0  # leading blocks already registered in the KV index
+        # Linear leaf: the live slot this sequence advances (-1: none).
+        self.linear_state_id = -1
+        # Deferred save: chain hash of the chunk boundary just reached, saved next step.
+        self.pending_save_hash: int | None = None
+        self.pending_save_len = 0
+
+        # Two chained hash domains over the known tokens.
+        self.block_hashes: list[int] = []  # stride block_size
+        self.linear_state_hashes: list[int] = []  # stride chunk_stride
+
+        # Reuse metrics, recorded at the first admission.
+        self.kv_match = 0
+        self.linear_reach = 0
+        self.num_cached_tokens = 0
+        self.reuse_lost = 0
+        self.restored = False
+        self.num_preemptions = 0
+        self.num_admissions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={len(self.token_ids)}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the single newest token is still to be computed."""
+        return self.num_computed_tokens < len(self.token_ids) - 1
+
+    def update_block_hashes(self, block_size: int, fingerprint: str = "") -> None:
+        if (len(self.block_hashes) + 1) * block_size > len(self.token_ids):
+            return  # no new whole block
+        extend_chain(self.block_hashes, self.token_ids, block_size,
+                     domain_seed(KV_DOMAIN, block_size, fingerprint))
+
+    def update_linear_state_hashes(self, chunk_stride: int, fingerprint: str = "") -> None:
+        if (len(self.linear_state_hashes) + 1) * chunk_stride > len(self.token_ids):
+            return  # no new whole chunk
+        extend_chain(self.linear_state_hashes, self.token_ids, chunk_stride,
+                     domain_seed(LINEAR_DOMAIN, chunk_stride, fingerprint))
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(int(token_id))

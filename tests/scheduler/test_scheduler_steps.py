@@ -1,0 +1,176 @@
+"""Step plans: chunk boundaries, budgets, decode, stop rules, preemption, aborts."""
+import dataclasses
+import random
+
+from scheduler import SamplingParams, Scheduler, Sequence
+from tests.scheduler.sched_helpers import FakeDevice, make_seq, run, small_config, submit
+
+P = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 0, 2, 6, 4, 3, 3, 2, 3, 0, 4, 6, 2, 6, 4, 3]
+
+
+def shape(plan):
+    return plan.is_prefill, [(r.seq_id, r.start_pos, len(r.token_ids), r.sample) for r in plan.seqs]
+
+
+def test_prefill_chunks_end_on_chunk_stride_multiples():
+    cfg = small_config(max_num_batched_tokens=8)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    submit(sched, dev, make_seq(1, P[:21], max_tokens=2))
+    plans = run(sched, dev)
+    assert [shape(p) for p in plans] == [
+        (True, [(1, 0, 8, False)]), (True, [(1, 8, 8, False)]), (True, [(1, 16, 5, True)]),
+        (False, [(1, 21, 1, True)])]
+    row = plans[1].seqs[0]
+    assert row.block_table == plans[2].seqs[0].block_table[:4]
+    assert row.slot_mapping == [row.block_table[p // 4] * 4 + p % 4 for p in range(8, 16)]
+
+
+def test_prefill_token_budget_and_max_num_seqs_bound_a_step():
+    cfg = small_config(max_num_batched_tokens=16, max_num_seqs=2)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    for i in range(3):
+        submit(sched, dev, make_seq(i, [i] * 10, max_tokens=1))
+    plan = sched.schedule()
+    assert shape(plan) == (True, [(0, 0, 8, False), (1, 0, 8, False)])
+    sched.postprocess(plan, dev.execute(plan))
+    assert shape(sched.schedule()) == (True, [(0, 8, 2, True), (1, 8, 2, True)])
+
+
+def test_prefill_goes_before_decode_and_steps_never_mix():
+    cfg = small_config()
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    submit(sched, dev, make_seq(1, P[:5], max_tokens=3))
+    plans = [sched.schedule()]
+    sched.postprocess(plans[0], dev.execute(plans[0]))
+    submit(sched, dev, make_seq(2, P[5:10], max_tokens=3))
+    plans += run(sched, dev)
+    assert [shape(p) for p in plans[:3]] == [
+        (True, [(1, 0, 5, True)]), (True, [(2, 0, 5, True)]), (False, [(1, 5, 1, True), (2, 5, 1, True)])]
+    assert plans[2].seqs[0].num_generated == 1
+
+
+def test_stop_rules_eos_stop_token_and_max_tokens():
+    cfg = small_config(eos_token_id=5)
+    sched = Scheduler(cfg)
+    eos = Sequence(1, [1, 2], SamplingParams(max_tokens=9))
+    ign = Sequence(2, [1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+    stop = Sequence(3, [1, 2], SamplingParams(max_tokens=9, stop_token_ids=[4]))
+    for s in (eos, ign, stop):
+        sched.add(s)
+    feed = {1: [0, 5], 2: [5, 5], 3: [0, 4]}
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        sched.postprocess(plan, [feed[r.seq_id].pop(0) for r in plan.seqs])
+    assert (eos.output_token_ids, eos.finish_reason) == ([0, 5], "stop")
+    assert (ign.output_token_ids, ign.finish_reason) == ([5, 5], "length")
+    assert (stop.output_token_ids, stop.finish_reason) == ([0, 4], "stop")
+
+
+def _workload(seed=0, n=10):
+    rng = random.Random(seed)
+    base = [rng.randrange(7) for _ in range(40)]
+    return [(i, base[:rng.randrange(1, 40)] + [rng.randrange(7) for _ in range(rng.randrange(3))],
+             rng.randrange(1, 20)) for i in range(n)]
+
+
+def _serve(cfg, workload):
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    seqs = [submit(sched, dev, make_seq(i, toks, max_tokens=m)) for i, toks, m in workload]
+    plans = run(sched, dev)
+    return seqs, plans, sched
+
+
+def test_preemption_under_a_tight_kv_pool_keeps_every_output():
+    workload = _workload()
+    roomy, _, _ = _serve(small_config(num_kv_blocks=200, num_linear_slots=40), workload)
+    for caching in (True, False):
+        tight, _, sched = _serve(small_config(num_kv_blocks=17, num_linear_slots=6,
+                                              enable_prefix_caching=caching), workload)
+        assert sched.stats()["preemptions"] > 0
+        assert any(s.num_preemptions for s in tight)
+        assert [s.output_token_ids for s in tight] == [s.output_token_ids for s in roomy]
+        assert [s.finish_reason for s in tight] == [s.finish_reason for s in roomy]
+        stats = sched.stats()
+        assert stats["live_slots"] == 0 and stats["kv_blocks_free"] == 16
+
+
+def _plain(plans):
+    return [dataclasses.asdict(p) for p in plans]
+
+
+def test_no_gdn_model_plans_ignore_every_linear_knob():
+    workload = _workload(seed=1)
+    a = small_config(has_linear_attention_layers=False, num_linear_slots=0, num_kv_blocks=30)
+    b = dataclasses.replace(a, num_linear_slots=64, state_fingerprint="other")
+    _, plans_a, sched = _serve(a, workload)
+    _, plans_b, _ = _serve(b, workload)
+    assert _plain(plans_a) == _plain(plans_b)
+    assert all(r.linear_op is None for p in plans_a for r in p.seqs)
+    assert sched.block_manager.linear is None and sched.stats()["checkpoints_saved"] == 0
+
+
+def test_linear_machinery_without_prefix_caching_leaves_the_kv_schedule_unchanged():
+    workload = _workload(seed=2)
+    plain = small_config(has_linear_attention_layers=False, enable_prefix_caching=False, num_kv_blocks=20)
+    hybrid = dataclasses.replace(plain, has_linear_attention_layers=True, num_linear_slots=5)
+    _, plans_plain, _ = _serve(plain, workload)
+    _, plans_hybrid, _ = _serve(hybrid, workload)
+    stripped = [dataclasses.replace(p, seqs=[dataclasses.replace(r, linear_op=None) for r in p.seqs])
+                for p in plans_hybrid]
+    assert _plain(stripped) == _plain(plans_plain)
+
+
+def test_no_gdn_model_reuses_the_whole_kv_match_unaligned():
+    cfg = small_config(has_linear_attention_layers=False, num_linear_slots=0)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    submit(sched, dev, make_seq(1, P[:13], max_tokens=1))
+    run(sched, dev)
+    seq = submit(sched, dev, make_seq(2, P[:13] + [1]))
+    plan = sched.schedule()
+    assert (seq.kv_match, seq.num_cached_tokens, seq.reuse_lost) == (12, 12, 0)
+    assert shape(plan) == (True, [(2, 12, 2, True)]) and plan.seqs[0].linear_op is None
+
+
+def test_abort_releases_waiting_and_running_sequences():
+    cfg = small_config(max_num_seqs=2, num_linear_slots=3)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    seqs = [submit(sched, dev, make_seq(i, P[:10], max_tokens=5)) for i in range(3)]
+    plan = sched.schedule()
+    assert [r.seq_id for r in plan.seqs] == [0, 1]
+    assert sched.abort(2) and sched.abort(1) and not sched.abort(99)
+    assert seqs[1].finish_reason == seqs[2].finish_reason == "abort"
+    sched.postprocess(plan, dev.execute(plan))  # the aborted row is ignored
+    assert seqs[1].num_computed_tokens == 0 and seqs[1].block_table == []
+    sched.check_invariants()
+    run(sched, dev)
+    stats = sched.stats()
+    assert seqs[0].finish_reason == "length" and stats["live_slots"] == 0
+    assert stats["kv_blocks_free"] == cfg.num_kv_blocks - 1
+
+
+def test_reset_prefix_cache_forgets_unused_blocks_and_checkpoints():
+    cfg = small_config()
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    submit(sched, dev, make_seq(1, P[:20], max_tokens=1))
+    run(sched, dev)
+    assert sched.stats()["checkpoint_slots"] == 2 and sched.stats()["kv_blocks_cached"] == 5
+    sched.reset_prefix_cache()
+    stats = sched.stats()
+    assert (stats["checkpoint_slots"], stats["kv_blocks_cached"]) == (0, 0)
+    assert stats["free_slots"] == cfg.num_linear_slots - 1
+    seq = submit(sched, dev, make_seq(2, P[:20] + [1]))
+    sched.schedule()
+    assert seq.num_cached_tokens == 0
+
+
+def test_stats_count_queries_hits_and_reused_tokens():
+    cfg = small_config()
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    submit(sched, dev, make_seq(1, P[:20], max_tokens=1))
+    run(sched, dev)
+    submit(sched, dev, make_seq(2, P[:20] + [1], max_tokens=1))
+    submit(sched, dev, make_seq(3, [6, 6, 6], max_tokens=1))
+    run(sched, dev)
+    s = sched.stats()
+    assert (s["queries"], s["hits"], s["query_tokens"], s["reused_tokens"]) == (3, 1, 44, 16)
+    assert s["checkpoints_restored"] >= 1 and s["preemptions"] == 0
