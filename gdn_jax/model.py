@@ -56,9 +56,17 @@ def init_state(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: in
     )
 
 
+class Linear(nnx.Linear):
+    """Bias-free projection accumulating in float32 (the fast bfloat16 path on CPU AMX and GPU tensor cores),
+    returning the activation dtype."""
+
+    def __call__(self, x):
+        return super().__call__(x).astype(self.dtype)
+
+
 def _linear(rngs, n_in, n_out, dtype, std):
-    return nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype,
-                      kernel_init=nnx.initializers.normal(std), rngs=rngs)
+    return Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype, preferred_element_type=jnp.float32,
+                  kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
 def rms_norm(x, eps):
@@ -185,7 +193,8 @@ class Attention(nnx.Module):
         causal = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
         scores = jnp.where(causal[:, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, H * hd)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
+        out = out.astype(x.dtype).reshape(B, T, H * hd)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(out), k_cache, v_cache
 

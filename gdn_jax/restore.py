@@ -1,0 +1,68 @@
+"""Restore of linear-state checkpoints into live slots: a functional copy across every GDN layer.
+
+`restore_linear_state_slots` is pure and jittable; the worker calls it inside its step, before the forward, so the
+ordering comes from data dependence alone. `validate_cache_ops` is the host-side gate that fails closed.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdn_jax.model import DeviceState
+
+
+def validate_cache_ops(ops, num_slots: int) -> None:
+    """Rejects, before dispatch, any op whose live or source slot is out of range or the padding slot 0."""
+    for i, op in enumerate(ops):
+        if not 1 <= op.linear_state_id < num_slots:
+            raise ValueError(f"op {i}: linear_state_id {op.linear_state_id} outside [1, {num_slots})")
+        if op.restore_requested and op.restore_src_slot_id != -1:
+            if not 1 <= op.restore_src_slot_id < num_slots:
+                raise ValueError(f"op {i}: restore_src_slot_id {op.restore_src_slot_id} outside [1, {num_slots})")
+            if op.restore_src_slot_id == op.linear_state_id:
+                raise ValueError(f"op {i}: restore source and live slot are both {op.linear_state_id}")
+    live = [op.linear_state_id for op in ops]
+    if len(set(live)) != len(live):
+        raise ValueError(f"two ops advance the same live slot: {sorted(live)}")
+
+
+def ops_to_arrays(ops, rows: int):
+    """Ops -> (live_ids, restore_requested, src_ids), int32/bool [rows]. Padding rows: slot 0, forced cold."""
+    live = np.zeros(rows, np.int32)
+    requested = np.ones(rows, bool)
+    src = np.full(rows, -1, np.int32)
+    for i, op in enumerate(ops):
+        live[i], requested[i], src[i] = op.linear_state_id, op.restore_requested, op.restore_src_slot_id
+    return live, requested, src
+
+
+def restore_linear_state_slots(state: DeviceState, live_ids, restore_requested, src_ids):
+    """Copies `src_ids[b]` into `live_ids[b]` in every GDN layer where a restore is requested with a valid source.
+
+    Returns (state, has_initial_state [B] bool): requested + source -> copy, warm (True); requested, no source
+    (-1) -> cold start (False; the forward treats the state as zeros); not requested -> untouched, warm (True).
+    Nothing is shared: the live slot gets its own copy.
+    """
+    copy = restore_requested & (src_ids >= 0)                 # [B]
+    read = jnp.where(copy, src_ids, live_ids)                 # gather from the source, or from itself (no-op)
+
+    def _copy(pool):                                          # pool: [num_slots, ...]
+        return pool.at[live_ids].set(pool[read])
+
+    state = DeviceState(state.k, state.v, tuple(map(_copy, state.conv)), tuple(map(_copy, state.ssm)))
+    has_initial_state = jnp.where(restore_requested, copy, True)
+    return state, has_initial_state
+
+
+restore_linear_state_slots_jit = jax.jit(restore_linear_state_slots, donate_argnums=(0,))
+
+
+def restore_ops(state: DeviceState, ops, num_slots: int):
+    """Host entry: validate (fail closed), then the jitted copy. Returns (state, has_initial_state)."""
+    validate_cache_ops(ops, num_slots)
+    live, requested, src = ops_to_arrays(ops, len(ops))
+    return restore_linear_state_slots_jit(state, jnp.asarray(live), jnp.asarray(requested), jnp.asarray(src))

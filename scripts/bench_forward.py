@@ -1,0 +1,157 @@
+"""Forward time of a 2048-token prefill: gdn_jax vs transformers, same config and weights, same run.
+
+    python scripts/bench_forward.py [--tokens 2048] [--preset hybrid-1024] [--out results/bench_forward.json]
+
+The JAX side runs the engine's forward (paged KV, GDN slots) jitted; transformers (torch==2.13.0, float32, eager
+attention) runs `Qwen3_5ForCausalLM` built from the same config with the same weights. Both return logits for the
+last position only (what a prefill needs). Prints a table and writes JSON. transformers is optional: without it
+only the JAX rows are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn_jax.config import LINEAR, get_preset
+from gdn_jax.model import Batch, forward, init_model, init_state
+
+
+def _batch(tokens, block_size):
+    T = len(tokens)
+    nb = -(-T // block_size)
+    return Batch(tokens=jnp.asarray(tokens, jnp.int32)[None], start_pos=jnp.zeros(1, jnp.int32),
+                 lengths=jnp.asarray([T], jnp.int32), block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
+                 slot_mapping=jnp.asarray(np.arange(T) + block_size, jnp.int32)[None],
+                 linear_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool)), nb
+
+
+def time_jax(cfg, tokens, dtype, repeats, seed=0):
+    graphdef, params = init_model(cfg, seed=seed, dtype=dtype)
+    batch, nb = _batch(tokens, 16)
+    state = init_state(cfg, nb + 1, 16, 2, dtype)
+    fn = jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,))
+    t0 = time.perf_counter()
+    logits, state = fn(graphdef, params, batch, state, False)
+    logits.block_until_ready()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        logits, state = fn(graphdef, params, batch, state, False)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return compile_s, times, graphdef, params, np.asarray(logits[0], np.float32)
+
+
+def time_transformers(cfg, tokens, params, repeats):
+    """Builds the same model in transformers from our weights (HF names), float32 CPU."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    hf_cfg = Qwen3_5TextConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, layer_types=list(cfg.layer_types),
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, linear_num_key_heads=cfg.linear_num_key_heads,
+        linear_num_value_heads=cfg.linear_num_value_heads, linear_key_head_dim=cfg.linear_key_head_dim,
+        linear_value_head_dim=cfg.linear_value_head_dim, linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
+        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                         "partial_rotary_factor": cfg.partial_rotary_factor},
+        max_position_embeddings=cfg.max_position_embeddings)
+    hf_cfg._attn_implementation = "eager"
+    model = Qwen3_5ForCausalLM(hf_cfg).eval()
+    pure = nnx.to_pure_dict(params)
+    sd = {}
+    sd["model.embed_tokens.weight"] = pure["embed_tokens"]
+    sd["model.norm.weight"] = pure["norm"]["weight"]
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = np.asarray(pure["lm_head"]["kernel"]).T
+    for i, t in enumerate(cfg.layer_types):
+        layer, p = pure["layers"][i], f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            sd[p + norm + ".weight"] = layer[norm]["weight"]
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            sd[p + f"mlp.{proj}.weight"] = np.asarray(layer["mlp"][proj]["kernel"]).T
+        if t == LINEAR:
+            la = layer["linear_attn"]
+            for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+                sd[p + f"linear_attn.{proj}.weight"] = np.asarray(la[proj]["kernel"]).T
+            sd[p + "linear_attn.conv1d.weight"] = np.asarray(la["conv1d"])[:, None, :]
+            sd[p + "linear_attn.dt_bias"], sd[p + "linear_attn.A_log"] = la["dt_bias"], la["A_log"]
+            sd[p + "linear_attn.norm.weight"] = la["norm"]["weight"]
+        else:
+            sa = layer["self_attn"]
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                sd[p + f"self_attn.{proj}.weight"] = np.asarray(sa[proj]["kernel"]).T
+            for norm in ("q_norm", "k_norm"):
+                sd[p + f"self_attn.{norm}.weight"] = sa[norm]["weight"]
+    model.load_state_dict({k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}, strict=True)
+    ids = torch.tensor([tokens])
+    times = []
+    with torch.inference_mode():
+        model(ids[:, :64], use_cache=False, logits_to_keep=1)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = model(ids, use_cache=False, logits_to_keep=1)
+            times.append(time.perf_counter() - t0)
+    return times, out.logits[0, -1].float().numpy(), torch.get_num_threads()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="hybrid-1024")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--out", default="results/bench_forward.json")
+    args = ap.parse_args()
+
+    cfg = get_preset(args.preset)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()
+    rows, result = [], {"preset": args.preset, "tokens": args.tokens, "backend": jax.default_backend(),
+                        "cpu_count": os.cpu_count()}
+    compile32, t32, graphdef, params, logits_jax = time_jax(cfg, tokens, jnp.float32, args.repeats)
+    rows.append(("gdn_jax float32", compile32, min(t32)))
+    compile16, t16, *_ = time_jax(cfg, tokens, jnp.bfloat16, args.repeats)
+    rows.append(("gdn_jax bfloat16", compile16, min(t16)))
+    result["jax_float32"] = {"compile_s": compile32, "times_s": t32}
+    result["jax_bfloat16"] = {"compile_s": compile16, "times_s": t16}
+    hf_best = None
+    if not args.no_transformers:
+        try:
+            t_hf, logits_hf, threads = time_transformers(cfg, tokens, params, args.repeats)
+        except ImportError as e:
+            print(f"transformers/torch not available ({e}); JAX rows only")
+        else:
+            hf_best = min(t_hf)
+            rows.append((f"transformers float32 ({threads} threads)", None, hf_best))
+            result["transformers_float32"] = {"times_s": t_hf, "torch_threads": threads,
+                                              "max_abs_logit_diff": float(np.abs(logits_hf - logits_jax).max())}
+
+    print(f"\nforward of {args.tokens} tokens, preset {args.preset} ({cfg.num_hidden_layers} layers, "
+          f"{len(cfg.linear_layer_ids)} GDN + {len(cfg.full_layer_ids)} full), backend {jax.default_backend()}")
+    print(f"{'implementation':<36}{'compile s':>10}{'forward s':>11}{'tok/s':>10}{'vs transformers':>17}")
+    for name, comp, best in rows:
+        ratio = f"{hf_best / best:.2f}x" if hf_best else "-"
+        comp_s = f"{comp:.1f}" if comp is not None else "-"
+        print(f"{name:<36}{comp_s:>10}{best:>11.3f}{args.tokens / best:>10.0f}{ratio:>17}")
+    if "transformers_float32" in result:
+        print(f"max |logit difference| jax vs transformers (float32): "
+              f"{result['transformers_float32']['max_abs_logit_diff']:.2e}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Engine behaviour: pressure (eviction, preemption), transformers' greedy, compile count, bad input."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gdn_jax import LLM, LLMEngine, SamplingParams
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
+
+
+def _ids(rng, n):
+    return rng.integers(4, 500, n).tolist()
+
+
+def _pressure_workload():
+    rng = np.random.default_rng(5)
+    system = _ids(rng, 64)
+    return [system + _ids(rng, int(n)) for n in rng.integers(5, 60, 10)] + [_ids(rng, 90) for _ in range(3)]
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_under_pressure_all_complete_identically_and_nothing_leaks():
+    prompts = _pressure_workload()
+    kw = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
+    roomy = LLM("tiny", enable_prefix_caching=False, **kw)
+    # 9 usable KV blocks: one 128-token sequence needs 8, so four running sequences must preempt each other;
+    # 7 slots: 4 live + 2 checkpoints, so checkpoints are evicted
+    tight = LLM("tiny", enable_prefix_caching=True, num_kv_blocks=10, num_linear_slots=7, **kw)
+    expect = _tokens(roomy.generate(prompts, GREEDY, use_tqdm=False))
+    serial = [tight.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[:4]]
+    concurrent = tight.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(serial) == expect[:4]
+    assert _tokens(concurrent) == expect
+    s = tight.cache_stats()
+    assert s["preemptions"] > 0 and s["checkpoints_evicted"] > 0 and s["kv_blocks_evicted"] > 0
+    assert s["hits"] > 0
+    assert s["live_slots"] == 0 and s["num_running"] == 0
+    assert s["free_slots"] + s["checkpoint_slots"] == 7 - 1
+    # every block is allocatable again (never-cached or cached-and-unreferenced); some hold cached prefixes
+    assert s["kv_blocks_free"] == 10 - 1 and 0 < s["kv_blocks_cached"] <= 10 - 1
+    tight.engine.scheduler.check_invariants()
+
+
+def test_engine_greedy_equals_transformers_generate():
+    ref = np.load(FIXTURE / "reference.npz")
+    llm = LLM(str(FIXTURE), max_model_len=128, max_num_seqs=2, verbose=False)
+    n = int(ref["greedy_prompt_len"])
+    out = llm.generate({"prompt_token_ids": ref["prompt_ids"][:n].tolist()},
+                       SamplingParams(temperature=0.0, max_tokens=len(ref["greedy_ids"]), ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref["greedy_ids"].tolist()
+
+
+def test_no_recompilation_after_warm_up():
+    llm = LLM("tiny", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
+    assert llm.engine.warm_up() == 3 * 3 * 1  # rows {1,2,4} x tokens {1,16,32} x blocks {8}
+    warm = llm.cache_stats()["compilations"]  # shapes another engine in this process compiled are shared
+    rng = np.random.default_rng(9)
+
+    def mixed_workload():  # shared prefixes, varied lengths, concurrent and serial, prefill + decode
+        system = _ids(rng, 50)
+        batch = [system + _ids(rng, int(n)) for n in rng.integers(1, 50, 6)] + [_ids(rng, int(rng.integers(1, 40)))]
+        llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=int(rng.integers(3, 12))), use_tqdm=False)
+        for p in batch[:3]:
+            llm.generate([p + _ids(rng, 20)], SamplingParams(temperature=0.7, max_tokens=5), use_tqdm=False)
+
+    for _ in range(3):
+        mixed_workload()
+    assert llm.cache_stats()["compilations"] == warm
+    assert llm.cache_stats()["hits"] > 0
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine("tiny", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], None, "empty prompt"),
+    ("", None, "empty prompt"),
+    ([5, 600, 7], None, "token id 600 outside the vocabulary"),
+    ([5, -1], None, "token id -1 outside the vocabulary"),
+    (list(range(4, 101)), None, "longer than max_model_len"),
+    ([5, 6], "max_tokens=0", "max_tokens"),
+    ([5, 6], "temperature=-1", "temperature"),
+    ([5, 6], "top_p=0", "top_p"),
+    ([5, 6], "top_p=1.5", "top_p"),
+])
+def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, params, message):
+    rng = np.random.default_rng(1)
+    good = _ids(rng, 40)
+    engine.add_request("good", good, SamplingParams(temperature=0.0, max_tokens=4))
+    engine.step()  # the good request is in flight when the bad one arrives
+    with pytest.raises(ValueError, match=message):
+        if params is None:
+            engine.add_request("bad", prompt, SamplingParams(max_tokens=4))
+        else:
+            engine.add_request("bad", prompt, eval(f"SamplingParams({params})"))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert list(finished) == ["good"] and len(finished["good"].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=16, chunk_stride=40), "chunk_stride"),
+    (dict(max_num_seqs=8, num_linear_slots=8), "too few linear slots"),
+    (dict(dtype="float16"), "dtype"),
+])
+def test_invalid_cache_configuration_is_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny", max_model_len=64, verbose=False, **kwargs)
+
+
+def test_abort_releases_everything(engine):
+    engine.add_request("a", list(range(4, 70)), SamplingParams(max_tokens=20))
+    engine.step()
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests()
+    s = engine.cache_stats()
+    assert s["live_slots"] == 0 and s["num_running"] == 0

@@ -1,0 +1,119 @@
+"""Cache on == cache off: identical greedy tokens and logprobs, serial and concurrent, with real reuse."""
+
+import numpy as np
+import pytest
+
+from gdn_jax import LLM, SamplingParams
+
+STRIDE = 32
+ENGINE_KW = dict(block_size=16, chunk_stride=STRIDE, max_num_seqs=4, max_model_len=256, verbose=False)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+
+
+def _ids(rng, n):
+    return rng.integers(4, 500, n).tolist()
+
+
+def _workload():
+    rng = np.random.default_rng(7)
+    system = _ids(rng, 70)
+    p1 = system + _ids(rng, 10)                # 80: shares 70 with the next ones
+    return {
+        "p1": p1,
+        "p2_sys_other": system + _ids(rng, 30),  # checkpoints at 32, 64 below the shared 70
+        "p3_repeat": list(p1),                   # identical repeat
+        "p4_unrelated": _ids(rng, 50),
+        "p5_one_past": system[:64] + _ids(rng, 1),  # one token past the 64 checkpoint
+        "p6_exact": system[:64],                 # exactly two chunks: cannot reuse its own tail boundary
+        "p7_continue": p1 + _ids(rng, 45),       # continuation past the end of p1 (reaches 96, 128 later)
+    }
+
+
+def _expected_reuse(prompt, earlier_computed):
+    """Deepest multiple of STRIDE <= min(common prefix with an earlier sequence's computed tokens, len - 1)."""
+    best = 0
+    for toks in earlier_computed:
+        lcp = 0
+        for a, b in zip(prompt, toks):
+            if a != b:
+                break
+            lcp += 1
+        best = max(best, min(lcp, len(prompt) - 1) // STRIDE * STRIDE)
+    return best
+
+
+def _summary(out):
+    c = out.outputs[0]
+    return c.token_ids, np.array([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return LLM("tiny", enable_prefix_caching=True, **ENGINE_KW), LLM("tiny", enable_prefix_caching=False, **ENGINE_KW)
+
+
+def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):
+    cached, plain = engines
+    computed = []
+    for name, prompt in _workload().items():
+        a = cached.generate([prompt], GREEDY, use_tqdm=False)[0]
+        b = plain.generate([prompt], GREEDY, use_tqdm=False)[0]
+        ta, la = _summary(a)
+        tb, lb = _summary(b)
+        assert ta == tb, name
+        np.testing.assert_allclose(la, lb, atol=1e-4, err_msg=name)
+        assert b.num_cached_tokens == 0
+        assert a.num_cached_tokens == _expected_reuse(prompt, computed), name
+        assert a.metrics.restored == (a.num_cached_tokens > 0)
+        computed.append(prompt + ta[:-1])  # the last sampled token is never fed back
+    stats = cached.cache_stats()
+    assert stats["hits"] >= 4 and stats["reused_tokens"] > 0 and stats["checkpoints_restored"] >= stats["hits"]
+
+
+def test_concurrent_cached_equals_uncached(engines):
+    cached, plain = engines
+    rng = np.random.default_rng(11)
+    system = _ids(rng, 90)
+    warm = [system + _ids(rng, 5), _ids(rng, 40)]
+    batch = [system + _ids(rng, 12), system[:40] + _ids(rng, 30), list(warm[0]), system + _ids(rng, 60),
+             _ids(rng, 33), warm[1] + _ids(rng, 3)]
+    warm_a = cached.generate(warm, GREEDY, use_tqdm=False)
+    plain.generate(warm, GREEDY, use_tqdm=False)
+    earlier = [w + _summary(o)[0][:-1] for w, o in zip(warm, warm_a)]
+    outs_a = cached.generate(batch, GREEDY, use_tqdm=False)
+    outs_b = plain.generate(batch, GREEDY, use_tqdm=False)
+    for prompt, a, b in zip(batch, outs_a, outs_b):
+        ta, la = _summary(a)
+        tb, lb = _summary(b)
+        assert ta == tb
+        np.testing.assert_allclose(la, lb, atol=1e-4)
+        # requests batched together may also hit each other's checkpoints; never less than the earlier batch gives
+        assert a.num_cached_tokens >= _expected_reuse(prompt, earlier)
+        assert a.num_cached_tokens % STRIDE == 0 and a.num_cached_tokens < len(prompt)
+    assert sum(o.num_cached_tokens for o in outs_a) >= 3 * 64
+
+
+def test_generation_is_reproducible_with_seeds(engines):
+    cached, plain = engines
+    rng = np.random.default_rng(3)
+    prompts = [_ids(rng, 40), _ids(rng, 70)]
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=123, max_tokens=6, ignore_eos=True)
+    a = [o.outputs[0].token_ids for o in cached.generate(prompts, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in plain.generate(prompts[::-1], params, use_tqdm=False)][::-1]
+    assert a == b  # same seed -> same tokens whatever the batch order and cache state
+    c = [o.outputs[0].token_ids for o in cached.generate(
+        prompts, SamplingParams(temperature=0.8, seed=124, max_tokens=6, ignore_eos=True), use_tqdm=False)]
+    assert c != a
+
+
+def test_bfloat16_engine_cached_equals_uncached():
+    kw = dict(ENGINE_KW, dtype="bfloat16")
+    on, off = LLM("tiny", enable_prefix_caching=True, **kw), LLM("tiny", enable_prefix_caching=False, **kw)
+    assert on.engine.worker.state.ssm[0].dtype == np.float32 and on.engine.worker.state.conv[0].dtype != np.float32
+    rng = np.random.default_rng(4)
+    system = _ids(rng, 70)
+    prompts = [system + _ids(rng, 9), system + _ids(rng, 20), system[:65]]
+    a = [on.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    b = [off.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert [o.num_cached_tokens for o in a] == [0, 64, 64]

@@ -1,0 +1,83 @@
+"""restore_linear_state_slots: copy semantics, cold start, continuing rows, fail-closed validation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn_jax.config import get_preset
+from gdn_jax.model import DeviceState, init_state
+from gdn_jax.restore import restore_ops, validate_cache_ops
+from scheduler import LinearStateCacheOp
+
+NUM_SLOTS = 8
+
+
+@pytest.fixture
+def pools():
+    """Every slot of every GDN layer holds distinct values (slot s, layer j -> values around 100 j + s)."""
+    cfg = get_preset("tiny")
+    st = init_state(cfg, 2, 16, NUM_SLOTS)
+    rng = np.random.default_rng(0)
+
+    def fill(pool, j):
+        s = np.arange(NUM_SLOTS).reshape((-1,) + (1,) * (pool.ndim - 1))
+        return jnp.asarray(100 * j + s + rng.random(pool.shape), pool.dtype)
+
+    return DeviceState(st.k, st.v, tuple(fill(p, j) for j, p in enumerate(st.conv)),
+                       tuple(fill(p, j) for j, p in enumerate(st.ssm)))
+
+
+def _snapshot(state):
+    return [np.asarray(p) for p in state.conv + state.ssm]
+
+
+def test_restore_copies_source_into_live_in_every_layer(pools):
+    before = _snapshot(pools)
+    ops = [LinearStateCacheOp(3, True, 5),    # warm restore 5 -> 3
+           LinearStateCacheOp(4, True, -1),   # forced cold start
+           LinearStateCacheOp(6, False, -1)]  # continuing sequence
+    state, warm = restore_ops(pools, ops, NUM_SLOTS)
+    after = _snapshot(state)
+    assert np.asarray(warm).tolist() == [True, False, True]
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a[3], b[5])           # restored slot equals its source
+        np.testing.assert_array_equal(a[5], b[5])           # the source is untouched (copy, not move)
+        for s in (0, 1, 2, 4, 6, 7):                         # nothing else changed, cold slot included
+            np.testing.assert_array_equal(a[s], b[s])
+
+
+def test_two_rows_may_restore_from_the_same_checkpoint(pools):
+    before = _snapshot(pools)
+    state, warm = restore_ops(pools, [LinearStateCacheOp(1, True, 7), LinearStateCacheOp(2, True, 7)], NUM_SLOTS)
+    for b, a in zip(before, _snapshot(state)):
+        np.testing.assert_array_equal(a[1], b[7])
+        np.testing.assert_array_equal(a[2], b[7])
+    assert np.asarray(warm).all()
+
+
+@pytest.mark.parametrize("op, message", [
+    (LinearStateCacheOp(0, True, 3), "linear_state_id 0"),
+    (LinearStateCacheOp(NUM_SLOTS, False, -1), f"linear_state_id {NUM_SLOTS}"),
+    (LinearStateCacheOp(2, True, 0), "restore_src_slot_id 0"),
+    (LinearStateCacheOp(2, True, NUM_SLOTS + 3), f"restore_src_slot_id {NUM_SLOTS + 3}"),
+    (LinearStateCacheOp(2, True, -7), "restore_src_slot_id -7"),
+    (LinearStateCacheOp(2, True, 2), "both 2"),
+])
+def test_invalid_ids_are_rejected_before_dispatch(pools, op, message):
+    before = _snapshot(pools)
+    with pytest.raises(ValueError, match=message):
+        restore_ops(pools, [LinearStateCacheOp(1, True, 5), op], NUM_SLOTS)
+    for b, a in zip(before, _snapshot(pools)):  # nothing ran: the buffers were not donated or touched
+        np.testing.assert_array_equal(a, b)
+
+
+def test_duplicate_live_slots_are_rejected():
+    with pytest.raises(ValueError, match="same live slot"):
+        validate_cache_ops([LinearStateCacheOp(2, False, -1), LinearStateCacheOp(2, True, 3)], NUM_SLOTS)
+
+
+def test_op_round_trip_keeps_forced_cold_start():
+    op = LinearStateCacheOp(4, True, -1)
+    back = LinearStateCacheOp.from_dict(op.to_dict())
+    assert back == op and back.restore_requested and back.restore_src_slot_id == -1
