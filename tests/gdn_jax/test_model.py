@@ -60,7 +60,7 @@ def test_padded_batch_rows_equal_single_rows(tiny, step):
         np.testing.assert_allclose(np.asarray(logits[row]), np.asarray(ref_logits[0]), atol=2e-5)
         for j in range(len(cfg.linear_layer_ids)):
             np.testing.assert_allclose(np.asarray(out.ssm[j][slot]), np.asarray(ref_state.ssm[j][slot]), atol=1e-5)
-            np.testing.assert_allclose(np.asarray(out.conv[j][slot]), np.asarray(ref_state.conv[j][slot]), atol=1e-6)
+            np.testing.assert_allclose(np.asarray(out.conv[j][slot]), np.asarray(ref_state.conv[j][slot]), atol=1e-5)
 
 
 def test_cold_start_ignores_garbage_in_the_slot(tiny, step):
