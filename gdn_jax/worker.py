@@ -133,8 +133,12 @@ class Worker:
         """Runs one step plan (all-prefill or all-decode) and returns the sampled tokens per row."""
         seqs = plan.seqs
         n = len(seqs)
+        longest = max(len(s.token_ids) for s in seqs)
+        if n > self.max_rows or longest > (self.max_chunk if plan.is_prefill else 1):
+            raise ValueError(f"step plan of {n} rows x {longest} tokens exceeds the worker's shapes "
+                             f"({self.max_rows} rows, {self.max_chunk if plan.is_prefill else 1} tokens per row)")
         B = _bucket(n, 1, self.max_rows)
-        T = 1 if not plan.is_prefill else _bucket(max(len(s.token_ids) for s in seqs), 16, self.max_chunk)
+        T = 1 if not plan.is_prefill else _bucket(longest, 16, self.max_chunk)
         NB = _bucket(max(len(s.block_table) for s in seqs), 8, self.max_blocks)
         tokens = np.zeros((B, T), np.int32)
         slot_mapping = np.zeros((B, T), np.int32)  # padding tokens write into block 0

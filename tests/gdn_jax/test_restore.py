@@ -81,3 +81,37 @@ def test_op_round_trip_keeps_forced_cold_start():
     op = LinearStateCacheOp(4, True, -1)
     back = LinearStateCacheOp.from_dict(op.to_dict())
     assert back == op and back.restore_requested and back.restore_src_slot_id == -1
+
+
+def test_worker_cold_start_ignores_garbage_and_warm_restore_continues_exactly():
+    """Through the worker's jitted step: prefill 32 tokens into slot 1, restore them into slot 2 and continue;
+    the result equals one uninterrupted prefill, and a cold start on a garbage-filled slot equals a clean one."""
+    from gdn_jax.model import init_model
+    from gdn_jax.worker import Worker, plan_memory
+    from scheduler import SamplingParams, ScheduledSequence, StepPlan
+
+    cfg = get_preset("tiny")
+    graphdef, params = init_model(cfg)
+    mem = plan_memory(cfg, jnp.float32, 16, 2, 64, num_kv_blocks=9, num_linear_slots=4, memory_budget_bytes=1 << 24)
+
+    def worker(chunk=32):
+        return Worker(cfg, graphdef, params, mem, 16, max_num_seqs=2, max_model_len=64, chunk_stride=chunk,
+                      dtype=jnp.float32)
+
+    def row(tokens, start, table, op):
+        slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
+        return ScheduledSequence(1, tokens, start, table, slots, op, True, SamplingParams(temperature=0.0), 0)
+
+    toks = np.random.default_rng(0).integers(4, 500, 48).tolist()
+    one_pass = worker(64).execute(StepPlan(True, [row(toks, 0, [1, 2, 3], LinearStateCacheOp(1, True, -1))]))
+
+    w = worker()
+    w.state = DeviceState(w.state.k, w.state.v, tuple(p + 9.0 for p in w.state.conv),
+                          tuple(p - 5.0 for p in w.state.ssm))            # garbage in every slot
+    w.execute(StepPlan(True, [row(toks[:32], 0, [1, 2, 3], LinearStateCacheOp(1, True, -1))]))  # cold
+    resumed = w.execute(StepPlan(True, [row(toks[32:], 32, [1, 2, 3], LinearStateCacheOp(2, True, 1))]))
+    np.testing.assert_allclose(resumed.top_logprobs, one_pass.top_logprobs, atol=1e-5)
+    assert resumed.tokens.tolist() == one_pass.tokens.tolist()
+    # without the restore (slot 2 warm with garbage) the continuation is wrong: the copy is what makes it exact
+    wrong = w.execute(StepPlan(True, [row(toks[32:], 32, [1, 2, 3], LinearStateCacheOp(3, False, -1))]))
+    assert np.abs(wrong.top_logprobs - one_pass.top_logprobs).max() > 1e-2
