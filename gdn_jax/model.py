@@ -188,13 +188,15 @@ class Attention(nnx.Module):
         keys = k_cache[batch.block_tables].reshape(B, S, kvh, hd)
         values = v_cache[batch.block_tables].reshape(B, S, kvh, hd)
 
-        qh = q.reshape(B, T, kvh, H // kvh, hd)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qh, keys, preferred_element_type=jnp.float32) * hd**-0.5
-        causal = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        scores = jnp.where(causal[:, None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
-        out = out.astype(x.dtype).reshape(B, T, H * hd)
+        g = H // kvh  # head-major layout: one batched matmul per (row, kv head) over the g * T queries
+        qh = q.reshape(B, T, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(B, kvh, g * T, hd)
+        scores = jnp.einsum("bkqd,bksd->bkqs", qh, keys.transpose(0, 2, 1, 3),
+                            preferred_element_type=jnp.float32) * hd**-0.5      # [B, kvh, g*T, S]
+        qpos = jnp.tile(positions, (1, g))                                       # [B, g*T]
+        causal = jnp.arange(S)[None, None, :] <= qpos[:, :, None]                # [B, g*T, S]
+        probs = jax.nn.softmax(jnp.where(causal[:, None], scores, -jnp.inf), axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+        out = out.astype(x.dtype).reshape(B, kvh, g, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(out), k_cache, v_cache
 
