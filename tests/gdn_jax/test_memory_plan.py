@@ -1,0 +1,28 @@
+"""Pool sizing: bytes per KV block and per linear slot, explicit counts, and the memory budget."""
+
+import jax.numpy as jnp
+
+from gdn_jax.config import get_preset
+from gdn_jax.worker import plan_memory
+
+
+def test_qwen35_9b_bytes_per_block_and_slot():
+    cfg = get_preset("qwen3.5-9b")
+    plan = plan_memory(cfg, jnp.bfloat16, 16, 8, 4096, None, None, 40 << 30)
+    # 8 full-attention layers x (K and V) x 16 tokens x 4 kv heads x 256 dims x 2 bytes
+    assert plan.bytes_per_kv_block == 8 * 2 * 16 * 4 * 256 * 2
+    # 24 GDN layers x (conv: 3 x (2*16*128 + 32*128) channels x 2 bytes + SSM: 32 heads x 128 x 128 x 4 bytes)
+    assert plan.bytes_per_linear_slot == 24 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)
+    assert plan.total_bytes <= 40 << 30
+    assert plan.num_linear_slots == 1 + 8 + 8 * 8   # live slots plus checkpoints, capped at 8 per sequence
+
+
+def test_explicit_counts_win_and_a_small_budget_shrinks_the_pools():
+    cfg = get_preset("tiny")
+    explicit = plan_memory(cfg, jnp.float32, 16, 4, 256, 33, 9, 1 << 20)
+    assert (explicit.num_kv_blocks, explicit.num_linear_slots) == (33, 9)
+    roomy = plan_memory(cfg, jnp.float32, 16, 4, 256, None, None, 1 << 30)
+    small = plan_memory(cfg, jnp.float32, 16, 4, 256, None, None, 1 << 20)
+    assert roomy.num_kv_blocks == 1 + 2 * 4 * 16           # enough for full concurrency, twice
+    assert small.num_kv_blocks < roomy.num_kv_blocks and small.total_bytes <= 1 << 20
+    assert small.num_linear_slots > 4                       # always one live slot per sequence
