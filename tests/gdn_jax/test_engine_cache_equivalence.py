@@ -66,6 +66,18 @@ def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):
         assert a.num_cached_tokens == _expected_reuse(prompt, computed), name
         assert a.metrics.restored == (a.num_cached_tokens > 0)
         computed.append(prompt + ta[:-1])  # the last sampled token is never fed back
+    # multi-turn: the first turn's decode crosses the 64 boundary (60 prompt + 8 generated tokens), so the
+    # checkpoint there was saved during decode and covers generated tokens; the second turn restores it
+    rng = np.random.default_rng(8)
+    turn1 = _ids(rng, 60)
+    first = cached.generate([turn1], GREEDY, use_tqdm=False)[0]
+    computed.append(turn1 + first.outputs[0].token_ids[:-1])
+    turn2 = turn1 + first.outputs[0].token_ids + _ids(rng, 10)
+    a = cached.generate([turn2], GREEDY, use_tqdm=False)[0]
+    b = plain.generate([turn2], GREEDY, use_tqdm=False)[0]
+    assert _summary(a)[0] == _summary(b)[0]
+    np.testing.assert_allclose(_summary(a)[1], _summary(b)[1], atol=1e-4)
+    assert a.num_cached_tokens == _expected_reuse(turn2, computed) == 64
     stats = cached.cache_stats()
     assert stats["hits"] >= 4 and stats["reused_tokens"] > 0 and stats["checkpoints_restored"] >= stats["hits"]
 
