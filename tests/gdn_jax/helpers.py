@@ -1,11 +1,19 @@
 """Small builders shared by the model tests: a one-row batch over a contiguous block table."""
 
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.model import Batch
 
 BLOCK_SIZE = 16
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
+
+
+def random_ids(rng, n) -> list[int]:
+    """n byte-range token ids of the tiny vocabulary, clear of the special ids."""
+    return rng.integers(4, 500, n).tolist()
 
 
 def single_row_batch(tokens, start: int, num_blocks: int, slot: int = 1, warm: bool | None = None) -> Batch:

@@ -1,24 +1,18 @@
 """Engine behaviour: pressure (eviction, preemption), transformers' greedy, compile count, bad input."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from gdn_jax import LLM, LLMEngine, SamplingParams
+from tests.gdn_jax.helpers import FIXTURE, random_ids
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
-
-
-def _ids(rng, n):
-    return rng.integers(4, 500, n).tolist()
 
 
 def _pressure_workload():
     rng = np.random.default_rng(5)
-    system = _ids(rng, 64)
-    return [system + _ids(rng, int(n)) for n in rng.integers(5, 60, 10)] + [_ids(rng, 90) for _ in range(3)]
+    system = random_ids(rng, 64)
+    return [system + random_ids(rng, int(n)) for n in rng.integers(5, 60, 10)] + [random_ids(rng, 90) for _ in range(3)]
 
 
 def _tokens(outs):
@@ -64,11 +58,11 @@ def test_no_recompilation_after_warm_up():
     rng = np.random.default_rng(9)
 
     def mixed_workload():  # shared prefixes, varied lengths, concurrent and serial, prefill + decode
-        system = _ids(rng, 50)
-        batch = [system + _ids(rng, int(n)) for n in rng.integers(1, 50, 6)] + [_ids(rng, int(rng.integers(1, 40)))]
+        system = random_ids(rng, 50)
+        batch = [system + random_ids(rng, int(n)) for n in rng.integers(1, 50, 6)] + [random_ids(rng, int(rng.integers(1, 40)))]
         llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=int(rng.integers(3, 12))), use_tqdm=False)
         for p in batch[:3]:
-            llm.generate([p + _ids(rng, 20)], SamplingParams(temperature=0.7, max_tokens=5), use_tqdm=False)
+            llm.generate([p + random_ids(rng, 20)], SamplingParams(temperature=0.7, max_tokens=5), use_tqdm=False)
 
     for _ in range(3):
         mixed_workload()
@@ -94,7 +88,7 @@ def engine():
 ])
 def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, params, message):
     rng = np.random.default_rng(1)
-    good = _ids(rng, 40)
+    good = random_ids(rng, 40)
     engine.add_request("good", good, SamplingParams(temperature=0.0, max_tokens=4))
     engine.step()  # the good request is in flight when the bad one arrives
     with pytest.raises(ValueError, match=message):

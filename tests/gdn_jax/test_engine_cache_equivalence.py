@@ -4,28 +4,25 @@ import numpy as np
 import pytest
 
 from gdn_jax import LLM, SamplingParams
+from tests.gdn_jax.helpers import random_ids
 
 STRIDE = 32
 ENGINE_KW = dict(block_size=16, chunk_stride=STRIDE, max_num_seqs=4, max_model_len=256, verbose=False)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
 
 
-def _ids(rng, n):
-    return rng.integers(4, 500, n).tolist()
-
-
 def _workload():
     rng = np.random.default_rng(7)
-    system = _ids(rng, 70)
-    p1 = system + _ids(rng, 10)                # 80: shares 70 with the next ones
+    system = random_ids(rng, 70)
+    p1 = system + random_ids(rng, 10)                # 80: shares 70 with the next ones
     return {
         "p1": p1,
-        "p2_sys_other": system + _ids(rng, 30),  # checkpoints at 32, 64 below the shared 70
+        "p2_sys_other": system + random_ids(rng, 30),  # checkpoints at 32, 64 below the shared 70
         "p3_repeat": list(p1),                   # identical repeat
-        "p4_unrelated": _ids(rng, 50),
-        "p5_one_past": system[:64] + _ids(rng, 1),  # one token past the 64 checkpoint
+        "p4_unrelated": random_ids(rng, 50),
+        "p5_one_past": system[:64] + random_ids(rng, 1),  # one token past the 64 checkpoint
         "p6_exact": system[:64],                 # exactly two chunks: cannot reuse its own tail boundary
-        "p7_continue": p1 + _ids(rng, 45),       # continuation past the end of p1 (reaches 96, 128 later)
+        "p7_continue": p1 + random_ids(rng, 45),       # continuation past the end of p1 (reaches 96, 128 later)
     }
 
 
@@ -69,10 +66,10 @@ def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):
     # multi-turn: the first turn's decode crosses the 64 boundary (60 prompt + 8 generated tokens), so the
     # checkpoint there was saved during decode and covers generated tokens; the second turn restores it
     rng = np.random.default_rng(8)
-    turn1 = _ids(rng, 60)
+    turn1 = random_ids(rng, 60)
     first = cached.generate([turn1], GREEDY, use_tqdm=False)[0]
     computed.append(turn1 + first.outputs[0].token_ids[:-1])
-    turn2 = turn1 + first.outputs[0].token_ids + _ids(rng, 10)
+    turn2 = turn1 + first.outputs[0].token_ids + random_ids(rng, 10)
     a = cached.generate([turn2], GREEDY, use_tqdm=False)[0]
     b = plain.generate([turn2], GREEDY, use_tqdm=False)[0]
     assert _summary(a)[0] == _summary(b)[0]
@@ -85,10 +82,10 @@ def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):
 def test_concurrent_cached_equals_uncached(engines):
     cached, plain = engines
     rng = np.random.default_rng(11)
-    system = _ids(rng, 90)
-    warm = [system + _ids(rng, 5), _ids(rng, 40)]
-    batch = [system + _ids(rng, 12), system[:40] + _ids(rng, 30), list(warm[0]), system + _ids(rng, 60),
-             _ids(rng, 33), warm[1] + _ids(rng, 3)]
+    system = random_ids(rng, 90)
+    warm = [system + random_ids(rng, 5), random_ids(rng, 40)]
+    batch = [system + random_ids(rng, 12), system[:40] + random_ids(rng, 30), list(warm[0]), system + random_ids(rng, 60),
+             random_ids(rng, 33), warm[1] + random_ids(rng, 3)]
     warm_a = cached.generate(warm, GREEDY, use_tqdm=False)
     plain.generate(warm, GREEDY, use_tqdm=False)
     earlier = [w + _summary(o)[0][:-1] for w, o in zip(warm, warm_a)]
@@ -108,7 +105,7 @@ def test_concurrent_cached_equals_uncached(engines):
 def test_generation_is_reproducible_with_seeds(engines):
     cached, plain = engines
     rng = np.random.default_rng(3)
-    prompts = [_ids(rng, 40), _ids(rng, 70)]
+    prompts = [random_ids(rng, 40), random_ids(rng, 70)]
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=123, max_tokens=6, ignore_eos=True)
     a = [o.outputs[0].token_ids for o in cached.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in plain.generate(prompts[::-1], params, use_tqdm=False)][::-1]
@@ -123,8 +120,8 @@ def test_bfloat16_engine_cached_equals_uncached():
     on, off = LLM("tiny", enable_prefix_caching=True, **kw), LLM("tiny", enable_prefix_caching=False, **kw)
     assert on.engine.worker.state.ssm[0].dtype == np.float32 and on.engine.worker.state.conv[0].dtype != np.float32
     rng = np.random.default_rng(4)
-    system = _ids(rng, 70)
-    prompts = [system + _ids(rng, 9), system + _ids(rng, 20), system[:65]]
+    system = random_ids(rng, 70)
+    prompts = [system + random_ids(rng, 9), system + random_ids(rng, 20), system[:65]]
     a = [on.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     b = [off.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
