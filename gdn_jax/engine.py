@@ -8,6 +8,7 @@ import time
 from typing import Iterable
 
 import jax.numpy as jnp
+import numpy as np
 
 from gdn_jax.weights import load_model
 from gdn_jax.tokenizer import get_tokenizer
@@ -73,6 +74,15 @@ class _Request:
     cumulative_logprob: float = 0.0
 
 
+def _token_list(ids) -> list:
+    """Token ids as Python ints (numpy integers included); anything else is kept as is for the error message."""
+    out = []
+    for t in np.asarray(ids).tolist() if isinstance(ids, np.ndarray) else ids:
+        is_int = isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+        out.append(int(t) if is_int else t)
+    return out
+
+
 class LLMEngine:
     """Step-level engine: `add_request`, `step`, `abort_request`, `has_unfinished_requests`."""
 
@@ -116,12 +126,12 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
             raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            return None, _token_list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}: use str, list[int] or a dict")
 
     def validate_request(self, prompt, sampling_params: SamplingParams | None = None):
@@ -133,7 +143,7 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("empty prompt: at least one token is needed")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        bad = [t for t in ids if type(t) is not int or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]!r} outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(ids) > self.max_model_len:
@@ -245,7 +255,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict, np.ndarray)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         prompts = list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)

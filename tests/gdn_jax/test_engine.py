@@ -80,6 +80,8 @@ def engine():
     ("", None, "empty prompt"),
     ([5, 600, 7], None, "token id 600 outside the vocabulary"),
     ([5, -1], None, "token id -1 outside the vocabulary"),
+    ([5, 2.0], None, "token id 2.0 outside the vocabulary"),
+    ([5, True], None, "token id True outside the vocabulary"),
     (list(range(4, 101)), None, "longer than max_model_len"),
     ([5, 6], "max_tokens=0", "max_tokens"),
     ([5, 6], "temperature=-1", "temperature"),
@@ -112,6 +114,18 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, para
 def test_invalid_cache_configuration_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM("tiny", max_model_len=64, verbose=False, **kwargs)
+
+
+def test_numpy_token_ids_are_accepted(engine):
+    ids = np.arange(10, 40, dtype=np.int64)
+    engine.add_request("np", ids, SamplingParams(temperature=0.0, max_tokens=2))
+    engine.add_request("np-dict", {"prompt_token_ids": ids.astype(np.int32)}, SamplingParams(temperature=0.0,
+                                                                                          max_tokens=2))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["np"].prompt_token_ids == outs["np-dict"].prompt_token_ids == list(range(10, 40))
+    assert outs["np"].outputs[0].token_ids == outs["np-dict"].outputs[0].token_ids
 
 
 def test_abort_releases_everything(engine):
