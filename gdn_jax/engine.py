@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from pathlib import Path
 from typing import Iterable
 
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax.config import ModelConfig
 from gdn_jax.weights import load_model
 from gdn_jax.tokenizer import get_tokenizer
 from gdn_jax.worker import Worker, plan_memory
@@ -86,7 +88,7 @@ def _token_list(ids) -> list:
 class LLMEngine:
     """Step-level engine: `add_request`, `step`, `abort_request`, `has_unfinished_requests`."""
 
-    def __init__(self, model: str = "tiny", dtype: str = "float32", seed: int = 0, enable_prefix_caching: bool = True,
+    def __init__(self, model: str | ModelConfig = "tiny", dtype: str = "float32", seed: int = 0, enable_prefix_caching: bool = True,
                  block_size: int = 16, chunk_stride: int = 64, max_num_seqs: int = 16, max_model_len: int = 4096,
                  num_kv_blocks: int | None = None, num_linear_slots: int | None = None,
                  max_num_batched_tokens: int | None = None, memory_budget_bytes: int = 1 << 30, verbose: bool = True):
@@ -99,7 +101,8 @@ class LLMEngine:
         if max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        self.tokenizer = get_tokenizer(model, self.cfg.vocab_size, self.cfg.eos_token_id)
+        folder = model if isinstance(model, str) and Path(model).is_dir() else None
+        self.tokenizer = get_tokenizer(folder, self.cfg.vocab_size, self.cfg.eos_token_id)
         has_linear = bool(self.cfg.linear_layer_ids)
         self.memory = plan_memory(self.cfg, DTYPES[dtype], block_size, max_num_seqs, max_model_len, num_kv_blocks,
                                   num_linear_slots, memory_budget_bytes)
@@ -246,7 +249,7 @@ class LLMEngine:
 class LLM:
     """Batch API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str = "tiny", **kwargs):
+    def __init__(self, model: str | ModelConfig = "tiny", **kwargs):
         self.engine = LLMEngine(model, **kwargs)
         self._ids = itertools.count()
 

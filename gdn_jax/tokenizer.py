@@ -44,9 +44,8 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-def get_tokenizer(model: str, vocab_size: int, eos_token_id: int | None):
-    """`tokenizer.json` in the model folder if present, else the byte-level tokenizer."""
-    path = Path(model) / "tokenizer.json"
-    if path.is_file():
-        return HFTokenizer(path, eos_token_id)
+def get_tokenizer(folder: str | None, vocab_size: int, eos_token_id: int | None):
+    """`tokenizer.json` of a model folder if it has one, else the byte-level tokenizer."""
+    if folder is not None and (Path(folder) / "tokenizer.json").is_file():
+        return HFTokenizer(Path(folder) / "tokenizer.json", eos_token_id)
     return ByteTokenizer(vocab_size)

@@ -125,8 +125,11 @@ def restore_params(path: str | Path, cfg: ModelConfig, dtype=jnp.float32):
     return graphdef, abstract
 
 
-def load_model(model: str, dtype=jnp.float32, seed: int = 0):
-    """A preset name (random deterministic weights) or a HF folder path -> (cfg, graphdef, params)."""
+def load_model(model: "str | ModelConfig", dtype=jnp.float32, seed: int = 0):
+    """A preset name or a `ModelConfig` (random deterministic weights), or a HF folder -> (cfg, graphdef, params)."""
+    if isinstance(model, ModelConfig):
+        graphdef, params = init_model(model, seed=seed, dtype=dtype)
+        return model, graphdef, params
     if model in PRESETS:
         cfg = get_preset(model)
         graphdef, params = init_model(cfg, seed=seed, dtype=dtype)

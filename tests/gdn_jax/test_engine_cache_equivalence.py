@@ -1,9 +1,12 @@
 """Cache on == cache off: identical greedy tokens and logprobs, serial and concurrent, with real reuse."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from gdn_jax import LLM, SamplingParams
+from gdn_jax.config import FULL, LINEAR, get_preset
 from tests.gdn_jax.helpers import random_ids
 
 STRIDE = 32
@@ -126,3 +129,22 @@ def test_bfloat16_engine_cached_equals_uncached():
     b = [off.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert [o.num_cached_tokens for o in a] == [0, 64, 64]
+
+
+@pytest.mark.parametrize("layer_types", [(FULL, FULL), (LINEAR, LINEAR)], ids=["attention-only", "gdn-only"])
+def test_single_kind_models_cache_exactly(layer_types):
+    """A model without GDN layers takes the plain KV path (reuse = KV match, no ops); a model without attention
+    layers reuses checkpoints only. Both stay exact."""
+    cfg = dataclasses.replace(get_preset("tiny"), layer_types=layer_types, name="-".join(layer_types))
+    on, off = LLM(cfg, enable_prefix_caching=True, **ENGINE_KW), LLM(cfg, enable_prefix_caching=False, **ENGINE_KW)
+    rng = np.random.default_rng(6)
+    system = random_ids(rng, 85)
+    prompts = [system + random_ids(rng, 5), system + random_ids(rng, 9)]
+    a = [on.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    b = [off.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [_summary(o)[0] for o in a] == [_summary(o)[0] for o in b]
+    np.testing.assert_allclose(_summary(a[1])[1], _summary(b[1])[1], atol=1e-4)
+    # plain KV path: every full block of the shared 85 tokens (80, not aligned to a checkpoint); GDN only: the
+    # deepest checkpoint below them (64), through a restore
+    assert a[1].num_cached_tokens == (64 if LINEAR in layer_types else 80)
+    assert a[1].metrics.restored == (LINEAR in layer_types)
