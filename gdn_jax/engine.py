@@ -96,7 +96,6 @@ class LLMEngine:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if block_size < 1 or chunk_stride < 1 or chunk_stride % block_size:
             raise ValueError(f"chunk_stride ({chunk_stride}) must be a positive multiple of block_size ({block_size})")
-        self.model_name = model
         self.cfg, graphdef, params = load_model(model, dtype=DTYPES[dtype], seed=seed)
         if max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn_jax.config import FULL, LINEAR, ModelConfig
+from gdn_jax.config import LINEAR, ModelConfig
 from gdn_jax.gated_delta import causal_conv1d, chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 
 

@@ -6,8 +6,6 @@ ordering comes from data dependence alone. `validate_cache_ops` is the host-side
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MAX_LOGPROBS = 20
+from scheduler.sampling_params import MAX_LOGPROBS
 
 
 def sample(logits, temperature, top_k, top_p, keys):

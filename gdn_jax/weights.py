@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from gdn_jax.config import LINEAR, ModelConfig, get_preset, PRESETS

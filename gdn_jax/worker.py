@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.config import ModelConfig
-from gdn_jax.model import Batch, DeviceState, forward, init_state
+from gdn_jax.model import Batch, forward, init_state
 from gdn_jax.restore import ops_to_arrays, restore_linear_state_slots, validate_cache_ops
 from gdn_jax.sampling import sample
 

@@ -1,8 +1,6 @@
 """The JAX model computes what transformers' Qwen3_5ForCausalLM computes (fixture from scripts/make_hf_reference.py)."""
 
 import json
-import shutil
-from functools import partial
 from pathlib import Path
 
 import jax

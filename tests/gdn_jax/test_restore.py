@@ -1,6 +1,5 @@
 """restore_linear_state_slots: copy semantics, cold start, continuing rows, fail-closed validation."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

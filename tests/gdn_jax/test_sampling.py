@@ -1,6 +1,5 @@
 """Sampling on device, logprobs, stop conditions and tokenizers."""
 
-import json
 import shutil
 from pathlib import Path
 

@@ -1,7 +1,6 @@
 """Loading HF folders: errors that name the problem; orbax round trip of converted params."""
 
 import json
-import shutil
 from pathlib import Path
 
 import jax

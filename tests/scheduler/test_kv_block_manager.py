@@ -1,5 +1,4 @@
 from scheduler import BlockManagerImpl, Sequence
-from scheduler.hashing import KV_DOMAIN, chain_hashes, domain_seed
 
 BS = 4
 
