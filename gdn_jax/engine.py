@@ -5,16 +5,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import warnings
 from pathlib import Path
 from typing import Iterable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.config import ModelConfig
 from gdn_jax.weights import load_model
 from gdn_jax.tokenizer import get_tokenizer
-from gdn_jax.worker import Worker, plan_memory
+from gdn_jax.worker import GPU_MEMORY_UTILIZATION, Worker, default_memory_budget, plan_memory
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -64,6 +66,17 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    error: str | None = None        # set when the request ended with finish_reason "error": what the step raised
+
+
+class EngineStepError(RuntimeError):
+    """A device step raised. The requests of that step were finished with finish_reason "error" (their final outputs
+    are in `outputs`) and everything they held was released; the engine goes on serving the others."""
+
+    def __init__(self, request_ids: list[str], outputs: list[RequestOutput], cause: BaseException):
+        self.request_ids, self.outputs = request_ids, outputs
+        super().__init__(f"device step failed for request(s) {', '.join(map(repr, request_ids))}: "
+                         f"{type(cause).__name__}: {cause}")
 
 
 @dataclasses.dataclass
@@ -74,6 +87,7 @@ class _Request:
     metrics: RequestMetrics
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
+    error: str | None = None
 
 
 def _token_list(ids) -> list:
@@ -91,7 +105,11 @@ class LLMEngine:
     def __init__(self, model: str | ModelConfig = "tiny", dtype: str = "float32", seed: int = 0, enable_prefix_caching: bool = True,
                  block_size: int = 16, chunk_stride: int = 64, max_num_seqs: int = 16, max_model_len: int = 4096,
                  num_kv_blocks: int | None = None, num_linear_slots: int | None = None,
-                 max_num_batched_tokens: int | None = None, memory_budget_bytes: int = 1 << 30, verbose: bool = True):
+                 max_num_batched_tokens: int | None = None, memory_budget_bytes: int | None = None,
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, verbose: bool = True):
+        """`memory_budget_bytes` bounds the KV and linear-state pools; None sizes it from the device: on a GPU
+        `gpu_memory_utilization` of its memory minus the weights, on the CPU `CPU_MEMORY_BUDGET_BYTES` (2 GiB).
+        Explicit `num_kv_blocks` / `num_linear_slots` win over the budget."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if block_size < 1 or chunk_stride < 1 or chunk_stride % block_size:
@@ -103,8 +121,11 @@ class LLMEngine:
         folder = model if isinstance(model, str) and Path(model).is_dir() else None
         self.tokenizer = get_tokenizer(folder, self.cfg.vocab_size, self.cfg.eos_token_id)
         has_linear = bool(self.cfg.linear_layer_ids)
+        if memory_budget_bytes is None:
+            params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+            memory_budget_bytes = default_memory_budget(params_bytes, gpu_memory_utilization)
         self.memory = plan_memory(self.cfg, DTYPES[dtype], block_size, max_num_seqs, max_model_len, num_kv_blocks,
-                                  num_linear_slots, memory_budget_bytes)
+                                  num_linear_slots, memory_budget_bytes, enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(
             num_kv_blocks=self.memory.num_kv_blocks, num_linear_slots=self.memory.num_linear_slots,
             block_size=block_size, chunk_stride=chunk_stride, max_num_seqs=max_num_seqs,
@@ -116,6 +137,9 @@ class LLMEngine:
                              chunk_stride, DTYPES[dtype], seed=seed)
         if verbose:
             print(f"[gdn_jax] {self.cfg.name}: {self.memory.describe()}")
+        if enable_prefix_caching and has_linear and self.memory.num_checkpoint_slots < max_num_seqs:
+            warnings.warn(f"only {self.memory.num_checkpoint_slots} checkpoint slots for {max_num_seqs} sequences: "
+                          f"under full concurrency most boundaries cannot be saved", stacklevel=2)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._seq_ids = itertools.count(1)
@@ -185,7 +209,10 @@ class LLMEngine:
             m = self._by_seq[s.seq_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        result = self.worker.execute(plan)
+        try:
+            result = self.worker.execute(plan)
+        except Exception as exc:
+            self._fail_step(plan, exc)  # raises EngineStepError
         self.last_step_info = {
             "is_prefill": plan.is_prefill, "rows": len(plan.seqs), "tokens": sum(len(s.token_ids) for s in plan.seqs),
             "warm_restores": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.is_warm_restore)}
@@ -203,6 +230,25 @@ class LLMEngine:
                 self._requests.pop(req.request_id, None)
                 self._by_seq.pop(s.seq_id, None)
         return outputs
+
+    def _fail_step(self, plan, exc: Exception) -> None:
+        """Finish the step's requests with "error", release what they held, and re-raise as an EngineStepError. If
+        the failure consumed the donated device state, the pools are rebuilt and every other running request is
+        recomputed from scratch (the prefix cache is emptied), so the engine keeps serving exactly."""
+        failed = self.scheduler.fail_step(plan)
+        if self.worker.state_lost():
+            self.scheduler.drop_device_state()
+            self.worker.reset_state()
+        now, text = time.perf_counter(), f"{type(exc).__name__}: {exc}"
+        outputs = []
+        for seq in failed:
+            req = self._by_seq.pop(seq.seq_id, None)
+            if req is None:
+                continue
+            self._requests.pop(req.request_id, None)
+            req.error, req.metrics.finished_time = text, now
+            outputs.append(self._output(req))
+        raise EngineStepError([o.request_id for o in outputs], outputs, exc) from exc
 
     def _record_token(self, req: _Request, token: int, result, row: int, now: float) -> None:
         m, seq = req.metrics, req.seq
@@ -230,7 +276,7 @@ class LLMEngine:
         completion = CompletionOutput(0, self.tokenizer.decode(ids), ids, req.cumulative_logprob,
                                       list(req.logprobs) if req.logprobs is not None else None, seq.finish_reason)
         return RequestOutput(req.request_id, req.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
-                             seq.is_finished, req.metrics.num_cached_tokens, req.metrics)
+                             seq.is_finished, req.metrics.num_cached_tokens, req.metrics, req.error)
 
     def warm_up(self) -> int:
         """Compiles every step shape now, so that no request pays a compilation later."""
@@ -282,7 +328,12 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                try:
+                    outs = self.engine.step()
+                except EngineStepError as err:  # those requests end with finish_reason "error"; the rest go on
+                    warnings.warn(str(err), RuntimeWarning, stacklevel=2)
+                    outs = err.outputs
+                for out in outs:
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:

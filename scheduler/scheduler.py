@@ -25,8 +25,13 @@ class Scheduler:
         self.prefilling: dict[int, Sequence] = {}  # running, more than one token left to compute
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
         self.inflight: StepPlan | None = None  # scheduled, not yet postprocessed
-        self.counters = Counter(queries=0, hits=0, query_tokens=0, reused_tokens=0,
-                                checkpoints_restored=0, preemptions=0)
+        self.aborted_inflight: set[int] = set()  # aborted while their step runs: released at postprocess
+        # first admissions only: queries, hits, query_tokens, reused_tokens (re-admissions after preemption are
+        # `readmissions`); checkpoints_restored: admissions that restored a checkpoint; rotation_copies: the copies
+        # into a fresh live slot after each deferred save; failed_steps: device steps that raised
+        self.counters = Counter(queries=0, hits=0, query_tokens=0, reused_tokens=0, readmissions=0,
+                                checkpoints_restored=0, rotation_copies=0, preemptions=0, failed_steps=0,
+                                failed_requests=0)
 
     # -- requests --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -43,9 +48,14 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> bool:
+        """Finish a request. One whose step is in flight keeps its KV blocks and live slot until `postprocess` (or
+        `fail_step`): the running step still writes them, so they must not be handed to anyone else before."""
         seq = self.seqs.get(seq_id)
-        if seq is None:
+        if seq is None or seq_id in self.aborted_inflight:
             return False
+        if self.inflight is not None and any(row.seq_id == seq_id for row in self.inflight.seqs):
+            self.aborted_inflight.add(seq_id)
+            return True
         if seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self._finish(seq, "abort")
@@ -58,9 +68,6 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         assert self.inflight is None, "postprocess the previous plan before scheduling again"
         plan = self._schedule_prefill() or self._schedule_decode()
-        for row in plan.seqs if plan else ():
-            if row.linear_op is not None and row.linear_op.is_warm_restore:
-                self.counters["checkpoints_restored"] += 1
         self.inflight = plan
         return plan
 
@@ -78,7 +85,7 @@ class Scheduler:
                 continue
             assert self.block_manager.can_allocate(seq, end), "KV is taken for the whole prompt at admission"
             budget -= end - seq.num_computed_tokens
-            op = self.block_manager.allocate(seq, end)
+            op = self._allocate(seq, end)
             rows.append(self._row(seq, end, op))
         # New (or preempted) sequences, first come first served.
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -107,10 +114,17 @@ class Scheduler:
             end = seq.num_computed_tokens + 1
             if not self._make_room(seq, end, scheduled):
                 continue
-            op = self.block_manager.allocate(seq, end)
+            op = self._allocate(seq, end)
             rows.append(self._row(seq, end, op))
             scheduled.add(seq.seq_id)
         return StepPlan(is_prefill=False, seqs=rows) if rows else None
+
+    def _allocate(self, seq: Sequence, end: int) -> LinearStateCacheOp | None:
+        """A running sequence's next step; a warm op here is the copy after a deferred save."""
+        op = self.block_manager.allocate(seq, end)
+        if op is not None and op.is_warm_restore:
+            self.counters["rotation_copies"] += 1
+        return op
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
         """Preempt the newest unscheduled running sequences until `seq` gets KV blocks for
@@ -143,6 +157,7 @@ class Scheduler:
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} rows")
         self.inflight = None
         self.block_manager.release_step(row.linear_op for row in plan.seqs)
+        self._release_aborted_inflight()
         finished = []
         for row, token in zip(plan.seqs, sampled_token_ids):
             seq = self.seqs.get(row.seq_id)
@@ -166,6 +181,43 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def _release_aborted_inflight(self) -> None:
+        for seq_id in sorted(self.aborted_inflight):
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                seq.pending_save_hash = None  # its step may not have completed: save nothing of it
+                self._finish(seq, "abort")
+        self.aborted_inflight.clear()
+
+    def fail_step(self, plan: StepPlan) -> list[Sequence]:
+        """The device step of `plan` raised: finish its sequences with "error" and release everything they held
+        (KV blocks, live slots, restore pins, pending saves). Nothing of the step is indexed: its KV blocks were never
+        hashed and its live slots are freed, not promoted. Returns the sequences that were failed."""
+        assert plan is self.inflight, "fail_step takes the plan of the last schedule()"
+        self.inflight = None
+        self.block_manager.release_step(row.linear_op for row in plan.seqs)
+        self._release_aborted_inflight()
+        failed = []
+        for row in plan.seqs:
+            seq = self.seqs.get(row.seq_id)
+            if seq is None or seq.status != SequenceStatus.RUNNING:
+                continue
+            seq.pending_save_hash = None
+            self._finish(seq, "error")
+            failed.append(seq)
+        self.counters["failed_steps"] += 1
+        self.counters["failed_requests"] += len(failed)
+        return failed
+
+    def drop_device_state(self) -> None:
+        """The device pools were lost (e.g. a failed step had consumed its donated buffers): nothing cached and no
+        running sequence's state can be trusted. Running sequences are preempted (recomputed from scratch) and the
+        prefix cache is emptied. Call with no plan in flight."""
+        assert self.inflight is None, "fail or postprocess the in-flight plan first"
+        for seq in list(reversed(self.running)):
+            self._preempt(seq)
+        self.reset_prefix_cache()
+
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling_params
         if not sp.ignore_eos and token == self.config.eos_token_id:
@@ -178,7 +230,10 @@ class Scheduler:
 
     # -- lifecycle -------------------------------------------------------------------------
     def _record_admission(self, seq: Sequence, m: PrefixMatch) -> None:
-        if self.config.enable_prefix_caching:
+        self.counters["checkpoints_restored"] += m.src_slot > 0
+        if seq.num_admissions > 0:
+            self.counters["readmissions"] += 1
+        elif self.config.enable_prefix_caching:
             self.counters["queries"] += 1
             self.counters["hits"] += m.reuse > 0
             self.counters["query_tokens"] += len(seq.token_ids)

@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from gdn_jax import LLM, LLMEngine, SamplingParams
+import jax
+
+from gdn_jax import LLM, EngineStepError, LLMEngine, SamplingParams
 from tests.gdn_jax.helpers import FIXTURE, random_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
@@ -108,7 +110,9 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, para
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_size=16, chunk_stride=40), "chunk_stride"),
-    (dict(max_num_seqs=8, num_linear_slots=8), "too few linear slots"),
+    (dict(max_num_seqs=8, num_linear_slots=8), "num_linear_slots=8 leaves no room for a checkpoint"),
+    (dict(max_num_seqs=8, num_linear_slots=9), "num_linear_slots=9 leaves no room for a checkpoint"),
+    (dict(max_num_seqs=8, memory_budget_bytes=1 << 16), "linear-state slots"),
     (dict(dtype="float16"), "dtype"),
 ])
 def test_invalid_cache_configuration_is_rejected(kwargs, message):
@@ -135,3 +139,52 @@ def test_abort_releases_everything(engine):
     assert not engine.has_unfinished_requests()
     s = engine.cache_stats()
     assert s["live_slots"] == 0 and s["num_running"] == 0
+
+
+def _drain(engine, outs=None):
+    outs = {} if outs is None else outs
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    return outs
+
+
+@pytest.mark.parametrize("lose_state", [False, True], ids=["host-error", "device-state-lost"])
+def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_serving(engine, monkeypatch, lose_state):
+    rng = np.random.default_rng(3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    survivor, victims, late = random_ids(rng, 30), [random_ids(rng, 20) for _ in range(3)], random_ids(rng, 30)
+    expect = LLM("tiny", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False,
+                 enable_prefix_caching=False).generate([survivor, late], greedy, use_tqdm=False)
+    engine.add_request("survivor", survivor, greedy)
+    assert engine.step()[0].request_id == "survivor"     # prefilled in one step, now decoding
+    for i, p in enumerate(victims):
+        engine.add_request(f"v{i}", p, greedy)
+    real = engine.worker.execute
+    calls = []
+
+    def fail_once(plan):
+        if not calls:
+            calls.append(plan)
+            if lose_state:  # as if the device call had consumed its donated pools, then failed
+                jax.tree_util.tree_map(lambda x: x.delete(), engine.worker.state)
+            raise RuntimeError("injected device failure")
+        return real(plan)
+
+    monkeypatch.setattr(engine.worker, "execute", fail_once)
+    with pytest.raises(EngineStepError, match="v0.*v1.*v2.*injected device failure") as err:
+        engine.step()                                    # the prefill step of the three new requests
+    assert sorted(err.value.request_ids) == ["v0", "v1", "v2"] and len(calls[0].seqs) == 3
+    assert all(o.finished and o.outputs[0].finish_reason == "error" and "injected" in o.error
+               for o in err.value.outputs)
+    engine.scheduler.check_invariants()
+    engine.add_request("late", late, greedy)
+    outs = _drain(engine)
+    assert sorted(outs) == ["late", "survivor"]          # the failed ones never come back
+    assert outs["survivor"].outputs[0].token_ids == expect[0].outputs[0].token_ids
+    assert outs["late"].outputs[0].token_ids == expect[1].outputs[0].token_ids
+    engine.scheduler.check_invariants()
+    s = engine.cache_stats()
+    assert s["live_slots"] == 0 and s["num_running"] == 0 and s["failed_requests"] >= 3
+    assert s["free_slots"] + s["checkpoint_slots"] == engine.memory.num_linear_slots - 1
+    assert s["kv_blocks_free"] == engine.memory.num_kv_blocks - 1
+    assert engine.worker.state_lost() is False

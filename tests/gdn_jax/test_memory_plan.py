@@ -1,9 +1,10 @@
 """Pool sizing: bytes per KV block and per linear slot, explicit counts, and the memory budget."""
 
 import jax.numpy as jnp
+import pytest
 
 from gdn_jax.config import get_preset
-from gdn_jax.worker import plan_memory
+from gdn_jax.worker import CHECKPOINTS_PER_SEQ_MAX, CPU_MEMORY_BUDGET_BYTES, plan_memory
 
 
 def test_qwen35_9b_bytes_per_block_and_slot():
@@ -26,3 +27,29 @@ def test_explicit_counts_win_and_a_small_budget_shrinks_the_pools():
     assert roomy.num_kv_blocks == 1 + 2 * 4 * 16           # enough for full concurrency, twice
     assert small.num_kv_blocks < roomy.num_kv_blocks and small.total_bytes <= 1 << 20
     assert small.num_linear_slots > 4                       # always one live slot per sequence
+
+
+def test_the_default_plan_reserves_a_checkpoint_per_sequence_even_for_qwen35_9b():
+    cfg = get_preset("qwen3.5-9b")
+    plan = plan_memory(cfg, jnp.bfloat16, 16, 16, 4096, None, None, CPU_MEMORY_BUDGET_BYTES)
+    assert plan.num_checkpoint_slots >= 16 and plan.num_linear_slots == 1 + 16 + plan.num_checkpoint_slots
+    assert plan.total_bytes <= CPU_MEMORY_BUDGET_BYTES and plan.num_kv_blocks >= 1 + 4096 // 16
+    assert "1 padding + 16 live + " in plan.describe() and "checkpoint" in plan.describe()
+    # without prefix caching no checkpoint room is kept
+    off = plan_memory(cfg, jnp.bfloat16, 16, 16, 4096, None, None, CPU_MEMORY_BUDGET_BYTES, enable_prefix_caching=False)
+    assert off.num_checkpoint_slots == 0 and off.num_kv_blocks > plan.num_kv_blocks
+
+
+def test_a_budget_too_small_for_the_minimum_names_the_linear_state_slots():
+    cfg = get_preset("qwen3.5-9b")
+    with pytest.raises(ValueError, match=r"33 linear-state slots x 49\.12 MiB"):
+        plan_memory(cfg, jnp.bfloat16, 16, 16, 4096, None, None, 1 << 30)
+    with pytest.raises(ValueError, match="no room for a checkpoint"):
+        plan_memory(cfg, jnp.bfloat16, 16, 16, 4096, None, 17, 40 << 30)
+
+
+def test_more_budget_buys_more_checkpoints_up_to_the_cap():
+    cfg = get_preset("tiny")
+    counts = [plan_memory(cfg, jnp.float32, 16, 4, 256, None, None, b).num_checkpoint_slots
+              for b in (1 << 19, 1 << 20, 1 << 30)]
+    assert counts[0] >= 4 and counts == sorted(counts) and counts[-1] == CHECKPOINTS_PER_SEQ_MAX * 4
