@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 import warnings
 from pathlib import Path
@@ -90,6 +91,24 @@ class _Request:
     error: str | None = None
 
 
+def enable_compilation_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache, so a second process start reuses compiled steps. The folder is
+    `$GDN_JAX_CACHE_DIR`, else `$XDG_CACHE_HOME/gdn_jax/jax`, else `~/.cache/gdn_jax/jax`; `GDN_JAX_CACHE_DIR=off`
+    disables it; a folder already configured (jax_compilation_cache_dir) is kept. Returns the folder in use."""
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    folder = os.environ.get("GDN_JAX_CACHE_DIR")
+    if folder == "off":
+        return None
+    if not folder:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        folder = os.path.join(base, "gdn_jax", "jax")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return folder
+
+
 def _token_list(ids) -> list:
     """Token ids as Python ints (numpy integers included); anything else is kept as is for the error message."""
     out = []
@@ -114,6 +133,7 @@ class LLMEngine:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if block_size < 1 or chunk_stride < 1 or chunk_stride % block_size:
             raise ValueError(f"chunk_stride ({chunk_stride}) must be a positive multiple of block_size ({block_size})")
+        enable_compilation_cache()
         self.cfg, graphdef, params = load_model(model, dtype=DTYPES[dtype], seed=seed)
         if max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
@@ -282,6 +302,10 @@ class LLMEngine:
         """Compiles every step shape now, so that no request pays a compilation later."""
         return self.worker.warm_up()
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached KV block and checkpoint no running request uses (e.g. between A/B rounds)."""
+        self.scheduler.reset_prefix_cache()
+
     # ---- statistics -----------------------------------------------------------------------------------------
     def cache_stats(self) -> dict:
         stats = dict(self.scheduler.stats())
@@ -345,3 +369,6 @@ class LLM:
 
     def cache_stats(self) -> dict:
         return self.engine.cache_stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()

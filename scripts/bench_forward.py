@@ -108,12 +108,12 @@ def time_transformers(cfg, tokens, params, repeats):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="hybrid-1024")
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-transformers", action="store_true")
-    ap.add_argument("--out", default="results/bench_forward.json")
+    ap = argparse.ArgumentParser(prog="bench_forward.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="hybrid-1024", help="model preset (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens in the one-pass forward (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats after compilation; the minimum is reported (default: %(default)s)")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows (they need the reference extra) (default: off)")
+    ap.add_argument("--out", default="results/bench_forward.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args()
 
     cfg = get_preset(args.preset)

@@ -67,14 +67,15 @@ def run(num_seqs: int, steps: int, warmup: int, prefix_len: int, suffix_len: int
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqs", type=int, nargs="+", default=[8, 64, 256])
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--warmup", type=int, default=600)
-    ap.add_argument("--prefix-len", type=int, default=512)
-    ap.add_argument("--suffix-len", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/bench_scheduler.json")
+    ap = argparse.ArgumentParser(prog="bench_scheduler.py", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[8, 64, 256], help="concurrent sequences, one run each")
+    ap.add_argument("--steps", type=int, default=2000, help="timed scheduler steps")
+    ap.add_argument("--warmup", type=int, default=600, help="untimed steps first")
+    ap.add_argument("--prefix-len", type=int, default=512, help="tokens of the shared prefix")
+    ap.add_argument("--suffix-len", type=int, default=64, help="tokens of each request's own suffix")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--out", default="results/bench_scheduler.json", help="JSON output")
     args = ap.parse_args()
 
     results = [run(n, args.steps, args.warmup, args.prefix_len, args.suffix_len, args.seed)

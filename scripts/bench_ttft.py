@@ -42,14 +42,14 @@ def run_request(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="hybrid-1024")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--shared", type=int, default=1792)
-    ap.add_argument("--chunk-stride", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="results/bench_ttft.json")
+    ap = argparse.ArgumentParser(prog="bench_ttft.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="hybrid-1024", help="model preset or HF folder (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations (default: %(default)s)")
+    ap.add_argument("--prompt", type=int, default=2048, help="tokens of each prompt (default: %(default)s)")
+    ap.add_argument("--shared", type=int, default=1792, help="tokens request B shares with request A (default: %(default)s)")
+    ap.add_argument("--chunk-stride", type=int, default=256, help="tokens between checkpoints (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up round (default: %(default)s)")
+    ap.add_argument("--out", default="results/bench_ttft.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args()
 
     kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=4,

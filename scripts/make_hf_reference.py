@@ -210,9 +210,10 @@ def independent_forward_f64(sd: dict, cfg: Qwen3_5TextConfig, ids: np.ndarray) -
 
 @torch.no_grad()
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="tests/fixtures/hf_tiny")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(prog="make_hf_reference.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", default="tests/fixtures/hf_tiny", help="folder for the checkpoint and reference.npz")
+    ap.add_argument("--seed", type=int, default=0, help="torch seed of the random weights and prompt")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
