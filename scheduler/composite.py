@@ -46,6 +46,10 @@ class CompositeBlockManager:
         seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
         hits, reach = self.linear.index.match(seq.token_ids, seq.linear_state_hashes)
         reuse, src = deepest_hit_at_or_below(hits, kv_len)  # <= min(kv_len, reach), a checkpoint
+        if cfg.unsafe_reuse == "cold":    # ablation: all the KV, a zero GDN state
+            return PrefixMatch(kv_blocks, kv_len, reach, kv_len, -1)
+        if cfg.unsafe_reuse == "stale":   # ablation: all the KV, the GDN state of the deepest checkpoint below it
+            return PrefixMatch(kv_blocks, kv_len, reach, kv_len, src)
         return PrefixMatch(kv_blocks[:reuse // cfg.block_size], kv_len, reach, reuse, src)
 
     def admissible(self, seq: Sequence, m: PrefixMatch) -> PrefixMatch | None:
@@ -84,7 +88,7 @@ class CompositeBlockManager:
             if m.src_slot > 0:
                 src, boundary, _ = self.linear.allocate_shared(
                     seq.token_ids, seq.linear_state_hashes, limit=m.reuse)
-                assert boundary == m.reuse and src == m.src_slot
+                assert src == m.src_slot and (boundary == m.reuse or self.config.unsafe_reuse == "stale")
             op = self.linear.allocate_for_sequence(seq, num_tokens)
             assert op is not None and op.restore_requested, "admissible promised a live slot"
             op.restore_src_slot_id = src  # the source was pinned before the live slot was taken

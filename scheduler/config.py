@@ -1,5 +1,7 @@
 from dataclasses import dataclass
 
+UNSAFE_REUSE_MODES = (None, "cold", "stale")
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -20,6 +22,9 @@ class SchedulerConfig:
     has_linear_attention_layers: bool = True
     state_fingerprint: str = ""
     eos_token_id: int | None = None
+    # Ablation only (never the default): reuse the whole KV match with a cold ("cold") or an earlier ("stale")
+    # linear state. These are the two errors the cache exists to prevent; the accuracy study measures their drift.
+    unsafe_reuse: str | None = None
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -48,6 +53,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"num_linear_slots ({self.num_linear_slots}): too few linear slots for max_num_seqs "
                 f"({self.max_num_seqs}); need more than max_num_seqs (slot 0 is padding)")
+        if self.unsafe_reuse not in UNSAFE_REUSE_MODES:
+            raise ValueError(f"unsafe_reuse must be one of {UNSAFE_REUSE_MODES}, got {self.unsafe_reuse!r}")
+        if self.unsafe_reuse is not None and not self.enable_prefix_caching:
+            raise ValueError("unsafe_reuse needs enable_prefix_caching=True: it is an ablation of the prefix cache")
         if not isinstance(self.state_fingerprint, str):
             raise ValueError("state_fingerprint must be a str")
 

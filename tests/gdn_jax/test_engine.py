@@ -188,3 +188,30 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_servin
     assert s["free_slots"] + s["checkpoint_slots"] == engine.memory.num_linear_slots - 1
     assert s["kv_blocks_free"] == engine.memory.num_kv_blocks - 1
     assert engine.worker.state_lost() is False
+
+
+def test_unsafe_reuse_warns_and_drifts_while_the_exact_cache_does_not():
+    rng = np.random.default_rng(11)
+    shared = random_ids(rng, 60)   # checkpoints every 32: a later prompt shares 60 tokens, KV matches 48, reach 32
+    prompts = [shared + random_ids(rng, 10), shared + random_ids(rng, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True)
+    kw = dict(block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=96, verbose=False)
+
+    def top(o):  # the first generated position's top-5 as {token: logprob}
+        return {t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
+
+    ref = top(LLM("tiny", enable_prefix_caching=False, **kw).generate(prompts[1], params, use_tqdm=False)[0])
+    for mode, reuse in ((None, 32), ("cold", 48), ("stale", 48)):
+        if mode is None:
+            llm = LLM("tiny", **kw)
+        else:
+            with pytest.warns(UserWarning, match=f"unsafe_reuse='{mode}'"):
+                llm = LLM("tiny", unsafe_reuse=mode, **kw)
+        second = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts][1]
+        assert second.num_cached_tokens == reuse and second.metrics.restored == (mode != "cold")
+        got = top(second)
+        drift = max(abs(got.get(t, -np.inf) - lp) for t, lp in ref.items())
+        if mode is None:
+            assert drift < 1e-4
+        else:
+            assert drift > 1e-3, f"{mode}: no measurable drift"
