@@ -14,7 +14,13 @@ from tests.gdn_jax.helpers import BLOCK_SIZE, single_row_batch
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 NUM_BLOCKS = 12  # 192 positions >= 150 prompt tokens
-ATOL = 1e-3      # default (strong) decay init; both sides use a chunked rule but with different solvers
+# Tolerances: about 4x the worst case seen by scripts/tolerance_audit.py (default XLA flags, single-threaded Eigen, one
+# core, no compilation cache: all four gave the same figures on the development machine) or reported from another
+# x86 machine, whichever is larger.
+ATOL = 1e-3      # vs transformers' float32 logits: worst 8.6e-5 (strong decay init, two different chunked solvers)
+ATOL_F64 = 2e-3  # vs the fixture's float64 evaluation: worst 5.04e-4 (another x86 machine; 2.98e-4 here)
+ATOL_DECODE = 4e-4  # token-by-token decode vs transformers (recurrent rule on both sides): worst 6.5e-5 here; the
+                    # float64 comparison varied 1.7x across machines, so 4x of 1.7 x 6.5e-5
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +70,8 @@ def test_one_pass_logits_match_transformers(layout, ref, text_model, step, tmp_p
     logits, _ = step(graphdef, params, single_row_batch(ref["prompt_ids"], 0, NUM_BLOCKS), state, True)
     np.testing.assert_allclose(np.asarray(logits[0]), ref["logits_full"], atol=ATOL, rtol=0)
     assert np.argmax(logits[0], -1).tolist() == np.argmax(ref["logits_full"], -1).tolist()
-    # against the fixture's float64 evaluation of the same weights the float32 port is tighter than transformers
-    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits_full_f64"], atol=5e-4, rtol=0)
+    # against the fixture's float64 evaluation of the same weights: what float32 arithmetic through 4 layers allows
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["logits_full_f64"], atol=ATOL_F64, rtol=0)
 
 
 def test_prefix_state_and_continuation_match_transformers(ref, text_model, step):
@@ -73,7 +79,7 @@ def test_prefix_state_and_continuation_match_transformers(ref, text_model, step)
     ids, p = ref["prompt_ids"], int(ref["prefix_len"])
     state = init_state(cfg, NUM_BLOCKS + 1, BLOCK_SIZE, 4)
     _, state = step(graphdef, params, single_row_batch(ids[:p], 0, NUM_BLOCKS), state, True)
-    for j in range(len(cfg.linear_layer_ids)):
+    for j in range(len(cfg.linear_layer_ids)):  # worst seen: conv 2.4e-6, SSM 4.6e-7
         # transformers keeps the last K inputs [1, C, K]; we keep the last K-1, oldest first: [K-1, C]
         np.testing.assert_allclose(np.asarray(state.conv[j][1]), ref[f"conv_state_{j}"][0][:, 1:].T, atol=1e-5)
         np.testing.assert_allclose(np.asarray(state.ssm[j][1]), ref[f"recurrent_state_{j}"][0], atol=1e-5)
@@ -89,6 +95,5 @@ def test_token_by_token_decode_matches_transformers(ref, text_model, step):
     for t in range(len(ids)):
         logits, state = step(graphdef, params, single_row_batch(ids[t:t + 1], t, NUM_BLOCKS), state, False)
         rows.append(np.asarray(logits[0]))
-    # the decode path uses the recurrent rule on both sides: tighter
-    np.testing.assert_allclose(np.stack(rows), ref["logits_decode"], atol=2e-4, rtol=0)
+    np.testing.assert_allclose(np.stack(rows), ref["logits_decode"], atol=ATOL_DECODE, rtol=0)
 

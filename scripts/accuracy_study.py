@@ -1,0 +1,180 @@
+"""Accuracy study: the exact prefix cache against no cache and against the two unsafe reuse paths.
+
+    python scripts/accuracy_study.py [--model tiny] [--dtype float32] [--out results] [--quick]
+
+One seeded workload (shared prefixes whose lengths fall between checkpoint boundaries, distinct suffixes, and
+multi-turn continuations) runs through four engines on the same weights:
+  no_cache      the reference: every position computed from scratch
+  exact         the prefix cache: reuse = min(KV match, checkpoint reach) on a checkpoint
+  unsafe_cold   the whole KV match with a zero GDN state   (`LLM(unsafe_reuse="cold")`)
+  unsafe_stale  the whole KV match with the GDN state of the deepest checkpoint below it (`unsafe_reuse="stale"`)
+Per mode: teacher-forced on the reference continuation, KL(reference || mode) at every position the mode computed
+(from whole log-distributions, `prompt_logprobs=-1`), and the largest |delta logprob| of the reference tokens;
+free-running greedy agreement with the reference, and where the first token differs. Prints a table, writes
+DIR/accuracy_study.json and DIR/accuracy_study.png (KL against the distance from the reuse point, log scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from gdn_jax import LLM, SamplingParams
+
+MODES = {"no_cache": dict(enable_prefix_caching=False), "exact": dict(enable_prefix_caching=True),
+         "unsafe_cold": dict(enable_prefix_caching=True, unsafe_reuse="cold"),
+         "unsafe_stale": dict(enable_prefix_caching=True, unsafe_reuse="stale")}
+OPENINGS = ["The following section of the Python language reference describes",
+            "In the standard library documentation, the module",
+            "A function definition defines a user-defined function object. The",
+            "Exceptions are raised when an error is detected during execution, and"]
+
+
+def default_model() -> str:
+    return "tiny"
+
+
+def make_workload(vocab: int, chunk_stride: int, groups: int, per_group: int, turns: int, rng, tokenizer):
+    """Requests as token lists, in the order they run. Each group shares a prefix whose length lies strictly between
+    two checkpoint boundaries (so the KV match passes the deepest checkpoint), then distinct suffixes; the last
+    request of each group is continued for `turns` more turns (its reference answer + a new user line)."""
+    items = []
+    for g in range(groups):
+        n = chunk_stride * (1 + g % 3) + int(rng.integers(chunk_stride // 4, 3 * chunk_stride // 4))
+        base = tokenizer.encode(OPENINGS[g % len(OPENINGS)] + " ")
+        prefix = (base * (n // max(len(base), 1) + 1))[:n]
+        prefix[len(base):] = [int(t) for t in rng.integers(32, min(vocab, 127), n - len(base))]
+        for i in range(per_group):
+            suffix = [int(t) for t in rng.integers(32, min(vocab, 127), int(rng.integers(8, 24)))]
+            items.append({"group": g, "turn": 0, "tokens": prefix + suffix})
+        items[-1]["continue_turns"] = turns
+    return items
+
+
+def run_mode(llm: LLM, items, max_tokens: int, reference=None, bar=None):
+    """Per item: free-running greedy on the prompt, then teacher-forced on prompt + reference continuation (whole
+    rows). Multi-turn items are appended as they come (the reference decides the continuation text)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    forced = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=-1)
+    results, queue = [], list(items)
+    while queue:
+        item = queue.pop(0)
+        free = llm.generate({"prompt_token_ids": item["tokens"]}, greedy, use_tqdm=False)[0]
+        k = len(results)
+        cont = reference[k]["free"] if reference is not None else free.outputs[0].token_ids
+        tf = llm.generate({"prompt_token_ids": item["tokens"] + cont}, forced, use_tqdm=False)[0]
+        rows = {p: np.asarray(e.array, np.float64) for p, e in enumerate(tf.prompt_logprobs) if e is not None}
+        results.append({"prompt_len": len(item["tokens"]), "free": free.outputs[0].token_ids,
+                        "free_cached": free.num_cached_tokens, "tf_tokens": item["tokens"] + cont,
+                        "tf_cached": tf.num_cached_tokens, "rows": rows})
+        if item.get("continue_turns"):
+            user = [int(t) for t in np.random.default_rng(len(results)).integers(32, 127, 12)]
+            queue.insert(0, {**item, "turn": item["turn"] + 1, "continue_turns": item["continue_turns"] - 1,
+                             "tokens": item["tokens"] + cont + user})
+        if bar is not None:
+            bar.update(1)
+    return results
+
+
+def compare(ref, mode):
+    """KL(ref || mode) per computed position, |delta logprob| of the reference token, greedy agreement."""
+    kls, by_distance, dlp, agree, total, firsts = [], {}, [], 0, 0, []
+    for r, m in zip(ref, mode):
+        for p, row in m["rows"].items():
+            pr = r["rows"][p]
+            kl = float(np.sum(np.exp(pr) * (pr - row)))
+            kls.append(max(kl, 0.0))
+            by_distance.setdefault(p - m["tf_cached"], []).append(max(kl, 0.0))
+            tok = r["tf_tokens"][p]
+            dlp.append(abs(pr[tok] - row[tok]))
+        same = [a == b for a, b in zip(r["free"], m["free"])]
+        agree, total = agree + sum(same), total + len(same)
+        if not all(same):
+            firsts.append(same.index(False))
+    return {"kl_mean": statistics.fmean(kls), "kl_max": max(kls), "greedy_agreement": agree / total,
+            "first_divergence_mean": statistics.fmean(firsts) if firsts else None,
+            "diverging_requests": len(firsts), "requests": len(mode),
+            "max_abs_logprob_diff": float(max(dlp)), "positions": len(kls),
+            "mean_cached_tokens": statistics.fmean(m["tf_cached"] for m in mode),
+            "kl_by_distance": {int(d): statistics.fmean(v) for d, v in sorted(by_distance.items())}}
+
+
+def plot(summary, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, s in summary.items():
+        d = np.array(list(s["kl_by_distance"]), float)
+        kl = np.maximum(np.array(list(s["kl_by_distance"].values()), float), 1e-16)
+        ax.plot(d, kl, marker=".", linewidth=1, label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("distance from the reuse point (tokens)")
+    ax.set_ylabel("KL(no_cache || mode), mean over requests")
+    ax.set_title("Drift after the reuse point")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="accuracy_study.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=default_model(), help="preset name or HF folder")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
+    ap.add_argument("--out", default="results", help="folder for accuracy_study.json and accuracy_study.png")
+    ap.add_argument("--quick", action="store_true", help="a small workload (a test runs this)")
+    ap.add_argument("--chunk-stride", type=int, default=64, help="tokens between checkpoints")
+    ap.add_argument("--max-tokens", type=int, default=24, help="reference continuation length (greedy)")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    args = ap.parse_args(argv)
+
+    groups, per_group, turns = (2, 2, 1) if args.quick else (6, 4, 2)
+    max_tokens = min(args.max_tokens, 12) if args.quick else args.max_tokens
+    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=4, max_model_len=1024,
+              verbose=False)
+    engines = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the unsafe modes warn by design
+        for name, opts in MODES.items():
+            engines[name] = LLM(args.model, **kw, **opts)
+    tok = engines["no_cache"].get_tokenizer()
+    vocab = engines["no_cache"].engine.cfg.vocab_size
+    items = make_workload(vocab, args.chunk_stride, groups, per_group, turns, np.random.default_rng(args.seed), tok)
+    n = len(items) + groups * turns
+    from tqdm.auto import tqdm
+    bar = tqdm(total=n * len(MODES), desc="accuracy study", unit="req")
+    ref = run_mode(engines["no_cache"], items, max_tokens, bar=bar)
+    runs = {name: run_mode(engines[name], items, max_tokens, reference=ref, bar=bar)
+            for name in MODES if name != "no_cache"}
+    bar.close()
+    summary = {name: compare(ref, r) for name, r in runs.items()}
+
+    print(f"\n{'mode':<14}{'reused':>8}{'KL mean':>11}{'KL max':>11}{'max|dlogp|':>12}{'greedy agr':>12}"
+          f"{'diverging':>11}{'first div':>10}")
+    for name, s in summary.items():
+        fd = "-" if s["first_divergence_mean"] is None else f"{s['first_divergence_mean']:.1f}"
+        print(f"{name:<14}{s['mean_cached_tokens']:>8.1f}{s['kl_mean']:>11.2e}{s['kl_max']:>11.2e}"
+              f"{s['max_abs_logprob_diff']:>12.2e}{s['greedy_agreement']:>12.3f}"
+              f"{s['diverging_requests']:>5}/{s['requests']:<5}{fd:>10}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"model": args.model, "dtype": args.dtype,
+              "config": {"chunk_stride": args.chunk_stride, "block_size": 16, "max_tokens": max_tokens,
+                         "groups": groups, "per_group": per_group, "turns": turns, "requests": n,
+                         "seed": args.seed, "quick": args.quick},
+              "modes": summary}
+    (out / "accuracy_study.json").write_text(json.dumps(result, indent=1))
+    plot(summary, out / "accuracy_study.png")
+    print(f"wrote {out / 'accuracy_study.json'} and {out / 'accuracy_study.png'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

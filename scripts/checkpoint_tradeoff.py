@@ -1,0 +1,164 @@
+"""Checkpoint trade-off: how chunk_stride and checkpoint capacity decide what a multi-turn workload reuses.
+
+    python scripts/checkpoint_tradeoff.py [--model tiny] [--dtype float32] [--out results] [--quick]
+
+Concurrent conversations (a shared system prompt, then turns that each extend the previous prompt with its answer
+and a new user message) compete for checkpoint slots. The sweep crosses `chunk_stride` with the checkpoint capacity
+(checkpoint slots per live sequence, beyond each sequence's own live slot). Per configuration: the fraction of prompt
+tokens reused, the tokens lost to alignment (KV match minus reuse), the checkpoint memory, TTFT p50 after a warm-up
+round, and evictions. A finer stride loses fewer tokens to alignment but needs more slots to keep the deepest
+checkpoint of every conversation alive; the table and the heat map show where each effect wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from gdn_jax import LLMEngine, SamplingParams
+
+SYSTEM = ("You are a helpful assistant that answers questions about the Python standard library. Quote the "
+          "documentation where you can, and keep every answer short. ")
+
+
+def conversation_turns(rng, num_convs: int, turns: int, user_len: tuple[int, int]):
+    """Per conversation, per turn, the user message text (random words from a fixed list, seeded)."""
+    words = ("list dict set tuple string bytes iterator generator context manager exception module package import "
+             "class method attribute descriptor decorator closure scope lambda comprehension slice index key value "
+             "file path socket thread lock queue process signal").split()
+    return [[" ".join(rng.choice(words, int(rng.integers(*user_len)))) + "?" for _ in range(turns)]
+            for _ in range(num_convs)]
+
+
+def run_workload(engine: LLMEngine, messages, max_tokens: int):
+    """Turn by turn, all conversations submitted together; returns one record per request."""
+    tok = engine.tokenizer
+    history = [tok.encode(SYSTEM) for _ in messages]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    records = []
+    for t in range(len(messages[0])):
+        prompts = {f"c{c}t{t}": history[c] + tok.encode(f"\nUser: {messages[c][t]}\nAssistant:")
+                   for c in range(len(messages))}
+        for rid, p in prompts.items():
+            engine.add_request(rid, p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        for c in range(len(messages)):
+            o = done[f"c{c}t{t}"]
+            history[c] = prompts[f"c{c}t{t}"] + o.outputs[0].token_ids
+            m = o.metrics
+            records.append({"turn": t, "prompt": len(o.prompt_token_ids), "cached": o.num_cached_tokens,
+                            "kv_match": m.kv_match, "reuse_lost": m.reuse_lost, "ttft": m.ttft})
+    return records
+
+
+def measure(model: str, dtype: str, stride: int, capacity: int, num_convs: int, turns: int, max_tokens: int,
+            seed: int) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # capacity below one checkpoint per sequence warns by design
+        engine = LLMEngine(model, dtype=dtype, chunk_stride=stride, block_size=16, max_num_seqs=num_convs,
+                           max_model_len=4096, num_linear_slots=1 + num_convs * (1 + capacity), verbose=False)
+    warm = conversation_turns(np.random.default_rng(seed + 1000), num_convs, turns, (8, 30))
+    run_workload(engine, warm, max_tokens)         # compiles the shapes; then forget what it cached
+    engine.reset_prefix_cache()
+    before = engine.cache_stats()
+    recs = run_workload(engine, conversation_turns(np.random.default_rng(seed), num_convs, turns, (8, 30)),
+                        max_tokens)
+    after = engine.cache_stats()
+    later = [r for r in recs if r["turn"] > 0]      # turn 0 can only share the system prompt
+    prompt_tokens = sum(r["prompt"] for r in recs)
+    return {"chunk_stride": stride, "capacity_per_seq": capacity,
+            "reused_fraction": sum(r["cached"] for r in recs) / prompt_tokens,
+            "reused_fraction_later_turns": sum(r["cached"] for r in later) / max(1, sum(r["prompt"] for r in later)),
+            "reuse_lost_total": sum(r["reuse_lost"] for r in recs),
+            "reuse_lost_per_request": statistics.fmean(r["reuse_lost"] for r in recs),
+            "checkpoint_bytes": engine.memory.num_checkpoint_slots * engine.memory.bytes_per_linear_slot,
+            "ttft_p50_ms": 1e3 * statistics.median(r["ttft"] for r in recs),
+            "evictions": after["checkpoints_evicted"] - before["checkpoints_evicted"],
+            "saves_skipped": after["checkpoints_save_skipped"] - before["checkpoints_save_skipped"],
+            "requests": len(recs), "prompt_tokens": prompt_tokens}
+
+
+def conclusion(rows) -> str:
+    best = max(rows, key=lambda r: (r["reused_fraction"], -r["checkpoint_bytes"]))
+    cheapest = min((r for r in rows if r["reused_fraction"] >= 0.95 * best["reused_fraction"]),
+                   key=lambda r: r["checkpoint_bytes"])
+    by_cap = {}
+    for r in rows:
+        by_cap.setdefault(r["capacity_per_seq"], []).append(r["reused_fraction"])
+    lo, hi = min(by_cap), max(by_cap)
+    return (f"Most reuse: stride {best['chunk_stride']} with {best['capacity_per_seq']} checkpoint slot(s) per "
+            f"sequence ({best['reused_fraction']:.1%} of prompt tokens); within 5% of it, the least checkpoint memory "
+            f"is stride {cheapest['chunk_stride']} x {cheapest['capacity_per_seq']} "
+            f"({cheapest['checkpoint_bytes'] / 2**20:.2f} MiB); going from {lo} to {hi} slot(s) per sequence moves "
+            f"the mean reused fraction from {statistics.fmean(by_cap[lo]):.1%} to {statistics.fmean(by_cap[hi]):.1%}.")
+
+
+def plot(rows, strides, caps, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    grid = np.array([[next(r["reused_fraction"] for r in rows if r["chunk_stride"] == s and r["capacity_per_seq"] == c)
+                      for c in caps] for s in strides])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=max(grid.max(), 1e-9), origin="lower")
+    ax.set_xticks(range(len(caps)), [str(c) for c in caps])
+    ax.set_yticks(range(len(strides)), [str(s) for s in strides])
+    ax.set_xlabel("checkpoint slots per live sequence")
+    ax.set_ylabel("chunk_stride (tokens)")
+    for i in range(len(strides)):
+        for j in range(len(caps)):
+            ax.text(j, i, f"{grid[i, j]:.0%}", ha="center", va="center", color="w" if grid[i, j] < 0.5 else "k")
+    fig.colorbar(im, ax=ax, label="fraction of prompt tokens reused")
+    ax.set_title("Reuse under checkpoint pressure")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="checkpoint_tradeoff.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="preset name or HF folder")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
+    ap.add_argument("--out", default="results", help="folder for checkpoint_tradeoff.json and .png")
+    ap.add_argument("--quick", action="store_true", help="a 2 x 2 sweep on a small workload (a test runs this)")
+    ap.add_argument("--conversations", type=int, default=4, help="concurrent conversations (= max_num_seqs)")
+    ap.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    ap.add_argument("--max-tokens", type=int, default=24, help="tokens per answer (greedy)")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    args = ap.parse_args(argv)
+
+    strides, caps = ([64, 128], [1, 4]) if args.quick else ([64, 128, 256, 512], [1, 2, 4, 8])
+    convs, turns, max_tokens = (3, 3, 8) if args.quick else (args.conversations, args.turns, args.max_tokens)
+    from tqdm.auto import tqdm
+    rows = [measure(args.model, args.dtype, s, c, convs, turns, max_tokens, args.seed)
+            for s, c in tqdm([(s, c) for s in strides for c in caps], desc="checkpoint trade-off", unit="config")]
+    print(f"\n{'stride':>7}{'slots/seq':>10}{'reused':>9}{'later':>8}{'lost tot':>10}{'lost/req':>10}"
+          f"{'ckpt MiB':>10}{'TTFT p50':>10}{'evict':>7}")
+    for r in rows:
+        print(f"{r['chunk_stride']:>7}{r['capacity_per_seq']:>10}{r['reused_fraction']:>9.1%}"
+              f"{r['reused_fraction_later_turns']:>8.1%}{r['reuse_lost_total']:>10}{r['reuse_lost_per_request']:>10.1f}"
+              f"{r['checkpoint_bytes'] / 2**20:>10.2f}{r['ttft_p50_ms']:>9.1f}ms{r['evictions']:>7}")
+    text = conclusion(rows)
+    print("\n" + text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"model": args.model, "dtype": args.dtype,
+              "config": {"strides": strides, "capacities": caps, "conversations": convs, "turns": turns,
+                         "max_tokens": max_tokens, "seed": args.seed, "quick": args.quick},
+              "rows": rows, "conclusion": text}
+    (out / "checkpoint_tradeoff.json").write_text(json.dumps(result, indent=1))
+    plot(rows, strides, caps, out / "checkpoint_tradeoff.png")
+    print(f"wrote {out / 'checkpoint_tradeoff.json'} and {out / 'checkpoint_tradeoff.png'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
