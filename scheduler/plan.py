@@ -16,6 +16,8 @@ class ScheduledSequence:
     sample: bool                # True when this step's last token completes the known tokens, so a new token is sampled
     sampling_params: SamplingParams
     num_generated: int          # len(output_token_ids) before this step (the worker folds it into the seed)
+    history: list[int] | None = None  # prompt + output so far, only for sampling rows that use penalties
+    num_prompt_tokens: int = 0
 
 
 @dataclass

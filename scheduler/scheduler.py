@@ -130,11 +130,14 @@ class Scheduler:
             slot_mapping = [table[start // bs] * bs + start % bs]
         else:
             slot_mapping = [table[p // bs] * bs + p % bs for p in range(start, end)]
+        sample = end == len(seq.token_ids)
         return ScheduledSequence(
             seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
             block_table=table, slot_mapping=slot_mapping, linear_op=op,
-            sample=end == len(seq.token_ids), sampling_params=seq.sampling_params,
-            num_generated=seq.num_generated)
+            sample=sample, sampling_params=seq.sampling_params,
+            num_generated=seq.num_generated,
+            history=list(seq.token_ids) if sample and seq.sampling_params.uses_penalties else None,
+            num_prompt_tokens=seq.num_prompt_tokens)
 
     def postprocess(self, plan: StepPlan, sampled_token_ids: list[int | None]) -> list[Sequence]:
         """Advance the sequences of an executed plan; return the ones that finished."""
