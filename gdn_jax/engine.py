@@ -142,6 +142,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.__post_init__()  # re-validate: the object may have been mutated after construction
+        bad = [t for t in params.stop_token_ids or () if t >= self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("empty prompt: at least one token is needed")

@@ -171,10 +171,11 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling_params
-        if not sp.ignore_eos and token == self.config.eos_token_id:
-            return "stop"
-        if sp.stop_token_ids and token in sp.stop_token_ids:
-            return "stop"
+        if seq.num_generated > sp.min_tokens:  # a stop token counts from output index min_tokens on
+            if not sp.ignore_eos and token == self.config.eos_token_id:
+                return "stop"
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                return "stop"
         if seq.num_generated >= sp.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
             return "length"
         return None
