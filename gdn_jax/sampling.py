@@ -106,37 +106,49 @@ def _apply_penalties(logits, md: SamplingMetadata):
             - md.presence_penalty[:, None] * (counts > 0).astype(jnp.float32))
 
 
-def process_logits(logits, md: SamplingMetadata):
-    """Penalties, then the min_tokens ban: the logits greedy and sampling both start from. [B, V] float32."""
-    logits = logits.astype(jnp.float32)
+def _penalise_and_ban(logits, md: SamplingMetadata):
     B, V = logits.shape
-    active = jnp.any((md.presence_penalty != 0) | (md.frequency_penalty != 0) | (md.repetition_penalty != 1))
-    # the [B, V] counts are only built when some row of the step uses a penalty
-    logits = jax.lax.cond(active, _apply_penalties, lambda x, _: x, logits, md)
+    logits = _apply_penalties(logits, md)
     banned = jnp.where(md.banned >= 0, md.banned, V)  # out of range: dropped by the scatter
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], banned.shape)
     return logits.at[rows, banned].set(-jnp.inf, mode="drop")
+
+
+def process_logits(logits, md: SamplingMetadata):
+    """Penalties, then the min_tokens ban: the logits greedy and sampling both start from. [B, V] float32."""
+    logits = logits.astype(jnp.float32)
+    active = (jnp.any((md.presence_penalty != 0) | (md.frequency_penalty != 0) | (md.repetition_penalty != 1))
+              | jnp.any(md.banned >= 0))
+    # the [B, V] counts and the scatters only run when some row of the step uses a penalty or a ban
+    return jax.lax.cond(active, _penalise_and_ban, lambda x, _: x, logits, md)
+
+
+def _sorted_cut(scaled, cut, md: SamplingMetadata):
+    """Raises the per-row bar `cut` [B, 1] by top-k and top-p; both need the vocabulary sorted."""
+    V = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)                                        # [B, V] largest first
+    # top-k by value: the k-th largest value is the bar, so every token tied with it stays
+    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, V), V)
+    cut = jnp.maximum(cut, jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1))
+    desc = jnp.where(desc >= cut, desc, -jnp.inf)
+    # top-p over what survived, renormalised: keep a token while the mass strictly above it is below top_p
+    e = jnp.exp(desc - desc[:, :1])
+    cum = jnp.cumsum(e, axis=-1)
+    above = cum - e
+    keep = (above < (md.top_p * (1.0 - TOP_P_SLACK))[:, None] * cum[:, -1:]) | (md.top_p >= 1.0)[:, None]
+    last = jnp.sum(keep, axis=-1) - 1                                         # keep is a prefix, never empty
+    return jnp.maximum(cut, jnp.take_along_axis(desc, last[:, None], axis=-1))
 
 
 def _draw(logits, md: SamplingMetadata):
     V = logits.shape[-1]
     temperature = jnp.where(md.temperature >= GREEDY_BELOW, md.temperature, 1.0)
     scaled = logits / temperature[:, None]
-    desc = -jnp.sort(-scaled, axis=-1)                                        # [B, V] largest first
-    top = desc[:, :1]
     # min-p: p_i >= min_p * p_max  <=>  scaled_i >= scaled_max + log(min_p)  (log 0 = -inf: off)
-    cut = top + jnp.log(md.min_p)[:, None]
-    # top-k by value: the k-th largest value is the bar, so every token tied with it stays
-    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, V), V)
-    cut = jnp.maximum(cut, jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1))
-    desc = jnp.where(desc >= cut, desc, -jnp.inf)
-    # top-p over what survived, renormalised: keep a token while the mass strictly above it is below top_p
-    e = jnp.exp(desc - top)
-    cum = jnp.cumsum(e, axis=-1)
-    above = cum - e
-    keep = (above < (md.top_p * (1.0 - TOP_P_SLACK))[:, None] * cum[:, -1:]) | (md.top_p >= 1.0)[:, None]
-    last = jnp.sum(keep, axis=-1) - 1                                         # keep is a prefix, never empty
-    cut = jnp.maximum(cut, jnp.take_along_axis(desc, last[:, None], axis=-1))
+    cut = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(md.min_p)[:, None]
+    # the vocabulary sort only runs when some row of the step uses top-k or top-p
+    sorts = jnp.any((md.top_k > 0) & (md.top_k < V)) | jnp.any(md.top_p < 1.0)
+    cut = jax.lax.cond(sorts, _sorted_cut, lambda _, c, __: c, scaled, cut, md)
     masked = jnp.where(scaled >= cut, scaled, -jnp.inf)
     return jax.vmap(jax.random.categorical)(_keys(md.seeds, md.positions), masked).astype(jnp.int32)
 
@@ -149,7 +161,6 @@ def sample(logits, md: SamplingMetadata):
     processed = process_logits(logits, md)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     samples = md.temperature >= GREEDY_BELOW
-    # the vocabulary sort only runs when some row samples
     drawn = jax.lax.cond(jnp.any(samples), _draw, lambda x, _: greedy, processed, md)
     tokens = jnp.where(samples, drawn, greedy)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -108,6 +108,23 @@ def test_frequencies_follow_the_renormalised_softmax(temperature, knob):
     assert_matches(draw(LOGITS, temperature=temperature, **knob), expected)
 
 
+def test_each_row_follows_its_own_settings_in_a_mixed_batch():
+    """Four settings share one step (one row in four each): the sort-based filters of some rows must not leak
+    into the others."""
+    groups = [dict(temperature=0.5), dict(temperature=2.0, top_k=3), dict(temperature=1.0, top_p=0.6, min_p=0.1),
+              dict(temperature=0.0)]
+    fields = {name: np.array([g.get(name, default) for _ in range(N // 4) for g in groups])
+              for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))}
+    toks, *_ = sample_jit(jnp.tile(jnp.asarray(LOGITS), (N, 1)), metadata(N, **fields))
+    toks = np.asarray(toks).reshape(-1, 4)
+    for g, group in enumerate(groups):
+        counts = np.bincount(toks[:, g], minlength=len(LOGITS))
+        if group["temperature"] == 0.0:
+            assert counts[0] == N // 4
+        else:
+            assert_matches(counts, ref_distribution(LOGITS, **group))
+
+
 def test_ties_at_the_kth_value_are_all_kept():
     logits = np.array([3.0, 2.0, 1.0, 1.0, 1.0, 0.5, 0.0, -1.0], np.float32)
     expected = ref_distribution(logits, top_k=3)
