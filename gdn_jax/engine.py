@@ -187,7 +187,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None:
-            for seq in req.seqs:
+            for seq in reversed(req.seqs):  # samples waiting for their fork first, then the one they fork from
                 self._by_seq.pop(seq.seq_id, None)
                 self.scheduler.abort(seq.seq_id)
 

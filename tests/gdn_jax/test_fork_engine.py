@@ -22,8 +22,7 @@ def _recording(monkeypatch, llm) -> list:
 
 
 def _prompt_tokens_computed(plans) -> int:
-    return sum(max(0, min(r.start_pos + len(r.token_ids), r.num_prompt_tokens) - r.start_pos)
-               for p in plans for r in p.seqs)
+    return sum(r.num_prompt_tokens_computed for p in plans for r in p.seqs)
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +83,16 @@ def test_unseeded_samples_differ_and_abort_releases_all(plain):
     out = plain.generate([prompt], SamplingParams(n=3, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) == 3
     engine = plain.engine
+    before = engine.cache_stats()["fork_fallbacks"]
+    engine.add_request("pending", prompt, SamplingParams(n=4, max_tokens=20, ignore_eos=True))
+    engine.abort_request("pending")  # before its fork: no sample runs as an ordinary request
     engine.add_request("group", prompt, SamplingParams(n=4, max_tokens=20, ignore_eos=True))
     for _ in range(3):
         engine.step()
     engine.abort_request("group")
     assert not engine.has_unfinished_requests()
     s = engine.cache_stats()
+    assert s["fork_fallbacks"] == before and s["forks"] >= 3
     assert s["live_slots"] == 0 and s["num_running"] == 0 and s["kv_blocks_free"] == engine.memory.num_kv_blocks - 1
     engine.scheduler.check_invariants()
 

@@ -19,10 +19,8 @@ def _serve_group(cfg, prompt, n, max_tokens=3, first_id=1):
     return sched, dev, parent, children
 
 
-def _prefill_tokens(plans):
-    """Prompt positions computed, in prefill or decode steps (a one-token rest of the prompt runs as decode)."""
-    return sum(max(0, min(r.start_pos + len(r.token_ids), r.num_prompt_tokens) - r.start_pos)
-               for p in plans for r in p.seqs)
+def _prefill_tokens(plans) -> int:
+    return sum(r.num_prompt_tokens_computed for p in plans for r in p.seqs)
 
 
 @pytest.mark.parametrize("length, caching", [(19, True), (19, False), (23, True), (17, True), (26, False)])
