@@ -19,6 +19,7 @@ from gdn_jax.weights import load_model
 from gdn_jax.tokenizer import get_tokenizer
 from gdn_jax.worker import GPU_MEMORY_UTILIZATION, Worker, default_memory_budget, plan_memory
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+from scheduler.sampling_params import SEED_BOUND
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -84,11 +85,22 @@ class EngineStepError(RuntimeError):
 class _Request:
     request_id: str
     prompt: str | None
-    seq: Sequence
+    seqs: list[Sequence]                               # one per sample; seqs[0] prefills, the others fork
     metrics: RequestMetrics
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float = 0.0
-    error: str | None = None
+    logprobs: list[list[dict[int, Logprob]] | None]    # per sample
+    cumulative_logprob: list[float]                    # per sample
+    error: str | None = None                           # what the failed step raised, if one did
+
+    @property
+    def seq(self) -> Sequence:
+        return self.seqs[0]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def index(self, seq_id: int) -> int:
+        return next(i for i, s in enumerate(self.seqs) if s.seq_id == seq_id)
 
 
 def enable_compilation_cache() -> str | None:
@@ -194,6 +206,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.__post_init__()  # re-validate: the object may have been mutated after construction
+        bad = [t for t in params.stop_token_ids or () if t >= self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("empty prompt: at least one token is needed")
@@ -210,18 +225,23 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids, params = self.validate_request(prompt, sampling_params)
-        seq = Sequence(next(self._seq_ids), ids, params)
-        self.scheduler.add(seq)
-        req = _Request(request_id, text, seq, RequestMetrics(arrival_time or time.perf_counter()),
-                       [] if params.logprobs is not None else None)
+        # sample i of n draws with seed (seed + i) mod 2**32 (vLLM's derivation): sample 0 is the request itself
+        seqs = [Sequence(next(self._seq_ids), ids, dataclasses.replace(
+            params, n=1, seed=None if params.seed is None else (params.seed + i) % SEED_BOUND))
+            for i in range(params.n)]
+        self.scheduler.add(seqs[0], forks=seqs[1:])
+        req = _Request(request_id, text, seqs, RequestMetrics(arrival_time or time.perf_counter()),
+                       [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs))
         self._requests[request_id] = req
-        self._by_seq[seq.seq_id] = req
+        for seq in seqs:
+            self._by_seq[seq.seq_id] = req
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None:
-            self._by_seq.pop(req.seq.seq_id, None)
-            self.scheduler.abort(req.seq.seq_id)
+            for seq in reversed(req.seqs):  # samples waiting for their fork first, then the one they fork from
+                self._by_seq.pop(seq.seq_id, None)
+                self.scheduler.abort(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -243,51 +263,63 @@ class LLMEngine:
             self._fail_step(plan, exc)  # raises EngineStepError
         self.last_step_info = {
             "is_prefill": plan.is_prefill, "rows": len(plan.seqs), "tokens": sum(len(s.token_ids) for s in plan.seqs),
-            "warm_restores": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.is_warm_restore)}
+            "warm_restores": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.restores_checkpoint),
+            "forks": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.fork)}
         sampled = [int(result.tokens[i]) if s.sample else None for i, s in enumerate(plan.seqs)]
         self.scheduler.postprocess(plan, sampled)
         now = time.perf_counter()
-        outputs = []
+        touched: dict[str, _Request] = {}  # one output per request, however many of its samples stepped
         for i, s in enumerate(plan.seqs):
             req = self._by_seq.get(s.seq_id)
             if req is None or not s.sample:
                 continue
-            self._record_token(req, sampled[i], result, i, now)
+            self._record_token(req, req.index(s.seq_id), sampled[i], result, i, now)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
             outputs.append(self._output(req))
-            if req.seq.is_finished:
+            if req.is_finished:
                 self._requests.pop(req.request_id, None)
-                self._by_seq.pop(s.seq_id, None)
+                for seq in req.seqs:
+                    self._by_seq.pop(seq.seq_id, None)
         return outputs
 
     def _fail_step(self, plan, exc: Exception) -> None:
-        """Finish the step's requests with "error", release what they held, and re-raise as an EngineStepError. If
-        the failure consumed the donated device state, the pools are rebuilt and every other running request is
-        recomputed from scratch (the prefix cache is emptied), so the engine keeps serving exactly."""
+        """Finish the step's requests with "error" (every sample of them), release what they held, and re-raise as an
+        EngineStepError. If the failure consumed the donated device state, the pools are rebuilt and every other
+        running request is recomputed from scratch (the prefix cache is emptied), so the engine keeps serving."""
         failed = self.scheduler.fail_step(plan)
         if self.worker.state_lost():
             self.scheduler.drop_device_state()
             self.worker.reset_state()
         now, text = time.perf_counter(), f"{type(exc).__name__}: {exc}"
-        outputs = []
+        reqs = {}
         for seq in failed:
-            req = self._by_seq.pop(seq.seq_id, None)
-            if req is None:
-                continue
+            req = self._by_seq.get(seq.seq_id)
+            if req is not None:
+                reqs[req.request_id] = req
+        outputs = []
+        for req in reqs.values():
+            for seq in req.seqs:  # the request's other samples end with it
+                if not seq.is_finished:
+                    self.scheduler.abort(seq.seq_id)
+                seq.finish_reason = "error"
+                self._by_seq.pop(seq.seq_id, None)
             self._requests.pop(req.request_id, None)
             req.error, req.metrics.finished_time = text, now
             outputs.append(self._output(req))
         raise EngineStepError([o.request_id for o in outputs], outputs, exc) from exc
 
-    def _record_token(self, req: _Request, token: int, result, row: int, now: float) -> None:
-        m, seq = req.metrics, req.seq
+    def _record_token(self, req: _Request, index: int, token: int, result, row: int, now: float) -> None:
+        m, first, seq = req.metrics, req.seq, req.seqs[index]
         if m.first_token_time is None:
             m.first_token_time = now
-            m.kv_match, m.linear_reach = seq.kv_match, seq.linear_reach
-            m.num_cached_tokens, m.reuse_lost, m.restored = seq.num_cached_tokens, seq.reuse_lost, seq.restored
-        m.num_preemptions = seq.num_preemptions
-        if seq.is_finished:
+            m.kv_match, m.linear_reach = first.kv_match, first.linear_reach
+            m.num_cached_tokens, m.reuse_lost, m.restored = first.num_cached_tokens, first.reuse_lost, first.restored
+        m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
+        if req.is_finished:
             m.finished_time = now
-        req.cumulative_logprob += float(result.logprobs[row])
+        req.cumulative_logprob[index] += float(result.logprobs[row])
         k = seq.sampling_params.logprobs
         if k is not None:
             entry = {token: Logprob(float(result.logprobs[row]), 1 + int((result.top_logprobs[row] >
@@ -296,15 +328,18 @@ class LLMEngine:
                 entry.setdefault(int(tid), Logprob(float(lp), rank))
             for tid, lp in entry.items():
                 lp.decoded_token = self.tokenizer.decode([tid])
-            req.logprobs.append(entry)
+            req.logprobs[index].append(entry)
 
     def _output(self, req: _Request) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(req.seqs):
+            ids = list(seq.output_token_ids)
+            lps = req.logprobs[i]
+            completions.append(CompletionOutput(i, self.tokenizer.decode(ids), ids, req.cumulative_logprob[i],
+                                                list(lps) if lps is not None else None, seq.finish_reason))
         seq = req.seq
-        ids = list(seq.output_token_ids)
-        completion = CompletionOutput(0, self.tokenizer.decode(ids), ids, req.cumulative_logprob,
-                                      list(req.logprobs) if req.logprobs is not None else None, seq.finish_reason)
-        return RequestOutput(req.request_id, req.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
-                             seq.is_finished, req.metrics.num_cached_tokens, req.metrics, req.error)
+        return RequestOutput(req.request_id, req.prompt, seq.token_ids[:seq.num_prompt_tokens], completions,
+                             req.is_finished, req.metrics.num_cached_tokens, req.metrics, req.error)
 
     def warm_up(self) -> int:
         """Compiles every step shape now, so that no request pays a compilation later."""

@@ -26,6 +26,12 @@ def validate_cache_ops(ops, num_slots: int) -> None:
     live = [op.linear_state_id for op in ops]
     if len(set(live)) != len(live):
         raise ValueError(f"two ops advance the same live slot: {sorted(live)}")
+    # every copy reads the pools as they were before the step: a source that this step also restores into would
+    # hand over its stale content (a fork may read a live slot the step advances: that read is the point of it)
+    targets = {op.linear_state_id for op in ops if op.restore_requested and op.restore_src_slot_id != -1}
+    for i, op in enumerate(ops):
+        if op.restore_requested and op.restore_src_slot_id in targets:
+            raise ValueError(f"op {i}: restore source {op.restore_src_slot_id} is itself restored in this step")
 
 
 def ops_to_arrays(ops, rows: int):

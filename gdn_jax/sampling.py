@@ -1,38 +1,168 @@
-"""On-device sampling: greedy, temperature, top-k, top-p with per-row keys, plus logprobs."""
+"""On-device sampling: penalties, the min_tokens ban, greedy, temperature, min-p, top-k, top-p with per-request,
+per-position keys, plus logprobs of the raw distribution.
+
+`SamplingMetadata` is one registered dataclass pytree holding every per-row sampling input; the worker builds it on
+the host from the step plan (`SamplingMetadata.from_rows`) and passes it to its jitted step as a single argument.
+Its shapes depend only on the step's shape bucket, so sampling settings never cause a recompilation.
+The semantics of each knob are documented on `SamplingParams`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from scheduler.sampling_params import MAX_LOGPROBS
+from scheduler.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+
+BAN_WIDTH = MAX_STOP_TOKEN_IDS + 1  # stop_token_ids + EOS
+# top-p compares the mass above a token with top_p * total; float32 cumulative sums are off by a few ulps, so a
+# boundary that is exact in real arithmetic is closed (the token is dropped) whichever way the rounding went.
+TOP_P_SLACK = 2.0 ** -20
 
 
-def sample(logits, temperature, top_k, top_p, keys):
-    """logits: [B, V] float32; temperature/top_p: [B] float32; top_k: [B] int32 (0 = off); keys: [B, 2] uint32.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling inputs of one step; every field has leading dimension B (the row bucket).
 
-    Returns (tokens [B], chosen_logprob [B], top_ids [B, MAX_LOGPROBS], top_logprobs [B, MAX_LOGPROBS]); logprobs
-    are those of the model's raw distribution (vLLM's convention)."""
+    `history` holds, for rows that use penalties, the row's prompt then output token ids (-1 padding), with
+    `prompt_lens` marking where the output starts; its width is the step's KV reach (blocks per row x block size),
+    which bounds every sampling row's length, so it adds no shape of its own. Rows without penalties leave it at -1.
+    `banned` lists the ids the `min_tokens` rule forbids this step (-1 padding).
+    """
+
+    temperature: jax.Array         # [B] f32; 0 for greedy rows
+    top_k: jax.Array               # [B] i32; 0 = off, otherwise already clamped to the vocabulary
+    top_p: jax.Array               # [B] f32; 1 = off
+    min_p: jax.Array               # [B] f32; 0 = off
+    presence_penalty: jax.Array    # [B] f32
+    frequency_penalty: jax.Array   # [B] f32
+    repetition_penalty: jax.Array  # [B] f32; 1 = off
+    seeds: jax.Array               # [B] u32
+    positions: jax.Array           # [B] i32: index of the output token drawn (folded into the key)
+    history: jax.Array             # [B, W] i32
+    prompt_lens: jax.Array         # [B] i32
+    banned: jax.Array              # [B, BAN_WIDTH] i32
+
+    @classmethod
+    def padding(cls, rows: int, width: int) -> "SamplingMetadata":
+        """Greedy, no filters, no penalties: the values of padded rows (host numpy arrays)."""
+        z32, zf = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
+        return cls(temperature=zf.copy(), top_k=z32.copy(), top_p=np.ones(rows, np.float32), min_p=zf.copy(),
+                   presence_penalty=zf.copy(), frequency_penalty=zf.copy(),
+                   repetition_penalty=np.ones(rows, np.float32), seeds=np.zeros(rows, np.uint32),
+                   positions=z32.copy(), history=np.full((rows, width), -1, np.int32), prompt_lens=z32.copy(),
+                   banned=np.full((rows, BAN_WIDTH), -1, np.int32))
+
+    @classmethod
+    def from_rows(cls, rows, num_rows: int, width: int, vocab_size: int, eos_token_id: int | None,
+                  default_seed: int) -> "SamplingMetadata":
+        """Host-side build from `ScheduledSequence`s. A request without a seed draws from
+        `(default_seed * 1_000_003 + seq_id) mod 2**32`."""
+        md = cls.padding(num_rows, width)
+        for i, r in enumerate(rows):
+            sp = r.sampling_params
+            md.temperature[i] = 0.0 if sp.is_greedy else sp.temperature
+            md.top_k[i] = min(sp.top_k, vocab_size) if sp.top_k > 0 else 0
+            md.top_p[i], md.min_p[i] = sp.top_p, sp.min_p
+            md.presence_penalty[i], md.frequency_penalty[i] = sp.presence_penalty, sp.frequency_penalty
+            md.repetition_penalty[i] = sp.repetition_penalty
+            md.seeds[i] = sp.seed if sp.seed is not None else (default_seed * 1_000_003 + r.seq_id) & 0xFFFFFFFF
+            md.positions[i] = r.num_generated
+            if not r.sample:
+                continue
+            if r.history is not None:
+                if len(r.history) > width:
+                    raise ValueError(f"row {i}: {len(r.history)} history tokens exceed the step's width {width}")
+                md.history[i, :len(r.history)] = r.history
+                md.prompt_lens[i] = r.num_prompt_tokens
+            if r.num_generated < sp.min_tokens:
+                ban = list(sp.stop_token_ids or ())
+                if eos_token_id is not None and not sp.ignore_eos:
+                    ban.append(eos_token_id)
+                md.banned[i, :len(ban)] = ban
+        return md
+
+
+def _keys(seeds, positions):
+    # per-request, per-position keys: reproducible whatever the batch composition, and fresh at every position
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
+
+
+def _apply_penalties(logits, md: SamplingMetadata):
+    B, V = logits.shape
+    valid = md.history >= 0
+    ids = jnp.where(valid, md.history, 0)
+    is_output = valid & (jnp.arange(md.history.shape[1])[None, :] >= md.prompt_lens[:, None])
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], ids.shape)
+    counts = jnp.zeros((B, V), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
+    seen = jnp.zeros((B, V), jnp.int32).at[rows, ids].add(valid.astype(jnp.int32)) > 0
+    rep = md.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - md.frequency_penalty[:, None] * counts
+            - md.presence_penalty[:, None] * (counts > 0).astype(jnp.float32))
+
+
+def _penalise_and_ban(logits, md: SamplingMetadata):
+    B, V = logits.shape
+    logits = _apply_penalties(logits, md)
+    banned = jnp.where(md.banned >= 0, md.banned, V)  # out of range: dropped by the scatter
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], banned.shape)
+    return logits.at[rows, banned].set(-jnp.inf, mode="drop")
+
+
+def process_logits(logits, md: SamplingMetadata):
+    """Penalties, then the min_tokens ban: the logits greedy and sampling both start from. [B, V] float32."""
+    logits = logits.astype(jnp.float32)
+    active = (jnp.any((md.presence_penalty != 0) | (md.frequency_penalty != 0) | (md.repetition_penalty != 1))
+              | jnp.any(md.banned >= 0))
+    # the [B, V] counts and the scatters only run when some row of the step uses a penalty or a ban
+    return jax.lax.cond(active, _penalise_and_ban, lambda x, _: x, logits, md)
+
+
+def _sorted_cut(scaled, cut, md: SamplingMetadata):
+    """Raises the per-row bar `cut` [B, 1] by top-k and top-p; both need the vocabulary sorted."""
+    V = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)                                        # [B, V] largest first
+    # top-k by value: the k-th largest value is the bar, so every token tied with it stays
+    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, V), V)
+    cut = jnp.maximum(cut, jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1))
+    desc = jnp.where(desc >= cut, desc, -jnp.inf)
+    # top-p over what survived, renormalised: keep a token while the mass strictly above it is below top_p
+    e = jnp.exp(desc - desc[:, :1])
+    cum = jnp.cumsum(e, axis=-1)
+    above = cum - e
+    keep = (above < (md.top_p * (1.0 - TOP_P_SLACK))[:, None] * cum[:, -1:]) | (md.top_p >= 1.0)[:, None]
+    last = jnp.sum(keep, axis=-1) - 1                                         # keep is a prefix, never empty
+    return jnp.maximum(cut, jnp.take_along_axis(desc, last[:, None], axis=-1))
+
+
+def _draw(logits, md: SamplingMetadata):
     V = logits.shape[-1]
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1)
+    temperature = jnp.where(md.temperature >= GREEDY_BELOW, md.temperature, 1.0)
+    scaled = logits / temperature[:, None]
+    # min-p: p_i >= min_p * p_max  <=>  scaled_i >= scaled_max + log(min_p)  (log 0 = -inf: off)
+    cut = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(md.min_p)[:, None]
+    # the vocabulary sort only runs when some row of the step uses top-k or top-p
+    sorts = jnp.any((md.top_k > 0) & (md.top_k < V)) | jnp.any(md.top_p < 1.0)
+    cut = jax.lax.cond(sorts, _sorted_cut, lambda _, c, __: c, scaled, cut, md)
+    masked = jnp.where(scaled >= cut, scaled, -jnp.inf)
+    return jax.vmap(jax.random.categorical)(_keys(md.seeds, md.positions), masked).astype(jnp.int32)
 
-    def draw(_):
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        desc = -jnp.sort(-scaled, axis=-1)                                    # [B, V] largest first
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)           # [B, 1]
-        desc = jnp.where(desc >= kth, desc, -jnp.inf)
-        cum = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        cut = jnp.minimum(jnp.sum(cum < top_p[:, None], axis=-1), V - 1)
-        pth = jnp.take_along_axis(desc, cut[:, None], axis=-1)
-        masked = jnp.where((scaled >= kth) & (scaled >= pth), scaled, -jnp.inf)
-        return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
 
-    # the vocabulary sort only runs when some row samples
-    drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy.astype(jnp.int32), None)
-    tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+def sample(logits, md: SamplingMetadata):
+    """logits: [B, V]. Returns (tokens [B], chosen_logprob [B], top_ids [B, MAX_LOGPROBS], top_logprobs
+    [B, MAX_LOGPROBS]); logprobs are those of the model's raw distribution (vLLM's convention)."""
+    V = logits.shape[-1]
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    processed = process_logits(logits, md)
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    samples = md.temperature >= GREEDY_BELOW
+    drawn = jax.lax.cond(jnp.any(samples), _draw, lambda x, _: greedy, processed, md)
+    tokens = jnp.where(samples, drawn, greedy)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, V))
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp

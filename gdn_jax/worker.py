@@ -17,7 +17,7 @@ import numpy as np
 from gdn_jax.config import ModelConfig
 from gdn_jax.model import Batch, forward, init_state
 from gdn_jax.restore import ops_to_arrays, restore_linear_state_slots, validate_cache_ops
-from gdn_jax.sampling import sample
+from gdn_jax.sampling import SamplingMetadata, sample
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -129,14 +129,11 @@ def plan_memory(cfg: ModelConfig, dtype, block_size: int, max_num_seqs: int, max
     return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs)
 
 
-def _step(graphdef, params, state, batch_arrays, live_ids, restore_requested, src_ids, temperature, top_k, top_p,
-          seeds, counters):
-    # per-request, per-position keys: reproducible whatever the batch composition
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
+def _step(graphdef, params, state, batch_arrays, live_ids, restore_requested, src_ids, sampling: SamplingMetadata):
     state, has_initial_state = restore_linear_state_slots(state, live_ids, restore_requested, src_ids)
     batch = Batch(*batch_arrays, linear_ids=live_ids, has_initial_state=has_initial_state)
     logits, state = forward(graphdef, params, batch, state)
-    return (state, *sample(logits, temperature, top_k, top_p, keys))
+    return (state, *sample(logits, sampling))
 
 
 @dataclasses.dataclass
@@ -178,8 +175,7 @@ class Worker:
             z = np.zeros((B, T), np.int32)
             batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
             live, requested, src = ops_to_arrays([], B)
-            self._run(batch_arrays, live, requested, src, np.zeros(B, np.float32), np.zeros(B, np.int32),
-                      np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32))
+            self._run(batch_arrays, live, requested, src, SamplingMetadata.padding(B, NB * self.block_size))
         jax.block_until_ready(self.state)
         return len(shapes)
 
@@ -215,21 +211,12 @@ class Worker:
         start = np.zeros(B, np.int32)
         lengths = np.zeros(B, np.int32)
         tables = np.zeros((B, NB), np.int32)
-        temperature = np.zeros(B, np.float32)
-        top_k = np.zeros(B, np.int32)
-        top_p = np.ones(B, np.float32)
-        seeds = np.zeros(B, np.uint32)
-        counters = np.zeros(B, np.int32)
         for i, s in enumerate(seqs):
             m = len(s.token_ids)
             tokens[i, :m] = s.token_ids
             slot_mapping[i, :m] = s.slot_mapping
             start[i], lengths[i] = s.start_pos, m
             tables[i, :len(s.block_table)] = s.block_table
-            sp = s.sampling_params
-            temperature[i], top_k[i], top_p[i] = sp.temperature, max(sp.top_k, 0), sp.top_p
-            seeds[i] = sp.seed if sp.seed is not None else (self.seed * 1_000_003 + s.seq_id) & 0xFFFFFFFF
-            counters[i] = s.num_generated
         ops = [s.linear_op for s in seqs if s.linear_op is not None]
         if self.cfg.linear_layer_ids:
             if len(ops) != n:
@@ -237,6 +224,8 @@ class Worker:
             validate_cache_ops(ops, self.memory.num_linear_slots)
         live, requested, src = ops_to_arrays(ops, B)
         batch_arrays = (tokens, start, lengths, tables, slot_mapping)
-        out = self._run(batch_arrays, live, requested, src, temperature, top_k, top_p, seeds, counters)
+        sampling = SamplingMetadata.from_rows(seqs, B, NB * self.block_size, self.cfg.vocab_size,
+                                              self.cfg.eos_token_id, self.seed)
+        out = self._run(batch_arrays, live, requested, src, sampling)
         toks, lp, top_ids, top_lp = jax.device_get(out)
         return StepResult(toks[:n], lp[:n], top_ids[:n], top_lp[:n])

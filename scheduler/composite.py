@@ -95,6 +95,31 @@ class CompositeBlockManager:
         seq.num_computed_tokens = m.reuse
         return op
 
+    # -- n > 1: a child forked from its parent at a block boundary --------------------------
+    def can_fork(self, child: Sequence, point: int) -> bool:
+        """Room for the child's own blocks from `point` on and one live slot."""
+        new_blocks = -(-len(child.token_ids) // self.config.block_size) - point // self.config.block_size
+        if new_blocks > self.kv.num_free_blocks:
+            return False
+        return self.linear is None or self.linear.num_obtainable >= 1
+
+    def fork(self, child: Sequence, parent: Sequence, point: int) -> LinearStateCacheOp | None:
+        """Mount the parent's first `point` tokens of KV by refcount (full blocks: `point` is a block boundary),
+        allocate the child's own blocks for the rest, and emit a live slot restored from the parent's live slot.
+        The copy runs in the step before any forward, so it reads the parent's state at `point` even when the
+        parent advances (or rotates its slot into a checkpoint) in the same step."""
+        bs = self.config.block_size
+        assert point % bs == 0 and parent.num_computed_tokens == point and not child.block_table
+        self.kv.allocate_shared(child, parent.block_table[:point // bs])
+        self.kv.allocate(child, len(child.token_ids))
+        if self.linear is None:
+            return None
+        assert parent.linear_state_id > 0, "a fork needs the parent's live slot"
+        slot = self.linear.acquire_live_slot()
+        assert slot is not None, "can_fork promised a live slot"
+        child.linear_state_id = slot
+        return LinearStateCacheOp(slot, True, parent.linear_state_id, fork=True)
+
     # -- a running sequence's next step ----------------------------------------------------
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.kv.can_allocate(seq, num_tokens)
@@ -110,7 +135,7 @@ class CompositeBlockManager:
     def release_step(self, ops) -> None:
         """Unpin the restore sources a finished step used."""
         for op in ops:
-            if op is not None and op.is_warm_restore:
+            if op is not None and op.restores_checkpoint:
                 self.linear.release_source(op.restore_src_slot_id)
 
     def on_computed(self, seq: Sequence) -> None:

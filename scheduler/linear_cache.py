@@ -15,6 +15,7 @@ class LinearStateCacheOp:
     linear_state_id: int = -1        # live slot the sequence advances
     restore_requested: bool = False  # kept separate from the source id on purpose
     restore_src_slot_id: int = -1    # checkpoint slot to copy from
+    fork: bool = False               # the source is the live slot of the sequence this one forks from (n > 1)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -23,11 +24,18 @@ class LinearStateCacheOp:
     def from_dict(cls, d: dict) -> "LinearStateCacheOp":
         return cls(linear_state_id=int(d["linear_state_id"]),
                    restore_requested=bool(d["restore_requested"]),
-                   restore_src_slot_id=int(d["restore_src_slot_id"]))
+                   restore_src_slot_id=int(d["restore_src_slot_id"]),
+                   fork=bool(d.get("fork", False)))
 
     @property
     def is_warm_restore(self) -> bool:
+        """The step copies a source slot into the live slot (a checkpoint restore or a fork)."""
         return self.restore_requested and self.restore_src_slot_id > 0
+
+    @property
+    def restores_checkpoint(self) -> bool:
+        """A warm restore from a checkpoint, pinned for the step (a fork reads a live slot and pins nothing)."""
+        return self.is_warm_restore and not self.fork
 
 
 class LinearStatePrefixCache:

@@ -16,6 +16,13 @@ class ScheduledSequence:
     sample: bool                # True when this step's last token completes the known tokens, so a new token is sampled
     sampling_params: SamplingParams
     num_generated: int          # len(output_token_ids) before this step (the worker folds it into the seed)
+    history: list[int] | None = None  # prompt + output so far, only for sampling rows that use penalties
+    num_prompt_tokens: int = 0
+
+    @property
+    def num_prompt_tokens_computed(self) -> int:
+        """Prompt positions this row computes (a prefill chunk, or the last prompt token in a decode-shaped row)."""
+        return max(0, min(self.start_pos + len(self.token_ids), self.num_prompt_tokens) - self.start_pos)
 
 
 @dataclass

@@ -1,13 +1,59 @@
+"""Per-request sampling settings with vLLM's names and conventions, range-checked at construction.
+
+Every field is checked here, where the check needs nothing but the value; the checks that need the model's vocabulary
+(`stop_token_ids`) run in `LLMEngine.validate_request`. A bad value raises ValueError naming the field, before the
+request reaches the scheduler, so it can never fail later inside a step.
+"""
+import math
+import numbers
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 32     # the device bans them during `min_tokens` through a fixed-width list (plus EOS)
+MAX_N = 256                 # sequences one request may create
+INT32_MAX = (1 << 31) - 1
+MAX_TOKENS = INT32_MAX      # generation also ends at the engine's max_model_len
+SEED_BOUND = 1 << 32        # seeds are uint32 on the device
+GREEDY_BELOW = 1e-5         # temperatures below this are greedy (vLLM's epsilon): logits / 1e-30 overflows
+
+
+def _integer(name: str, value, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings (vLLM conventions)."""
+    """Per-request sampling settings (vLLM conventions).
 
-    temperature: float = 1.0  # 0: greedy
+    The order on the device: penalties on the raw logits (`repetition_penalty` divides positive and multiplies
+    non-positive logits of every token seen in the prompt or the output; `frequency_penalty` subtracts per output
+    occurrence; `presence_penalty` once per token present in the output), then the `min_tokens` ban (EOS unless
+    `ignore_eos`, and `stop_token_ids`, get -inf while fewer than `min_tokens` tokens were generated), then greedy
+    (argmax) or: temperature, `min_p` (keep p >= min_p * p_max of the tempered distribution), `top_k` (keep every
+    token at least as likely as the k-th: ties at the k-th value are all kept; a k above the vocabulary is clamped
+    to it, i.e. off), `top_p` (keep the smallest set of most likely tokens whose renormalised mass reaches top_p,
+    plus every token tied with the least likely kept one; a boundary that falls exactly on a cumulative sum closes
+    the set there), then one categorical draw. Reported logprobs are those of the raw model distribution.
+
+    Randomness: the key of output token i is `fold_in(PRNGKey(seed), i)`, so a request with a `seed` produces the
+    same output whatever the batch it shares, the shape bucket, a preemption or a prefix-cache hit. Without a seed
+    the key comes from the engine seed and the request's sequence id. With `n > 1` the prompt is prefilled once and
+    forked; child i samples with seed `(seed + i) mod 2**32` (vLLM's derivation), so child 0 equals the same request
+    with n=1 and child i equals a separate request with that seed.
+    """
+
+    temperature: float = 1.0  # < GREEDY_BELOW: greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
     max_tokens: int = 16
@@ -15,23 +61,55 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token
+    n: int = 1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
+        self.temperature = _real("temperature", self.temperature)
+        if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}")
+        self.top_k = int(self.top_k)
+        self.min_p = _real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self.max_tokens = _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS)
+        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
+        self.n = _integer("n", self.n, 1, MAX_N)
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed, 0, SEED_BOUND - 1)
         if self.stop_token_ids is not None:
-            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+                raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+            ids = [_integer("stop_token_ids", t, 0, INT32_MAX) for t in self.stop_token_ids]
+            if len(ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"stop_token_ids holds {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are supported")
+            self.stop_token_ids = ids
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

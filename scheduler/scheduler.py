@@ -5,6 +5,12 @@ prefilled. A prefill chunk ends at the next multiple of `chunk_stride` (or the e
 tokens), so every full chunk leaves the live slot at a checkpoint boundary. Admission takes KV
 blocks for every known token and one live slot, so a prefill never stalls halfway; when decode runs
 out of KV the most recently admitted sequence is preempted by recompute.
+
+n > 1 forks: the parent prefills its prompt up to the fork point (the last block boundary below the final prompt
+token); then each child mounts those full KV blocks by refcount, gets its own live slot restored from the parent's
+live slot (a fork op), and computes the rest of the prompt itself (at most block_size tokens: the last partial block
+is recomputed, never copied). A child that cannot be forked at that moment (no row, block, slot or budget), or whose
+parent finds the fork point already in the prefix cache, runs as an ordinary request instead.
 """
 from collections import Counter, deque
 
@@ -28,13 +34,37 @@ class Scheduler:
         self.aborted_inflight: set[int] = set()  # aborted while their step runs: released at postprocess
         # first admissions only: queries, hits, query_tokens, reused_tokens (re-admissions after preemption are
         # `readmissions`); checkpoints_restored: admissions that restored a checkpoint; rotation_copies: the copies
-        # into a fresh live slot after each deferred save; failed_steps: device steps that raised
+        # into a fresh live slot after each deferred save; forks: samples of n > 1 forked from their parent (not
+        # cache hits); failed_steps: device steps that raised
         self.counters = Counter(queries=0, hits=0, query_tokens=0, reused_tokens=0, readmissions=0,
-                                checkpoints_restored=0, rotation_copies=0, preemptions=0, failed_steps=0,
-                                failed_requests=0)
+                                checkpoints_restored=0, rotation_copies=0, preemptions=0, forks=0, fork_fallbacks=0,
+                                failed_steps=0, failed_requests=0)
+        # parent seq_id -> (fork point, children not yet forked); the children are in `seqs` only
+        self.forks: dict[int, tuple[int, list[Sequence]]] = {}
 
     # -- requests --------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, forks: list[Sequence] = ()) -> None:
+        """Queue `seq`; `forks` are further samples of the same prompt (n > 1), forked from `seq` once it has
+        computed the fork point instead of each prefilling the prompt."""
+        forks = list(forks)
+        for s in [seq] + forks:
+            self._check_new(s)
+        ids = [s.seq_id for s in [seq] + forks]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request {seq.seq_id}: forks need distinct seq_ids, got {ids}")
+        if any(c.token_ids != seq.token_ids for c in forks):
+            raise ValueError(f"request {seq.seq_id}: a fork shares its parent's prompt")
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+        for c in forks:
+            self.seqs[c.seq_id] = c
+        point = (len(seq.token_ids) - 1) // self.config.block_size * self.config.block_size
+        if forks and point > 0:
+            self.forks[seq.seq_id] = (point, forks)
+        else:  # nothing to share: plain requests
+            self.waiting.extend(forks)
+
+    def _check_new(self, seq: Sequence) -> None:
         if not seq.token_ids:
             raise ValueError(f"request {seq.seq_id}: empty prompt")
         if len(seq.token_ids) > self.config.max_model_len:
@@ -44,8 +74,6 @@ class Scheduler:
             raise ValueError(f"request {seq.seq_id}: seq_id already in use")
         if seq.status != SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"request {seq.seq_id}: sequence was already scheduled")
-        self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> bool:
         """Finish a request. One whose step is in flight keeps its KV blocks and live slot until `postprocess` (or
@@ -56,7 +84,14 @@ class Scheduler:
         if self.inflight is not None and any(row.seq_id == seq_id for row in self.inflight.seqs):
             self.aborted_inflight.add(seq_id)
             return True
-        if seq.status == SequenceStatus.WAITING:
+        if seq_id in self.forks:  # the children no longer have a parent to fork from
+            self._release_forks(seq_id, at=0)
+        parent = next((p for p, (_, children) in self.forks.items() if seq in children), None)
+        if parent is not None:  # a child still waiting for its fork: in no queue
+            self.forks[parent][1].remove(seq)
+            if not self.forks[parent][1]:
+                del self.forks[parent]
+        elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self._finish(seq, "abort")
         return True
@@ -75,12 +110,53 @@ class Scheduler:
         stride = self.config.chunk_stride
         return min(num_tokens, (num_computed // stride + 1) * stride)
 
+    def _target(self, seq: Sequence) -> int:
+        """How far `seq` may compute now: a parent stops at its fork point until its children are forked."""
+        pending = self.forks.get(seq.seq_id)
+        return pending[0] if pending is not None else len(seq.token_ids)
+
+    def _release_forks(self, parent_id: int, at: int) -> None:
+        """The children of `parent_id` become ordinary requests, queued at position `at` of the waiting queue."""
+        _, children = self.forks.pop(parent_id)
+        for i, child in enumerate(children):
+            self.waiting.insert(at + i, child)
+        self.counters["fork_fallbacks"] += len(children)
+
+    def _schedule_forks(self, rows: list[ScheduledSequence], budget: int) -> int:
+        """Fork the children of every parent that has just computed its fork point (before anything in this step
+        advances the parent); the ones that do not fit now run as ordinary requests. Returns the budget left."""
+        for parent_id, (point, children) in list(self.forks.items()):
+            parent = self.seqs[parent_id]
+            if parent.status != SequenceStatus.RUNNING or parent.num_computed_tokens != point:
+                continue
+            left = []
+            for child in children:
+                need = len(child.token_ids) - point
+                if (len(self.running) >= self.config.max_num_seqs or need > budget
+                        or not self.block_manager.can_fork(child, point)):
+                    left.append(child)
+                    continue
+                op = self.block_manager.fork(child, parent, point)
+                child.num_computed_tokens = point
+                child.status = SequenceStatus.RUNNING
+                child.kv_match = child.num_cached_tokens = point
+                child.num_admissions = 1
+                self.running.append(child)
+                budget -= need
+                rows.append(self._row(child, len(child.token_ids), op))
+                self.counters["forks"] += 1
+            self.forks[parent_id] = (point, left)
+            self._release_forks(parent_id, at=0)
+        return budget
+
     def _schedule_prefill(self) -> StepPlan | None:
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledSequence] = []
+        if self.forks:
+            budget = self._schedule_forks(rows, budget)
         # Sequences admitted earlier whose prompt is still being prefilled.
         for seq in self.prefilling.values():
-            end = self._chunk_end(seq.num_computed_tokens, len(seq.token_ids))
+            end = self._chunk_end(seq.num_computed_tokens, self._target(seq))
             if end - seq.num_computed_tokens > budget:
                 continue
             assert self.block_manager.can_allocate(seq, end), "KV is taken for the whole prompt at admission"
@@ -93,7 +169,9 @@ class Scheduler:
             m = self.block_manager.admissible(seq, self.block_manager.match(seq))
             if m is None:
                 break
-            end = self._chunk_end(m.reuse, len(seq.token_ids))
+            if seq.seq_id in self.forks and m.reuse >= self.forks[seq.seq_id][0]:
+                self._release_forks(seq.seq_id, at=1)  # the fork point is cached: children restore it as well
+            end = self._chunk_end(m.reuse, self._target(seq))
             if end - m.reuse > budget:
                 break
             self.waiting.popleft()
@@ -122,7 +200,7 @@ class Scheduler:
     def _allocate(self, seq: Sequence, end: int) -> LinearStateCacheOp | None:
         """A running sequence's next step; a warm op here is the copy after a deferred save."""
         op = self.block_manager.allocate(seq, end)
-        if op is not None and op.is_warm_restore:
+        if op is not None and op.restores_checkpoint:
             self.counters["rotation_copies"] += 1
         return op
 
@@ -144,11 +222,14 @@ class Scheduler:
             slot_mapping = [table[start // bs] * bs + start % bs]
         else:
             slot_mapping = [table[p // bs] * bs + p % bs for p in range(start, end)]
+        sample = end == len(seq.token_ids)
         return ScheduledSequence(
             seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
             block_table=table, slot_mapping=slot_mapping, linear_op=op,
-            sample=end == len(seq.token_ids), sampling_params=seq.sampling_params,
-            num_generated=seq.num_generated)
+            sample=sample, sampling_params=seq.sampling_params,
+            num_generated=seq.num_generated,
+            history=list(seq.token_ids) if sample and seq.sampling_params.uses_penalties else None,
+            num_prompt_tokens=seq.num_prompt_tokens)
 
     def postprocess(self, plan: StepPlan, sampled_token_ids: list[int | None]) -> list[Sequence]:
         """Advance the sequences of an executed plan; return the ones that finished."""
@@ -182,12 +263,12 @@ class Scheduler:
         return finished
 
     def _release_aborted_inflight(self) -> None:
-        for seq_id in sorted(self.aborted_inflight):
+        ids, self.aborted_inflight = sorted(self.aborted_inflight), set()
+        for seq_id in ids:
             seq = self.seqs.get(seq_id)
             if seq is not None:
                 seq.pending_save_hash = None  # its step may not have completed: save nothing of it
-                self._finish(seq, "abort")
-        self.aborted_inflight.clear()
+                self.abort(seq_id)
 
     def fail_step(self, plan: StepPlan) -> list[Sequence]:
         """The device step of `plan` raised: finish its sequences with "error" and release everything they held
@@ -205,6 +286,9 @@ class Scheduler:
             seq.pending_save_hash = None
             self._finish(seq, "error")
             failed.append(seq)
+            for child in self.forks.pop(seq.seq_id, (0, []))[1]:  # samples waiting to fork from it
+                self._finish(child, "error")
+                failed.append(child)
         self.counters["failed_steps"] += 1
         self.counters["failed_requests"] += len(failed)
         return failed
@@ -220,10 +304,11 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling_params
-        if not sp.ignore_eos and token == self.config.eos_token_id:
-            return "stop"
-        if sp.stop_token_ids and token in sp.stop_token_ids:
-            return "stop"
+        if seq.num_generated > sp.min_tokens:  # a stop token counts from output index min_tokens on
+            if not sp.ignore_eos and token == self.config.eos_token_id:
+                return "stop"
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                return "stop"
         if seq.num_generated >= sp.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
             return "length"
         return None
@@ -302,7 +387,15 @@ class Scheduler:
             assert seq.status == SequenceStatus.WAITING and self.seqs[seq.seq_id] is seq
             assert not seq.block_table and seq.linear_state_id == -1 and seq.num_computed_tokens == 0
             assert seq.pending_save_hash is None
-        assert len(self.running) + len(self.waiting) == len(self.seqs)
+        pending = [c for _, children in self.forks.values() for c in children]
+        for parent_id, (point, children) in self.forks.items():
+            parent = self.seqs[parent_id]
+            assert parent.status != SequenceStatus.FINISHED and parent.num_computed_tokens <= point and children
+            assert point % bs == 0 and all(c.token_ids == parent.token_ids for c in children)
+        for seq in pending:
+            assert seq.status == SequenceStatus.WAITING and self.seqs[seq.seq_id] is seq
+            assert not seq.block_table and seq.linear_state_id == -1 and seq.num_computed_tokens == 0
+        assert len(self.running) + len(self.waiting) + len(pending) == len(self.seqs)
         if self.inflight is None:
             assert list(self.prefilling.values()) == [s for s in self.running if s.is_prefilling]
         assert len(self.running) <= self.config.max_num_seqs
@@ -312,6 +405,6 @@ class Scheduler:
             linear.check_invariants(self.running, pins_allowed=self.inflight is not None)
             if linear.index is not None:
                 expected = Counter(row.linear_op.restore_src_slot_id for row in self.inflight.seqs
-                                   if row.linear_op.is_warm_restore) if self.inflight else Counter()
+                                   if row.linear_op.restores_checkpoint) if self.inflight else Counter()
                 pins = Counter({s: p for s, p in linear.index.pins.items() if p})
                 assert pins == expected, "pins differ from the in-flight restore sources"

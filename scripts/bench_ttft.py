@@ -1,12 +1,20 @@
-"""TTFT with and without the linear-state prefix cache, and the cost of a restore inside a step.
+"""TTFT study: time to first token with the prefix cache on and off, on the workloads a prefix cache is for.
 
-    python scripts/bench_ttft.py [--preset hybrid-1024] [--prompt 2048] [--shared 1792] [--chunk-stride 256]
+    python scripts/bench_ttft.py [--model tiny] [--dtype float32] [--out results] [--quick]
+    python scripts/bench_ttft.py --ab [--model hybrid-1024] [--prompt 2048] [--shared 1792] [--chunk-stride 256]
 
-Request A (a `--prompt`-token prompt) runs first; request B shares A's first `--shared` tokens and has its own
-tail. With the cache on, B restores the checkpoint at `--shared` and prefills only its tail; with it off, B
-prefills everything. TTFT is client-side (submission to first token) after warm-up (one untimed round on other
-tokens compiles every shape used). Also compares the engine step in which B's tail runs after a warm restore with
-the step that runs the same tail shape (same rows, tokens, blocks) without one. Prints a table and writes JSON.
+Study (the default). Seeded workloads: a shared system prompt with distinct questions, multi-turn conversations
+(each turn extends the previous prompt and its answer), identical repeats, and a no-sharing control. Each runs with
+the cache on and off, serially (one request at a time) and concurrently (a wave submitted together through
+`LLMEngine`), after a warm-up pass of the same shapes on other tokens (the prefix cache is emptied after it). TTFT is
+client-side: from `add_request` to the step that returns the first token. Reports p50 / p90 / mean TTFT, hit rate,
+reused tokens and the counters; plots TTFT against the shared-prefix length, cache on vs off. Writes
+DIR/bench_ttft.json and DIR/bench_ttft.png.
+
+A/B (`--ab`). Request A (a `--prompt`-token prompt) runs first; request B shares A's first `--shared` tokens and has
+its own tail. With the cache on, B restores the checkpoint at `--shared` and prefills only its tail; with it off, B
+prefills everything. Also compares the engine step in which B's tail runs after a warm restore with the step that
+runs the same tail shape (same rows, tokens, blocks) without one. Writes DIR/bench_ttft_ab.json.
 """
 
 from __future__ import annotations
@@ -41,21 +49,11 @@ def run_request(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
     return {"ttft_s": first, "num_cached_tokens": cached, "steps": steps}
 
 
-def main():
-    ap = argparse.ArgumentParser(prog="bench_ttft.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="hybrid-1024", help="model preset or HF folder (default: %(default)s)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations (default: %(default)s)")
-    ap.add_argument("--prompt", type=int, default=2048, help="tokens of each prompt (default: %(default)s)")
-    ap.add_argument("--shared", type=int, default=1792, help="tokens request B shares with request A (default: %(default)s)")
-    ap.add_argument("--chunk-stride", type=int, default=256, help="tokens between checkpoints (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up round (default: %(default)s)")
-    ap.add_argument("--out", default="results/bench_ttft.json", help="JSON output (default: %(default)s)")
-    args = ap.parse_args()
-
+def ab(args) -> dict:
     kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=4,
               max_model_len=args.prompt + 64, num_linear_slots=16, max_num_batched_tokens=args.chunk_stride)
-    engines = {"cache on": LLMEngine(args.preset, enable_prefix_caching=True, **kw),
-               "cache off": LLMEngine(args.preset, enable_prefix_caching=False, **kw)}
+    engines = {"cache on": LLMEngine(args.model, enable_prefix_caching=True, **kw),
+               "cache off": LLMEngine(args.model, enable_prefix_caching=False, **kw)}
     vocab = engines["cache on"].cfg.vocab_size
     rng = np.random.default_rng(0)
     results = {name: [] for name in engines}
@@ -79,7 +77,7 @@ def main():
     assert all(r["steps"][-1]["warm_restores"] == 0 for r in off)
     ratio = ttft_on / ttft_off
 
-    print(f"\n{args.preset} ({args.dtype}), backend {jax.default_backend()}: prompt {args.prompt}, "
+    print(f"\n{args.model} ({args.dtype}), backend {jax.default_backend()}: prompt {args.prompt}, "
           f"shared {args.shared}, chunk_stride {args.chunk_stride}; median of {args.rounds} rounds after warm-up")
     print(f"{'':<28}{'cache on':>12}{'cache off':>12}")
     print(f"{'TTFT of B (ms)':<28}{1e3 * ttft_on:>12.1f}{1e3 * ttft_off:>12.1f}")
@@ -92,10 +90,161 @@ def main():
            "ttft_ratio": ratio, "restore_step_s": restore_step, "plain_step_s": plain_step,
            "restore_step_overhead": restore_step / plain_step - 1, "rounds": results,
            "memory": {n: e.memory.describe() for n, e in engines.items()}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    path = Path(args.out) / "bench_ttft_ab.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return out
 
 
-if __name__ == "__main__":
-    main()
+# ---- the study ------------------------------------------------------------------------------------------------
+def _words(rng, tok, n: int) -> list[int]:
+    """About n tokens of random lowercase words (readable; no sharing beyond what a workload adds on purpose)."""
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    text = " ".join("".join(rng.choice(letters, int(rng.integers(2, 9)))) for _ in range(n // 4 + 2))
+    return tok.encode(text)[:n]
+
+
+def workloads(rng, tok, q: bool):
+    """name -> list of waves; a wave is a list of prompts submitted together in concurrent mode. Multi-turn waves
+    are callables that build the next turn from the previous answers."""
+    n_req, sys_len, q_len = (4, 256, 24) if q else (8, 1024, 48)
+    system = _words(rng, tok, sys_len)
+    out = {"shared system prompt": [[system + _words(rng, tok, q_len) for _ in range(n_req)]],
+           "repeats": [[system[:sys_len // 2] + _words(rng, tok, q_len)] * n_req],
+           "no sharing": [[_words(rng, tok, sys_len // 2 + q_len) for _ in range(n_req)]]}
+    convs, turns = (3, 3) if q else (4, 4)
+    firsts = [system[:sys_len // 4] + _words(rng, tok, q_len) for _ in range(convs)]
+    users = [[_words(rng, tok, q_len) for _ in range(turns - 1)] for _ in range(convs)]
+    out["multi-turn"] = [firsts] + [lambda prev, t=t: [p + a + users[c][t] for c, (p, a) in enumerate(prev)]
+                                     for t in range(turns - 1)]
+    return out
+
+
+def run_waves(engine: LLMEngine, waves, concurrent: bool, max_tokens: int) -> list[dict]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    records, prev, n = [], None, 0
+    for wave in waves:
+        prompts = wave(prev) if callable(wave) else wave
+        done = {}
+        groups = [list(enumerate(prompts))] if concurrent else [[(i, p)] for i, p in enumerate(prompts)]
+        for group in groups:
+            for i, p in group:
+                engine.add_request(f"r{n}-{i}", p, params)
+            while engine.has_unfinished_requests():
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+        outs = [done[f"r{n}-{i}"] for i in range(len(prompts))]
+        n += 1
+        prev = [(p, o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        records += [{"ttft_s": o.metrics.ttft, "prompt": len(o.prompt_token_ids), "cached": o.num_cached_tokens}
+                    for o in outs]
+    return records
+
+
+def summarize(records, delta) -> dict:
+    t = np.array([r["ttft_s"] for r in records])
+    return {"requests": len(records), "ttft_p50_ms": 1e3 * float(np.percentile(t, 50)),
+            "ttft_p90_ms": 1e3 * float(np.percentile(t, 90)), "ttft_mean_ms": 1e3 * float(t.mean()),
+            "hit_rate": delta["hits"] / max(delta["queries"], 1), "reused_tokens": delta["reused_tokens"],
+            "prompt_tokens": sum(r["prompt"] for r in records), "counters": delta}
+
+
+COUNTERS = ("queries", "hits", "query_tokens", "reused_tokens", "checkpoints_saved", "checkpoints_restored",
+            "rotation_copies", "checkpoints_evicted", "preemptions", "compilations")
+
+
+def measured(engine: LLMEngine, make, concurrent: bool, max_tokens: int):
+    """A warm-up pass of the same shapes on other tokens, an emptied prefix cache, then the measured pass."""
+    run_waves(engine, make(1), concurrent, max_tokens)
+    engine.reset_prefix_cache()
+    before = engine.cache_stats()
+    recs = run_waves(engine, make(0), concurrent, max_tokens)
+    after = engine.cache_stats()
+    return summarize(recs, {k: after[k] - before[k] for k in COUNTERS})
+
+
+def study(args) -> dict:
+    from tqdm.auto import tqdm
+    q = args.quick
+    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=8,
+              max_model_len=2048, verbose=False)
+    engines = {"on": LLMEngine(args.model, enable_prefix_caching=True, **kw),
+               "off": LLMEngine(args.model, enable_prefix_caching=False, **kw)}
+    tok = engines["on"].tokenizer
+    names = list(workloads(np.random.default_rng(0), tok, q))
+    max_tokens = 4 if q else 16
+    lengths = [64, 256] if q else [128, 256, 512, 1024]
+    bar = tqdm(total=len(names) * 4 + len(lengths) * 2, desc="TTFT study", unit="run")
+    rows = []
+    for name in names:
+        for mode in ("serial", "concurrent"):
+            for cache, engine in engines.items():
+                s = measured(engine, lambda seed: workloads(np.random.default_rng(seed + 1), tok, q)[name],
+                             mode == "concurrent", max_tokens)
+                rows.append({"workload": name, "mode": mode, "cache": cache, **s})
+                bar.update(1)
+    sweep = []  # serial TTFT against the shared-prefix length
+    for n in lengths:
+        def make(seed, n=n):
+            rng = np.random.default_rng(100 + seed)
+            system = _words(rng, tok, n)
+            return [[system + _words(rng, tok, 24) for _ in range(3)]]
+        for cache, engine in engines.items():
+            s = measured(engine, make, False, max_tokens)
+            sweep.append({"shared_prefix": n, "cache": cache, **s})
+            bar.update(1)
+    bar.close()
+
+    print(f"\n{args.model} ({args.dtype}), chunk_stride {args.chunk_stride}; TTFT after warm-up, ms")
+    print(f"{'workload':<22}{'mode':<12}{'cache':<7}{'p50':>8}{'p90':>8}{'mean':>8}{'hit rate':>10}{'reused':>8}"
+          f"{'of':>7}")
+    for r in rows:
+        print(f"{r['workload']:<22}{r['mode']:<12}{r['cache']:<7}{r['ttft_p50_ms']:>8.1f}{r['ttft_p90_ms']:>8.1f}"
+              f"{r['ttft_mean_ms']:>8.1f}{r['hit_rate']:>10.2f}{r['reused_tokens']:>8}{r['prompt_tokens']:>7}")
+    print(f"\n{'shared prefix':<15}" + "".join(f"{'p50 ' + c:>12}" for c in engines))
+    for n in lengths:
+        print(f"{n:<15}" + "".join(f"{r['ttft_p50_ms']:>12.1f}" for r in sweep if r["shared_prefix"] == n))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"model": args.model, "dtype": args.dtype, "backend": jax.default_backend(),
+              "config": {"chunk_stride": args.chunk_stride, "quick": q, "max_tokens": max_tokens}, "rows": rows,
+              "prefix_sweep": sweep}
+    (out / "bench_ttft.json").write_text(json.dumps(result, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cache in engines:
+        pts = [(r["shared_prefix"], r["ttft_p50_ms"]) for r in sweep if r["cache"] == cache]
+        ax.plot(*zip(*pts), marker="o", label=f"cache {cache}")
+    ax.set_xlabel("shared prefix (tokens)")
+    ax.set_ylabel("TTFT p50 (ms), serial")
+    ax.set_title(f"TTFT vs shared prefix ({args.model}, {args.dtype})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "bench_ttft.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out / 'bench_ttft.json'} and {out / 'bench_ttft.png'}")
+    return result
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="bench_ttft.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "--preset", default=None,
+                    help="preset or HF folder (default: tiny for the study, hybrid-1024 for --ab)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights and activations (default: %(default)s)")
+    ap.add_argument("--out", default="results", help="output folder (default: %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (a test runs this) (default: off)")
+    ap.add_argument("--ab", action="store_true", help="the A/B restore comparison instead of the study (default: off)")
+    ap.add_argument("--prompt", type=int, default=2048, help="--ab: tokens of each prompt (default: %(default)s)")
+    ap.add_argument("--shared", type=int, default=1792,
+                    help="--ab: tokens request B shares with request A (default: %(default)s)")
+    ap.add_argument("--chunk-stride", type=int, default=None,
+                    help="tokens between checkpoints (default: 64 for the study, 256 for --ab)")
+    ap.add_argument("--rounds", type=int, default=3, help="--ab: timed rounds after the warm-up round (default: %(default)s)")
+    args = ap.parse_args(argv)
+    args.model = args.model or ("hybrid-1024" if args.ab else "tiny")
+    args.chunk_stride = args.chunk_stride or (256 if args.ab else 64)
+    return ab(args) if args.ab else study(args)

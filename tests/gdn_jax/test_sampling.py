@@ -1,5 +1,10 @@
-"""Sampling on device, logprobs, stop conditions and tokenizers."""
+"""The sampler against small numpy references: statistics of every filter, penalties, the min_tokens ban, ties and
+boundaries; then logprobs, stop conditions and tokenizers through the engine.
 
+The statistical tests are deterministic (fixed seeds): 20k draws of one row of logits, each draw at its own output
+position of one seed, compared with the renormalised softmax over the allowed support by a chi-square test."""
+
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -7,41 +12,209 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 from gdn_jax import LLM, SamplingParams
-from gdn_jax.sampling import MAX_LOGPROBS, sample
+from gdn_jax.sampling import MAX_LOGPROBS, SamplingMetadata, process_logits, sample
 from gdn_jax.tokenizer import ByteTokenizer
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
+N = 20_000
 sample_jit = jax.jit(sample)
+process_jit = jax.jit(process_logits)
 
 
-def _keys(n, seed=0):
-    return jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(n))
+def metadata(rows: int, width: int = 1, **fields) -> SamplingMetadata:
+    """Padding metadata (greedy, no filters) with `fields` broadcast over the rows; sampling rows draw from seed
+    1234 at output positions 0..rows-1 unless given."""
+    md = SamplingMetadata.padding(rows, np.shape(fields["history"])[-1] if "history" in fields else width)
+    base = dict(seeds=np.full(rows, 1234, np.uint32), positions=np.arange(rows, dtype=np.int32))
+    base.update(fields)
+    out = {}
+    for name, value in base.items():
+        like = getattr(md, name)
+        out[name] = np.broadcast_to(np.asarray(value, like.dtype), like.shape).copy()
+    return dataclasses.replace(md, **out)
 
 
-def test_greedy_top_k_one_and_tiny_top_p_all_pick_the_argmax():
+# ---- numpy references -----------------------------------------------------------------------------------------
+def ref_penalties(logits, history, prompt_lens, presence, frequency, repetition):
+    x = np.array(logits, np.float64)
+    for b in range(x.shape[0]):
+        toks = [t for t in history[b] if t >= 0]
+        out = toks[prompt_lens[b]:]
+        seen = sorted(set(toks))
+        x[b, seen] = np.where(x[b, seen] > 0, x[b, seen] / repetition[b], x[b, seen] * repetition[b])
+        for t in set(out):
+            x[b, t] -= frequency[b] * out.count(t) + presence[b]
+    return x
+
+
+def ref_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, probs=None):
+    """The renormalised distribution over the allowed support (float64). `probs` overrides softmax(logits / T)
+    with exact values, for boundaries that must fall exactly on a cumulative sum."""
+    x = np.asarray(logits, np.float64) / temperature
+    p = np.exp(x - x.max()) / np.exp(x - x.max()).sum() if probs is None else np.asarray(probs, np.float64)
+    keep = p >= min_p * p.max()
+    if top_k > 0:
+        keep &= p >= np.sort(p)[::-1][top_k - 1]                       # ties at the k-th value stay
+    if top_p < 1.0:
+        q = np.where(keep, p, 0.0) / np.where(keep, p, 0.0).sum()
+        desc = np.sort(q)[::-1]
+        above = np.concatenate([[0.0], np.cumsum(desc)[:-1]])
+        bar = desc[above < top_p][-1]                                  # least likely token still needed
+        keep &= q >= bar                                               # ties with it stay
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def draw(logits, **fields) -> np.ndarray:
+    """N draws from one row of logits: counts per token."""
+    logits = jnp.tile(jnp.asarray(logits, jnp.float32), (N, 1))
+    toks, *_ = sample_jit(logits, metadata(N, **fields))
+    return np.bincount(np.asarray(toks), minlength=logits.shape[1])
+
+
+def assert_matches(counts, expected):
+    """No draw outside the support; chi-square p > 1e-3 with bins of expected count < 5 pooled."""
+    support = expected > 0
+    assert counts[~support].sum() == 0, f"tokens outside the support drawn: {np.nonzero(counts * ~support)[0]}"
+    exp = expected[support] * counts.sum()
+    obs = counts[support]
+    small = exp < 5
+    if small.any():
+        exp = np.append(exp[~small], exp[small].sum())
+        obs = np.append(obs[~small], obs[small].sum())
+    if len(exp) < 2:
+        return
+    p = stats.chisquare(obs, exp).pvalue
+    assert p > 1e-3, f"chi-square p = {p:.2e}: observed {obs.tolist()} expected {np.round(exp, 1).tolist()}"
+
+
+LOGITS = np.array([2.0, 1.6, 1.3, 1.1, 0.9, 0.5, 0.2, 0.0, -0.4, -0.9, -1.5, -2.5], np.float32)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("knob", [{}, dict(top_k=4), dict(top_p=0.7), dict(min_p=0.2),
+                                  dict(top_k=6, top_p=0.8, min_p=0.05)])
+def test_frequencies_follow_the_renormalised_softmax(temperature, knob):
+    expected = ref_distribution(LOGITS, temperature, **knob)
+    if "top_p" in knob:  # the chosen top_p is no boundary case: the support is the same a little either side
+        for eps in (-1e-3, 1e-3):
+            assert (ref_distribution(LOGITS, temperature, **{**knob, "top_p": knob["top_p"] + eps}) > 0).tolist() \
+                == (expected > 0).tolist()
+    if knob:
+        assert 0 < (expected > 0).sum() < len(LOGITS)  # the filter really cuts
+    assert_matches(draw(LOGITS, temperature=temperature, **knob), expected)
+
+
+def test_each_row_follows_its_own_settings_in_a_mixed_batch():
+    """Four settings share one step (one row in four each): the sort-based filters of some rows must not leak
+    into the others."""
+    groups = [dict(temperature=0.5), dict(temperature=2.0, top_k=3), dict(temperature=1.0, top_p=0.6, min_p=0.1),
+              dict(temperature=0.0)]
+    fields = {name: np.array([g.get(name, default) for _ in range(N // 4) for g in groups])
+              for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))}
+    toks, *_ = sample_jit(jnp.tile(jnp.asarray(LOGITS), (N, 1)), metadata(N, **fields))
+    toks = np.asarray(toks).reshape(-1, 4)
+    for g, group in enumerate(groups):
+        counts = np.bincount(toks[:, g], minlength=len(LOGITS))
+        if group["temperature"] == 0.0:
+            assert counts[0] == N // 4
+        else:
+            assert_matches(counts, ref_distribution(LOGITS, **group))
+
+
+def test_ties_at_the_kth_value_are_all_kept():
+    logits = np.array([3.0, 2.0, 1.0, 1.0, 1.0, 0.5, 0.0, -1.0], np.float32)
+    expected = ref_distribution(logits, top_k=3)
+    assert np.nonzero(expected)[0].tolist() == [0, 1, 2, 3, 4]      # k = 3, but the 3rd value is shared by three
+    counts = draw(logits, temperature=1.0, top_k=3)
+    assert (counts[2:5] > 0).all()
+    assert_matches(counts, expected)
+
+
+@pytest.mark.parametrize("top_p, support", [(0.75, [0, 1]), (0.875, [0, 1, 2]), (0.751, [0, 1, 2]),
+                                            (0.5, [0]), (0.9375, [0, 1, 2, 3]), (0.97, [0, 1, 2, 3, 4, 5])])
+def test_top_p_boundary_exactly_on_a_cumulative_sum(top_p, support):
+    """Mass 1/2, 1/4, 1/8, ...: top_p = 0.75 is reached exactly by the first two tokens, so the third is out."""
+    probs = np.array([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 32])
+    expected = ref_distribution(None, top_p=top_p, probs=probs)
+    assert np.nonzero(expected)[0].tolist() == support
+    assert_matches(draw(np.log(probs).astype(np.float32), temperature=1.0, top_p=top_p), expected)
+
+
+def test_ties_at_the_top_p_cut_are_kept_together():
+    probs = np.array([1 / 2, 1 / 8, 1 / 8, 1 / 8, 1 / 8])
+    expected = ref_distribution(None, top_p=0.55, probs=probs)        # needs one 1/8 token; all four tie
+    assert (expected > 0).all()
+    assert_matches(draw(np.log(probs).astype(np.float32), temperature=1.0, top_p=0.55), expected)
+
+
+def test_penalties_and_min_tokens_ban_match_the_numpy_reference():
+    rng = np.random.default_rng(3)
+    B, V, W = 6, 40, 24
+    logits = rng.normal(0, 2, (B, V)).astype(np.float32)
+    history = np.full((B, W), -1, np.int32)
+    prompt_lens = rng.integers(0, 10, B).astype(np.int32)
+    for b in range(B):
+        n = int(rng.integers(prompt_lens[b], W + 1))
+        history[b, :n] = rng.integers(0, 12, n)                         # few distinct ids: many repeats
+    presence, frequency = rng.uniform(-2, 2, B).astype(np.float32), rng.uniform(-2, 2, B).astype(np.float32)
+    repetition = rng.uniform(0.5, 2.0, B).astype(np.float32)
+    presence[0], frequency[0], repetition[0] = 0.0, 0.0, 1.0           # a row without penalties
+    banned = np.full((B, SamplingMetadata.padding(1, 1).banned.shape[1]), -1, np.int32)
+    banned[2, :3] = [5, 39, 0]
+    md = metadata(B, W, history=history, prompt_lens=prompt_lens, presence_penalty=presence,
+                  frequency_penalty=frequency, repetition_penalty=repetition, banned=banned)
+    got = np.asarray(process_jit(jnp.asarray(logits), md))
+    ref = ref_penalties(logits, history, prompt_lens, presence, frequency, repetition)
+    ref[2, [5, 39, 0]] = -np.inf
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[0], logits[0])
+    # greedy follows the processed logits, not the raw ones
+    toks, *_ = sample_jit(jnp.asarray(logits), md)
+    assert np.asarray(toks).tolist() == np.argmax(ref, -1).tolist()
+
+
+def test_sampling_with_penalties_follows_the_penalised_softmax():
+    logits = LOGITS[:8]
+    history = np.array([0, 1, 1, 2, 0, 0, 3, -1, -1, -1], np.int32)     # prompt [0, 1, 1], output [2, 0, 0, 3]
+    kw = dict(presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.4)
+    ref = ref_penalties(logits[None], history[None], [3], *([v] for v in kw.values()))[0]
+    counts = draw(logits, temperature=1.0, history=history, prompt_lens=3, **kw)
+    assert_matches(counts, ref_distribution(ref))
+
+
+def test_min_tokens_ban_holds_under_sampling_and_greedy():
+    banned = np.full(SamplingMetadata.padding(1, 1).banned.shape[1], -1, np.int32)
+    banned[:2] = [0, 3]
+    counts = draw(LOGITS, temperature=2.0, banned=banned)
+    expected = ref_distribution(np.where(np.isin(np.arange(12), [0, 3]), -np.inf, LOGITS), 2.0)
+    assert_matches(counts, expected)
+    toks, *_ = sample_jit(jnp.asarray(LOGITS)[None], metadata(1, banned=banned))
+    assert int(toks[0]) == 1
+
+
+def test_greedy_top_k_one_tiny_top_p_and_tiny_temperature_all_pick_the_argmax():
     logits = jax.random.normal(jax.random.PRNGKey(0), (6, 300)) * 3
-    argmax = np.argmax(np.asarray(logits), -1)
-    greedy, *_ = sample_jit(logits, jnp.zeros(6), jnp.zeros(6, jnp.int32), jnp.ones(6), _keys(6))
-    topk1, *_ = sample_jit(logits, jnp.full(6, 2.0), jnp.ones(6, jnp.int32), jnp.ones(6), _keys(6))
-    topp, *_ = sample_jit(logits, jnp.full(6, 2.0), jnp.zeros(6, jnp.int32), jnp.full(6, 1e-4), _keys(6))
-    assert np.asarray(greedy).tolist() == np.asarray(topk1).tolist() == np.asarray(topp).tolist() == argmax.tolist()
+    argmax = np.argmax(np.asarray(logits), -1).tolist()
+    for fields in (dict(temperature=0.0), dict(temperature=2.0, top_k=1), dict(temperature=2.0, top_p=1e-4),
+                   dict(temperature=1e-6), dict(temperature=1.0, min_p=1.0)):
+        toks, *_ = sample_jit(logits, metadata(6, **fields))
+        assert np.asarray(toks).tolist() == argmax, fields
 
 
-def test_top_k_and_top_p_restrict_the_support():
-    logits = jnp.tile(jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05])), (2000, 1))
-    toks, *_ = sample_jit(logits, jnp.ones(2000), jnp.full(2000, 2, jnp.int32), jnp.ones(2000), _keys(2000))
-    assert set(np.asarray(toks).tolist()) == {0, 1}
-    toks, *_ = sample_jit(logits, jnp.ones(2000), jnp.zeros(2000, jnp.int32), jnp.full(2000, 0.85), _keys(2000, 1))
-    assert set(np.asarray(toks).tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.85 <= 0.95
-    freq = np.bincount(np.asarray(toks), minlength=4) / 2000
-    np.testing.assert_allclose(freq[:3], np.array([0.5, 0.3, 0.15]) / 0.95, atol=0.04)
+def test_top_k_above_the_vocabulary_is_off():
+    logits = jnp.tile(jnp.asarray(LOGITS), (64, 1))
+    wide = sample_jit(logits, metadata(64, temperature=1.0, top_k=10 ** 6))[0]
+    off = sample_jit(logits, metadata(64, temperature=1.0))[0]
+    assert np.asarray(wide).tolist() == np.asarray(off).tolist() and len(set(np.asarray(off).tolist())) > 4
 
 
 def test_logprobs_are_log_softmax_and_sorted():
     logits = jax.random.normal(jax.random.PRNGKey(1), (3, 64))
-    toks, chosen, top_ids, top_lp = sample_jit(logits, jnp.zeros(3), jnp.zeros(3, jnp.int32), jnp.ones(3), _keys(3))
+    toks, chosen, top_ids, top_lp = sample_jit(logits, metadata(3))
     ref = jax.nn.log_softmax(logits, -1)
     np.testing.assert_allclose(np.asarray(chosen), np.asarray(ref.max(-1)), rtol=1e-6)
     assert top_ids.shape == (3, MAX_LOGPROBS) and np.all(np.diff(np.asarray(top_lp), axis=-1) <= 0)

@@ -55,7 +55,8 @@ class FakeDevice:
                 new_state[op.linear_state_id] = ()
             else:
                 assert 0 < op.restore_src_slot_id < cfg.num_linear_slots
-                assert op.restore_src_slot_id not in lives, "restore source is a live slot"
+                # a checkpoint is never live; a fork reads its parent's live slot before anything advances it
+                assert op.fork or op.restore_src_slot_id not in lives, "restore source is a live slot"
                 new_state[op.linear_state_id] = self.state[op.restore_src_slot_id]
                 self.restores.append((row.seq_id, row.start_pos, op.restore_src_slot_id))
         self.state.update(new_state)

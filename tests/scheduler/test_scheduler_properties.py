@@ -54,6 +54,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.add(seq)
             self.dev.add(seq)
 
+    @rule(root=st.integers(0, len(ROOTS) - 1), k=st.integers(1, 24), n=st.integers(2, 4),
+          max_tokens=st.integers(1, 12))
+    def add_group(self, root, k, n, max_tokens):
+        """n samples of one prompt: forked from one prefill, or ordinary requests when a fork cannot happen."""
+        seqs = [make_seq(self.next_id + i, ROOTS[root][:k], max_tokens=max_tokens) for i in range(n)]
+        self.next_id += n
+        self.sched.add(seqs[0], forks=seqs[1:])
+        for seq in seqs:
+            self.dev.add(seq)
+
     @rule(n=st.integers(1, 4))
     def step(self, n):
         for _ in range(n):

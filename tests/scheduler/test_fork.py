@@ -1,0 +1,156 @@
+"""n > 1 at scheduler level: the prompt is prefilled once, children share its full KV blocks by refcount, copy the
+parent's live linear state through a fork op, recompute only the last partial block, and fall back to ordinary
+requests when a fork cannot happen. The fake device checks every state and KV read."""
+import pytest
+
+from scheduler import Scheduler
+from tests.scheduler.sched_helpers import FakeDevice, make_seq, run, small_config, submit
+
+PROMPT = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 0, 2, 6, 4, 3, 3, 2, 3, 0, 4, 6, 2, 6, 4, 3, 1]
+
+
+def _serve_group(cfg, prompt, n, max_tokens=3, first_id=1):
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    parent = make_seq(first_id, prompt, max_tokens=max_tokens)
+    children = [make_seq(first_id + i, prompt, max_tokens=max_tokens) for i in range(1, n)]
+    sched.add(parent, forks=children)
+    for s in [parent] + children:
+        dev.add(s)
+    return sched, dev, parent, children
+
+
+def _prefill_tokens(plans) -> int:
+    return sum(r.num_prompt_tokens_computed for p in plans for r in p.seqs)
+
+
+@pytest.mark.parametrize("length, caching", [(19, True), (19, False), (23, True), (17, True), (26, False)])
+def test_children_fork_from_one_prefill(length, caching):
+    """bs 4, chunk 8: 19 -> fork point 16, a checkpoint boundary (the parent rotates its slot into a checkpoint in
+    the very step its children read it); 23 -> 20, between boundaries; 17 -> 16 with one token left each."""
+    cfg = small_config(enable_prefix_caching=caching)
+    prompt = PROMPT[:length]
+    point = (length - 1) // 4 * 4
+    sched, dev, parent, children = _serve_group(cfg, prompt, 4)
+    plans = run(sched, dev)
+    # the prompt's first `point` tokens were computed once, the rest once per sample
+    assert _prefill_tokens(plans) == point + 4 * (length - point)
+    fork_rows = [r for p in plans for r in p.seqs if r.linear_op is not None and r.linear_op.fork]
+    assert sorted(r.seq_id for r in fork_rows) == [c.seq_id for c in children]
+    assert {r.start_pos for r in fork_rows} == {point} and all(r.sample for r in fork_rows)
+    k = next(i for i, p in enumerate(plans) if any(r.linear_op is not None and r.linear_op.fork for r in p.seqs))
+    fork_plan = plans[k]
+    before = [r for p in plans[:k] for r in p.seqs if r.seq_id == parent.seq_id][-1]
+    assert before.start_pos + len(before.token_ids) == point  # the parent stopped at the fork point
+    for r in fork_rows:  # the child's table starts with the parent's blocks (shared), then its own
+        assert r.block_table[:point // 4] == before.block_table[:point // 4]
+        assert r.block_table[point // 4] not in before.block_table
+    parent_rows = [r for r in fork_plan.seqs if r.seq_id == parent.seq_id]
+    if length - point >= 2:  # the parent advances in the same step its children copy its state
+        assert parent_rows and parent_rows[0].start_pos == point
+    src = {r.linear_op.restore_src_slot_id for r in fork_rows}
+    assert len(src) == 1  # all read the parent's live slot
+    s = sched.stats()
+    assert s["forks"] == 3 and s["fork_fallbacks"] == 0
+    assert s["queries"] == (1 if caching else 0) and s["hits"] == 0
+    assert s["live_slots"] == 0 and s["num_running"] == 0
+    outs = [parent.output_token_ids] + [c.output_token_ids for c in children]
+    assert all(o == outs[0] and len(o) == 3 for o in outs)  # the fake model is deterministic
+
+
+def test_children_share_the_full_blocks_by_refcount():
+    cfg = small_config()
+    sched, dev, parent, children = _serve_group(cfg, PROMPT[:23], 3)
+    plans = []
+    while not any(r.linear_op is not None and r.linear_op.fork for r in (plans[-1].seqs if plans else [])):
+        plan = sched.schedule()
+        plans.append(plan)
+        sched.check_invariants()
+        sched.postprocess(plan, dev.execute(plan))
+    kv = sched.block_manager.kv
+    shared = parent.block_table[:5]  # fork point 20 = 5 full blocks
+    assert all(c.block_table[:5] == shared for c in children)
+    assert all(kv.ref_counts[b] == 3 for b in shared)
+    own = [c.block_table[5] for c in children] + [parent.block_table[5]]
+    assert len(set(own)) == 3 and all(kv.ref_counts[b] == 1 for b in own)
+    assert len({c.linear_state_id for c in children} | {parent.linear_state_id}) == 3
+    run(sched, dev)
+    assert sched.stats()["forks"] == 2
+
+
+def test_checkpoint_restores_do_not_count_forks():
+    cfg = small_config()
+    single, dev1, *_ = _serve_group(cfg, PROMPT[:19], 1)
+    run(single, dev1)
+    group, dev4, *_ = _serve_group(cfg, PROMPT[:19], 4)
+    run(group, dev4)
+    assert group.stats()["checkpoints_restored"] == single.stats()["checkpoints_restored"]
+    assert group.stats()["forks"] == 3 and single.stats()["forks"] == 0
+
+
+def test_children_that_do_not_fit_run_as_ordinary_requests():
+    cfg = small_config(max_num_seqs=2)
+    sched, dev, parent, children = _serve_group(cfg, PROMPT[:19], 4)
+    plans = run(sched, dev)
+    s = sched.stats()
+    assert s["forks"] == 1 and s["fork_fallbacks"] == 2
+    assert all(c.finish_reason == "length" and c.output_token_ids == parent.output_token_ids for c in children)
+    # the two fallbacks prefill on their own (from the prefix cache: the fork point 16 is a checkpoint)
+    assert s["queries"] == 3 and s["hits"] == 2
+    assert _prefill_tokens(plans) == 16 + 2 * 3 + 2 * 3
+
+
+def test_a_cached_fork_point_turns_children_into_ordinary_cache_hits():
+    cfg = small_config()
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    submit(sched, dev, make_seq(1, PROMPT[:19], max_tokens=2))
+    run(sched, dev)
+    parent = make_seq(2, PROMPT[:19], max_tokens=2)
+    children = [make_seq(i, PROMPT[:19], max_tokens=2) for i in (3, 4)]
+    sched.add(parent, forks=children)
+    for s in [parent] + children:
+        dev.add(s)
+    run(sched, dev)
+    s = sched.stats()
+    assert s["forks"] == 0 and s["fork_fallbacks"] == 2 and s["hits"] == 3
+
+
+def test_short_prompt_has_nothing_to_share():
+    cfg = small_config()
+    sched, dev, parent, children = _serve_group(cfg, PROMPT[:4], 3)  # fork point 0
+    assert not sched.forks and len(sched.waiting) == 3
+    plans = run(sched, dev)
+    assert _prefill_tokens(plans) == 12 and sched.stats()["forks"] == 0
+
+
+def test_attention_only_model_forks_kv_only():
+    cfg = small_config(has_linear_attention_layers=False, num_linear_slots=0)
+    sched, dev, parent, children = _serve_group(cfg, PROMPT[:23], 3)
+    plans = run(sched, dev)
+    assert _prefill_tokens(plans) == 20 + 3 * 3 and sched.stats()["forks"] == 2
+
+
+@pytest.mark.parametrize("victim", ["parent", "child"])
+def test_abort_before_the_fork(victim):
+    cfg = small_config()
+    sched, dev, parent, children = _serve_group(cfg, PROMPT[:23], 3)
+    plan = sched.schedule()  # the parent's first chunk
+    sched.postprocess(plan, dev.execute(plan))
+    sched.abort(parent.seq_id if victim == "parent" else children[0].seq_id)
+    sched.check_invariants()
+    run(sched, dev)
+    if victim == "parent":
+        assert parent.finish_reason == "abort" and all(c.finish_reason == "length" for c in children)
+        assert sched.stats()["forks"] == 0 and sched.stats()["fork_fallbacks"] == 2
+    else:
+        assert children[0].finish_reason == "abort" and children[1].finish_reason == "length"
+        assert sched.stats()["forks"] == 1
+    assert sched.stats()["live_slots"] == 0
+
+
+def test_add_rejects_a_fork_with_another_prompt_or_a_clashing_id():
+    sched = Scheduler(small_config())
+    with pytest.raises(ValueError, match="shares its parent's prompt"):
+        sched.add(make_seq(1, PROMPT[:10]), forks=[make_seq(2, PROMPT[:9])])
+    with pytest.raises(ValueError, match="distinct seq_ids"):
+        sched.add(make_seq(1, PROMPT[:10]), forks=[make_seq(1, PROMPT[:10])])
+    assert not sched.seqs and not sched.waiting and not sched.forks
