@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterable
 
@@ -14,10 +15,11 @@ import numpy as np
 from gdn_jax.config import ModelConfig
 from gdn_jax.weights import load_model
 from gdn_jax.tokenizer import get_tokenizer
-from gdn_jax.worker import Worker, plan_memory
+from gdn_jax.worker import PromptLogprobs, Worker, plan_memory
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MAX_FULL_ROW_VOCAB = 65_536  # prompt_logprobs=-1 returns whole rows only for vocabularies up to this size
 
 
 @dataclasses.dataclass
@@ -25,6 +27,26 @@ class Logprob:
     logprob: float
     rank: int                       # 1 = most likely
     decoded_token: str | None = None
+
+
+class LogprobRow(Mapping):
+    """The whole log-distribution at one prompt position (`prompt_logprobs=-1`): a read-only {token_id: Logprob}
+    mapping over every vocabulary id, backed by one float32 row (`.array`) instead of V Python objects."""
+
+    def __init__(self, row: np.ndarray, decode):
+        self.array, self._decode = row, decode
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        if not (isinstance(token_id, (int, np.integer)) and 0 <= token_id < len(self.array)):
+            raise KeyError(token_id)
+        lp = self.array[token_id]
+        return Logprob(float(lp), 1 + int((self.array > lp).sum()), self._decode([int(token_id)]))
+
+    def __iter__(self):
+        return iter(range(len(self.array)))
+
+    def __len__(self) -> int:
+        return len(self.array)
 
 
 @dataclasses.dataclass
@@ -53,6 +75,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string that ended the text, if one did
 
 
 @dataclasses.dataclass
@@ -64,6 +87,10 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs: per prompt position a dict like `logprobs` (the prompt token and the top k), or
+    # None where nothing was computed: position 0, and positions p <= num_cached_tokens (their logits came from the
+    # prefix cache; `skip_reading_prefix_cache=True` computes them all).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -74,6 +101,9 @@ class _Request:
     metrics: RequestMetrics
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    text: str = ""                  # decoded output, cut before a stop string
+    stop_reason: str | None = None
 
 
 def _token_list(ids) -> list:
@@ -150,6 +180,9 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]!r} outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens is longer than max_model_len {self.max_model_len}")
+        if params.prompt_logprobs == -1 and self.cfg.vocab_size > MAX_FULL_ROW_VOCAB:
+            raise ValueError(f"prompt_logprobs=-1 (whole rows) needs a vocabulary of at most {MAX_FULL_ROW_VOCAB} "
+                             f"entries; this model has {self.cfg.vocab_size}")
         return text, ids, params
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
@@ -161,7 +194,8 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), ids, params)
         self.scheduler.add(seq)
         req = _Request(request_id, text, seq, RequestMetrics(arrival_time or time.perf_counter()),
-                       [] if params.logprobs is not None else None)
+                       [] if params.logprobs is not None else None,
+                       prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
 
@@ -185,7 +219,14 @@ class LLMEngine:
             m = self._by_seq[s.seq_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        result = self.worker.execute(plan)
+        targets = [self._prompt_targets(s) for s in plan.seqs] if plan.is_prefill else None
+        full = any(t is not None and self._by_seq[s.seq_id].seq.sampling_params.prompt_logprobs == -1
+                   for s, t in zip(plan.seqs, targets or ()))
+        result = self.worker.execute(plan, targets, full) if targets and any(targets) else self.worker.execute(plan)
+        if result.prompt is not None:
+            for i, (s, t) in enumerate(zip(plan.seqs, targets)):
+                if t is not None:
+                    self._record_prompt_logprobs(self._by_seq[s.seq_id], s.start_pos, t, result.prompt, i)
         self.last_step_info = {
             "is_prefill": plan.is_prefill, "rows": len(plan.seqs), "tokens": sum(len(s.token_ids) for s in plan.seqs),
             "warm_restores": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.is_warm_restore)}
@@ -198,6 +239,7 @@ class LLMEngine:
             if req is None or not s.sample:
                 continue
             self._record_token(req, sampled[i], result, i, now)
+            self._update_text(req, now)
             outputs.append(self._output(req))
             if req.seq.is_finished:
                 self._requests.pop(req.request_id, None)
@@ -216,25 +258,78 @@ class LLMEngine:
         req.cumulative_logprob += float(result.logprobs[row])
         k = seq.sampling_params.logprobs
         if k is not None:
-            entry = {token: Logprob(float(result.logprobs[row]), 1 + int((result.top_logprobs[row] >
-                                                                        result.logprobs[row]).sum()))}
-            for rank, (tid, lp) in enumerate(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]), start=1):
-                entry.setdefault(int(tid), Logprob(float(lp), rank))
-            for tid, lp in entry.items():
-                lp.decoded_token = self.tokenizer.decode([tid])
-            req.logprobs.append(entry)
+            rank = 1 + int((result.top_logprobs[row] > result.logprobs[row]).sum())
+            req.logprobs.append(self._logprob_entry(token, result.logprobs[row], rank, result.top_ids[row][:k],
+                                                    result.top_logprobs[row][:k]))
+
+    def _logprob_entry(self, token: int, logprob, rank: int, top_ids, top_logprobs) -> dict[int, Logprob]:
+        """{token: its logprob and rank} plus the top entries (vLLM's convention: the actual token always)."""
+        entry = {int(token): Logprob(float(logprob), int(rank))}
+        for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
+            entry.setdefault(int(tid), Logprob(float(lp), r))
+        for tid, lp in entry.items():
+            lp.decoded_token = self.tokenizer.decode([tid])
+        return entry
+
+    # ---- prompt logprobs and stop strings ------------------------------------------------------------------
+    def _prompt_targets(self, row) -> list[int] | None:
+        """The prompt tokens this prefill row's logits score: positions start+1 .. min(end, prompt_len - 1).
+        Only during the first admission: after a preemption the recorded values stand."""
+        req = self._by_seq[row.seq_id]
+        if req.prompt_logprobs is None or req.seq.num_preemptions:
+            return None
+        lo, hi = row.start_pos + 1, min(row.start_pos + len(row.token_ids), req.seq.num_prompt_tokens - 1)
+        return req.seq.token_ids[lo:hi + 1] if lo <= hi else None
+
+    def _record_prompt_logprobs(self, req: _Request, start: int, targets: list[int], prompt: PromptLogprobs,
+                                row: int) -> None:
+        k = req.seq.sampling_params.prompt_logprobs
+        for t, token in enumerate(targets):
+            if k == -1:
+                entry = LogprobRow(prompt.rows[row, t], self.tokenizer.decode)
+            else:
+                entry = self._logprob_entry(token, prompt.logprobs[row, t], prompt.ranks[row, t],
+                                            prompt.top_ids[row, t, :k], prompt.top_logprobs[row, t, :k])
+            req.prompt_logprobs[start + 1 + t] = entry
+
+    def _update_text(self, req: _Request, now: float) -> None:
+        """Decodes the output; the first stop string found ends the request, and the text is cut before it."""
+        seq = req.seq
+        req.text = self.tokenizer.decode(seq.output_token_ids)
+        stops = seq.sampling_params.stop
+        if not stops or seq.finish_reason == "abort":
+            return
+        hits = [(i, s) for s in stops if (i := req.text.find(s)) >= 0]
+        if hits:
+            i, req.stop_reason = min(hits)
+            req.text = req.text[:i]
+            if not seq.is_finished:
+                self.scheduler.abort(seq.seq_id)  # frees its slots and blocks like any finish
+                req.metrics.finished_time = now
+            seq.finish_reason = "stop"
+
+    def _visible_text(self, req: _Request) -> str:
+        """The text an unfinished request can show without taking it back later: it holds back a trailing
+        incomplete UTF-8 character and the last (longest stop - 1) characters, which may begin a stop string."""
+        if req.seq.is_finished:
+            return req.text
+        text = req.text.rstrip("\ufffd")
+        stops = req.seq.sampling_params.stop
+        return text[:max(0, len(text) - max(map(len, stops)) + 1)] if stops else text
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
         ids = list(seq.output_token_ids)
-        completion = CompletionOutput(0, self.tokenizer.decode(ids), ids, req.cumulative_logprob,
-                                      list(req.logprobs) if req.logprobs is not None else None, seq.finish_reason)
+        completion = CompletionOutput(0, self._visible_text(req), ids, req.cumulative_logprob,
+                                      list(req.logprobs) if req.logprobs is not None else None, seq.finish_reason,
+                                      req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
-                             seq.is_finished, req.metrics.num_cached_tokens, req.metrics)
+                             seq.is_finished, req.metrics.num_cached_tokens, req.metrics, req.prompt_logprobs)
 
-    def warm_up(self) -> int:
-        """Compiles every step shape now, so that no request pays a compilation later."""
-        return self.worker.warm_up()
+    def warm_up(self, prompt_logprobs: bool = False) -> int:
+        """Compiles every step shape now, so that no request pays a compilation later. The prompt-logprobs variant
+        of the prefill shapes is compiled lazily (on the first step that has such a row) unless `prompt_logprobs`."""
+        return self.worker.warm_up(prompt_logprobs)
 
     # ---- statistics -----------------------------------------------------------------------------------------
     def cache_stats(self) -> dict:

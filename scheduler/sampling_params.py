@@ -15,6 +15,12 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token
+    # Text stop sequences (vLLM semantics): generation stops once the output text contains one; the returned text is
+    # cut before it. Prompt logprobs: top-k per prompt position (-1: the whole row). skip_reading_prefix_cache: admit
+    # this request with no reuse (it still populates the cache), so every prompt position is computed.
+    stop: str | list[str] | None = None
+    prompt_logprobs: int | None = None
+    skip_reading_prefix_cache: bool = False
 
     def __post_init__(self):
         if not self.temperature >= 0.0:
@@ -31,6 +37,19 @@ class SamplingParams:
             self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        self._check_stop_and_prompt_logprobs()
+
+    def _check_stop_and_prompt_logprobs(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            self.stop = list(self.stop)
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not -1 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None, -1 (whole row) or in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:

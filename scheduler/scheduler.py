@@ -178,7 +178,7 @@ class Scheduler:
 
     # -- lifecycle -------------------------------------------------------------------------
     def _record_admission(self, seq: Sequence, m: PrefixMatch) -> None:
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and not seq.sampling_params.skip_reading_prefix_cache:
             self.counters["queries"] += 1
             self.counters["hits"] += m.reuse > 0
             self.counters["query_tokens"] += len(seq.token_ids)
