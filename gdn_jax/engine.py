@@ -208,6 +208,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def seq_id_of(self, request_id: str) -> int | None:
+        """The scheduler's sequence id of an unfinished request (to match it against a step plan)."""
+        req = self._requests.get(request_id)
+        return None if req is None else req.seq.seq_id
+
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns an output for every request that got a token or finished."""
