@@ -413,14 +413,19 @@ class _Server:
         for i, (text, ids) in enumerate(prompts):
             self.loop.submit(rids[i], {"prompt_token_ids": ids, "prompt": text}, params, _Sink(aloop, q, i), arrival)
         pending = set(range(len(prompts)))
+        next_check = time.monotonic() + 0.5
         try:
             while pending:
                 try:
                     async with asyncio.timeout(0.5):  # (no task per token, unlike wait_for on 3.11)
                         i, item = await q.get()
                 except TimeoutError:
+                    item = None
+                if time.monotonic() >= next_check or item is None:  # a gone client is noticed within ~0.5 s
+                    next_check = time.monotonic() + 0.5
                     if await request.is_disconnected():
                         return
+                if item is None:
                     continue
                 if isinstance(item, Exception):
                     raise item

@@ -187,6 +187,18 @@ def test_client_disconnect_aborts_the_request(server):
                     break  # leave mid-stream: closing the response drops the connection
     m = _assert_no_leak(server)
     assert m['gdn_jax_requests_finished_total{finish_reason="abort"}'] == before + 1
+    # a non-streaming client that gives up is noticed too (steps slowed to 20 ms: the request outlives the client)
+    worker = server.loop.engine.worker
+    real = worker.execute
+    worker.execute = lambda *a, **kw: (threading.Event().wait(0.02), real(*a, **kw))[1]
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json={**body, "stream": False},
+                       timeout=httpx.Timeout(60, read=0.5), headers={"Authorization": f"Bearer {KEY}"})
+        m = _assert_no_leak(server)
+    finally:
+        worker.execute = real
+    assert m['gdn_jax_requests_finished_total{finish_reason="abort"}'] == before + 2
 
 
 BAD = [
