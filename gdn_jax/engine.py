@@ -7,6 +7,7 @@ import itertools
 import os
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterable
 
@@ -17,11 +18,12 @@ import numpy as np
 from gdn_jax.config import ModelConfig
 from gdn_jax.weights import load_model
 from gdn_jax.tokenizer import get_tokenizer
-from gdn_jax.worker import GPU_MEMORY_UTILIZATION, Worker, default_memory_budget, plan_memory
+from gdn_jax.worker import GPU_MEMORY_UTILIZATION, PromptLogprobs, Worker, default_memory_budget, plan_memory
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 from scheduler.sampling_params import SEED_BOUND
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MAX_FULL_ROW_VOCAB = 65_536  # prompt_logprobs=-1 returns whole rows only for vocabularies up to this size
 
 
 @dataclasses.dataclass
@@ -29,6 +31,26 @@ class Logprob:
     logprob: float
     rank: int                       # 1 = most likely
     decoded_token: str | None = None
+
+
+class LogprobRow(Mapping):
+    """The whole log-distribution at one prompt position (`prompt_logprobs=-1`): a read-only {token_id: Logprob}
+    mapping over every vocabulary id, backed by one float32 row (`.array`) instead of V Python objects."""
+
+    def __init__(self, row: np.ndarray, decode):
+        self.array, self._decode = row, decode
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        if not (isinstance(token_id, (int, np.integer)) and 0 <= token_id < len(self.array)):
+            raise KeyError(token_id)
+        lp = self.array[token_id]
+        return Logprob(float(lp), 1 + int((self.array > lp).sum()), self._decode([int(token_id)]))
+
+    def __iter__(self):
+        return iter(range(len(self.array)))
+
+    def __len__(self) -> int:
+        return len(self.array)
 
 
 @dataclasses.dataclass
@@ -57,6 +79,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string that ended the text, if one did
 
 
 @dataclasses.dataclass
@@ -68,6 +91,10 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs: per prompt position a dict like `logprobs` (the prompt token and the top k), or
+    # None where nothing was computed: position 0, and positions p <= num_cached_tokens (their logits came from the
+    # prefix cache; `skip_reading_prefix_cache=True` computes them all).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None        # set when the request ended with finish_reason "error": what the step raised
 
 
@@ -90,6 +117,9 @@ class _Request:
     logprobs: list[list[dict[int, Logprob]] | None]    # per sample
     cumulative_logprob: list[float]                    # per sample
     error: str | None = None                           # what the failed step raised, if one did
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    texts: list[str] = dataclasses.field(default_factory=list)                # per sample, cut before a stop string
+    stop_reasons: list[str | None] = dataclasses.field(default_factory=list)  # per sample
 
     @property
     def seq(self) -> Sequence:
@@ -217,6 +247,9 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]!r} outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens is longer than max_model_len {self.max_model_len}")
+        if params.prompt_logprobs == -1 and self.cfg.vocab_size > MAX_FULL_ROW_VOCAB:
+            raise ValueError(f"prompt_logprobs=-1 (whole rows) needs a vocabulary of at most {MAX_FULL_ROW_VOCAB} "
+                             f"entries; this model has {self.cfg.vocab_size}")
         return text, ids, params
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
@@ -231,7 +264,9 @@ class LLMEngine:
             for i in range(params.n)]
         self.scheduler.add(seqs[0], forks=seqs[1:])
         req = _Request(request_id, text, seqs, RequestMetrics(arrival_time or time.perf_counter()),
-                       [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs))
+                       [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs),
+                       prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
+                       texts=[""] * len(seqs), stop_reasons=[None] * len(seqs))
         self._requests[request_id] = req
         for seq in seqs:
             self._by_seq[seq.seq_id] = req
@@ -246,6 +281,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def seq_id_of(self, request_id: str) -> int | None:
+        """The scheduler's sequence id of an unfinished request (to match it against a step plan)."""
+        req = self._requests.get(request_id)
+        return None if req is None else req.seq.seq_id
+
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns an output for every request that got a token or finished."""
@@ -257,10 +297,18 @@ class LLMEngine:
             m = self._by_seq[s.seq_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
+        targets = [self._prompt_targets(s) for s in plan.seqs] if plan.is_prefill else None
+        full = any(t is not None and self._by_seq[s.seq_id].seq.sampling_params.prompt_logprobs == -1
+                   for s, t in zip(plan.seqs, targets or ()))
         try:
-            result = self.worker.execute(plan)
+            result = (self.worker.execute(plan, targets, full) if targets and any(targets)
+                      else self.worker.execute(plan))
         except Exception as exc:
             self._fail_step(plan, exc)  # raises EngineStepError
+        if result.prompt is not None:
+            for i, (s, t) in enumerate(zip(plan.seqs, targets)):
+                if t is not None:
+                    self._record_prompt_logprobs(self._by_seq[s.seq_id], s.start_pos, t, result.prompt, i)
         self.last_step_info = {
             "is_prefill": plan.is_prefill, "rows": len(plan.seqs), "tokens": sum(len(s.token_ids) for s in plan.seqs),
             "warm_restores": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.restores_checkpoint),
@@ -273,7 +321,9 @@ class LLMEngine:
             req = self._by_seq.get(s.seq_id)
             if req is None or not s.sample:
                 continue
-            self._record_token(req, req.index(s.seq_id), sampled[i], result, i, now)
+            index = req.index(s.seq_id)
+            self._record_token(req, index, sampled[i], result, i, now)
+            self._update_text(req, index, now)
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
@@ -322,28 +372,83 @@ class LLMEngine:
         req.cumulative_logprob[index] += float(result.logprobs[row])
         k = seq.sampling_params.logprobs
         if k is not None:
-            entry = {token: Logprob(float(result.logprobs[row]), 1 + int((result.top_logprobs[row] >
-                                                                        result.logprobs[row]).sum()))}
-            for rank, (tid, lp) in enumerate(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]), start=1):
-                entry.setdefault(int(tid), Logprob(float(lp), rank))
-            for tid, lp in entry.items():
-                lp.decoded_token = self.tokenizer.decode([tid])
-            req.logprobs[index].append(entry)
+            rank = 1 + int((result.top_logprobs[row] > result.logprobs[row]).sum())
+            req.logprobs[index].append(self._logprob_entry(token, result.logprobs[row], rank,
+                                                           result.top_ids[row][:k], result.top_logprobs[row][:k]))
+
+    def _logprob_entry(self, token: int, logprob, rank: int, top_ids, top_logprobs) -> dict[int, Logprob]:
+        """{token: its logprob and rank} plus the top entries (vLLM's convention: the actual token always)."""
+        entry = {int(token): Logprob(float(logprob), int(rank))}
+        for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
+            entry.setdefault(int(tid), Logprob(float(lp), r))
+        for tid, lp in entry.items():
+            lp.decoded_token = self.tokenizer.decode([tid])
+        return entry
+
+    # ---- prompt logprobs and stop strings ------------------------------------------------------------------
+    def _prompt_targets(self, row) -> list[int] | None:
+        """The prompt tokens this prefill row's logits score: positions start+1 .. min(end, prompt_len - 1).
+        Only during the first admission: after a preemption the recorded values stand."""
+        req = self._by_seq[row.seq_id]
+        if req.prompt_logprobs is None or req.seq.seq_id != row.seq_id or req.seq.num_preemptions:
+            return None  # samples forked from the prompt (n > 1) score nothing: the first one did
+        lo, hi = row.start_pos + 1, min(row.start_pos + len(row.token_ids), req.seq.num_prompt_tokens - 1)
+        return req.seq.token_ids[lo:hi + 1] if lo <= hi else None
+
+    def _record_prompt_logprobs(self, req: _Request, start: int, targets: list[int], prompt: PromptLogprobs,
+                                row: int) -> None:
+        k = req.seq.sampling_params.prompt_logprobs
+        for t, token in enumerate(targets):
+            if k == -1:
+                entry = LogprobRow(prompt.rows[row, t], self.tokenizer.decode)
+            else:
+                entry = self._logprob_entry(token, prompt.logprobs[row, t], prompt.ranks[row, t],
+                                            prompt.top_ids[row, t, :k], prompt.top_logprobs[row, t, :k])
+            req.prompt_logprobs[start + 1 + t] = entry
+
+    def _update_text(self, req: _Request, index: int, now: float) -> None:
+        """Decodes sample `index`; the first stop string found ends that sample, and its text is cut before it."""
+        seq = req.seqs[index]
+        req.texts[index] = self.tokenizer.decode(seq.output_token_ids)
+        stops = seq.sampling_params.stop
+        if not stops or seq.finish_reason == "abort":
+            return
+        hits = [(i, s) for s in stops if (i := req.texts[index].find(s)) >= 0]
+        if hits:
+            i, req.stop_reasons[index] = min(hits)
+            req.texts[index] = req.texts[index][:i]
+            if not seq.is_finished:
+                self.scheduler.abort(seq.seq_id)  # frees its slots and blocks like any finish
+                req.metrics.finished_time = now
+            seq.finish_reason = "stop"
+
+    def _visible_text(self, req: _Request, index: int) -> str:
+        """The text an unfinished sample can show without taking it back later: it holds back a trailing
+        incomplete UTF-8 character and the last (longest stop - 1) characters, which may begin a stop string."""
+        seq = req.seqs[index]
+        if seq.is_finished:
+            return req.texts[index]
+        text = req.texts[index].rstrip("\ufffd")
+        stops = seq.sampling_params.stop
+        return text[:max(0, len(text) - max(map(len, stops)) + 1)] if stops else text
 
     def _output(self, req: _Request) -> RequestOutput:
         completions = []
         for i, seq in enumerate(req.seqs):
             ids = list(seq.output_token_ids)
             lps = req.logprobs[i]
-            completions.append(CompletionOutput(i, self.tokenizer.decode(ids), ids, req.cumulative_logprob[i],
-                                                list(lps) if lps is not None else None, seq.finish_reason))
+            completions.append(CompletionOutput(i, self._visible_text(req, i), ids, req.cumulative_logprob[i],
+                                                list(lps) if lps is not None else None, seq.finish_reason,
+                                                req.stop_reasons[i]))
         seq = req.seq
         return RequestOutput(req.request_id, req.prompt, seq.token_ids[:seq.num_prompt_tokens], completions,
-                             req.is_finished, req.metrics.num_cached_tokens, req.metrics, req.error)
+                             req.is_finished, req.metrics.num_cached_tokens, req.metrics,
+                             prompt_logprobs=req.prompt_logprobs, error=req.error)
 
-    def warm_up(self) -> int:
-        """Compiles every step shape now, so that no request pays a compilation later."""
-        return self.worker.warm_up()
+    def warm_up(self, prompt_logprobs: bool = False) -> int:
+        """Compiles every step shape now, so that no request pays a compilation later. The prompt-logprobs variant
+        of the prefill shapes is compiled lazily (on the first step that has such a row) unless `prompt_logprobs`."""
+        return self.worker.warm_up(prompt_logprobs)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached KV block and checkpoint no running request uses (e.g. between A/B rounds)."""

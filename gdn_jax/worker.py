@@ -18,6 +18,7 @@ from gdn_jax.config import ModelConfig
 from gdn_jax.model import Batch, forward, init_state
 from gdn_jax.restore import ops_to_arrays, restore_linear_state_slots, validate_cache_ops
 from gdn_jax.sampling import SamplingMetadata, sample
+from scheduler.sampling_params import MAX_LOGPROBS
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -136,12 +137,40 @@ def _step(graphdef, params, state, batch_arrays, live_ids, restore_requested, sr
     return (state, *sample(logits, sampling))
 
 
+def _step_prompt_logprobs(graphdef, params, state, batch_arrays, live_ids, restore_requested, src_ids,
+                          sampling: SamplingMetadata, targets, full_rows):
+    """`_step` plus the log-distribution at every position of the chunk (prompt logprobs). A separate executable,
+    so that steps without a prompt-logprobs row never pay for [B, T, V] logits. targets[b, t]: the prompt token at
+    position start + t + 1, scored by the logits of position start + t. `full_rows` (static) also returns every row."""
+    state, has_initial_state = restore_linear_state_slots(state, live_ids, restore_requested, src_ids)
+    batch = Batch(*batch_arrays, linear_ids=live_ids, has_initial_state=has_initial_state)
+    logits, state = forward(graphdef, params, batch, state, all_logits=True)        # [B, T, V]
+    last = jnp.take_along_axis(logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    rank = 1 + jnp.sum(logprobs > target_lp[..., None], axis=-1, dtype=jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    prompt = (target_lp, rank, top_ids.astype(jnp.int32), top_lp) + ((logprobs,) if full_rows else ())
+    return (state, *sample(last, sampling), prompt)
+
+
+@dataclasses.dataclass
+class PromptLogprobs:
+    """Per scheduled row and chunk position t: the logprob and rank of the prompt token at start + t + 1."""
+    logprobs: np.ndarray        # [rows, T]
+    ranks: np.ndarray           # [rows, T]
+    top_ids: np.ndarray         # [rows, T, MAX_LOGPROBS]
+    top_logprobs: np.ndarray    # [rows, T, MAX_LOGPROBS]
+    rows: np.ndarray | None     # [rows, T, V] the whole log-distribution, when a row asked for it
+
+
 @dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray          # [rows] sampled token per scheduled row
     logprobs: np.ndarray        # [rows] logprob of the sampled token
     top_ids: np.ndarray         # [rows, MAX_LOGPROBS]
     top_logprobs: np.ndarray    # [rows, MAX_LOGPROBS]
+    prompt: PromptLogprobs | None = None
 
 
 class Worker:
@@ -155,6 +184,8 @@ class Worker:
         self.seed, self.dtype = seed, dtype
         self.state = init_state(cfg, memory.num_kv_blocks, block_size, memory.num_linear_slots, dtype)
         self._fn = jax.jit(_step, static_argnums=(0,), donate_argnums=(2,))
+        # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
+        self._prompt_fn = jax.jit(_step_prompt_logprobs, static_argnums=(0, 9), donate_argnums=(2,))
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
     def _buckets(self, lo: int, hi: int) -> list[int]:
@@ -167,17 +198,23 @@ class Worker:
         blocks = self._buckets(min(8, self.max_blocks), self.max_blocks)
         return [(b, t, nb) for b in rows for t in tokens for nb in blocks]
 
-    def warm_up(self) -> int:
+    def warm_up(self, prompt_logprobs: bool = False) -> int:
         """Compiles the step for every shape bucket on an all-padding batch (writes land in block 0 / slot 0 only).
-        Afterwards no workload compiles again. Returns the number of shapes."""
+        Afterwards no workload compiles again. Returns the number of shapes. `prompt_logprobs` also compiles the
+        prompt-logprobs variant (top-k, not whole rows) of every prefill shape, which is otherwise compiled lazily."""
         shapes = self.shape_buckets()
-        for B, T, NB in shapes:
+        extra = [(B, T, NB, True) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
+        for B, T, NB, *prompt in [s + (False,) for s in shapes] + extra:
             z = np.zeros((B, T), np.int32)
             batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
             live, requested, src = ops_to_arrays([], B)
-            self._run(batch_arrays, live, requested, src, SamplingMetadata.padding(B, NB * self.block_size))
+            args = (batch_arrays, live, requested, src, SamplingMetadata.padding(B, NB * self.block_size))
+            if prompt[0]:
+                self._run(*args, z, False, fn=self._prompt_fn)
+            else:
+                self._run(*args)
         jax.block_until_ready(self.state)
-        return len(shapes)
+        return len(shapes) + len(extra)
 
     def state_lost(self) -> bool:
         """True when the pools were consumed (donated to a call that then failed) and must be rebuilt."""
@@ -188,15 +225,20 @@ class Worker:
         self.state = init_state(self.cfg, self.memory.num_kv_blocks, self.block_size, self.memory.num_linear_slots,
                                 self.dtype)
 
-    def _run(self, *args):
-        before = self._fn._cache_size()
-        out = self._fn(self.graphdef, self.params, self.state, *args)
-        self.num_compilations += self._fn._cache_size() - before
+    def _run(self, *args, fn=None):
+        fn = fn or self._fn
+        before = fn._cache_size()
+        out = fn(self.graphdef, self.params, self.state, *args)
+        self.num_compilations += fn._cache_size() - before
         self.state = out[0]
         return out[1:]
 
-    def execute(self, plan) -> StepResult:
-        """Runs one step plan (all-prefill or all-decode) and returns the sampled tokens per row."""
+    def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False
+                ) -> StepResult:
+        """Runs one step plan (all-prefill or all-decode) and returns the sampled tokens per row.
+
+        `prompt_targets[i]` (prefill only): the prompt tokens at positions start+1, start+2, ... of row i to score
+        from this chunk's logits; when any row has some, the step also returns `StepResult.prompt`."""
         seqs = plan.seqs
         n = len(seqs)
         longest = max(len(s.token_ids) for s in seqs)
@@ -226,6 +268,15 @@ class Worker:
         batch_arrays = (tokens, start, lengths, tables, slot_mapping)
         sampling = SamplingMetadata.from_rows(seqs, B, NB * self.block_size, self.cfg.vocab_size,
                                               self.cfg.eos_token_id, self.seed)
-        out = self._run(batch_arrays, live, requested, src, sampling)
-        toks, lp, top_ids, top_lp = jax.device_get(out)
+        args = (batch_arrays, live, requested, src, sampling)
+        if plan.is_prefill and prompt_targets and any(prompt_targets):
+            targets = np.zeros((B, T), np.int32)
+            for i, t in enumerate(prompt_targets):
+                targets[i, :len(t or ())] = t or ()
+            toks, lp, top_ids, top_lp, prompt = jax.device_get(self._run(*args, targets, full_rows,
+                                                                         fn=self._prompt_fn))
+            rows = prompt[4][:n] if full_rows else None
+            return StepResult(toks[:n], lp[:n], top_ids[:n], top_lp[:n],
+                              PromptLogprobs(*(a[:n] for a in prompt[:4]), rows))
+        toks, lp, top_ids, top_lp = jax.device_get(self._run(*args))
         return StepResult(toks[:n], lp[:n], top_ids[:n], top_lp[:n])

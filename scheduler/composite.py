@@ -36,8 +36,8 @@ class CompositeBlockManager:
     # -- admission of a sequence with nothing computed -------------------------------------
     def match(self, seq: Sequence) -> PrefixMatch:
         cfg = self.config
-        if not cfg.enable_prefix_caching:
-            return PrefixMatch([], 0, 0, 0, -1)
+        if not cfg.enable_prefix_caching or seq.sampling_params.skip_reading_prefix_cache:
+            return PrefixMatch([], 0, 0, 0, -1)  # (a skipping sequence still hashes and caches what it computes)
         seq.update_block_hashes(cfg.block_size, cfg.state_fingerprint)
         kv_blocks = self.kv.match(seq.token_ids, seq.block_hashes)
         kv_len = len(kv_blocks) * cfg.block_size

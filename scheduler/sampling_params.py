@@ -67,6 +67,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    # Text stop sequences (vLLM semantics): generation stops once the output text contains one; the returned text is
+    # cut before it. Prompt logprobs: top-k per prompt position (-1: the whole row). skip_reading_prefix_cache: admit
+    # this request with no reuse (it still populates the cache), so every prompt position is computed.
+    stop: str | list[str] | None = None
+    prompt_logprobs: int | None = None
+    skip_reading_prefix_cache: bool = False
 
     def __post_init__(self):
         self.temperature = _real("temperature", self.temperature)
@@ -105,6 +111,21 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self._check_stop_and_prompt_logprobs()
+
+    def _check_stop_and_prompt_logprobs(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            self.stop = list(self.stop)
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not -1 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None, -1 (whole row) or in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
+        if not isinstance(self.skip_reading_prefix_cache, bool):
+            raise ValueError(f"skip_reading_prefix_cache must be a bool, got {self.skip_reading_prefix_cache!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -318,7 +318,7 @@ class Scheduler:
         self.counters["checkpoints_restored"] += m.src_slot > 0
         if seq.num_admissions > 0:
             self.counters["readmissions"] += 1
-        elif self.config.enable_prefix_caching:
+        elif self.config.enable_prefix_caching and not seq.sampling_params.skip_reading_prefix_cache:
             self.counters["queries"] += 1
             self.counters["hits"] += m.reuse > 0
             self.counters["query_tokens"] += len(seq.token_ids)

@@ -1,0 +1,119 @@
+"""The `gdn-jax` console command: `gdn-jax serve` (OpenAI-compatible server) and `gdn-jax generate` (one prompt)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
+    ap.add_argument("--model", default="tiny", help="preset name (tiny, hybrid-1024, ...) or HF model folder")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--seed", type=int, default=0, help="weights of random presets; default sampling seed")
+    ap.add_argument("--max-model-len", type=int, default=max_model_len)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--chunk-stride", type=int, default=64)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--num-linear-slots", type=int, default=None)
+    ap.add_argument("--compilation-cache", default=str(Path.home() / ".cache" / "gdn-jax" / "jax"),
+                    help="JAX persistent compilation cache folder ('' disables it)")
+
+
+def _engine_kwargs(args) -> dict:
+    """LLMEngine keyword arguments from the shared flags (and the compilation cache set up on the way)."""
+    import jax
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return dict(dtype=args.dtype, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
+                block_size=args.block_size, chunk_stride=args.chunk_stride, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+                num_linear_slots=args.num_linear_slots)
+
+
+def _serve(args) -> None:
+    try:
+        from gdn_jax.server import ServerConfig, load_chat_template, serve
+    except ImportError as e:
+        sys.exit(f"gdn-jax serve needs the server extra: pip install 'gdn-jax[serve]' ({e})")
+    from gdn_jax.engine import LLMEngine
+    engine = LLMEngine(args.model, **_engine_kwargs(args))
+    if not args.no_warm_up:
+        t0 = time.perf_counter()
+        n = engine.warm_up(prompt_logprobs=args.warm_up_prompt_logprobs)
+        print(f"[gdn_jax] warm-up compiled {n} step shapes in {time.perf_counter() - t0:.1f} s", flush=True)
+    template = Path(args.chat_template).read_text() if args.chat_template else load_chat_template(args.model)
+    config = ServerConfig(model_name=args.served_model_name or args.model,
+                          api_key=args.api_key or os.environ.get("GDN_JAX_API_KEY") or None,
+                          max_request_bytes=args.max_request_bytes,
+                          max_tokens_limit=min(args.max_tokens_limit, args.max_model_len),
+                          chat_template=template)
+    print(f"[gdn_jax] serving {config.model_name} on http://{args.host}:{args.port}/v1", flush=True)
+    serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _generate(args) -> None:
+    from gdn_jax.engine import LLM
+    from scheduler import SamplingParams
+    llm = LLM(args.model, **_engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed_sampling, stop=args.stop or None,
+                            logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+    out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    if args.json:
+        print(json.dumps({"text": comp.text, "token_ids": comp.token_ids, "finish_reason": comp.finish_reason,
+                          "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
+                          "ttft_s": out.metrics.ttft,
+                          "logprobs": [{str(k): v.logprob for k, v in e.items()} for e in comp.logprobs or []]}))
+    else:
+        print(comp.text)
+        print(f"[{len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}, "
+              f"ttft {1e3 * out.metrics.ttft:.0f} ms (compilation included)]", file=sys.stderr)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="gdn-jax", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "/v1/models, /health, /metrics)")
+    _engine_args(s, max_model_len=2048)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+                                                   "(or set GDN_JAX_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="model id reported to clients (default: --model)")
+    s.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
+    s.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    s.add_argument("--chat-template", default=None, help="jinja chat template file (default: the model folder's)")
+    s.add_argument("--no-warm-up", action="store_true", help="compile step shapes lazily instead of at start-up")
+    s.add_argument("--warm-up-prompt-logprobs", action="store_true",
+                   help="also compile the prompt-logprobs (echo + logprobs) prefill variant at start-up")
+    s.add_argument("--log-level", default="info")
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt and print it")
+    _engine_args(g, max_model_len=4096)
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed-sampling", type=int, default=None, help="sampling seed of the request")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print the output as JSON")
+
+    args = ap.parse_args(argv)
+    (_serve if args.command == "serve" else _generate)(args)
+
+
+if __name__ == "__main__":
+    main()

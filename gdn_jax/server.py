@@ -1,0 +1,712 @@
+"""An OpenAI-compatible HTTP server over the step-level engine (FastAPI + uvicorn, `pip install gdn-jax[serve]`).
+
+One background thread owns the `LLMEngine` and drives `step()`. HTTP handlers run on the asyncio loop and never touch
+the engine: they validate a request (tokenize, check ids and lengths: pure reads of the engine's configuration), put an
+`add` or `abort` command on a queue, and read their request's outputs from an asyncio queue that the engine thread
+feeds with `call_soon_threadsafe`. Commands are applied between steps, so the engine is only ever used by one thread.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (models with a chat template), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). With `api_key` set, /v1/* needs `Authorization: Bearer <key>`, compared
+in constant time; /health and /metrics stay open (bind to loopback, the default, to keep them private).
+
+`echo` with `logprobs` scores the prompt from prompt logprobs. Positions served from the prefix cache have no logits,
+so such a request is admitted with `skip_reading_prefix_cache`: it computes its whole prompt (reporting
+`cached_tokens = 0`), while what it computes still populates the cache for other requests.
+
+A client that disconnects has its request aborted (its slots and blocks are freed at once). If an engine step raises,
+the requests of that step get an error (HTTP 500, or an error event on a stream) and the loop goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import itertools
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client.core import GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from gdn_jax.engine import EngineStepError, LLMEngine, RequestOutput
+from scheduler import SamplingParams
+
+log = logging.getLogger("gdn_jax.server")
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    model_name: str = "tiny"                 # the id clients pass as `model` (any value is accepted)
+    api_key: str | None = None
+    max_request_bytes: int = 1 << 20         # request bodies above this get a 413
+    max_tokens_limit: int = 1024             # the largest `max_tokens` accepted
+    max_prompts: int = 64                    # prompts in one /v1/completions request
+    chat_template: str | None = None         # jinja source; None: /v1/chat/completions answers 400
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+class EngineError(Exception):
+    """The engine failed this request (a step raised); reported as a 500 or an in-band stream error."""
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str | None = None) -> JSONResponse:
+    kind = kind or {401: "authentication_error", 413: "invalid_request_error", 500: "server_error"}.get(
+        status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+# ---- request bodies ----------------------------------------------------------------------------------------------
+class _Body(BaseModel):
+    # strict: a string is not silently taken as a number, nor a number as a string. Unknown fields are ignored.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def _parse(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else "body"
+        msg = err["msg"]
+        if field == "prompt" and err["type"] != "missing":
+            msg = "must be a string, a list of token ids, a list of strings or a list of token-id lists"
+        got = json.dumps(err.get("input"), default=str)
+        raise BadRequest(f"invalid field '{field}': {msg} (got {got[:80]})", param=field) from None
+
+
+# ---- the engine thread -------------------------------------------------------------------------------------------
+class _Sink:
+    """Where one engine request's outputs go: an asyncio queue of (index, RequestOutput | Exception)."""
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop, q: asyncio.Queue, index: int):
+        self.aloop, self.q, self.index = aloop, q, index
+        self.first = True
+
+    def put(self, item) -> None:
+        try:
+            self.aloop.call_soon_threadsafe(self.q.put_nowait, (self.index, item))
+        except RuntimeError:  # the event loop is closed (shutdown)
+            pass
+
+
+class EngineLoop:
+    """Drives `LLMEngine.step()` in one background thread; add/abort arrive as commands applied between steps."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gdn-jax-engine", daemon=True)
+        self.consecutive_failures = 0
+        # a snapshot for /metrics, replaced (never mutated) by the engine thread: at most every 50 ms while busy,
+        # and whenever it goes idle or applies commands
+        self.stats: dict = engine.cache_stats()
+        self._stats_time = time.perf_counter()
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(self))
+        self.ttft = Histogram("gdn_jax_time_to_first_token_seconds", "Arrival (HTTP request read) to first token",
+                              registry=self.registry,
+                              buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30, 60))
+        self.latency = Histogram("gdn_jax_e2e_request_latency_seconds", "Arrival to last token",
+                                 registry=self.registry, buckets=(.05, .1, .2, .5, 1, 2, 5, 10, 30, 60, 120, 300))
+        self.finished = Counter("gdn_jax_requests_finished", "Engine requests finished", ["finish_reason"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("gdn_jax_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=self.registry)
+        self.cached_tokens = Counter("gdn_jax_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("gdn_jax_generation_tokens", "Generated tokens", registry=self.registry)
+        self.step_failures = Counter("gdn_jax_step_failures", "Engine steps that raised", registry=self.registry)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(("wake",))
+        self._thread.join(timeout)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._sinks)
+
+    # called from the asyncio side ------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt, params: SamplingParams, sink: _Sink, arrival: float) -> None:
+        self._cmds.put(("add", request_id, prompt, params, sink, arrival))
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    # the engine thread -------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished_requests())
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - the loop must survive whatever a step raises
+                self._fail_step(e)
+                continue
+            self.consecutive_failures = 0
+            for out in outputs:
+                self._emit(out)
+            if not self.engine.has_unfinished_requests() or time.perf_counter() - self._stats_time > 0.05:
+                self._snapshot()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=0.1) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        self.stats, self._stats_time = self.engine.cache_stats(), time.perf_counter()
+
+    def _apply(self, cmd) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, params, sink, arrival = cmd
+            try:
+                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+            except Exception as e:  # noqa: BLE001 - validated before; reported to the one client
+                sink.put(BadRequest(str(e)) if isinstance(e, ValueError) else EngineError(f"{type(e).__name__}: {e}"))
+                return
+            self._sinks[rid] = sink
+        elif cmd[0] == "abort" and self._sinks.pop(cmd[1], None) is not None:
+            self.engine.abort_request(cmd[1])
+            self.finished.labels("abort").inc()
+
+    def _emit(self, out: RequestOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
+            return
+        m = out.metrics
+        if sink.first and m.ttft is not None:
+            sink.first = False
+            self.ttft.observe(m.ttft)
+        if out.finished:
+            del self._sinks[out.request_id]
+            self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
+            self.latency.observe(time.perf_counter() - m.arrival_time)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.cached_tokens.inc(out.num_cached_tokens)
+            self.generation_tokens.inc(len(out.outputs[0].token_ids))
+        sink.put(out)
+
+    def _fail_step(self, exc: Exception) -> None:
+        """The requests of the failed step get the error and are aborted; if the step died between schedule and
+        postprocess, the dead plan is retired (all its sequences are aborted by then) so scheduling can go on."""
+        self.step_failures.inc()
+        self.consecutive_failures += 1
+        log.exception("engine step failed")
+        err = EngineError(f"engine step failed: {type(exc).__name__}: {exc}")
+        if isinstance(exc, EngineStepError):  # the engine ended those requests and released what they held
+            for rid in exc.request_ids:
+                sink = self._sinks.pop(rid, None)
+                if sink is not None:
+                    sink.put(err)
+                    self.finished.labels("error").inc()
+            self._snapshot()
+            return
+        sched = self.engine.scheduler
+        plan = sched.inflight
+        in_plan = {s.seq_id for s in plan.seqs} if plan is not None else None
+        failed = [rid for rid in list(self._sinks)
+                  if in_plan is None or self.engine.seq_id_of(rid) in in_plan]
+        for rid in failed:
+            self._sinks.pop(rid).put(err)
+            self.engine.abort_request(rid)
+            self.finished.labels("error").inc()
+        if sched.inflight is not None:
+            sched.postprocess(sched.inflight, [None] * len(sched.inflight.seqs))
+        self._snapshot()
+
+
+class _StatsCollector:
+    """Exposes the engine's `cache_stats()` snapshot at scrape time, as labelled gauges."""
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+
+    def collect(self):
+        s, eng = self.loop.stats, self.loop.engine
+        cache = GaugeMetricFamily("gdn_jax_cache", "Engine cache_stats() counters and gauges", labels=["stat"])
+        for k, v in sorted(s.items()):
+            cache.add_metric([k], float(v))
+        yield cache
+        yield GaugeMetricFamily("gdn_jax_cache_hit_rate", "Prefix-cache hits / queries", value=s.get("hit_rate", 0.0))
+        slots = GaugeMetricFamily("gdn_jax_linear_slots", "Linear-state slots by state", labels=["state"])
+        for state in ("live", "checkpoint", "free"):
+            slots.add_metric([state], s.get(f"{state}_slots", 0))
+        yield slots
+        usable = eng.memory.num_kv_blocks - 1
+        blocks = GaugeMetricFamily("gdn_jax_kv_blocks", "KV blocks: in use by requests, cached (reusable), free "
+                                   "(allocatable, cached included)", labels=["state"])
+        blocks.add_metric(["in_use"], usable - s.get("kv_blocks_free", usable))
+        blocks.add_metric(["cached"], s.get("kv_blocks_cached", 0))
+        blocks.add_metric(["free"], s.get("kv_blocks_free", usable))
+        yield blocks
+        reqs = GaugeMetricFamily("gdn_jax_requests", "Requests by state", labels=["state"])
+        reqs.add_metric(["running"], s.get("num_running", 0))
+        reqs.add_metric(["waiting"], s.get("num_waiting", 0))
+        reqs.add_metric(["active"], self.loop.num_active)
+        yield reqs
+
+
+# ---- the HTTP application ----------------------------------------------------------------------------------------
+def load_chat_template(folder: str | Path | None) -> str | None:
+    """`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or the `default` entry)."""
+    if folder is None or not Path(folder).is_dir():
+        return None
+    path = Path(folder)
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    cfg = path / "tokenizer_config.json"
+    if cfg.is_file():
+        tpl = json.loads(cfg.read_text()).get("chat_template")
+        if isinstance(tpl, list):
+            tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+        return tpl if isinstance(tpl, str) else None
+    return None
+
+
+class _Server:
+    def __init__(self, loop: EngineLoop, config: ServerConfig):
+        self.loop, self.config, self.engine = loop, config, loop.engine
+        self.max_model_len = self.engine.max_model_len
+        self._chat = None
+        if config.chat_template:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            self._chat = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+                config.chat_template)
+        self._ids = itertools.count()
+
+    # -- shared parts -------------------------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        ok = hmac.compare_digest(token.strip().encode(), key.encode()) and scheme.lower() == "bearer"
+        if not ok:
+            raise BadRequest("invalid or missing API key: send 'Authorization: Bearer <key>'", status=401)
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
+        return bytes(body)
+
+    def sampling_params(self, req: _Sampling, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None, num_prompt_tokens: int) -> SamplingParams:
+        if req.n not in (None, 1):
+            raise BadRequest(f"n must be 1 (got {req.n})", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) not in (None, 0, 0.0):
+                raise BadRequest(f"{name} is not supported (must be 0)", name)
+        if req.seed is not None and not 0 <= req.seed < 2**32:
+            raise BadRequest(f"seed must be in [0, 2**32), got {req.seed}", "seed")
+        max_tokens = 16 if max_tokens is None else max_tokens
+        if not 1 <= max_tokens <= self.config.max_tokens_limit:
+            raise BadRequest(f"max_tokens must be in [1, {self.config.max_tokens_limit}], got {max_tokens}",
+                             "max_tokens")
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise BadRequest(f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                             f"needs {num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, "
+                             f"{max_tokens} in the completion)", "max_tokens")
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})", "stop_token_ids")
+        try:
+            return SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+                max_tokens=max_tokens, seed=req.seed, stop=req.stop or None, stop_token_ids=req.stop_token_ids,
+                ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                skip_reading_prefix_cache=prompt_logprobs is not None)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+
+    def validate_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        try:
+            text, ids, _ = self.engine.validate_request(prompt, params)
+        except ValueError as e:
+            raise BadRequest(f"prompt: {e}", "prompt") from None
+        return text, ids
+
+    async def run(self, request: Request, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+                  arrival: float):
+        """Submits one engine request per prompt; yields (index, RequestOutput) until all finish. Leaving early
+        (client gone, error) aborts whatever is unfinished."""
+        aloop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        base = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        rids = [f"{base}-{i}" for i in range(len(prompts))]
+        for i, (text, ids) in enumerate(prompts):
+            self.loop.submit(rids[i], {"prompt_token_ids": ids, "prompt": text}, params, _Sink(aloop, q, i), arrival)
+        pending = set(range(len(prompts)))
+        next_check = time.monotonic() + 0.5
+        try:
+            while pending:
+                try:
+                    async with asyncio.timeout(0.5):  # (no task per token, unlike wait_for on 3.11)
+                        i, item = await q.get()
+                except TimeoutError:
+                    item = None
+                if time.monotonic() >= next_check or item is None:  # a gone client is noticed within ~0.5 s
+                    next_check = time.monotonic() + 0.5
+                    if await request.is_disconnected():
+                        return
+                if item is None:
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    pending.discard(i)
+                yield i, item
+        finally:
+            for i in pending:
+                self.loop.abort(rids[i])
+
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        p = sum(len(o.prompt_token_ids) for o in finals)
+        c = sum(len(o.outputs[0].token_ids) for o in finals)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
+
+    # -- /v1/completions ----------------------------------------------------------------------------------------
+    def completion_prompts(self, req: CompletionRequest) -> list:
+        p = req.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)) or p == []:
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if len(prompts) > self.config.max_prompts:
+            raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}", "prompt")
+        return prompts
+
+    def logprobs_block(self, ids: list[int], entries: list, offset: int) -> dict:
+        """The completions API's logprobs object for `ids` (entries: per token a {id: Logprob} dict, or None)."""
+        dec = self.engine.tokenizer.decode
+        tokens, lps, tops, offsets = [], [], [], []
+        for t, entry in zip(ids, entries):
+            s = dec([t])
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            if entry is None:
+                lps.append(None)
+                tops.append(None)
+            else:
+                lps.append(entry[t].logprob)
+                tops.append({lp.decoded_token if lp.decoded_token is not None else dec([k]): lp.logprob
+                             for k, lp in entry.items()})
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        self.check_auth(request)
+        req = _parse(CompletionRequest, await self.read_body(request))
+        raw = self.completion_prompts(req)
+        echo_lp = bool(req.echo) and req.logprobs is not None
+        prompts, params = [], None
+        for prompt in raw:
+            text, ids = self.validate_prompt(prompt, SamplingParams())
+            params = self.sampling_params(req, req.max_tokens, req.logprobs, req.logprobs if echo_lp else None,
+                                          len(ids))
+            prompts.append((text if text is not None else self.engine.tokenizer.decode(ids), ids))
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": cid, "object": "text_completion", "created": created, "model": self.config.model_name}
+        if req.stream:
+            return self._stream(request, prompts, params, arrival, head, self._completion_chunks(req, prompts),
+                                req.stream_options)
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in self.run(request, prompts, params, arrival):
+            if out.finished:
+                finals[i] = out
+        if len(finals) < len(prompts):
+            return Response(status_code=499)  # client gone
+        choices = []
+        for i in range(len(prompts)):
+            out, comp = finals[i], finals[i].outputs[0]
+            text, lp = comp.text, None
+            prompt_text, ids = prompts[i]
+            if req.echo:
+                text = prompt_text + text
+            if req.logprobs is not None:
+                lp = self.logprobs_block(comp.token_ids, comp.logprobs, len(prompt_text) if req.echo else 0)
+                if req.echo:
+                    pre = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids), 0)
+                    lp = {k: pre[k] + lp[k] for k in lp}
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason,
+                            "stop_reason": comp.stop_reason})
+        return JSONResponse({**head, "choices": choices, "usage": self.usage([finals[i] for i in sorted(finals)])})
+
+    def _completion_chunks(self, req: CompletionRequest, prompts):
+        """Per prompt index, turns successive outputs into streamed choice deltas."""
+        sent_text: dict[int, str] = {}
+        sent_tokens: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+
+        def delta(i: int, out: RequestOutput) -> dict | None:
+            comp = out.outputs[0]
+            prompt_text, ids = prompts[i]
+            prefix, lp = "", None
+            if i not in sent_text:  # first chunk of this prompt: the echoed prompt rides along
+                sent_text[i], sent_tokens[i] = "", 0
+                offsets[i] = len(prompt_text) if req.echo else 0
+                if req.echo:
+                    prefix = prompt_text
+                    if req.logprobs is not None:
+                        lp = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids), 0)
+            text = comp.text
+            new = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else ""
+            sent_text[i] = text if text.startswith(sent_text[i]) else sent_text[i]
+            if req.logprobs is not None:
+                n0 = sent_tokens[i]
+                block = self.logprobs_block(comp.token_ids[n0:], comp.logprobs[n0:], offsets[i])
+                offsets[i] += sum(len(t) for t in block["tokens"])
+                lp = block if lp is None else {k: lp[k] + block[k] for k in lp}
+            fresh = len(comp.token_ids) > sent_tokens[i]
+            sent_tokens[i] = len(comp.token_ids)
+            if not (prefix or new or fresh or out.finished):  # a chunk per new token, even when its text is held
+                return None
+            return {"index": i, "text": prefix + new, "logprobs": lp,
+                    "finish_reason": comp.finish_reason if out.finished else None,
+                    "stop_reason": comp.stop_reason if out.finished else None}
+
+        return delta
+
+    def _stream(self, request: Request, prompts, params, arrival, head: dict, delta, stream_options) -> Response:
+        include_usage = bool(stream_options and stream_options.include_usage)
+
+        async def events():
+            finals = []
+            try:
+                async for i, out in self.run(request, prompts, params, arrival):
+                    choice = delta(i, out)
+                    if out.finished:
+                        finals.append(out)
+                    if choice is not None:
+                        yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+            except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'code': 500}})}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            if include_usage and len(finals) == len(prompts):
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': self.usage(finals)})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # -- /v1/chat/completions -----------------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        self.check_auth(request)
+        body = await self.read_body(request)
+        if self._chat is None:
+            raise BadRequest("this model has no chat template (no chat_template.jinja or tokenizer_config.json "
+                             "chat_template in its folder; pass --chat-template FILE): use /v1/completions")
+        req = _parse(ChatRequest, body)
+        if not req.messages:
+            raise BadRequest("messages must not be empty", "messages")
+        try:
+            text = self._chat.render(messages=[m.model_dump() for m in req.messages], add_generation_prompt=True,
+                                     bos_token="", eos_token="")
+        except Exception as e:  # noqa: BLE001 - a template error is the request's (or the template's) problem
+            raise BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
+        text, ids = self.validate_prompt(text, SamplingParams())
+        params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, None, None, len(ids))
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
+        if req.stream:
+            sent = {"text": None}
+
+            def delta(i: int, out: RequestOutput) -> dict | None:
+                comp = out.outputs[0]
+                d = {}
+                if sent["text"] is None:
+                    d["role"], sent["text"] = "assistant", ""
+                if comp.text.startswith(sent["text"]) and len(comp.text) > len(sent["text"]):
+                    d["content"], sent["text"] = comp.text[len(sent["text"]):], comp.text
+                if not d and not out.finished:
+                    return None
+                return {"index": 0, "delta": d, "logprobs": None,
+                        "finish_reason": comp.finish_reason if out.finished else None}
+
+            return self._stream(request, [(text, ids)], params, arrival, {**head, "object": "chat.completion.chunk"},
+                                delta, req.stream_options)
+        final = None
+        async for _, out in self.run(request, [(text, ids)], params, arrival):
+            final = out if out.finished else final
+        if final is None:
+            return Response(status_code=499)
+        comp = final.outputs[0]
+        return JSONResponse({**head, "object": "chat.completion", "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": comp.text}, "logprobs": None,
+            "finish_reason": comp.finish_reason}], "usage": self.usage([final])})
+
+
+def create_app(loop: EngineLoop, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI application over a started `EngineLoop`."""
+    config = config or ServerConfig()
+    srv = _Server(loop, config)
+    app = FastAPI(title="gdn-jax", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = srv
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_: Request, e: BadRequest):
+        return _error(e.status, e.message, e.param)
+
+    @app.exception_handler(EngineError)
+    async def _engine_failed(_: Request, e: EngineError):
+        return _error(500, str(e))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await srv.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await srv.chat(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        srv.check_auth(request)
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "gdn-jax", "max_model_len": srv.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if loop.consecutive_failures:
+            return PlainTextResponse(f"unhealthy: the last {loop.consecutive_failures} engine step(s) failed", 503)
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(loop.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---- running it --------------------------------------------------------------------------------------------------
+class ServerThread:
+    """A uvicorn server in a background thread on a loopback port (tests, benchmarks, notebooks).
+    `port=0` picks a free port; `.url` is the base URL."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        for _ in range(200):  # bounded: 20 s
+            if self.server.started:
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("the server did not start within 20 s")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> None:
+    """Runs the server in the foreground until interrupted."""
+    import uvicorn
+    loop = EngineLoop(engine).start()
+    try:
+        uvicorn.run(create_app(loop, config), host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        loop.shutdown()
+
+
+__all__ = ["BadRequest", "EngineError", "EngineLoop", "ServerConfig", "ServerThread", "create_app", "load_chat_template", "serve"]

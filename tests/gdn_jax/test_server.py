@@ -1,0 +1,336 @@
+"""The OpenAI-compatible server, driven by real clients (the `openai` package and httpx) over a loopback port."""
+
+import asyncio
+import json
+import re
+import threading
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from gdn_jax import LLM, LLMEngine, SamplingParams
+from gdn_jax.server import EngineLoop, ServerConfig, ServerThread, create_app
+
+KEY = "test-key-123"
+ENGINE_KW = dict(block_size=16, chunk_stride=32, max_num_seqs=32, max_model_len=256)
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One engine loop behind two apps: the main one (API key, no chat template) and one with a chat template."""
+    engine = LLMEngine("tiny", verbose=False, **ENGINE_KW)
+    loop = EngineLoop(engine).start()
+    main = ServerThread(create_app(loop, ServerConfig(model_name="tiny", api_key=KEY, max_tokens_limit=200,
+                                                      max_request_bytes=64 << 10)))
+    chat = ServerThread(create_app(loop, ServerConfig(model_name="tiny", chat_template=TEMPLATE)))
+    with main, chat:
+        main.loop, main.chat_url = loop, chat.url
+        yield main
+    loop.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(gdn_jax_\w+(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def _assert_no_leak(server) -> dict:
+    m = {}
+    for _ in range(100):  # bounded: the engine thread may still be finishing an abort
+        m = _metrics(server)
+        if m['gdn_jax_requests{state="active"}'] == 0 and m['gdn_jax_requests{state="running"}'] == 0:
+            break
+        threading.Event().wait(0.1)
+    assert m['gdn_jax_requests{state="active"}'] == 0
+    assert m['gdn_jax_requests{state="running"}'] == 0 and m['gdn_jax_requests{state="waiting"}'] == 0
+    assert m['gdn_jax_linear_slots{state="live"}'] == 0
+    assert m['gdn_jax_kv_blocks{state="in_use"}'] == 0
+    engine = server.loop.engine
+    assert m['gdn_jax_kv_blocks{state="free"}'] == engine.memory.num_kv_blocks - 1
+    assert (m['gdn_jax_linear_slots{state="free"}'] + m['gdn_jax_linear_slots{state="checkpoint"}']
+            == engine.memory.num_linear_slots - 1)
+    return m
+
+
+def _text(n: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    words = ["cache", "state", "delta", "gate", "prefix", "chunk", "slot", "block", "restore", "token"]
+    return " ".join(rng.choice(words, n))
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.url + "/health").text == "ok"
+    m = _metrics(server)
+    for stat in ("hits", "queries", "reused_tokens", "live_slots", "checkpoint_slots", "checkpoints_restored",
+                 "checkpoints_evicted", "preemptions", "compilations", "hit_rate"):
+        assert f'gdn_jax_cache{{stat="{stat}"}}' in m
+    assert "gdn_jax_time_to_first_token_seconds_count" in m and "gdn_jax_e2e_request_latency_seconds_count" in m
+
+
+def test_official_client_completes_and_streams_the_same_text(client):
+    prompt = "The gated delta rule keeps a state"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert full.choices[0].text == streamed and len(full.choices[0].text) > 0
+    assert full.choices[0].finish_reason == "length" == [c for c in chunks if c.choices][-1].choices[0].finish_reason
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens == len(prompt.encode())
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    # stop strings cut the text the same way, streamed or not (random weights: many ids decode to no text)
+    stop = next(ch for ch in full.choices[0].text[1:] if ch.isascii() and ch.isprintable())
+    cut = client.completions.create(stop=[stop], **kw)
+    cut_stream = "".join(c.choices[0].text for c in client.completions.create(stream=True, stop=stop, **kw))
+    assert cut.choices[0].text == full.choices[0].text[:full.choices[0].text.find(stop)] == cut_stream
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_cached_tokens_on_a_repeated_prefix(client):
+    system = _text(20, 1)  # ~130 tokens
+    first = client.completions.create(model="tiny", prompt=system + " first?", max_tokens=2, temperature=0.0)
+    second = client.completions.create(model="tiny", prompt=system + " second?", max_tokens=2, temperature=0.0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 32 == 0 and cached <= len(system.encode())
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM("tiny", enable_prefix_caching=False, verbose=False, **ENGINE_KW)
+
+
+def test_echo_logprobs_equal_offline_prompt_logprobs_cached_or_not(client, offline):
+    prompt = _text(16, 2)
+    ids = list(prompt.encode())
+    ref = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    want = [None] + [ref.prompt_logprobs[p][ref.prompt_token_ids[p]].logprob for p in range(1, len(ids))]
+
+    def echo():
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0.0, echo=True,
+                                      logprobs=1)
+        return r, r.choices[0].logprobs
+
+    cold, lp = echo()                                   # nothing of this prompt is cached yet
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0.0)
+    assert plain.usage.prompt_tokens_details.cached_tokens > 0   # now the prefix is in the cache
+    warm, lp_warm = echo()
+    for r, got in ((cold, lp), (warm, lp_warm)):
+        assert r.choices[0].text == prompt + plain.choices[0].text
+        assert len(got.tokens) == len(ids) + 1 and got.token_logprobs[0] is None and got.top_logprobs[0] is None
+        assert "".join(got.tokens[:len(ids)]) == prompt
+        np.testing.assert_allclose(got.token_logprobs[1:len(ids)], want[1:], atol=1e-5, rtol=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0   # echo + logprobs computes the whole prompt
+    # streamed, the prompt's logprobs come with the first chunk
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0.0, echo=True,
+                                            logprobs=1, stream=True))
+    lps = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    np.testing.assert_allclose(lps[1:len(ids)], want[1:], atol=1e-5, rtol=0)
+
+
+def test_32_concurrent_streaming_clients_match_a_serial_run(server, client):
+    rng = np.random.default_rng(7)
+    system = _text(12, 3)
+    prompts = [system + " " + _text(int(n), 100 + i) for i, n in enumerate(rng.integers(1, 12, 24))]
+    prompts += [_text(int(n), 200 + i) for i, n in enumerate(rng.integers(2, 20, 8))]
+    kw = dict(model="tiny", max_tokens=8, temperature=0.0, logprobs=0, extra_body={"ignore_eos": True})
+    serial = []
+    for p in prompts:
+        c = client.completions.create(prompt=p, **kw).choices[0]
+        serial.append((c.text, c.logprobs.tokens, c.logprobs.token_logprobs))
+
+    async def one(aclient, p):
+        text, tokens, lps = "", [], []
+        async for chunk in await aclient.completions.create(prompt=p, stream=True, **kw):
+            text += chunk.choices[0].text
+            tokens += chunk.choices[0].logprobs.tokens
+            lps += chunk.choices[0].logprobs.token_logprobs
+        return text, tokens, lps
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as ac:
+            return await asyncio.gather(*(one(ac, p) for p in prompts))
+
+    concurrent = asyncio.run(all_at_once())
+    for (t1, k1, l1), (t2, k2, l2) in zip(serial, concurrent):
+        assert t1 == t2 and k1 == k2
+        np.testing.assert_allclose(l1, l2, atol=1e-4, rtol=0)
+    _assert_no_leak(server)
+
+
+def test_client_disconnect_aborts_the_request(server):
+    before = _metrics(server).get('gdn_jax_requests_finished_total{finish_reason="abort"}', 0.0)
+    body = {"model": "tiny", "prompt": _text(5, 4), "max_tokens": 200, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", server.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status_code == 200
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    break  # leave mid-stream: closing the response drops the connection
+    m = _assert_no_leak(server)
+    assert m['gdn_jax_requests_finished_total{finish_reason="abort"}'] == before + 1
+    # a non-streaming client that gives up is noticed too (steps slowed to 20 ms: the request outlives the client)
+    worker = server.loop.engine.worker
+    real = worker.execute
+    worker.execute = lambda *a, **kw: (threading.Event().wait(0.02), real(*a, **kw))[1]
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json={**body, "stream": False},
+                       timeout=httpx.Timeout(60, read=0.5), headers={"Authorization": f"Bearer {KEY}"})
+        m = _assert_no_leak(server)
+    finally:
+        worker.execute = real
+    assert m['gdn_jax_requests_finished_total{finish_reason="abort"}'] == before + 2
+
+
+BAD = [
+    (b'{"model": "tiny", "prompt": "hi", ', 400, "malformed JSON"),
+    (b'[1, 2]', 400, "JSON object"),
+    ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "echo": "yes"}, 400, "echo"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": ["a", 3]}, 400, "prompt"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": ""}, 400, "empty prompt"),
+    ({"prompt": []}, 400, "empty prompt"),
+    ({"prompt": "x" * 300}, 400, "max_model_len"),
+    ({"prompt": "x" * 200, "max_tokens": 100}, 400, "maximum context length"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ({"prompt": "hi", "n": 2}, 400, "n must be 1"),
+    ({"prompt": "hi", "seed": -1}, 400, "seed"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
+    ({"prompt": [[5, 6], [-1]]}, 400, "outside the vocabulary"),
+    ({"prompt": "hi", "stop_token_ids": [100000]}, 400, "stop_token_ids"),
+    ({"prompt": "x" * 70000}, 413, "exceeds the limit"),
+]
+
+
+@pytest.mark.parametrize("body, status, message", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, body, status, message):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": {"model": "tiny", **body}}
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
+                                                             "Content-Type": "application/json"}, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+    ok = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                    json={"model": "tiny", "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}])
+def test_a_bad_api_key_gets_401(server, headers):
+    r = httpx.post(server.url + "/v1/completions", headers=headers, json={"model": "tiny", "prompt": "hi"})
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).completions.create(
+            model="tiny", prompt="hi")
+
+
+def test_chat_completions_with_and_without_a_template(server, client):
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    chat = openai.OpenAI(base_url=server.chat_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a slot?"}]
+    full = chat.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0.0)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=0.0, stream=True))
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content == streamed
+    rendered = "<|system|>Be brief.\n<|user|>What is a slot?\n<|assistant|>"
+    assert full.usage.prompt_tokens == len(rendered.encode())
+
+
+def test_a_failing_step_errors_its_requests_and_the_loop_keeps_serving(server, client):
+    worker = server.loop.engine.worker
+    real = worker.execute
+    poison = [7, 7, 7, 7, 7]
+
+    def execute(plan, *a, **kw):
+        if any(s.token_ids[:5] == poison for s in plan.seqs):
+            raise RuntimeError("injected device failure")
+        return real(plan, *a, **kw)
+
+    worker.execute = execute
+    try:
+        with pytest.raises(openai.InternalServerError, match="injected device failure"):
+            client.completions.create(model="tiny", prompt=poison + [9, 10], max_tokens=3)
+        assert httpx.get(server.url + "/health").status_code == 503
+        events = [json.loads(line[6:]) for line in httpx.post(
+            server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+            json={"model": "tiny", "prompt": poison + [11], "max_tokens": 3, "stream": True}).text.splitlines()
+            if line.startswith("data: {")]
+        assert "injected device failure" in events[-1]["error"]["message"]
+    finally:
+        worker.execute = real
+    ok = client.completions.create(model="tiny", prompt=poison + [9, 10], max_tokens=3, temperature=0.0)
+    assert ok.usage.completion_tokens >= 1
+    assert httpx.get(server.url + "/health").text == "ok"
+    m = _assert_no_leak(server)
+    assert m["gdn_jax_step_failures_total"] == 2
+
+
+@pytest.mark.slow
+def test_load_200_requests_from_16_clients_no_error_no_leak(server):
+    before = _metrics(server)
+    rng = np.random.default_rng(11)
+    systems = [_text(10, 300 + i) for i in range(3)]
+    jobs = []
+    for i in range(200):
+        prompt = systems[i % 3] + " " + _text(int(rng.integers(1, 10)), 400 + i)
+        jobs.append({"model": "tiny", "prompt": prompt, "max_tokens": int(rng.integers(1, 8)),
+                     "temperature": float(rng.choice([0.0, 0.8])), "seed": i, "stream": bool(i % 2),
+                     **({"echo": True, "logprobs": 1} if i % 7 == 0 else {})})
+    errors, done = [], []
+
+    async def worker(queue, ac):
+        while not queue.empty():
+            job = queue.get_nowait()
+            try:
+                r = await ac.post("/v1/completions", json=job)
+                if r.status_code != 200 or (job["stream"] and not r.text.rstrip().endswith("data: [DONE]")):
+                    errors.append((r.status_code, r.text[:200]))
+                elif job["stream"] and '"error"' in r.text:
+                    errors.append((200, r.text[:200]))
+                done.append(1)
+            except httpx.HTTPError as e:
+                errors.append(("exception", repr(e)))
+
+    async def main():
+        queue = asyncio.Queue()
+        for job in jobs:
+            queue.put_nowait(job)
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=300) as ac:
+            await asyncio.gather(*(worker(queue, ac) for _ in range(16)))
+
+    asyncio.run(main())
+    assert errors == [] and len(done) == 200
+    m = _assert_no_leak(server)
+    finished = sum(v for k, v in m.items() if k.startswith("gdn_jax_requests_finished_total"))
+    assert finished - sum(v for k, v in before.items() if k.startswith("gdn_jax_requests_finished_total")) == 200
