@@ -248,3 +248,7 @@ def main(argv=None) -> dict:
     args.model = args.model or ("hybrid-1024" if args.ab else "tiny")
     args.chunk_stride = args.chunk_stride or (256 if args.ab else 64)
     return ab(args) if args.ab else study(args)
+
+
+if __name__ == "__main__":
+    main()
