@@ -59,11 +59,12 @@ def run_workload(engine: LLMEngine, messages, max_tokens: int):
 
 
 def measure(model: str, dtype: str, stride: int, capacity: int, num_convs: int, turns: int, max_tokens: int,
-            seed: int) -> dict:
+            seed: int, max_model_len: int) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # capacity below one checkpoint per sequence warns by design
         engine = LLMEngine(model, dtype=dtype, chunk_stride=stride, block_size=16, max_num_seqs=num_convs,
-                           max_model_len=4096, num_linear_slots=1 + num_convs * (1 + capacity), verbose=False)
+                           max_model_len=max_model_len, num_linear_slots=1 + num_convs * (1 + capacity),
+                           verbose=False)
     warm = conversation_turns(np.random.default_rng(seed + 1000), num_convs, turns, (8, 30))
     run_workload(engine, warm, max_tokens)         # compiles the shapes; then forget what it cached
     engine.reset_prefix_cache()
@@ -138,7 +139,8 @@ def main(argv=None) -> dict:
     strides, caps = ([64, 128], [1, 4]) if args.quick else ([64, 128, 256, 512], [1, 2, 4, 8])
     convs, turns, max_tokens = (3, 3, 8) if args.quick else (args.conversations, args.turns, args.max_tokens)
     from tqdm.auto import tqdm
-    rows = [measure(args.model, args.dtype, s, c, convs, turns, max_tokens, args.seed)
+    max_model_len = 1024 if args.quick else 4096
+    rows = [measure(args.model, args.dtype, s, c, convs, turns, max_tokens, args.seed, max_model_len)
             for s, c in tqdm([(s, c) for s in strides for c in caps], desc="checkpoint trade-off", unit="config")]
     print(f"\n{'stride':>7}{'slots/seq':>10}{'reused':>9}{'later':>8}{'lost tot':>10}{'lost/req':>10}"
           f"{'ckpt MiB':>10}{'TTFT p50':>10}{'evict':>7}")

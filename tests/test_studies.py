@@ -1,0 +1,67 @@
+"""Each study script runs end to end in its --quick mode and writes the JSON and plot its README section shows."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny"
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_accuracy_study_shows_exact_equals_no_cache_and_both_unsafe_modes_drift(tmp_path):
+    _script("accuracy_study").main(["--quick", "--model", MODEL, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "accuracy_study.json").read_text())
+    assert (tmp_path / "accuracy_study.png").stat().st_size > 0
+    modes = result["modes"]
+    assert set(modes) == {"exact", "unsafe_cold", "unsafe_stale"}
+    exact = modes["exact"]
+    assert exact["kl_max"] < 1e-6 and exact["greedy_agreement"] == 1.0 and exact["first_divergence_mean"] is None
+    assert exact["max_abs_logprob_diff"] < 1e-4
+    for name in ("unsafe_cold", "unsafe_stale"):
+        m = modes[name]
+        assert m["kl_mean"] > 100 * max(exact["kl_mean"], 1e-9), name
+        assert m["max_abs_logprob_diff"] > 1e-2, name
+        assert m["mean_cached_tokens"] > exact["mean_cached_tokens"], name  # they reuse more, wrongly
+
+
+@pytest.mark.slow
+def test_ttft_study_reports_every_workload_cache_on_and_off(tmp_path):
+    _script("bench_ttft").main(["--quick", "--model", MODEL, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench_ttft.json").read_text())
+    assert (tmp_path / "bench_ttft.png").stat().st_size > 0
+    rows = {(r["workload"], r["mode"], r["cache"]): r for r in result["rows"]}
+    assert len(rows) == 4 * 2 * 2
+    for (workload, mode, cache), r in rows.items():
+        assert r["ttft_p50_ms"] > 0 and r["ttft_p90_ms"] >= r["ttft_p50_ms"]
+        assert r["counters"]["compilations"] == 0, (workload, mode, cache)  # measured after warm-up
+        if cache == "off" or workload == "no sharing":
+            assert r["reused_tokens"] == 0
+    for workload in ("shared system prompt", "repeats", "multi-turn"):
+        assert rows[(workload, "serial", "on")]["hit_rate"] > 0.5 and rows[(workload, "serial", "on")]["reused_tokens"]
+
+
+@pytest.mark.slow
+def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
+    _script("checkpoint_tradeoff").main(["--quick", "--model", MODEL, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "checkpoint_tradeoff.json").read_text())
+    assert (tmp_path / "checkpoint_tradeoff.png").stat().st_size > 0
+    rows = {(r["chunk_stride"], r["capacity_per_seq"]): r for r in result["rows"]}
+    assert set(rows) == {(64, 1), (64, 4), (128, 1), (128, 4)}
+    for (stride, cap), r in rows.items():
+        assert 0 <= r["reused_fraction"] <= 1 and r["checkpoint_bytes"] > 0
+        assert r["reuse_lost_total"] >= 0
+    # more checkpoint slots never lose reuse, and cost proportionally more memory
+    for stride in (64, 128):
+        assert rows[(stride, 4)]["reused_fraction"] >= rows[(stride, 1)]["reused_fraction"]
+        assert rows[(stride, 4)]["checkpoint_bytes"] == 4 * rows[(stride, 1)]["checkpoint_bytes"]
+    assert result["conclusion"]
