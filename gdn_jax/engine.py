@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from pathlib import Path
 from typing import Iterable
 
 import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.config import ModelConfig
-from gdn_jax.weights import load_model
+from gdn_jax.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer
 from gdn_jax.worker import Worker, plan_memory
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
@@ -100,7 +99,7 @@ class LLMEngine:
         if max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        folder = model if isinstance(model, str) and Path(model).is_dir() else None
+        folder = model_folder(model)
         self.tokenizer = get_tokenizer(folder, self.cfg.vocab_size, self.cfg.eos_token_id)
         has_linear = bool(self.cfg.linear_layer_ids)
         self.memory = plan_memory(self.cfg, DTYPES[dtype], block_size, max_num_seqs, max_model_len, num_kv_blocks,

@@ -22,10 +22,10 @@ def _tokens(outs):
 def test_under_pressure_all_complete_identically_and_nothing_leaks():
     prompts = _pressure_workload()
     kw = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
-    roomy = LLM("tiny", enable_prefix_caching=False, **kw)
+    roomy = LLM("tiny-random", enable_prefix_caching=False, **kw)
     # 9 usable KV blocks: one 128-token sequence needs 8, so four running sequences must preempt each other;
     # 7 slots: 4 live + 2 checkpoints, so checkpoints are evicted
-    tight = LLM("tiny", enable_prefix_caching=True, num_kv_blocks=10, num_linear_slots=7, **kw)
+    tight = LLM("tiny-random", enable_prefix_caching=True, num_kv_blocks=10, num_linear_slots=7, **kw)
     expect = _tokens(roomy.generate(prompts, GREEDY, use_tqdm=False))
     serial = [tight.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[:4]]
     concurrent = tight.generate(prompts, GREEDY, use_tqdm=False)
@@ -52,7 +52,7 @@ def test_engine_greedy_equals_transformers_generate():
 
 
 def test_no_recompilation_after_warm_up():
-    llm = LLM("tiny", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
+    llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
     assert llm.engine.warm_up() == 3 * 3 * 1  # rows {1,2,4} x tokens {1,16,32} x blocks {8}
     warm = llm.cache_stats()["compilations"]  # shapes another engine in this process compiled are shared
     rng = np.random.default_rng(9)
@@ -72,7 +72,7 @@ def test_no_recompilation_after_warm_up():
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine("tiny", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False)
+    return LLMEngine("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False)
 
 
 @pytest.mark.parametrize("prompt, params, message", [
@@ -113,7 +113,7 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, para
 ])
 def test_invalid_cache_configuration_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        LLM("tiny", max_model_len=64, verbose=False, **kwargs)
+        LLM("tiny-random", max_model_len=64, verbose=False, **kwargs)
 
 
 def test_numpy_token_ids_are_accepted(engine):

@@ -18,7 +18,7 @@ def test_qwen35_9b_bytes_per_block_and_slot():
 
 
 def test_explicit_counts_win_and_a_small_budget_shrinks_the_pools():
-    cfg = get_preset("tiny")
+    cfg = get_preset("tiny-random")
     explicit = plan_memory(cfg, jnp.float32, 16, 4, 256, 33, 9, 1 << 20)
     assert (explicit.num_kv_blocks, explicit.num_linear_slots) == (33, 9)
     roomy = plan_memory(cfg, jnp.float32, 16, 4, 256, None, None, 1 << 30)
