@@ -14,7 +14,6 @@ CPUs with AMX. `optax` is only needed for `make_optimizer` / `train` (the `train
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -113,8 +112,7 @@ def bits_per_byte(fwd: Forward, params, ids: np.ndarray, window: int, batch: int
         raise ValueError(f"held-out stream of {len(ids)} tokens is shorter than one window of {window}")
     rows = np.asarray(ids[: n * window], np.int32).reshape(n, window)
     rows = np.concatenate([rows, np.repeat(rows[:1], -n % batch, 0)])  # pad to whole batches; padding not counted
-    total = sum(float(fwd.row_nats(params, rows[i:i + batch]).sum()) if i + batch <= n else
-                float(fwd.row_nats(params, rows[i:i + batch])[:n - i].sum()) for i in range(0, n, batch))
+    total = sum(float(fwd.row_nats(params, rows[i:i + batch])[:n - i].sum()) for i in range(0, n, batch))
     return total / (n * (window - 1)) / LN2
 
 

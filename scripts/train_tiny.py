@@ -105,7 +105,7 @@ def plot_curve(history: list[dict], path: Path) -> None:
 def sample(folder: Path, prompt: str, max_tokens: int = 160) -> str:
     from gdn_jax import LLM, SamplingParams
 
-    llm = LLM(str(folder), max_model_len=1024, max_num_seqs=1, chunk_stride=64, verbose=False)
+    llm = LLM(str(folder), max_model_len=512, max_num_seqs=1, chunk_stride=64, verbose=False)
     return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0] \
         .outputs[0].text
 
@@ -185,7 +185,8 @@ def main(argv=None) -> dict:
     training = {
         "val_bpb_float32": bpb["float32"], "val_bpb_bfloat16": bpb["bfloat16"], "eval_window": a.eval_window,
         "heldout_bytes": len(corpus.heldout_text.encode()), "params": n_params, "steps": a.steps,
-        "tokens_per_s": res["tokens_per_s"], "wall_s": res["wall_s"], "args": vars(a), "python": platform.python_version(),
+        "tokens_per_s": res["tokens_per_s"], "wall_s": res["wall_s"], "args": vars(a),
+        "python": platform.python_version(),
     }
     (out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
     (log_dir / "summary.json").write_text(json.dumps(summary, indent=1))
