@@ -234,6 +234,14 @@ def param_count(params) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
+def steady_tokens_per_s(history: list[dict], tokens_per_step: int) -> float:
+    """Median training throughput over the logged intervals (robust to the few that hold a compilation or a resume),
+    leaving out those that start at an evaluation row (the evaluation runs after the row's time is taken)."""
+    rates = [(b["step"] - a["step"]) * tokens_per_step / (b["time"] - a["time"])
+             for a, b in zip(history, history[1:]) if "val_bpb" not in a and b["time"] > a["time"]]
+    return float(np.median(rates)) if rates else float("nan")
+
+
 def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Path | None = None,
           resume: bool = False, stop_after: int | None = None, log: Callable[[str], None] = print) -> dict:
     """Trains from scratch (or from the latest orbax checkpoint in `ckpt_dir` with `resume`) and returns

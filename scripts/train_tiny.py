@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 import shlex
 import sys
@@ -29,10 +30,11 @@ sys.path.insert(0, str(ROOT))
 
 from gdn_jax.config import ModelConfig, hybrid_layer_types  # noqa: E402
 from gdn_jax.train import (LN2, Forward, TrainConfig, bits_per_byte, load_corpus, param_count,  # noqa: E402
-                           train)
+                           steady_tokens_per_s, train)
 from gdn_jax.weights import save_hf_weights  # noqa: E402
 
-PROMPT = "The \"while\" statement is used for"
+HELDOUT_AT = 0.9  # where the held-out slice starts, as a fraction of the corpus text
+PROMPT = "The \"for\" statement is used to"
 
 
 def model_config(a) -> ModelConfig:
@@ -53,6 +55,7 @@ def parse(argv=None):
     ap.add_argument("--stop-after", type=int, default=None, help="stop after this many steps of this run (the "
                     "schedule still spans --steps); for interrupting and resuming")
     ap.add_argument("--no-sample", action="store_true", help="skip the engine generation at the end")
+    ap.add_argument("--host-note", default="", help="a remark on the machine for the model card (e.g. shared)")
     g = ap.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=1200)
     g.add_argument("--batch", type=int, default=8)
@@ -125,7 +128,7 @@ It knows nothing but the Python reference and is not a useful assistant.
 | layout | hidden {hidden}, {layers} layers `{layout}`, MLP {intermediate}; attention {heads} heads x {head_dim} ({kv_heads} KV heads, RoPE on {rotary} dims); GDN {lk} key / {lv} value heads x {lhd} |
 | parameters | {params} ({file_mb:.1f} MB float32 safetensors) |
 | training | {steps} steps x {batch} x {seq_len} tokens ({tokens_m:.2f}M tokens, {epochs:.1f} passes), AdamW lr {lr:g} (warm-up {warmup}, cosine to 10%), weight decay {wd:g}, {dtype} compute with float32 master weights |
-| wall time | {wall_min:.1f} min on {machine} ({tps:.0f} tokens/s while training) |
+| wall time | {wall_min:.1f} min on {machine}; {tps:.0f} tokens/s (median of the logged intervals) |
 | **validation bits/byte** | **float32 {bpb32:.4f}**, bfloat16 {bpb16:.4f} (windows of {window} bytes from a zero state; uniform is 8) |
 | positions | trained on {seq_len}-byte windows; `max_position_embeddings` {max_pos} relies on RoPE extrapolation (only {rotary} of {head_dim} attention dims rotate) and on the GDN state, which has no positions |
 
@@ -141,10 +144,28 @@ Greedy continuation (`LLM("tiny")`, float32) of `{prompt_repr}`:
 {sample}
 ```
 
+Greedy decoding sometimes settles into a run of spaces or dashes (the corpus's indentation and section underlines).
+
 ![loss curve](loss_curve.png)
 
 The corpus is the Python documentation (PSF license); the weights are a derived work of it.
 """
+
+
+RUN_ONLY = ("out", "log_dir", "ckpt_dir", "resume", "stop_after", "no_sample", "host_note")  # not hyperparameters
+
+
+def _shown_args(argv: list[str]) -> list[str]:
+    """The command line minus the options that do not change the model (--resume, --host-note)."""
+    shown, skip = [], False
+    for x in map(str, argv):
+        if skip or x == "--resume" or x.startswith("--host-note="):
+            skip = False
+        elif x == "--host-note":
+            skip = True
+        else:
+            shown.append(x)
+    return shown
 
 
 def main(argv=None) -> dict:
@@ -155,7 +176,7 @@ def main(argv=None) -> dict:
                      eval_window=a.eval_window, ckpt_every=a.ckpt_every, log_every=a.log_every)
     log_dir, out = Path(a.log_dir), Path(a.out)
     log_dir.mkdir(parents=True, exist_ok=True)
-    corpus = load_corpus(a.heldout_bytes)
+    corpus = load_corpus(a.heldout_bytes, HELDOUT_AT)
     print(f"corpus: {corpus.num_docs} documents, {corpus.num_bytes} bytes; train stream {len(corpus.train)} tokens, "
           f"held-out {len(corpus.heldout)} bytes | {jax.device_count()} {jax.default_backend()} device(s)")
     res = train(cfg, tc, corpus, ckpt_dir=a.ckpt_dir or log_dir / "ckpt", resume=a.resume, stop_after=a.stop_after)
@@ -163,8 +184,9 @@ def main(argv=None) -> dict:
     n_params = param_count(params)
     (log_dir / "loss_curve.json").write_text(json.dumps({"history": history, "config": vars(a)}, indent=1))
     plot_curve(history, log_dir / "loss_curve.png")
+    tps = steady_tokens_per_s(history, a.batch * a.seq_len)
     summary = {"start_step": res["start_step"], "end_step": res["end_step"], "params": n_params,
-               "wall_s": res["wall_s"], "tokens_per_s": res["tokens_per_s"], "compute_dtype": a.dtype}
+               "wall_s": res["wall_s"], "tokens_per_s": tps, "compute_dtype": a.dtype}
     if res["end_step"] < a.steps:  # interrupted on purpose (--stop-after): no export
         print(json.dumps(summary))
         return summary
@@ -185,26 +207,27 @@ def main(argv=None) -> dict:
     training = {
         "val_bpb_float32": bpb["float32"], "val_bpb_bfloat16": bpb["bfloat16"], "eval_window": a.eval_window,
         "heldout_bytes": len(corpus.heldout_text.encode()), "params": n_params, "steps": a.steps,
-        "tokens_per_s": res["tokens_per_s"], "wall_s": res["wall_s"], "args": vars(a),
+        "tokens_per_s": tps, "wall_s": res["wall_s"], "args": {k: v for k, v in vars(a).items() if k not in RUN_ONLY},
         "python": platform.python_version(),
     }
     (out / "training.json").write_text(json.dumps(training, indent=1) + "\n")
     (log_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    argv_shown = [str(x) for x in (argv if argv is not None else sys.argv[1:]) if x != "--resume"]
+    argv_shown = _shown_args(argv if argv is not None else sys.argv[1:])
     tokens = a.steps * a.batch * a.seq_len
     card = CARD.format(
         params_m=n_params / 1e6, n_lin=len(cfg.linear_layer_ids), n_full=len(cfg.full_layer_ids),
         pyver=platform.python_version(), num_docs=corpus.num_docs, corpus_bytes=corpus.num_bytes,
         corpus_sha=hashlib.sha256(Path(topics.__file__).read_bytes()).hexdigest()[:16],
-        heldout_bytes=len(corpus.heldout_text.encode()), heldout_at=0.9, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
+        heldout_bytes=len(corpus.heldout_text.encode()), heldout_at=HELDOUT_AT, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
         layers=cfg.num_hidden_layers, layout="".join("G" if t == "linear_attention" else "A" for t in cfg.layer_types),
         intermediate=cfg.intermediate_size, heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
         kv_heads=cfg.num_key_value_heads, rotary=cfg.rotary_dim, lk=cfg.linear_num_key_heads,
         lv=cfg.linear_num_value_heads, lhd=cfg.linear_key_head_dim, params=f"{n_params:,}",
         file_mb=summary["file_bytes"] / 1e6, steps=a.steps, batch=a.batch, seq_len=a.seq_len, tokens_m=tokens / 1e6,
         epochs=tokens / len(corpus.train), lr=a.lr, warmup=a.warmup, wd=a.weight_decay, dtype=a.dtype,
-        wall_min=res["wall_s"] / 60, machine=f"{jax.device_count()} {jax.default_backend()} device, shared 2-core host",
-        tps=res["tokens_per_s"], bpb32=bpb["float32"], bpb16=bpb["bfloat16"], window=a.eval_window,
+        wall_min=res["wall_s"] / 60, tps=tps,
+        machine=f"{os.cpu_count()} {jax.default_backend()} cores" + (f" ({a.host_note})" if a.host_note else ""),
+        bpb32=bpb["float32"], bpb16=bpb["bfloat16"], window=a.eval_window,
         max_pos=cfg.max_position_embeddings,
         command="python scripts/train_tiny.py" + "".join(" " + shlex.quote(x) for x in argv_shown),
         prompt_repr=PROMPT, sample=PROMPT + text)
