@@ -57,18 +57,18 @@ def parse(argv=None):
     ap.add_argument("--no-sample", action="store_true", help="skip the engine generation at the end")
     ap.add_argument("--host-note", default="", help="a remark on the machine for the model card (e.g. shared)")
     g = ap.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=1200)
-    g.add_argument("--batch", type=int, default=8)
-    g.add_argument("--seq-len", type=int, default=256)
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--warmup", type=int, default=100)
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
-    g.add_argument("--eval-every", type=int, default=200)
-    g.add_argument("--eval-window", type=int, default=256)
-    g.add_argument("--ckpt-every", type=int, default=200)
-    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--steps", type=int, default=TrainConfig.steps)
+    g.add_argument("--batch", type=int, default=TrainConfig.batch)
+    g.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
+    g.add_argument("--lr", type=float, default=TrainConfig.lr)
+    g.add_argument("--warmup", type=int, default=TrainConfig.warmup)
+    g.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay)
+    g.add_argument("--seed", type=int, default=TrainConfig.seed)
+    g.add_argument("--dtype", default=TrainConfig.compute_dtype, choices=["bfloat16", "float32"], help="compute dtype")
+    g.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
+    g.add_argument("--eval-window", type=int, default=TrainConfig.eval_window)
+    g.add_argument("--ckpt-every", type=int, default=TrainConfig.ckpt_every)
+    g.add_argument("--log-every", type=int, default=TrainConfig.log_every)
     g.add_argument("--heldout-bytes", type=int, default=32768)
     m = ap.add_argument_group("model")
     m.add_argument("--vocab", type=int, default=288)
@@ -218,7 +218,8 @@ def main(argv=None) -> dict:
         params_m=n_params / 1e6, n_lin=len(cfg.linear_layer_ids), n_full=len(cfg.full_layer_ids),
         pyver=platform.python_version(), num_docs=corpus.num_docs, corpus_bytes=corpus.num_bytes,
         corpus_sha=hashlib.sha256(Path(topics.__file__).read_bytes()).hexdigest()[:16],
-        heldout_bytes=len(corpus.heldout_text.encode()), heldout_at=HELDOUT_AT, vocab=cfg.vocab_size, hidden=cfg.hidden_size,
+        heldout_bytes=len(corpus.heldout_text.encode()), heldout_at=HELDOUT_AT, vocab=cfg.vocab_size,
+        hidden=cfg.hidden_size,
         layers=cfg.num_hidden_layers, layout="".join("G" if t == "linear_attention" else "A" for t in cfg.layer_types),
         intermediate=cfg.intermediate_size, heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
         kv_heads=cfg.num_key_value_heads, rotary=cfg.rotary_dim, lk=cfg.linear_num_key_heads,
