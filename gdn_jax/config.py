@@ -125,6 +125,23 @@ class ModelConfig:
             name=name,
         )
 
+    def to_hf_config(self) -> dict:
+        """The HF `config.json` dict (`qwen3_5_text`) that `from_hf_config` maps back to this config."""
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": list(self.layer_types), "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor},
+            "linear_num_key_heads": self.linear_num_key_heads, "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim, "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim, "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings, "max_position_embeddings": self.max_position_embeddings,
+            "eos_token_id": self.eos_token_id, "hidden_act": "silu", "torch_dtype": "float32",
+        }
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
@@ -134,22 +151,24 @@ class ModelConfig:
         return cls.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
 
 
-def _hybrid(n_layers: int, interval: int = 4) -> tuple[str, ...]:
+def hybrid_layer_types(n_layers: int, interval: int = 4) -> tuple[str, ...]:
+    """The Qwen3.5 layout: every `interval`-th layer is full attention, the others Gated DeltaNet."""
     return tuple(LINEAR if (i + 1) % interval else FULL for i in range(n_layers))
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # The embedded default: deterministic random weights, byte-level vocabulary (256 bytes + specials).
-    "tiny": ModelConfig(name="tiny", eos_token_id=1, max_position_embeddings=4096),
+    # Deterministic random weights, byte-level vocabulary (256 bytes + specials): small and fast, for tests and for
+    # arbitrary shapes. The trained default `tiny` is a model folder shipped in the package (gdn_jax/models/tiny).
+    "tiny-random": ModelConfig(name="tiny-random", eos_token_id=1, max_position_embeddings=4096),
     # The 8-layer hidden-1024 config of the forward and TTFT benchmarks.
     "hybrid-1024": ModelConfig(
-        name="hybrid-1024", vocab_size=8192, hidden_size=1024, intermediate_size=3072, layer_types=_hybrid(8),
+        name="hybrid-1024", vocab_size=8192, hidden_size=1024, intermediate_size=3072, layer_types=hybrid_layer_types(8),
         num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=8,
         linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64, eos_token_id=1,
     ),
     # Qwen3.5-9B shapes (random weights; for memory sizing and GPU benchmarks).
     "qwen3.5-9b": ModelConfig(
-        name="qwen3.5-9b", vocab_size=248320, hidden_size=4096, intermediate_size=12288, layer_types=_hybrid(32),
+        name="qwen3.5-9b", vocab_size=248320, hidden_size=4096, intermediate_size=12288, layer_types=hybrid_layer_types(32),
         num_attention_heads=16, num_key_value_heads=4, head_dim=256, rope_theta=10_000_000.0,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
         max_position_embeddings=262144, eos_token_id=248044,

@@ -8,7 +8,6 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Iterable
 
 import jax
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.config import ModelConfig
-from gdn_jax.weights import load_model
+from gdn_jax.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer
 from gdn_jax.worker import GPU_MEMORY_UTILIZATION, PromptLogprobs, Worker, default_memory_budget, plan_memory
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
@@ -184,7 +183,7 @@ class LLMEngine:
         if max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        folder = model if isinstance(model, str) and Path(model).is_dir() else None
+        folder = model_folder(model)
         self.tokenizer = get_tokenizer(folder, self.cfg.vocab_size, self.cfg.eos_token_id)
         has_linear = bool(self.cfg.linear_layer_ids)
         if memory_budget_bytes is None:

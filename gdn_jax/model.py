@@ -122,8 +122,9 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = _linear(rngs, cfg.linear_value_dim, cfg.hidden_size, dtype, std)
 
-    def __call__(self, x, conv_state, ssm_state, lengths):
-        """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state)."""
+    def __call__(self, x, conv_state, ssm_state, lengths, chunk_size: int = 64):
+        """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state).
+        `chunk_size` of the chunked rule (same maths; training on CPU runs fastest with 32)."""
         cfg = self.cfg
         B, T, _ = x.shape
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -137,7 +138,8 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))  # [B, T, Hv]
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...])
         rule = recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
-        o, ssm_state = rule(q, k, v, g, beta, initial_state=ssm_state, lengths=lengths)  # o: [B, T, Hv, dv]
+        kw = {} if T == 1 else {"chunk_size": chunk_size}
+        o, ssm_state = rule(q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, **kw)  # o: [B, T, Hv, dv]
         o = self.norm(o.astype(x.dtype), self.in_proj_z(x).reshape(B, T, nv, dv))
         return self.out_proj(o.reshape(B, T, nv * dv)), conv_state, ssm_state
 
@@ -164,6 +166,20 @@ class Attention(nnx.Module):
         self.o_proj = _linear(rngs, H * hd, cfg.hidden_size, dtype, std)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+
+    def project(self, x, positions):
+        """x: [B, T, D], positions: [B, T] -> q [B, T, H, hd], k and v [B, T, kvh, hd] (normed, rotated), and the
+        output gate [B, T, H * hd]: the projections of `__call__`, for the dense training path (gdn_jax/train.py)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg = self.q_proj(x).reshape(B, T, H, 2 * hd)
+        q, gate = self.q_norm(qg[..., :hd]), qg[..., hd:].reshape(B, T, H * hd)
+        k = self.k_norm(self.k_proj(x).reshape(B, T, kvh, hd))
+        v = self.v_proj(x).reshape(B, T, kvh, hd)
+        q = rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
+        k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
+        return q, k, v, gate
 
     def __call__(self, x, k_cache, v_cache, batch: Batch):
         """x: [B, T, D]; caches: [NB, bs, kvh, hd] paged -> (out, k_cache, v_cache)."""
@@ -254,6 +270,13 @@ class Qwen35Model(nnx.Module):
         else:
             logits = jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
         return logits, DeviceState(tuple(ks), tuple(vs), tuple(convs), tuple(ssms))
+
+    def logits(self, x):
+        """Final norm and LM head (tied or not): hidden [..., D] -> float32 logits [..., V]."""
+        x = self.norm(x)
+        if self.cfg.tie_word_embeddings:
+            return jnp.einsum("...d,vd->...v", x, self.embed_tokens[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
 
 
 def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False):

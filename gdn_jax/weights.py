@@ -103,6 +103,26 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     return cfg, graphdef, params
 
 
+def save_hf_weights(folder: str | Path, cfg: ModelConfig, params) -> None:
+    """Writes a HF folder (`config.json` + `model.safetensors`, text layout) that `load_hf_weights` reads back."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    flat = dict(nnx.to_flat_state(params))
+    tensors = {}
+    for name, (path, transpose) in _hf_names(cfg).items():
+        arr = np.asarray(flat[path].get_value())
+        if transpose:
+            arr = arr.T
+        if name.endswith("conv1d.weight"):
+            arr = arr[:, None, :]  # [C, K] -> HF [C, 1, K]
+        tensors[name] = np.ascontiguousarray(arr)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
+
+
 def save_params(params, path: str | Path) -> None:
     """Saves converted params with orbax (fast reload, no safetensors conversion)."""
     import orbax.checkpoint as ocp
@@ -123,8 +143,29 @@ def restore_params(path: str | Path, cfg: ModelConfig, dtype=jnp.float32):
     return graphdef, abstract
 
 
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+
+def shipped_models() -> list[str]:
+    """Names of the trained model folders installed with the package (`LLM("tiny")`)."""
+    if not MODELS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def model_folder(model: "str | ModelConfig") -> Path | None:
+    """The folder a model name loads from: a shipped model's name (it wins over a same-named folder in the working
+    directory; pass "./name" for that one), or an existing folder; None for presets and configs."""
+    if isinstance(model, ModelConfig) or model in PRESETS:
+        return None
+    if model in shipped_models():
+        return MODELS_DIR / model
+    return Path(model) if Path(model).is_dir() else None
+
+
 def load_model(model: "str | ModelConfig", dtype=jnp.float32, seed: int = 0):
-    """A preset name or a `ModelConfig` (random deterministic weights), or a HF folder -> (cfg, graphdef, params)."""
+    """A preset name or a `ModelConfig` (random deterministic weights), a shipped model's name, or a HF folder
+    -> (cfg, graphdef, params)."""
     if isinstance(model, ModelConfig):
         graphdef, params = init_model(model, seed=seed, dtype=dtype)
         return model, graphdef, params
@@ -132,6 +173,8 @@ def load_model(model: "str | ModelConfig", dtype=jnp.float32, seed: int = 0):
         cfg = get_preset(model)
         graphdef, params = init_model(cfg, seed=seed, dtype=dtype)
         return cfg, graphdef, params
-    if not Path(model).is_dir():
-        raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a folder")
-    return load_hf_weights(model, dtype=dtype)
+    folder = model_folder(model)
+    if folder is None:
+        raise ValueError(f"model {model!r} is neither a shipped model ({', '.join(shipped_models()) or 'none'}), "
+                         f"a random-weight preset ({', '.join(PRESETS)}) nor a folder")
+    return load_hf_weights(folder, dtype=dtype)

@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.preset, args.tokens, args.requests, args.system, args.suffix, args.max_tokens = (
-            "tiny", 256, 4, 96, 8, 8)
+            "tiny-random", 256, 4, 96, 8, 8)
 
     import torch
     torch.set_num_threads(torch.get_num_threads())

@@ -1,4 +1,5 @@
-"""Every notebook under notebooks/ runs top to bottom (code cells executed in order in one namespace)."""
+"""Every notebook under notebooks/ runs top to bottom (code cells executed in order in one namespace), in its reduced
+mode (GDN_JAX_NOTEBOOK_REDUCED=1: fewer training steps), and prints what it is there to show."""
 
 import json
 from pathlib import Path
@@ -7,15 +8,26 @@ import pytest
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 
+# what each notebook's output must contain
+EXPECTED = {
+    "prefix_cache_tour.ipynb": ["restored True"],  # the second request really restored a checkpoint
+    "train_tiny.ipynb": ["loss decreased True", "restored True"],
+}
 
-def test_there_are_notebooks():
+
+def test_there_are_notebooks_and_each_has_expectations():
     assert NOTEBOOKS
+    assert sorted(p.name for p in NOTEBOOKS) == sorted(EXPECTED)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, capsys):
+def test_notebook_runs(path, capsys, monkeypatch):
+    monkeypatch.setenv("GDN_JAX_NOTEBOOK_REDUCED", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
     cells = json.loads(path.read_text())["cells"]
     namespace = {"__name__": "__notebook__"}
     for i, cell in enumerate(c for c in cells if c["cell_type"] == "code"):
         exec(compile("".join(cell["source"]), f"{path.name}[{i}]", "exec"), namespace)
-    assert "restored True" in capsys.readouterr().out  # the second request really restored a checkpoint
+    out = capsys.readouterr().out
+    for marker in EXPECTED[path.name]:
+        assert marker in out, marker

@@ -24,10 +24,10 @@ def _tokens(outs):
 def test_under_pressure_all_complete_identically_and_nothing_leaks():
     prompts = _pressure_workload()
     kw = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
-    roomy = LLM("tiny", enable_prefix_caching=False, **kw)
+    roomy = LLM("tiny-random", enable_prefix_caching=False, **kw)
     # 9 usable KV blocks: one 128-token sequence needs 8, so four running sequences must preempt each other;
     # 7 slots: 4 live + 2 checkpoints, so checkpoints are evicted
-    tight = LLM("tiny", enable_prefix_caching=True, num_kv_blocks=10, num_linear_slots=7, **kw)
+    tight = LLM("tiny-random", enable_prefix_caching=True, num_kv_blocks=10, num_linear_slots=7, **kw)
     expect = _tokens(roomy.generate(prompts, GREEDY, use_tqdm=False))
     serial = [tight.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[:4]]
     concurrent = tight.generate(prompts, GREEDY, use_tqdm=False)
@@ -54,7 +54,7 @@ def test_engine_greedy_equals_transformers_generate():
 
 
 def test_no_recompilation_after_warm_up():
-    llm = LLM("tiny", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
+    llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
     assert llm.engine.warm_up() == 3 * 3 * 1  # rows {1,2,4} x tokens {1,16,32} x blocks {8}
     warm = llm.cache_stats()["compilations"]  # shapes another engine in this process compiled are shared
     rng = np.random.default_rng(9)
@@ -74,7 +74,7 @@ def test_no_recompilation_after_warm_up():
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine("tiny", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False)
+    return LLMEngine("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False)
 
 
 @pytest.mark.parametrize("prompt, params, message", [
@@ -117,7 +117,7 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, para
 ])
 def test_invalid_cache_configuration_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        LLM("tiny", max_model_len=64, verbose=False, **kwargs)
+        LLM("tiny-random", max_model_len=64, verbose=False, **kwargs)
 
 
 def test_numpy_token_ids_are_accepted(engine):
@@ -153,7 +153,7 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_servin
     rng = np.random.default_rng(3)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     survivor, victims, late = random_ids(rng, 30), [random_ids(rng, 20) for _ in range(3)], random_ids(rng, 30)
-    expect = LLM("tiny", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False,
+    expect = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False,
                  enable_prefix_caching=False).generate([survivor, late], greedy, use_tqdm=False)
     engine.add_request("survivor", survivor, greedy)
     assert engine.step()[0].request_id == "survivor"     # prefilled in one step, now decoding
@@ -200,13 +200,13 @@ def test_unsafe_reuse_warns_and_drifts_while_the_exact_cache_does_not():
     def top(o):  # the first generated position's top-5 as {token: logprob}
         return {t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
 
-    ref = top(LLM("tiny", enable_prefix_caching=False, **kw).generate(prompts[1], params, use_tqdm=False)[0])
+    ref = top(LLM("tiny-random", enable_prefix_caching=False, **kw).generate(prompts[1], params, use_tqdm=False)[0])
     for mode, reuse in ((None, 32), ("cold", 48), ("stale", 48)):
         if mode is None:
-            llm = LLM("tiny", **kw)
+            llm = LLM("tiny-random", **kw)
         else:
             with pytest.warns(UserWarning, match=f"unsafe_reuse='{mode}'"):
-                llm = LLM("tiny", unsafe_reuse=mode, **kw)
+                llm = LLM("tiny-random", unsafe_reuse=mode, **kw)
         second = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts][1]
         assert second.num_cached_tokens == reuse and second.metrics.restored == (mode != "cold")
         got = top(second)

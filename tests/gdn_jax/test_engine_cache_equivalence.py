@@ -49,7 +49,7 @@ def _summary(out):
 
 @pytest.fixture(scope="module")
 def engines():
-    return LLM("tiny", enable_prefix_caching=True, **ENGINE_KW), LLM("tiny", enable_prefix_caching=False, **ENGINE_KW)
+    return LLM("tiny-random", enable_prefix_caching=True, **ENGINE_KW), LLM("tiny-random", enable_prefix_caching=False, **ENGINE_KW)
 
 
 def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):
@@ -120,7 +120,7 @@ def test_generation_is_reproducible_with_seeds(engines):
 
 def test_bfloat16_engine_cached_equals_uncached():
     kw = dict(ENGINE_KW, dtype="bfloat16")
-    on, off = LLM("tiny", enable_prefix_caching=True, **kw), LLM("tiny", enable_prefix_caching=False, **kw)
+    on, off = LLM("tiny-random", enable_prefix_caching=True, **kw), LLM("tiny-random", enable_prefix_caching=False, **kw)
     assert on.engine.worker.state.ssm[0].dtype == np.float32 and on.engine.worker.state.conv[0].dtype != np.float32
     rng = np.random.default_rng(4)
     system = random_ids(rng, 70)
@@ -135,7 +135,7 @@ def test_bfloat16_engine_cached_equals_uncached():
 def test_single_kind_models_cache_exactly(layer_types):
     """A model without GDN layers takes the plain KV path (reuse = KV match, no ops); a model without attention
     layers reuses checkpoints only. Both stay exact."""
-    cfg = dataclasses.replace(get_preset("tiny"), layer_types=layer_types, name="-".join(layer_types))
+    cfg = dataclasses.replace(get_preset("tiny-random"), layer_types=layer_types, name="-".join(layer_types))
     on, off = LLM(cfg, enable_prefix_caching=True, **ENGINE_KW), LLM(cfg, enable_prefix_caching=False, **ENGINE_KW)
     rng = np.random.default_rng(6)
     system = random_ids(rng, 85)

@@ -27,12 +27,12 @@ def _prompt_tokens_computed(plans) -> int:
 
 @pytest.fixture(scope="module")
 def cached():
-    return LLM("tiny", enable_prefix_caching=True, **KW)
+    return LLM("tiny-random", enable_prefix_caching=True, **KW)
 
 
 @pytest.fixture(scope="module")
 def plain():
-    return LLM("tiny", enable_prefix_caching=False, **KW)
+    return LLM("tiny-random", enable_prefix_caching=False, **KW)
 
 
 @pytest.mark.parametrize("length", [75, 50])
@@ -133,7 +133,7 @@ def test_worker_fork_reads_the_parents_state_before_the_step_advances_it():
     from gdn_jax.worker import Worker, plan_memory
     from scheduler import LinearStateCacheOp, ScheduledSequence, StepPlan
 
-    cfg = get_preset("tiny")
+    cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg)
     mem = plan_memory(cfg, jnp.float32, 16, 2, 64, num_kv_blocks=9, num_linear_slots=4, memory_budget_bytes=1 << 24)
     w = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=2, max_model_len=64, chunk_stride=32, dtype=jnp.float32)

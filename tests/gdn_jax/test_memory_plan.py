@@ -19,7 +19,7 @@ def test_qwen35_9b_bytes_per_block_and_slot():
 
 
 def test_explicit_counts_win_and_a_small_budget_shrinks_the_pools():
-    cfg = get_preset("tiny")
+    cfg = get_preset("tiny-random")
     explicit = plan_memory(cfg, jnp.float32, 16, 4, 256, 33, 9, 1 << 20)
     assert (explicit.num_kv_blocks, explicit.num_linear_slots) == (33, 9)
     roomy = plan_memory(cfg, jnp.float32, 16, 4, 256, None, None, 1 << 30)
@@ -49,7 +49,7 @@ def test_a_budget_too_small_for_the_minimum_names_the_linear_state_slots():
 
 
 def test_more_budget_buys_more_checkpoints_up_to_the_cap():
-    cfg = get_preset("tiny")
+    cfg = get_preset("tiny-random")
     counts = [plan_memory(cfg, jnp.float32, 16, 4, 256, None, None, b).num_checkpoint_slots
               for b in (1 << 19, 1 << 20, 1 << 30)]
     assert counts[0] >= 4 and counts == sorted(counts) and counts[-1] == CHECKPOINTS_PER_SEQ_MAX * 4

@@ -15,7 +15,7 @@ NB = 8
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = get_preset("tiny")
+    cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg)
     return cfg, graphdef, params
 

@@ -63,7 +63,7 @@ def test_whole_rows_match_transformers_and_are_bounded_by_vocabulary(ref, hf_llm
 @pytest.fixture(scope="module")
 def tiny_pair():
     kw = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=256, verbose=False)
-    return LLM("tiny", enable_prefix_caching=True, **kw), LLM("tiny", enable_prefix_caching=False, **kw)
+    return LLM("tiny-random", enable_prefix_caching=True, **kw), LLM("tiny-random", enable_prefix_caching=False, **kw)
 
 
 def test_cached_positions_are_none_and_computed_ones_equal_cache_off(tiny_pair):
@@ -93,7 +93,7 @@ def test_cached_positions_are_none_and_computed_ones_equal_cache_off(tiny_pair):
 
 
 def test_prompt_logprobs_compile_only_their_own_variant():
-    llm = LLM("tiny", block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=64, verbose=False)
+    llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=64, verbose=False)
     plain = 2 * 3 * 1                                           # rows {1,2} x tokens {1,16,32} x blocks {8}
     assert llm.engine.warm_up(prompt_logprobs=True) == plain + 2 * 2
     warm = llm.cache_stats()["compilations"]

@@ -15,7 +15,7 @@ NUM_SLOTS = 8
 @pytest.fixture
 def pools():
     """Every slot of every GDN layer holds distinct values (slot s, layer j -> values around 100 j + s)."""
-    cfg = get_preset("tiny")
+    cfg = get_preset("tiny-random")
     st = init_state(cfg, 2, 16, NUM_SLOTS)
     rng = np.random.default_rng(0)
 
@@ -89,7 +89,7 @@ def test_worker_cold_start_ignores_garbage_and_warm_restore_continues_exactly():
     from gdn_jax.worker import Worker, plan_memory
     from scheduler import SamplingParams, ScheduledSequence, StepPlan
 
-    cfg = get_preset("tiny")
+    cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg)
     mem = plan_memory(cfg, jnp.float32, 16, 2, 64, num_kv_blocks=9, num_linear_slots=4, memory_budget_bytes=1 << 24)
 

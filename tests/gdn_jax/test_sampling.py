@@ -223,7 +223,7 @@ def test_logprobs_are_log_softmax_and_sorted():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny", chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
+    return LLM("tiny-random", chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
 
 
 def test_engine_logprobs_max_tokens_and_stop_tokens(llm):

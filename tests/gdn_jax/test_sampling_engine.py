@@ -22,12 +22,12 @@ def _drain(engine) -> dict:
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine("tiny", **KW)
+    return LLMEngine("tiny-random", **KW)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny", **KW)
+    return LLM("tiny-random", **KW)
 
 
 @pytest.mark.parametrize("bad, field", [
@@ -84,10 +84,10 @@ def test_seeded_output_is_the_same_whatever_the_batch_bucket_and_preemption():
     prompts = _prompts()
     params = [SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=24, ignore_eos=True)
               for i in range(len(prompts))]
-    roomy = LLM("tiny", enable_prefix_caching=False, **KW)
+    roomy = LLM("tiny-random", enable_prefix_caching=False, **KW)
     alone = [roomy.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     # 9 usable KV blocks for up to 4 sequences of up to 94 tokens: they preempt each other
-    tight = LLM("tiny", enable_prefix_caching=True, num_kv_blocks=10, num_linear_slots=7, **KW)
+    tight = LLM("tiny-random", enable_prefix_caching=True, num_kv_blocks=10, num_linear_slots=7, **KW)
     together = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     reversed_order = [o.outputs[0].token_ids for o in tight.generate(prompts[::-1], params[::-1], use_tqdm=False)]
     assert tight.cache_stats()["preemptions"] > 0

@@ -22,7 +22,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %
 @pytest.fixture(scope="module")
 def server():
     """One engine loop behind two apps: the main one (API key, no chat template) and one with a chat template."""
-    engine = LLMEngine("tiny", verbose=False, **ENGINE_KW)
+    engine = LLMEngine("tiny-random", verbose=False, **ENGINE_KW)
     loop = EngineLoop(engine).start()
     main = ServerThread(create_app(loop, ServerConfig(model_name="tiny", api_key=KEY, max_tokens_limit=200,
                                                       max_request_bytes=64 << 10)))
@@ -111,7 +111,7 @@ def test_cached_tokens_on_a_repeated_prefix(client):
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM("tiny", enable_prefix_caching=False, verbose=False, **ENGINE_KW)
+    return LLM("tiny-random", enable_prefix_caching=False, verbose=False, **ENGINE_KW)
 
 
 def test_echo_logprobs_equal_offline_prompt_logprobs_cached_or_not(client, offline):

@@ -1,5 +1,6 @@
 """Loading HF folders: errors that name the problem; orbax round trip of converted params."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,8 +10,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from gdn_jax.config import ModelConfig
-from gdn_jax.weights import load_hf_weights, load_model, restore_params, save_params
+from gdn_jax.config import ModelConfig, get_preset
+from gdn_jax.weights import load_hf_weights, load_model, restore_params, save_hf_weights, save_params
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 
@@ -50,7 +51,7 @@ def test_unsupported_model_type_is_named(tmp_path):
 
 
 def test_unknown_model_name_is_an_error():
-    with pytest.raises(ValueError, match="neither a preset"):
+    with pytest.raises(ValueError, match="neither a shipped model"):
         load_model("no-such-model")
 
 
@@ -69,3 +70,21 @@ def test_orbax_round_trip_restores_identical_params(tmp_path):
     assert len(a) == len(b) > 0
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_save_hf_weights_round_trips_through_the_loader(tmp_path):
+    """The HF folder the training script ships (config.json + model.safetensors in the HF layout) loads back to the
+    same config and params, and its tensors have the HF names and shapes of the reference fixture."""
+    cfg, _, params = load_hf_weights(FIXTURE)
+    save_hf_weights(tmp_path / "out", cfg, params)
+    cfg2, _, params2 = load_hf_weights(tmp_path / "out")
+    assert dataclasses.replace(cfg2, name=cfg.name) == cfg
+    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(params)), jax.tree.leaves(nnx.to_pure_dict(params2))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ours, ref = load_file(tmp_path / "out" / "model.safetensors"), load_file(FIXTURE / "model.safetensors")
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in ref.items() if not k.startswith("mtp.")}
+
+
+def test_hf_config_dict_round_trips():
+    cfg = dataclasses.replace(get_preset("hybrid-1024"), tie_word_embeddings=True, partial_rotary_factor=0.5)
+    assert ModelConfig.from_hf_config(cfg.to_hf_config(), name=cfg.name) == cfg

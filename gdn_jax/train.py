@@ -1,0 +1,312 @@
+"""Training path on the engine's own modules and parameters: a dense causal forward over whole sequences, the
+next-byte loss, the corpus (the standard library's language and library reference), and a small training loop.
+
+The forward here is the prefill the engine runs, without the serving machinery: full attention is a plain causal
+softmax over the sequence (no paged KV cache), and every Gated DeltaNet layer runs the chunked gated delta rule from a
+zero state. The layers are the `gdn_jax.model` modules themselves (merged from the same graphdef and params), so a
+trained model loads into the engine unchanged; a test checks that the two forwards give the same logits.
+
+Mixed precision: the optimiser keeps float32 master weights; `compute_dtype=bfloat16` casts them to bfloat16 for the
+forward (matmuls accumulate in float32, norms, gates and the recurrent state stay float32). Matmuls alone run ~1.5x
+faster in bfloat16 on the 2-core development CPU, but a training step of the small shipped `tiny` config only gains
+~1.1-1.2x (median, scripts/bench_train.py): the float32 gated delta rule and element-wise work dominate it.
+`optax` is only needed for `make_optimizer` / `make_train_step` / `train` (the `train` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn_jax.config import LINEAR, ModelConfig
+from gdn_jax.tokenizer import ByteTokenizer
+from gdn_jax.weights import abstract_model
+
+LN2 = math.log(2.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dense forward and loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def dense_attention(attn, x):
+    """Causal gated full attention over whole rows, no cache. attn: a `model.Attention`; x: [B, T, D]."""
+    cfg = attn.cfg
+    B, T, _ = x.shape
+    H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    q, k, v, gate = attn.project(x, positions)
+    q = q.reshape(B, T, kvh, H // kvh, hd)  # query head h reads kv head h // (H / kvh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * hd**-0.5
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(x.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32).astype(x.dtype)
+    out = out.reshape(B, T, H * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
+    return attn.o_proj(out)
+
+
+def dense_forward(model, tokens, chunk_size: int = 32):
+    """tokens [B, T] int -> float32 logits [B, T, V]: every row is a whole sequence starting at position 0.
+    `chunk_size` of the chunked gated delta rule: 32 is ~1.6x faster than 64 for forward + backward on CPU."""
+    x = model.embed_tokens[...][tokens]
+    B = tokens.shape[0]
+    for layer in model.layers:
+        h = layer.input_layernorm(x)
+        if layer.layer_type == LINEAR:
+            cfg = layer.linear_attn.cfg
+            conv0 = jnp.zeros((B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), h.dtype)
+            ssm0 = jnp.zeros((B, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+            h = layer.linear_attn(h, conv0, ssm0, None, chunk_size=chunk_size)[0]
+        else:
+            h = dense_attention(layer.self_attn, h)
+        x = x + h
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.logits(x)
+
+
+def cast_params(params, abstract):
+    """Casts float32 master params to the dtypes of `abstract` (the compute model's params) leaf by leaf."""
+    return jax.tree.map(lambda p, a: p.astype(a.dtype), params, abstract)
+
+
+class Forward:
+    """The training forward for one config and compute dtype: `logits(params, tokens)` and `loss(params, tokens)`,
+    where `params` are the float32 master params (an `nnx.State` of `abstract_model(cfg, float32)`)."""
+
+    def __init__(self, cfg: ModelConfig, compute_dtype=jnp.float32):
+        self.cfg, self.compute_dtype = cfg, compute_dtype
+        self.graphdef, self.abstract = abstract_model(cfg, compute_dtype)
+
+    def logits(self, params, tokens):
+        return dense_forward(nnx.merge(self.graphdef, cast_params(params, self.abstract)), tokens)
+
+    def token_nats(self, params, tokens):
+        """Per-target cross entropy (nats) of predicting tokens[:, 1:] from their prefixes: [B, T - 1] float32."""
+        logits = self.logits(params, tokens[:, :-1])
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+    def loss(self, params, tokens):
+        return jnp.mean(self.token_nats(params, tokens))
+
+    @property
+    def row_nats(self):
+        """Jitted (params, tokens [B, T]) -> summed nats per row [B] (compiled once per Forward)."""
+        if not hasattr(self, "_row_nats"):
+            self._row_nats = jax.jit(lambda p, t: jnp.sum(self.token_nats(p, t), axis=1))
+        return self._row_nats
+
+
+def bits_per_byte(fwd: Forward, params, ids: np.ndarray, window: int, batch: int = 8) -> float:
+    """Bits per byte of a held-out token stream: non-overlapping windows of `window` tokens, each read from a zero
+    state; every token of a window but its first is a target (a short tail window is dropped)."""
+    n = len(ids) // window
+    if n == 0:
+        raise ValueError(f"held-out stream of {len(ids)} tokens is shorter than one window of {window}")
+    rows = np.asarray(ids[: n * window], np.int32).reshape(n, window)
+    rows = np.concatenate([rows, np.repeat(rows[:1], -n % batch, 0)])  # pad to whole batches; padding not counted
+    total = sum(float(fwd.row_nats(params, rows[i:i + batch])[:n - i].sum()) for i in range(0, n, batch))
+    return total / (n * (window - 1)) / LN2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# corpus
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Corpus:
+    train: np.ndarray        # int32 token stream: documents separated by EOS
+    heldout_text: str        # the fixed validation slice (plain text)
+    num_docs: int
+    num_bytes: int           # UTF-8 bytes of the whole corpus (train + held-out)
+
+    @property
+    def heldout(self) -> np.ndarray:
+        return encode(self.heldout_text)
+
+
+def encode(text: str) -> np.ndarray:
+    return np.asarray(ByteTokenizer(512).encode(text), np.int32)
+
+
+def reference_documents() -> list[str]:
+    """The language and library reference topics that ship with every Python (`pydoc_data.topics`), by topic name."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def load_corpus(heldout_bytes: int = 32768, heldout_at: float = 0.9) -> Corpus:
+    """Documents joined with EOS; a fixed slice of `heldout_bytes` characters starting at fraction `heldout_at` of the
+    text (cut at line starts) is held out, and the text on either side of it (joined without an EOS) trains."""
+    docs = reference_documents()
+    eos = chr(0)  # placeholder for EOS while slicing text; topics contain no NUL
+    text = eos.join(docs) + eos
+    start = text.index("\n", int(len(text) * heldout_at)) + 1
+    end = text.index("\n", start + heldout_bytes) + 1
+    heldout = text[start:end].replace(eos, "\n")
+    ids = []
+    for part in (text[:start], text[end:]):
+        for j, doc in enumerate(part.split(eos)):
+            if j:
+                ids.append(ByteTokenizer.EOS)
+            ids.extend(encode(doc).tolist())
+    return Corpus(np.asarray(ids, np.int32), heldout, len(docs), len(text.encode()) - text.count(eos))
+
+
+def sample_batch(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: int = 0) -> np.ndarray:
+    """[batch, seq_len + 1] random windows of the stream; depends only on (seed, step), so a resumed run sees the
+    same data as an uninterrupted one."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(stream) - seq_len - 1, size=batch)
+    return np.stack([stream[s:s + seq_len + 1] for s in starts])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# optimisation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Optimisation settings; the defaults are those of the shipped `tiny` run (scripts/train_tiny.py)."""
+    steps: int = 1200
+    batch: int = 8
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    compute_dtype: str = "bfloat16"
+    eval_every: int = 200
+    log_every: int = 10
+    eval_window: int = 256
+    ckpt_every: int = 200
+
+
+def make_optimizer(tc: TrainConfig):
+    """AdamW with warm-up and cosine decay, global-norm clipping; no decay on norms, biases and gates (1-D params)."""
+    import optax
+
+    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, max(tc.steps, tc.warmup + 1),
+                                               tc.lr * tc.min_lr_ratio)
+    decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(tc.clip),
+                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=decay_mask)), sched
+
+
+def make_train_step(fwd: Forward, tx):
+    """One jitted step: (params, opt_state, tokens [B, T+1]) -> (params, opt_state, loss), buffers donated."""
+    import optax
+
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(fwd.loss)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def init_params(cfg: ModelConfig, seed: int = 0):
+    """Float32 master params for training: normal(0.02) projections, zero-centred norms at identity, the GDN decay
+    rates of `model.Qwen35Model`; output projections scaled down by sqrt(2 * layers) (residual-stream init)."""
+    from gdn_jax.model import Qwen35Model
+
+    model = Qwen35Model(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed), std=0.02)
+    scale = 1.0 / math.sqrt(2 * cfg.num_hidden_layers)
+    for layer in model.layers:
+        mixer = layer.linear_attn.out_proj if layer.layer_type == LINEAR else layer.self_attn.o_proj
+        for proj in (mixer, layer.mlp.down_proj):
+            proj.kernel[...] = proj.kernel[...] * scale
+    return nnx.split(model)[1]
+
+
+def param_count(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def steady_tokens_per_s(history: list[dict], tokens_per_step: int) -> float:
+    """Median training throughput over the logged intervals (robust to the few that hold a compilation or a resume),
+    leaving out those that start at an evaluation row (the evaluation runs after the row's time is taken)."""
+    rates = [(b["step"] - a["step"]) * tokens_per_step / (b["time"] - a["time"])
+             for a, b in zip(history, history[1:]) if "val_bpb" not in a and b["time"] > a["time"]]
+    return float(np.median(rates)) if rates else float("nan")
+
+
+def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Path | None = None,
+          resume: bool = False, stop_after: int | None = None, log: Callable[[str], None] = print) -> dict:
+    """Trains from scratch (or from the latest orbax checkpoint in `ckpt_dir` with `resume`) and returns
+    {"params", "history", "start_step", "end_step", "wall_s", "tokens_per_s", ...}. `stop_after` ends this run after
+    that many steps (the schedule still spans `tc.steps`), as an interruption would; the last step is checkpointed.
+    History rows: step, loss (nats per token, the mean over the steps since the previous row), lr, time (training
+    seconds since step 0, resumed runs included) and val_bpb at the evaluation steps."""
+    fwd = Forward(cfg, jnp.bfloat16 if tc.compute_dtype == "bfloat16" else jnp.float32)
+    tx, sched = make_optimizer(tc)
+    params = init_params(cfg, tc.seed)
+    opt_state = tx.init(params)
+    history, start = [], 0
+    mngr = None
+    if ckpt_dir is not None:
+        import orbax.checkpoint as ocp
+
+        mngr = ocp.CheckpointManager(Path(ckpt_dir).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
+        if resume and mngr.latest_step() is not None:
+            start = mngr.latest_step()
+            restored = mngr.restore(start, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}),
+                history=ocp.args.JsonRestore()))
+            params, opt_state = restored.state["params"], restored.state["opt_state"]
+            history = list(restored.history)
+            log(f"resumed from step {start}")
+    step_fn = make_train_step(fwd, tx)
+    heldout = corpus.heldout
+    t0, t_eval, t_compile, pending = time.perf_counter(), 0.0, 0.0, []
+    t_before = history[-1]["time"] if history else 0.0
+    end = tc.steps if stop_after is None else min(tc.steps, start + stop_after)
+    for step in range(start, end):
+        batch = sample_batch(corpus.train, step, tc.batch, tc.seq_len, tc.seed)
+        params, opt_state, loss = step_fn(params, opt_state, batch)
+        pending.append(loss)
+        done = step + 1
+        if step == start:  # the first step compiles: kept out of the throughput
+            jax.block_until_ready(loss)
+            t_compile = time.perf_counter() - t0
+        if done % tc.log_every == 0 or done == end or done % tc.eval_every == 0:
+            mean = float(np.mean(jax.device_get(pending)))
+            pending = []
+            row = {"step": done, "loss": mean, "lr": float(sched(done)), "time": t_before + time.perf_counter() - t0}
+            if done % tc.eval_every == 0 or done == tc.steps:
+                te = time.perf_counter()
+                row["val_bpb"] = bits_per_byte(fwd, params, heldout, tc.eval_window)
+                t_eval += time.perf_counter() - te
+            history.append(row)
+            log(f"step {done:>6}  loss {mean:.4f} nats ({mean / LN2:.3f} bits)  lr {row['lr']:.2e}"
+                + (f"  val {row['val_bpb']:.3f} bits/byte" if "val_bpb" in row else "")
+                + f"  {time.perf_counter() - t0:.0f} s")
+        if mngr is not None and (done % tc.ckpt_every == 0 or done == end):
+            import orbax.checkpoint as ocp
+
+            mngr.save(done, args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+                history=ocp.args.JsonSave(history)))
+    jax.block_until_ready(params)
+    if mngr is not None:
+        mngr.wait_until_finished()
+    wall = time.perf_counter() - t0
+    steps_run = end - start
+    train_s = wall - t_eval - t_compile
+    tps = (steps_run - 1) * tc.batch * tc.seq_len / train_s if steps_run > 1 and train_s > 0 else float("nan")
+    return {"params": params, "history": history, "start_step": start, "end_step": end, "wall_s": t_before + wall,
+            "eval_s": t_eval, "compile_s": t_compile, "tokens_per_s": tps, "forward": fwd}

@@ -1,0 +1,77 @@
+"""Training throughput of the shipped `tiny` config: one optimiser step (forward + backward + AdamW) in float32 vs
+bfloat16 compute (float32 master weights either way), at the batch shape of its training run.
+
+    python scripts/bench_train.py [--repeats 10]
+
+Prints a table and writes results/bench_train.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gdn_jax.config import ModelConfig  # noqa: E402
+from gdn_jax.train import (Forward, TrainConfig, init_params, load_corpus, make_optimizer,  # noqa: E402
+                           make_train_step, param_count, sample_batch)
+from gdn_jax.weights import MODELS_DIR  # noqa: E402
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench_train.json"))
+    args = ap.parse_args(argv)
+    folder = MODELS_DIR / "tiny"
+    cfg = ModelConfig.from_pretrained(folder)
+    hp = json.loads((folder / "training.json").read_text())["args"]
+    B, T = hp["batch"], hp["seq_len"]
+    tc = TrainConfig(steps=1000, batch=B, seq_len=T, lr=hp["lr"], warmup=hp["warmup"])
+    stream = load_corpus(hp["heldout_bytes"]).train
+    rows = []
+    for name, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+        tx, _ = make_optimizer(tc)
+        params = init_params(cfg)
+        opt_state = tx.init(params)
+        step = make_train_step(Forward(cfg, dtype), tx)
+        t = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, sample_batch(stream, 0, B, T))
+        jax.block_until_ready(loss)
+        compile_s = time.perf_counter() - t
+        times = []
+        for i in range(args.repeats):
+            batch = sample_batch(stream, i + 1, B, T)
+            t = time.perf_counter()
+            params, opt_state, loss = step(params, opt_state, batch)
+            jax.block_until_ready(loss)
+            times.append(time.perf_counter() - t)
+        times = np.sort(times)
+        rows.append({"compute_dtype": name, "batch": B, "seq_len": T, "params": param_count(params),
+                     "compile_s": compile_s, "step_s_min": float(times[0]), "step_s_median": float(np.median(times)),
+                     "tokens_per_s_best": B * T / float(times[0]),
+                     "tokens_per_s_median": B * T / float(np.median(times)),
+                     "repeats": args.repeats, "load_average_1m": os.getloadavg()[0]})
+    print(f"tiny ({rows[0]['params']:,} params), batch {B} x {T} tokens, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'compute':<10}{'compile s':>10}{'step ms min':>13}{'median':>9}{'tok/s best':>12}{'median':>9}")
+    for r in rows:
+        print(f"{r['compute_dtype']:<10}{r['compile_s']:>10.1f}{1e3 * r['step_s_min']:>13.0f}"
+              f"{1e3 * r['step_s_median']:>9.0f}{r['tokens_per_s_best']:>12.0f}{r['tokens_per_s_median']:>9.0f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
