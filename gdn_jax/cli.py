@@ -12,17 +12,18 @@ from pathlib import Path
 
 def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
     ap.add_argument("--model", default="tiny", help="preset name (tiny, hybrid-1024, ...) or HF model folder")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     ap.add_argument("--seed", type=int, default=0, help="weights of random presets; default sampling seed")
-    ap.add_argument("--max-model-len", type=int, default=max_model_len)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--chunk-stride", type=int, default=64)
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--num-kv-blocks", type=int, default=None)
-    ap.add_argument("--num-linear-slots", type=int, default=None)
-    ap.add_argument("--compilation-cache", default=str(Path.home() / ".cache" / "gdn-jax" / "jax"),
-                    help="JAX persistent compilation cache folder ('' disables it)")
+    ap.add_argument("--max-model-len", type=int, default=max_model_len, help="longest prompt + output, tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    ap.add_argument("--chunk-stride", type=int, default=64, help="tokens between linear-state checkpoints")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (None: from the memory budget)")
+    ap.add_argument("--num-linear-slots", type=int, default=None, help="linear-state slots (None: from the memory budget)")
+    ap.add_argument("--compilation-cache", default=None,
+                    help="JAX persistent compilation cache folder ('' disables it; None: $GDN_JAX_CACHE_DIR or "
+                         "~/.cache/gdn_jax/jax)")
 
 
 def _engine_kwargs(args) -> dict:
@@ -31,6 +32,8 @@ def _engine_kwargs(args) -> dict:
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    elif args.compilation_cache == "":
+        os.environ["GDN_JAX_CACHE_DIR"] = "off"
     return dict(dtype=args.dtype, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
                 block_size=args.block_size, chunk_stride=args.chunk_stride, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
@@ -82,33 +85,33 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="gdn-jax", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+    s = sub.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                                      "/v1/models, /health, /metrics)")
     _engine_args(s, max_model_len=2048)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                                                    "(or set GDN_JAX_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="model id reported to clients (default: --model)")
     s.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
-    s.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted")
     s.add_argument("--chat-template", default=None, help="jinja chat template file (default: the model folder's)")
     s.add_argument("--no-warm-up", action="store_true", help="compile step shapes lazily instead of at start-up")
     s.add_argument("--warm-up-prompt-logprobs", action="store_true",
                    help="also compile the prompt-logprobs (echo + logprobs) prefill variant at start-up")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-level", default="info", help="uvicorn and server log level")
 
-    g = sub.add_parser("generate", help="generate a completion for one prompt and print it")
+    g = sub.add_parser("generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="generate a completion for one prompt and print it")
     _engine_args(g, max_model_len=4096)
-    g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("prompt", help="prompt text")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: off)")
     g.add_argument("--seed-sampling", type=int, default=None, help="sampling seed of the request")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--logprobs", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, help="top logprobs to print per token")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--json", action="store_true", help="print the output as JSON")
 
     args = ap.parse_args(argv)

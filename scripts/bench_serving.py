@@ -193,21 +193,22 @@ def summarize(results: list[dict], wall: float) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--dtype", default="float32")
+    ap = argparse.ArgumentParser(prog="bench_serving.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="preset or HF folder (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", help="weights and activations (default: %(default)s)")
     ap.add_argument("--url", default=None, help="benchmark this running server instead of starting two")
-    ap.add_argument("--api-key", default=os.environ.get("GDN_JAX_API_KEY"))
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--api-key", default=os.environ.get("GDN_JAX_API_KEY"), help="bearer key (default: $GDN_JAX_API_KEY)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="concurrent clients, one run each (default: %(default)s)")
     ap.add_argument("--requests", type=int, default=32, help="measured requests per (mode, concurrency)")
     ap.add_argument("--system", type=int, default=512, help="shared system prompt, tokens")
     ap.add_argument("--question", type=int, default=32, help="per-request suffix, tokens")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--chunk-stride", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
+    ap.add_argument("--chunk-stride", type=int, default=64, help="tokens between checkpoints (default: %(default)s)")
+    ap.add_argument("--max-model-len", type=int, default=1024, help="engine max_model_len (default: %(default)s)")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline-engine comparison")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/bench_serving.json")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    ap.add_argument("--out", default="results/bench_serving.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args()
 
     from gdn_jax.config import get_preset
