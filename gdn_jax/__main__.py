@@ -9,10 +9,10 @@ import time
 
 from gdn_jax import LLM, SamplingParams
 
-SYSTEM = ("You are a careful research assistant. Answer briefly and cite the prefix cache when it helps. "
-          "The engine keeps the recurrent state of each GDN layer at every chunk boundary. ")
-QUESTIONS = ["What is a Gated DeltaNet?", "Why copy a checkpoint instead of sharing it?",
-             "What does chunk_stride control?", "What is reused on a hit?"]
+SYSTEM = ("The Python Language Reference describes the syntax and core semantics of the language. Each section "
+          "below explains one statement or concept, with its grammar and an example.\n\n")
+QUESTIONS = ['The "while" statement is used for', 'The "import" statement', 'A function definition defines',
+             'The "with" statement is used to']
 COUNTERS = ("queries", "hits", "query_tokens", "reused_tokens", "readmissions", "checkpoints_saved",
             "checkpoints_restored", "rotation_copies", "checkpoints_evicted", "preemptions", "compilations")
 
@@ -21,7 +21,7 @@ def _workload(llm: LLM, system: str, params: SamplingParams):
     """Round: 4 questions under one system prompt (concurrent), their follow-ups (multi-turn), 2 repeats."""
     turn1 = [system + q for q in QUESTIONS]
     first = llm.generate(turn1, params, use_tqdm=False)
-    follow = [p + o.outputs[0].text + " Tell me more." for p, o in zip(turn1, first)]
+    follow = [p + o.outputs[0].text + "\n\nFor example," for p, o in zip(turn1, first)]
     second = llm.generate(follow, params, use_tqdm=False)
     again = llm.generate(turn1[:2], params, use_tqdm=False)
     return [("turn1", first), ("turn2", second), ("repeat", again)]
@@ -52,8 +52,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="tiny", help="preset name or HF folder")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     ap.add_argument("--chunk-stride", type=int, default=64, help="tokens between linear-state checkpoints")
-    ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (greedy)")
-    ap.add_argument("--width", type=int, default=48, help="characters of output text shown per request")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (greedy)")
+    ap.add_argument("--width", type=int, default=60, help="characters of output text shown per request")
     args = ap.parse_args(argv)
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
