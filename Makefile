@@ -36,6 +36,6 @@ lock:
 	.venv-lock/bin/pip install -q --upgrade pip
 	.venv-lock/bin/pip install -q -e '.[$(EXTRAS)]'
 	(echo "# Exact versions make installs with (make lock refreshes them); pyproject.toml keeps the ranges."; \
-	 .venv-lock/bin/pip freeze --all --exclude-editable | grep -v '^setuptools==\|^wheel==') > $(LOCK)
+	 .venv-lock/bin/pip freeze --all --exclude-editable | grep -v '^setuptools==\|^wheel==\|^# Editable') > $(LOCK)
 	rm -rf .venv-lock $(VENV)
 	$(MAKE) test
