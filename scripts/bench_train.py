@@ -29,9 +29,9 @@ from gdn_jax.weights import MODELS_DIR  # noqa: E402
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", default=str(ROOT / "results" / "bench_train.json"))
+    ap = argparse.ArgumentParser(prog="bench_train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=10, help="timed steps per dtype (default: %(default)s)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench_train.json"), help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     folder = MODELS_DIR / "tiny"
     cfg = ModelConfig.from_pretrained(folder)
