@@ -3,11 +3,15 @@
 The step plan arrives as plain Python data from the scheduler; the worker pads it to bucketed shapes (batch rows,
 tokens per row, blocks per row) so a steady workload never recompiles, validates the linear-state ops on the host
 (fail closed), and runs `_step` with the state donated.
+
+The model's graph definition is closed over once per graphdef (`step_function`), not passed as a static argument:
+a static argument is hashed on every call, and hashing an NNX graphdef costs tens of milliseconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -16,7 +20,7 @@ import numpy as np
 
 from gdn_jax.config import ModelConfig
 from gdn_jax.model import Batch, forward, init_state
-from gdn_jax.restore import ops_to_arrays, restore_linear_state_slots, validate_cache_ops
+from gdn_jax.restore import ops_to_arrays, restore_sources, validate_cache_ops
 from gdn_jax.sampling import sample
 
 
@@ -71,10 +75,19 @@ def _step(graphdef, params, state, batch_arrays, live_ids, restore_requested, sr
           seeds, counters):
     # per-request, per-position keys: reproducible whatever the batch composition
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
-    state, has_initial_state = restore_linear_state_slots(state, live_ids, restore_requested, src_ids)
-    batch = Batch(*batch_arrays, linear_ids=live_ids, has_initial_state=has_initial_state)
+    # the restore is the forward's read of the initial state: from the source slot, written to the live slot
+    initial_state_ids, has_initial_state = restore_sources(live_ids, restore_requested, src_ids)
+    batch = Batch(*batch_arrays, linear_ids=live_ids, has_initial_state=has_initial_state,
+                  initial_state_ids=initial_state_ids)
     logits, state = forward(graphdef, params, batch, state)
     return (state, *sample(logits, temperature, top_k, top_p, keys))
+
+
+@functools.lru_cache(maxsize=None)
+def step_function(graphdef):
+    """The jitted step for one model structure, with the state (argument 1) donated. Cached per graphdef, so
+    workers of the same model share compiled executables, and the graphdef is hashed here, once, not per call."""
+    return jax.jit(functools.partial(_step, graphdef), donate_argnums=(1,))
 
 
 @dataclasses.dataclass
@@ -95,7 +108,7 @@ class Worker:
         self.max_chunk = chunk_stride
         self.seed = seed
         self.state = init_state(cfg, memory.num_kv_blocks, block_size, memory.num_linear_slots, dtype)
-        self._fn = jax.jit(_step, static_argnums=(0,), donate_argnums=(2,))
+        self._fn = step_function(graphdef)
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
     def _buckets(self, lo: int, hi: int) -> list[int]:
@@ -108,22 +121,31 @@ class Worker:
         blocks = self._buckets(min(8, self.max_blocks), self.max_blocks)
         return [(b, t, nb) for b in rows for t in tokens for nb in blocks]
 
+    @staticmethod
+    def _padding_args(B: int, T: int, NB: int) -> tuple:
+        """Step arguments (after params and state) of an all-padding batch: writes land in block 0 / slot 0 only."""
+        z = np.zeros((B, T), np.int32)
+        batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
+        return (batch_arrays, *ops_to_arrays([], B), np.zeros(B, np.float32), np.zeros(B, np.int32),
+                np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32))
+
     def warm_up(self) -> int:
-        """Compiles the step for every shape bucket on an all-padding batch (writes land in block 0 / slot 0 only).
-        Afterwards no workload compiles again. Returns the number of shapes."""
+        """Compiles the step for every shape bucket on an all-padding batch. Afterwards no workload compiles
+        again. Returns the number of shapes."""
         shapes = self.shape_buckets()
-        for B, T, NB in shapes:
-            z = np.zeros((B, T), np.int32)
-            batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
-            live, requested, src = ops_to_arrays([], B)
-            self._run(batch_arrays, live, requested, src, np.zeros(B, np.float32), np.zeros(B, np.int32),
-                      np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32))
+        for shape in shapes:
+            self._run(*self._padding_args(*shape))
         jax.block_until_ready(self.state)
         return len(shapes)
 
+    def compiled_step(self, shape: tuple[int, int, int]):
+        """The step's XLA executable for one (rows, tokens, blocks) bucket, compiled ahead of time (for inspection:
+        `.as_text()`, `.memory_analysis()`); the worker's state is not touched."""
+        return self._fn.lower(self.params, self.state, *self._padding_args(*shape)).compile()
+
     def _run(self, *args):
         before = self._fn._cache_size()
-        out = self._fn(self.graphdef, self.params, self.state, *args)
+        out = self._fn(self.params, self.state, *args)
         self.num_compilations += self._fn._cache_size() - before
         self.state = out[0]
         return out[1:]
