@@ -5,7 +5,8 @@ tokens per row, blocks per row) so a steady workload never recompiles, validates
 (fail closed), and runs `_step` with the state donated.
 
 The model's graph definition is closed over once per graphdef (`step_function`), not passed as a static argument:
-a static argument is hashed on every call, and hashing an NNX graphdef costs tens of milliseconds.
+a static argument is hashed on every call, and hashing an NNX graphdef costs tens of milliseconds. The parameters
+travel as a flat list of arrays (flattened by the C++ dispatch path, not by NNX's Python pytree hooks).
 """
 
 from __future__ import annotations
@@ -84,10 +85,15 @@ def _step(graphdef, params, state, batch_arrays, live_ids, restore_requested, sr
 
 
 @functools.lru_cache(maxsize=None)
-def step_function(graphdef):
-    """The jitted step for one model structure, with the state (argument 1) donated. Cached per graphdef, so
-    workers of the same model share compiled executables, and the graphdef is hashed here, once, not per call."""
-    return jax.jit(functools.partial(_step, graphdef), donate_argnums=(1,))
+def step_function(graphdef, params_def):
+    """The jitted step for one model structure: `(param_leaves, state, batch_arrays, ...)`, the state donated.
+    Cached per (graphdef, params treedef), so workers of the same model share compiled executables, and both are
+    hashed here, once, not per call."""
+
+    def step(param_leaves, state, *args):
+        return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), state, *args)
+
+    return jax.jit(step, donate_argnums=(1,))
 
 
 @dataclasses.dataclass
@@ -108,7 +114,8 @@ class Worker:
         self.max_chunk = chunk_stride
         self.seed = seed
         self.state = init_state(cfg, memory.num_kv_blocks, block_size, memory.num_linear_slots, dtype)
-        self._fn = step_function(graphdef)
+        self._param_leaves, params_def = jax.tree.flatten(params)
+        self._fn = step_function(graphdef, params_def)
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
     def _buckets(self, lo: int, hi: int) -> list[int]:
@@ -141,11 +148,11 @@ class Worker:
     def compiled_step(self, shape: tuple[int, int, int]):
         """The step's XLA executable for one (rows, tokens, blocks) bucket, compiled ahead of time (for inspection:
         `.as_text()`, `.memory_analysis()`); the worker's state is not touched."""
-        return self._fn.lower(self.params, self.state, *self._padding_args(*shape)).compile()
+        return self._fn.lower(self._param_leaves, self.state, *self._padding_args(*shape)).compile()
 
     def _run(self, *args):
         before = self._fn._cache_size()
-        out = self._fn(self.params, self.state, *args)
+        out = self._fn(self._param_leaves, self.state, *args)
         self.num_compilations += self._fn._cache_size() - before
         self.state = out[0]
         return out[1:]
