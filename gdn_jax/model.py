@@ -48,7 +48,7 @@ class Batch:
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "conv", "ssm"], meta_fields=[])
 @dataclasses.dataclass
 class DeviceState:
-    k: tuple[jax.Array, ...]      # per full-attention layer [num_blocks, block_size, kv_heads, head_dim]
+    k: tuple[jax.Array, ...]      # per full-attention layer [kv_heads, num_blocks, block_size, head_dim]
     v: tuple[jax.Array, ...]
     conv: tuple[jax.Array, ...]   # per GDN layer [num_slots, kernel - 1, conv_dim] (activation dtype, see pool_dtype)
     ssm: tuple[jax.Array, ...]    # per GDN layer [num_slots, Hv, dk, dv] float32
@@ -75,7 +75,7 @@ def from_pool(x, dtype):
 
 
 def init_state(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int, dtype=jnp.float32) -> DeviceState:
-    kv_shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    kv_shape = (cfg.num_key_value_heads, num_blocks, block_size, cfg.head_dim)  # head-major: see Attention
     n_full, n_lin = len(cfg.full_layer_ids), len(cfg.linear_layer_ids)
     conv_shape = (num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
     ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
@@ -97,16 +97,18 @@ def read_slots(pool, ids):
     return pool[jnp.concatenate([ids, jnp.zeros((1,), ids.dtype)])][:-1]
 
 
-def write_rows(pool, ids: tuple, rows):
-    """pool.at[ids].set(rows) for index arrays `ids` ([N] each, over pool's leading axes) that the host has
-    validated, in a form XLA updates in place: one row is a dynamic_update_slice (a one-index scatter becomes a
-    bounds-checked select that reads the pool, and XLA copies it), more rows a scatter promising in-bounds indices.
-    The pool is indexed in its own shape: a reshaped view would be a second value of the same buffer."""
-    rows = to_pool(rows, pool)
+def write_rows(pool, ids: tuple, rows, axis: int = 0):
+    """pool.at[(:,) * axis + ids].set(rows) for index arrays `ids` ([N] each, over pool axes axis, axis + 1, ...)
+    that the host has validated; rows: [N, *the pool's other dims]. In a form XLA updates in place: one row is a
+    dynamic_update_slice (a one-index scatter becomes a bounds-checked select that reads the pool, and XLA copies
+    it), more rows a scatter promising in-bounds indices. The pool is indexed in its own shape: a reshaped view
+    would be a second value of the same buffer."""
+    rows, n = to_pool(rows, pool), len(ids)
     if ids[0].shape[0] == 1:
-        start = tuple(i[0] for i in ids) + (0,) * (pool.ndim - len(ids))
-        return jax.lax.dynamic_update_slice(pool, rows.reshape((1,) * len(ids) + pool.shape[len(ids):]), start)
-    return pool.at[ids].set(rows, mode="promise_in_bounds")
+        start = (0,) * axis + tuple(i[0] for i in ids) + (0,) * (pool.ndim - axis - n)
+        return jax.lax.dynamic_update_slice(pool, rows.reshape(pool.shape[:axis] + (1,) * n + pool.shape[axis + n:]),
+                                            start)
+    return pool.at[(slice(None),) * axis + ids].set(jnp.moveaxis(rows, 0, axis), mode="promise_in_bounds")
 
 
 def dense(x, kernel, spec: str = "...d,dv->...v"):
@@ -235,7 +237,10 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
 
     def __call__(self, x, k_cache, v_cache, batch: Batch):
-        """x: [B, T, D]; caches: [NB, bs, kvh, hd] paged -> (out, k_cache, v_cache)."""
+        """x: [B, T, D]; caches: [kvh, NB, bs, hd] paged -> (out, k_cache, v_cache).
+
+        The caches are head-major so that a row's gathered prefix, [kvh, S, hd], has the matmuls' batch axis (kv
+        head) in front: the products read it as it is gathered, with no transposed copy."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -249,23 +254,29 @@ class Attention(nnx.Module):
         k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
 
         # write this chunk's K/V into the paged cache, then read each row's whole prefix back
-        bs = k_cache.shape[1]
+        bs = k_cache.shape[2]
         flat = batch.slot_mapping.reshape(-1)
         at = (flat // bs, flat % bs)  # (block, offset) per token
-        k_cache = write_rows(k_cache, at, k.reshape(B * T, kvh, hd))
-        v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd))
-        S = batch.block_tables.shape[1] * bs
-        keys = from_pool(k_cache[batch.block_tables], x.dtype).reshape(B, S, kvh, hd)
-        values = from_pool(v_cache[batch.block_tables], x.dtype).reshape(B, S, kvh, hd)
-
-        g = H // kvh  # head-major layout: one batched matmul per (row, kv head) over the g * T queries
+        k_cache = write_rows(k_cache, at, k.reshape(B * T, kvh, hd), axis=1)
+        v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd), axis=1)
+        g = H // kvh  # per (row, kv head) one matmul over its g * T queries
         qh = q.reshape(B, T, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(B, kvh, g * T, hd)
-        scores = jnp.einsum("bkqd,bksd->bkqs", qh, keys.transpose(0, 2, 1, 3),
-                            preferred_element_type=jnp.float32) * hd**-0.5      # [B, kvh, g*T, S]
-        qpos = jnp.tile(positions, (1, g))                                       # [B, g*T]
-        causal = jnp.arange(S)[None, None, :] <= qpos[:, :, None]                # [B, g*T, S]
-        probs = jax.nn.softmax(jnp.where(causal[:, None], scores, -jnp.inf), axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+        qpos = jnp.tile(positions, (1, g))  # [B, g*T]
+
+        def attend(qh, table, qpos):  # one row: [kvh, gT, hd], [NB], [gT] -> [kvh, gT, hd]
+            S = table.shape[0] * bs
+            keys = from_pool(k_cache[:, table], x.dtype).reshape(kvh, S, hd)
+            values = from_pool(v_cache[:, table], x.dtype).reshape(kvh, S, hd)
+            scores = jnp.einsum("kqd,ksd->kqs", qh, keys, preferred_element_type=jnp.float32) * hd**-0.5
+            causal = jnp.arange(S)[None, :] <= qpos[:, None]  # [gT, S]
+            probs = jax.nn.softmax(jnp.where(causal[None], scores, -jnp.inf), axis=-1).astype(x.dtype)
+            return jnp.einsum("kqs,ksd->kqd", probs, values, preferred_element_type=jnp.float32)
+
+        # On CPU a few rows at a time: a row's gathered prefix stays in cache, and the step's temporaries stay
+        # far below the size at which the allocator maps (and the kernel zero-fills) fresh pages on every step.
+        per_row = 2 * kvh * batch.block_tables.shape[1] * bs * hd * jnp.dtype(x.dtype).itemsize
+        chunk = max(1, (4 << 20) // per_row) if jax.default_backend() == "cpu" else B
+        out = jax.lax.map(lambda a: attend(*a), (qh, batch.block_tables, qpos), batch_size=min(chunk, B))
         out = out.astype(x.dtype).reshape(B, kvh, g, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(out), k_cache, v_cache

@@ -110,7 +110,7 @@ def profile_steps(engine: LLMEngine, n: int) -> dict:
     ms, count = collections.Counter(), collections.Counter()
     for e in events:
         a = e.get("args") or {}
-        if e.get("ph") == "X" and a.get("hlo_module") == "jit__step" and "hlo_op" in a:
+        if e.get("ph") == "X" and a.get("hlo_module") == "jit_step" and "hlo_op" in a:
             kind = _op_kind(a["hlo_op"])
             ms[kind] += e["dur"] / 1e3 / n
             count[kind] += 1 / n
