@@ -3,12 +3,19 @@
 The modules hold parameters only. The recurrent and KV state lives outside them in `DeviceState`, so a jitted
 step can take it as a donated argument: `forward(graphdef, params, batch, state) -> (logits, state)`.
 
+Donation holds (XLA updates the pools in place and never copies one) as long as, within a step, every read of a
+pool's old contents is ordered before its write by data dependence. So a KV pool is written first and read after
+(attention reads the updated pool), and a GDN pool is read by one gather whose result feeds the write (see
+`read_slots`); scatters promise in-bounds indices (the host validates them), since an out-of-bounds check reads
+the pool too. `tests/gdn_jax/test_donation.py` checks every compiled step shape.
+
 Batch layout: `B` rows (sequences), `T` tokens per row (a prefill chunk, or 1 for decode), rows right-padded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 
 import jax
@@ -22,6 +29,7 @@ from gdn_jax.gated_delta import causal_conv1d, chunk_gated_delta_rule, l2norm, r
 
 @partial(jax.tree_util.register_dataclass, data_fields=[
     "tokens", "start_pos", "lengths", "block_tables", "slot_mapping", "linear_ids", "has_initial_state",
+    "initial_state_ids",
 ], meta_fields=[])
 @dataclasses.dataclass
 class Batch:
@@ -32,28 +40,91 @@ class Batch:
     slot_mapping: jax.Array       # [B, T] int32 flat KV slot per token (padding tokens -> block 0)
     linear_ids: jax.Array         # [B] int32 live linear-state slot per row (0 = padding slot)
     has_initial_state: jax.Array  # [B] bool, False: the GDN state starts from zeros whatever the slot holds
+    # [B] int32 slot each row's initial GDN state is read from: a restore's source, or the live slot itself
+    # (None: linear_ids). The new state is always written to linear_ids, so a restore is a copy, never a move.
+    initial_state_ids: jax.Array | None = None
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "conv", "ssm"], meta_fields=[])
 @dataclasses.dataclass
 class DeviceState:
-    k: tuple[jax.Array, ...]      # per full-attention layer [num_blocks, block_size, kv_heads, head_dim]
+    k: tuple[jax.Array, ...]      # per full-attention layer [kv_heads, num_blocks, block_size, head_dim]
     v: tuple[jax.Array, ...]
-    conv: tuple[jax.Array, ...]   # per GDN layer [num_slots, kernel - 1, conv_dim] (activation dtype)
+    conv: tuple[jax.Array, ...]   # per GDN layer [num_slots, kernel - 1, conv_dim] (activation dtype, see pool_dtype)
     ssm: tuple[jax.Array, ...]    # per GDN layer [num_slots, Hv, dk, dv] float32
 
 
+def pool_dtype(dtype):
+    """The dtype the KV and conv pools of a given activation dtype are stored in: itself, except that a 16-bit
+    float (bfloat16) is stored as its bit patterns in uint16. XLA's CPU backend has no 16-bit float scatter or
+    dynamic-update-slice kernel: it turns a write of a few rows into a bfloat16 pool into a conversion of the whole
+    pool to float32 and back, or a pass over all of it, on every step. Integer writes touch only the rows written.
+    The bits are exact: `to_pool` / `from_pool` are bitcasts."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint16) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2 else dtype
+
+
+def to_pool(x, pool):
+    """Values in the activation dtype -> the pool's storage dtype (a bitcast for 16-bit floats)."""
+    return jax.lax.bitcast_convert_type(x, pool.dtype) if pool.dtype == jnp.uint16 else x.astype(pool.dtype)
+
+
+def from_pool(x, dtype):
+    """Rows read from a pool -> the activation dtype."""
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
+
+
 def init_state(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int, dtype=jnp.float32) -> DeviceState:
-    kv_shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    kv_shape = (cfg.num_key_value_heads, num_blocks, block_size, cfg.head_dim)  # head-major: see Attention
     n_full, n_lin = len(cfg.full_layer_ids), len(cfg.linear_layer_ids)
     conv_shape = (num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
     ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    store = pool_dtype(dtype)
     return DeviceState(
-        k=tuple(jnp.zeros(kv_shape, dtype) for _ in range(n_full)),
-        v=tuple(jnp.zeros(kv_shape, dtype) for _ in range(n_full)),
-        conv=tuple(jnp.zeros(conv_shape, dtype) for _ in range(n_lin)),
+        k=tuple(jnp.zeros(kv_shape, store) for _ in range(n_full)),
+        v=tuple(jnp.zeros(kv_shape, store) for _ in range(n_full)),
+        conv=tuple(jnp.zeros(conv_shape, store) for _ in range(n_lin)),
         ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(n_lin)),
     )
+
+
+def read_slots(pool, ids):
+    """pool [num_slots, ...] -> pool[ids] [B, ...], gathered with one extra (padding) index.
+
+    XLA turns a one-index gather into a dynamic slice and fuses that copy into every consumer: then the GDN
+    output reads the pool after the slot's write was issued, and XLA copies the whole pool to keep the old
+    contents. A gather of two or more indices is computed once, so only it reads the pool, before the write."""
+    return pool[jnp.concatenate([ids, jnp.zeros((1,), ids.dtype)])][:-1]
+
+
+def write_rows(pool, ids: tuple, rows, axis: int = 0):
+    """pool.at[(:,) * axis + ids].set(rows) for index arrays `ids` ([N] each, over pool axes axis, axis + 1, ...)
+    that the host has validated; rows: [N, *the pool's other dims]. In a form XLA updates in place: one row is a
+    dynamic_update_slice (a one-index scatter becomes a bounds-checked select that reads the pool, and XLA copies
+    it), more rows a scatter promising in-bounds indices. The pool is indexed in its own shape: a reshaped view
+    would be a second value of the same buffer."""
+    rows, n = to_pool(rows, pool), len(ids)
+    if ids[0].shape[0] == 1:
+        start = (0,) * axis + tuple(i[0] for i in ids) + (0,) * (pool.ndim - axis - n)
+        return jax.lax.dynamic_update_slice(pool, rows.reshape(pool.shape[:axis] + (1,) * n + pool.shape[axis + n:]),
+                                            start)
+    return pool.at[(slice(None),) * axis + ids].set(jnp.moveaxis(rows, 0, axis), mode="promise_in_bounds")
+
+
+def dense(x, kernel, spec: str = "...d,dv->...v"):
+    """x [..., n_in] @ kernel [n_in, n_out] (or [n_out, n_in] with spec "...d,vd->...v") -> [..., n_out] float32,
+    accumulated in float32.
+
+    On CPU a single bfloat16 row is duplicated into two: XLA's CPU backend has no bfloat16 matrix-vector kernel and
+    multiplies one row by first converting the whole weight to float32, on every call (~10x the bandwidth bound on
+    the development machine), while two or more rows take its library GEMM path, which reads the bfloat16 weight as
+    it is. Elsewhere (GPU, float32) the product is left alone."""
+    lead = x.shape[:-1]
+    if x.dtype == jnp.bfloat16 and kernel.dtype == jnp.bfloat16 and math.prod(lead) == 1 \
+            and jax.default_backend() == "cpu":
+        pair = jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1]))
+        return jnp.einsum(spec, pair, kernel, preferred_element_type=jnp.float32)[:1].reshape(*lead, -1)
+    return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32)
 
 
 class Linear(nnx.Linear):
@@ -61,7 +132,7 @@ class Linear(nnx.Linear):
     returning the activation dtype."""
 
     def __call__(self, x):
-        return super().__call__(x).astype(self.dtype)
+        return dense(x.astype(self.dtype), self.kernel[...]).astype(self.dtype)
 
 
 def _linear(rngs, n_in, n_out, dtype, std):
@@ -182,7 +253,10 @@ class Attention(nnx.Module):
         return q, k, v, gate
 
     def __call__(self, x, k_cache, v_cache, batch: Batch):
-        """x: [B, T, D]; caches: [NB, bs, kvh, hd] paged -> (out, k_cache, v_cache)."""
+        """x: [B, T, D]; caches: [kvh, NB, bs, hd] paged -> (out, k_cache, v_cache).
+
+        The caches are head-major so that a row's gathered prefix, [kvh, S, hd], has the matmuls' batch axis (kv
+        head) in front: the products read it as it is gathered, with no transposed copy."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -196,22 +270,29 @@ class Attention(nnx.Module):
         k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
 
         # write this chunk's K/V into the paged cache, then read each row's whole prefix back
-        nb, bs = k_cache.shape[:2]
+        bs = k_cache.shape[2]
         flat = batch.slot_mapping.reshape(-1)
-        k_cache = k_cache.reshape(nb * bs, kvh, hd).at[flat].set(k.reshape(B * T, kvh, hd)).reshape(k_cache.shape)
-        v_cache = v_cache.reshape(nb * bs, kvh, hd).at[flat].set(v.reshape(B * T, kvh, hd)).reshape(v_cache.shape)
-        S = batch.block_tables.shape[1] * bs
-        keys = k_cache[batch.block_tables].reshape(B, S, kvh, hd)
-        values = v_cache[batch.block_tables].reshape(B, S, kvh, hd)
-
-        g = H // kvh  # head-major layout: one batched matmul per (row, kv head) over the g * T queries
+        at = (flat // bs, flat % bs)  # (block, offset) per token
+        k_cache = write_rows(k_cache, at, k.reshape(B * T, kvh, hd), axis=1)
+        v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd), axis=1)
+        g = H // kvh  # per (row, kv head) one matmul over its g * T queries
         qh = q.reshape(B, T, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(B, kvh, g * T, hd)
-        scores = jnp.einsum("bkqd,bksd->bkqs", qh, keys.transpose(0, 2, 1, 3),
-                            preferred_element_type=jnp.float32) * hd**-0.5      # [B, kvh, g*T, S]
-        qpos = jnp.tile(positions, (1, g))                                       # [B, g*T]
-        causal = jnp.arange(S)[None, None, :] <= qpos[:, :, None]                # [B, g*T, S]
-        probs = jax.nn.softmax(jnp.where(causal[:, None], scores, -jnp.inf), axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, values.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+        qpos = jnp.tile(positions, (1, g))  # [B, g*T]
+
+        def attend(qh, table, qpos):  # one row: [kvh, gT, hd], [NB], [gT] -> [kvh, gT, hd]
+            S = table.shape[0] * bs
+            keys = from_pool(k_cache[:, table], x.dtype).reshape(kvh, S, hd)
+            values = from_pool(v_cache[:, table], x.dtype).reshape(kvh, S, hd)
+            scores = jnp.einsum("kqd,ksd->kqs", qh, keys, preferred_element_type=jnp.float32) * hd**-0.5
+            causal = jnp.arange(S)[None, :] <= qpos[:, None]  # [gT, S]
+            probs = jax.nn.softmax(jnp.where(causal[None], scores, -jnp.inf), axis=-1).astype(x.dtype)
+            return jnp.einsum("kqs,ksd->kqd", probs, values, preferred_element_type=jnp.float32)
+
+        # On CPU a few rows at a time: a row's gathered prefix stays in cache, and the step's temporaries stay
+        # far below the size at which the allocator maps (and the kernel zero-fills) fresh pages on every step.
+        per_row = 2 * kvh * batch.block_tables.shape[1] * bs * hd * jnp.dtype(x.dtype).itemsize
+        chunk = max(1, (4 << 20) // per_row) if jax.default_backend() == "cpu" else B
+        out = jax.lax.map(lambda a: attend(*a), (qh, batch.block_tables, qpos), batch_size=min(chunk, B))
         out = out.astype(x.dtype).reshape(B, kvh, g, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(out), k_cache, v_cache
@@ -245,16 +326,17 @@ class Qwen35Model(nnx.Module):
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
         ks, vs, convs, ssms = list(state.k), list(state.v), list(state.conv), list(state.ssm)
         warm = batch.has_initial_state
+        ids = batch.linear_ids
+        src = ids if batch.initial_state_ids is None else batch.initial_state_ids
         i_full = i_lin = 0
         for layer in self.layers:
             h = layer.input_layernorm(x)
             if layer.layer_type == LINEAR:
-                ids = batch.linear_ids
-                conv_in = jnp.where(warm[:, None, None], convs[i_lin][ids], 0).astype(convs[i_lin].dtype)
-                ssm_in = jnp.where(warm[:, None, None, None], ssms[i_lin][ids], 0.0)
+                conv_in = jnp.where(warm[:, None, None], from_pool(read_slots(convs[i_lin], src), x.dtype), 0)
+                ssm_in = jnp.where(warm[:, None, None, None], read_slots(ssms[i_lin], src), 0.0)
                 h, conv_out, ssm_out = layer.linear_attn(h, conv_in, ssm_in, batch.lengths)
-                convs[i_lin] = convs[i_lin].at[ids].set(conv_out.astype(convs[i_lin].dtype))
-                ssms[i_lin] = ssms[i_lin].at[ids].set(ssm_out)
+                convs[i_lin] = write_rows(convs[i_lin], (ids,), conv_out)
+                ssms[i_lin] = write_rows(ssms[i_lin], (ids,), ssm_out)
                 i_lin += 1
             else:
                 h, ks[i_full], vs[i_full] = layer.self_attn(h, ks[i_full], vs[i_full], batch)
@@ -266,9 +348,9 @@ class Qwen35Model(nnx.Module):
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
         x = self.norm(x)
         if cfg.tie_word_embeddings:
-            logits = jnp.einsum("...d,vd->...v", x, self.embed_tokens[...], preferred_element_type=jnp.float32)
+            logits = dense(x, self.embed_tokens[...], "...d,vd->...v")
         else:
-            logits = jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+            logits = dense(x, self.lm_head.kernel[...])
         return logits, DeviceState(tuple(ks), tuple(vs), tuple(convs), tuple(ssms))
 
     def logits(self, x):

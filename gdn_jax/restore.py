@@ -1,7 +1,11 @@
 """Restore of linear-state checkpoints into live slots: a functional copy across every GDN layer.
 
-`restore_linear_state_slots` is pure and jittable; the worker calls it inside its step, before the forward, so the
-ordering comes from data dependence alone. `validate_cache_ops` is the host-side gate that fails closed.
+`restore_sources` turns the ops into the slot each row's initial state is read from and its `has_initial_state`
+flag. The worker's step folds the restore into the forward's read of the initial state: a restoring row reads its
+source slot, and its new state is written to its live slot, so the live slot ends up with its own copy, advanced by
+the step's tokens; a row that restores nothing reads its own live slot and costs nothing extra (no self-copy of
+every slot, every step). `restore_linear_state_slots` is the same copy as a standalone pure function.
+`validate_cache_ops` is the host-side gate that fails closed.
 """
 
 from __future__ import annotations
@@ -44,21 +48,24 @@ def ops_to_arrays(ops, rows: int):
     return live, requested, src
 
 
+def restore_sources(live_ids, restore_requested, src_ids):
+    """Per row, the slot its initial GDN state comes from and whether it has one: requested + source -> the source,
+    warm (True); requested, no source (-1) -> cold start (False; the forward treats the state as zeros); not
+    requested -> its own live slot, warm (True). Returns (initial_state_ids [B] int32, has_initial_state [B] bool)."""
+    copy = restore_requested & (src_ids >= 0)
+    return jnp.where(copy, src_ids, live_ids), jnp.where(restore_requested, copy, True)
+
+
 def restore_linear_state_slots(state: DeviceState, live_ids, restore_requested, src_ids):
-    """Copies `src_ids[b]` into `live_ids[b]` in every GDN layer where a restore is requested with a valid source.
+    """Copies `src_ids[b]` into `live_ids[b]` in every GDN layer where a restore is requested with a valid source
+    (see `restore_sources`). Returns (state, has_initial_state [B] bool). Nothing is shared: the live slot gets its
+    own copy."""
+    read, has_initial_state = restore_sources(live_ids, restore_requested, src_ids)
 
-    Returns (state, has_initial_state [B] bool): requested + source -> copy, warm (True); requested, no source
-    (-1) -> cold start (False; the forward treats the state as zeros); not requested -> untouched, warm (True).
-    Nothing is shared: the live slot gets its own copy.
-    """
-    copy = restore_requested & (src_ids >= 0)                 # [B]
-    read = jnp.where(copy, src_ids, live_ids)                 # gather from the source, or from itself (no-op)
-
-    def _copy(pool):                                          # pool: [num_slots, ...]
+    def _copy(pool):  # pool: [num_slots, ...]; a row that restores nothing copies its slot onto itself
         return pool.at[live_ids].set(pool[read])
 
     state = DeviceState(state.k, state.v, tuple(map(_copy, state.conv)), tuple(map(_copy, state.ssm)))
-    has_initial_state = jnp.where(restore_requested, copy, True)
     return state, has_initial_state
 
 

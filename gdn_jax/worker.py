@@ -3,11 +3,16 @@
 The step plan arrives as plain Python data from the scheduler; the worker pads it to bucketed shapes (batch rows,
 tokens per row, blocks per row) so a steady workload never recompiles, validates the linear-state ops on the host
 (fail closed), and runs `_step` with the state donated.
+
+The model's graph definition is closed over once per graphdef (`step_function`), not passed as a static argument:
+a static argument is hashed on every call, and hashing an NNX graphdef costs tens of milliseconds. The parameters
+travel as a flat list of arrays (flattened by the C++ dispatch path, not by NNX's Python pytree hooks).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -16,7 +21,7 @@ import numpy as np
 
 from gdn_jax.config import ModelConfig
 from gdn_jax.model import Batch, forward, init_state
-from gdn_jax.restore import ops_to_arrays, restore_linear_state_slots, validate_cache_ops
+from gdn_jax.restore import ops_to_arrays, restore_sources, validate_cache_ops
 from gdn_jax.sampling import SamplingMetadata, sample
 from scheduler.sampling_params import MAX_LOGPROBS
 
@@ -130,9 +135,16 @@ def plan_memory(cfg: ModelConfig, dtype, block_size: int, max_num_seqs: int, max
     return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs)
 
 
+def _read_batch(batch_arrays, live_ids, restore_requested, src_ids) -> Batch:
+    """The batch with its restores folded into the forward's read of the initial state: from the source slot, written
+    to the live slot (a copy: the source is never written)."""
+    initial_state_ids, has_initial_state = restore_sources(live_ids, restore_requested, src_ids)
+    return Batch(*batch_arrays, linear_ids=live_ids, has_initial_state=has_initial_state,
+                 initial_state_ids=initial_state_ids)
+
+
 def _step(graphdef, params, state, batch_arrays, live_ids, restore_requested, src_ids, sampling: SamplingMetadata):
-    state, has_initial_state = restore_linear_state_slots(state, live_ids, restore_requested, src_ids)
-    batch = Batch(*batch_arrays, linear_ids=live_ids, has_initial_state=has_initial_state)
+    batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids)
     logits, state = forward(graphdef, params, batch, state)
     return (state, *sample(logits, sampling))
 
@@ -142,8 +154,7 @@ def _step_prompt_logprobs(graphdef, params, state, batch_arrays, live_ids, resto
     """`_step` plus the log-distribution at every position of the chunk (prompt logprobs). A separate executable,
     so that steps without a prompt-logprobs row never pay for [B, T, V] logits. targets[b, t]: the prompt token at
     position start + t + 1, scored by the logits of position start + t. `full_rows` (static) also returns every row."""
-    state, has_initial_state = restore_linear_state_slots(state, live_ids, restore_requested, src_ids)
-    batch = Batch(*batch_arrays, linear_ids=live_ids, has_initial_state=has_initial_state)
+    batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids)
     logits, state = forward(graphdef, params, batch, state, all_logits=True)        # [B, T, V]
     last = jnp.take_along_axis(logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -162,6 +173,28 @@ class PromptLogprobs:
     top_ids: np.ndarray         # [rows, T, MAX_LOGPROBS]
     top_logprobs: np.ndarray    # [rows, T, MAX_LOGPROBS]
     rows: np.ndarray | None     # [rows, T, V] the whole log-distribution, when a row asked for it
+
+
+@functools.lru_cache(maxsize=None)
+def step_function(graphdef, params_def):
+    """The jitted step for one model structure: `(param_leaves, state, batch_arrays, ...)`, the state donated.
+    Cached per (graphdef, params treedef), so workers of the same model share compiled executables, and both are
+    hashed here, once, not per call."""
+
+    def step(param_leaves, state, *args):
+        return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), state, *args)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=None)
+def prompt_step_function(graphdef, params_def):
+    """The prompt-logprobs variant of `step_function` (its last argument, `full_rows`, is static)."""
+
+    def step(param_leaves, state, *args):
+        return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves), state, *args)
+
+    return jax.jit(step, donate_argnums=(1,), static_argnums=(8,))
 
 
 @dataclasses.dataclass
@@ -183,9 +216,10 @@ class Worker:
         self.max_chunk = chunk_stride
         self.seed, self.dtype = seed, dtype
         self.state = init_state(cfg, memory.num_kv_blocks, block_size, memory.num_linear_slots, dtype)
-        self._fn = jax.jit(_step, static_argnums=(0,), donate_argnums=(2,))
+        self._param_leaves, params_def = jax.tree.flatten(params)
+        self._fn = step_function(graphdef, params_def)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
-        self._prompt_fn = jax.jit(_step_prompt_logprobs, static_argnums=(0, 9), donate_argnums=(2,))
+        self._prompt_fn = prompt_step_function(graphdef, params_def)
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
     def _buckets(self, lo: int, hi: int) -> list[int]:
@@ -198,21 +232,22 @@ class Worker:
         blocks = self._buckets(min(8, self.max_blocks), self.max_blocks)
         return [(b, t, nb) for b in rows for t in tokens for nb in blocks]
 
+    def _padding_args(self, B: int, T: int, NB: int) -> tuple:
+        """Step arguments (after params and state) of an all-padding batch: writes land in block 0 / slot 0 only."""
+        z = np.zeros((B, T), np.int32)
+        batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
+        return (batch_arrays, *ops_to_arrays([], B), SamplingMetadata.padding(B, NB * self.block_size))
+
     def warm_up(self, prompt_logprobs: bool = False) -> int:
-        """Compiles the step for every shape bucket on an all-padding batch (writes land in block 0 / slot 0 only).
-        Afterwards no workload compiles again. Returns the number of shapes. `prompt_logprobs` also compiles the
-        prompt-logprobs variant (top-k, not whole rows) of every prefill shape, which is otherwise compiled lazily."""
+        """Compiles the step for every shape bucket on an all-padding batch. Afterwards no workload compiles again.
+        Returns the number of shapes. `prompt_logprobs` also compiles the prompt-logprobs variant (top-k, not whole
+        rows) of every prefill shape, which is otherwise compiled lazily."""
         shapes = self.shape_buckets()
-        extra = [(B, T, NB, True) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
-        for B, T, NB, *prompt in [s + (False,) for s in shapes] + extra:
-            z = np.zeros((B, T), np.int32)
-            batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
-            live, requested, src = ops_to_arrays([], B)
-            args = (batch_arrays, live, requested, src, SamplingMetadata.padding(B, NB * self.block_size))
-            if prompt[0]:
-                self._run(*args, z, False, fn=self._prompt_fn)
-            else:
-                self._run(*args)
+        extra = [(B, T, NB) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
+        for shape in shapes:
+            self._run(*self._padding_args(*shape))
+        for B, T, NB in extra:
+            self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
         jax.block_until_ready(self.state)
         return len(shapes) + len(extra)
 
@@ -225,10 +260,15 @@ class Worker:
         self.state = init_state(self.cfg, self.memory.num_kv_blocks, self.block_size, self.memory.num_linear_slots,
                                 self.dtype)
 
+    def compiled_step(self, shape: tuple[int, int, int]):
+        """The step's XLA executable for one (rows, tokens, blocks) bucket, compiled ahead of time (for inspection:
+        `.as_text()`, `.memory_analysis()`); the worker's state is not touched."""
+        return self._fn.lower(self._param_leaves, self.state, *self._padding_args(*shape)).compile()
+
     def _run(self, *args, fn=None):
         fn = fn or self._fn
         before = fn._cache_size()
-        out = fn(self.graphdef, self.params, self.state, *args)
+        out = fn(self._param_leaves, self.state, *args)
         self.num_compilations += fn._cache_size() - before
         self.state = out[0]
         return out[1:]

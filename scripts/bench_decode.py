@@ -1,0 +1,214 @@
+"""Decode step time and tokens/s through `LLMEngine.step`, beside the memory-bandwidth bound of each step.
+
+    python scripts/bench_decode.py [--preset hybrid-1024] [--prompt 512] [--batches 1,4,16,64]
+                                   [--dtypes float32,bfloat16] [--steps 12] [--bandwidth 16] [--out results/bench_decode.json]
+
+For each dtype one engine (`--max-num-seqs` 64 and the default memory budget, so the state pools are as large as a
+serving engine's) prefills `batch` random `--prompt`-token prompts, then runs greedy decode steps; after two
+untimed steps (compilation, the deferred checkpoint save at the prompt's end) `--steps` steps are timed, then
+`--profile-steps` more are traced with the JAX profiler.
+
+Per configuration it reports:
+- `step`: wall time of `engine.step()` (scheduler + worker + postprocess), min and median over the timed steps;
+- `host`: the step's wall time minus the time the host waits for the device (from the return of the asynchronous
+  jitted call to its outputs being ready): scheduling, padding, argument handling, dispatch, postprocess (median);
+- `bound`: the bytes a decode step must move (every weight except the embedding table, of which only the batch's
+  rows are read; the KV of the real context; the GDN conv + SSM state, read and written) divided by the read
+  bandwidth, `--bandwidth` GB/s (default 16, the figure of the development machine; the script also measures two
+  streaming probes and prints them, but on a shared machine they read low). `x bound` = median step / bound;
+- the XLA op time of a traced step summed by kind (copy, dot, convert, fusion, scatter, sort, ...).
+
+Prints a table and writes JSON. Timings on a shared machine are noisy: read the minimum beside the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn_jax import LLMEngine, SamplingParams
+
+
+def measure_read_bandwidth(mib: int = 512, repeats: int = 7) -> dict:
+    """Read bandwidth (bytes/s) of two streaming kernels over `mib` MiB of float32: a column sum, and a
+    matrix-vector product (the access pattern of a decode step)."""
+    n = mib * (1 << 20) // 4
+    x = jnp.ones((n // 4096, 4096), jnp.float32)
+    v = jnp.ones((1, n // 4096), jnp.float32)
+    probes = {"sum": jax.jit(lambda a: jnp.sum(a, axis=0)), "gemv": jax.jit(lambda a, b: b @ a)}
+    out = {}
+    for name, fn in probes.items():
+        args = (x,) if name == "sum" else (x, v)
+        fn(*args).block_until_ready()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(*args).block_until_ready()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = x.nbytes / best
+    return out
+
+
+def decode_bytes(engine: LLMEngine, batch: int, context: int) -> dict:
+    """Bytes one decode step of `batch` rows at `context` tokens must move (the bound's numerator)."""
+    cfg = engine.cfg
+    params = engine.worker.params
+    pure = nnx.to_pure_dict(params)
+    weights = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(pure))
+    itemsize = pure["embed_tokens"].dtype.itemsize  # the activation dtype
+    emb = cfg.vocab_size * cfg.hidden_size * itemsize
+    if not cfg.tie_word_embeddings:  # only the batch's embedding rows are read; a tied table is the lm_head
+        weights = weights - emb + batch * cfg.hidden_size * itemsize
+    kv = 2 * len(cfg.full_layer_ids) * batch * context * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    per_row_state = ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * itemsize
+                     + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+    state = 2 * len(cfg.linear_layer_ids) * batch * per_row_state  # read and written
+    return {"weights": weights, "kv": kv, "linear_state": state, "total": weights + kv + state}
+
+
+class _BlockTimer:
+    """Wraps the worker's jitted step: after each (asynchronous) call returns, waits for its outputs and records how
+    long the host was blocked on the device."""
+
+    def __init__(self, fn):
+        self.fn, self.blocked = fn, []
+
+    def __call__(self, *args):
+        out = self.fn(*args)
+        t0 = time.perf_counter()
+        jax.block_until_ready(out)
+        self.blocked.append(time.perf_counter() - t0)
+        return out
+
+    def __getattr__(self, name):  # _cache_size, lower
+        return getattr(self.fn, name)
+
+
+def profile_steps(engine: LLMEngine, n: int) -> dict:
+    """Traces `n` engine steps (Python tracer off) and returns the XLA op time of the step executable per step,
+    summed by kind (median over the steps), and the op counts."""
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=opts):
+            for _ in range(n):
+                engine.step()
+        trace = next(Path(d).rglob("*.trace.json.gz"))
+        events = json.loads(gzip.decompress(trace.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    ms, count = collections.Counter(), collections.Counter()
+    for e in events:
+        a = e.get("args") or {}
+        if e.get("ph") == "X" and a.get("hlo_module") == "jit_step" and "hlo_op" in a:
+            kind = _op_kind(a["hlo_op"])
+            ms[kind] += e["dur"] / 1e3 / n
+            count[kind] += 1 / n
+    return {"op_ms": dict(ms), "op_count": dict(count)}
+
+
+def _op_kind(hlo_op: str) -> str:
+    """The kind of an XLA op from its HLO name (copy.12, dot.3, wrapped_convert.1, ynn_fusion, add_fusion.4...)."""
+    s = hlo_op.lower()
+    for key, kind in (("copy", "copy"), ("convert", "convert"), ("dot", "dot"), ("ynn", "dot"), ("xnn", "dot"),
+                      ("scatter", "scatter"), ("dynamic-update-slice", "scatter"), ("gather", "gather"),
+                      ("sort", "sort"), ("while", "loop"), ("call", "loop"), ("fusion", "fusion")):
+        if key in s:
+            return kind
+    return "other"
+
+
+def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = LLMEngine(args.preset, dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches), chunk_stride=args.chunk_stride,
+                       max_model_len=args.prompt + 256, verbose=True)
+    timer = engine.worker._fn = _BlockTimer(engine.worker._fn)
+    vocab = engine.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in batches:
+        for i in range(batch):
+            engine.add_request(f"{batch}-{i}", rng.integers(4, vocab - 4, args.prompt).tolist(),
+                               SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile_steps + 8, ignore_eos=True))
+        while True:  # prefill every row
+            engine.step()
+            if not engine.last_step_info["is_prefill"]:
+                break
+        for _ in range(2):  # compile + the deferred save at the prompt's end
+            engine.step()
+        steps, host = [], []
+        for _ in range(args.steps):
+            timer.blocked.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t0)
+            host.append(steps[-1] - sum(timer.blocked))
+            assert engine.last_step_info["rows"] == batch and not engine.last_step_info["is_prefill"]
+        prof = profile_steps(engine, args.profile_steps)
+        context = args.prompt + 3 + args.steps // 2
+        need = decode_bytes(engine, batch, context)
+        bound = need["total"] / bandwidth
+        med = statistics.median(steps)
+        row = {"dtype": dtype, "batch": batch, "step_ms_min": 1e3 * min(steps), "step_ms_median": 1e3 * med,
+               "host_ms_median": 1e3 * statistics.median(host), "host_ms_min": 1e3 * min(host),
+               "tokens_per_s": batch / med, "bytes_per_step": need,
+               "bound_ms": 1e3 * bound, "x_bound": med / bound, "profile": prof}
+        rows.append(row)
+        print(f"  {dtype:9s} batch {batch:3d}: step {row['step_ms_min']:7.1f} min {row['step_ms_median']:7.1f} med ms"
+              f" | host {row['host_ms_median']:5.2f} ms | {row['tokens_per_s']:7.1f} tok/s"
+              f" | bound {row['bound_ms']:5.1f} ms ({need['total'] / 1e6:.0f} MB) x{row['x_bound']:.2f}", flush=True)
+        print("    op time per step (ms, count): " + ", ".join(
+            f"{k} {v:.1f} ({prof['op_count'][k]:.0f})" for k, v in sorted(prof["op_ms"].items(), key=lambda kv: -kv[1])))
+        for i in range(batch):
+            engine.abort_request(f"{batch}-{i}")
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="hybrid-1024")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--chunk-stride", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--bandwidth", type=float, default=16.0, help="read bandwidth (GB/s) of the bound")
+    ap.add_argument("--profile-steps", type=int, default=3, help="steps traced for host / device time and op kinds")
+    ap.add_argument("--out", default="results/bench_decode.json")
+    args = ap.parse_args()
+
+    bw = measure_read_bandwidth()
+    bandwidth = args.bandwidth * 1e9
+    print(f"read bandwidth measured now: sum {bw['sum'] / 1e9:.1f} GB/s, matrix-vector {bw['gemv'] / 1e9:.1f} GB/s; "
+          f"the bound uses {args.bandwidth:.1f} GB/s")
+    rows = []
+    for dtype in args.dtypes.split(","):
+        rows += run_dtype(args, dtype, bandwidth)
+
+    print(f"\n{'dtype':9s} {'batch':>5s} {'step min':>9s} {'step med':>9s} {'host':>6s} {'tok/s':>8s} "
+          f"{'MB/step':>8s} {'bound':>6s} {'x bound':>7s}")
+    for r in rows:
+        print(f"{r['dtype']:9s} {r['batch']:5d} {r['step_ms_min']:8.1f}m {r['step_ms_median']:8.1f}m "
+              f"{r['host_ms_median']:5.2f}m {r['tokens_per_s']:8.1f} {r['bytes_per_step']['total'] / 1e6:8.0f} "
+              f"{r['bound_ms']:5.1f}m {r['x_bound']:7.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"preset": args.preset, "prompt": args.prompt, "measured_bandwidth": bw,
+                               "bound_bandwidth_bytes_per_s": bandwidth, "jax": jax.__version__,
+                               "backend": jax.default_backend(), "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

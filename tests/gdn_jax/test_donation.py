@@ -1,0 +1,46 @@
+"""Donation holds: in every compiled step shape (decode and prefill, float32 and bfloat16) each state pool is updated
+in place. A copy or conversion of a pool would cost a pass over all of the engine's KV / GDN memory per step."""
+
+import math
+import re
+
+import jax
+import pytest
+
+from gdn_jax.engine import LLMEngine
+
+# pools far larger than any activation of the tiny model, so a pool-sized temporary cannot hide among them
+ENGINE_KW = dict(max_num_seqs=2, max_model_len=64, chunk_stride=32, num_kv_blocks=1024, num_linear_slots=1024,
+                 verbose=False)
+
+
+def _aliased_parameters(hlo: str) -> set[int]:
+    """Parameter numbers the executable's outputs alias (its `input_output_alias` attribute)."""
+    m = re.search(r"input_output_alias=\{(.*?)\}, entry_computation_layout", hlo)
+    return {int(p) for p in re.findall(r"\{[\d,]*\}: \((\d+),", m.group(1))} if m else set()
+
+
+def _copied_sizes(hlo: str) -> list[int]:
+    """Element counts of every `copy` instruction's result, in every computation."""
+    sizes = []
+    for dims in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} copy\(", hlo):
+        sizes.append(math.prod(int(d) for d in dims.split(",")) if dims else 1)
+    return sizes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_no_step_shape_copies_a_pool(dtype):
+    worker = LLMEngine("tiny", dtype=dtype, **ENGINE_KW).worker
+    pools = jax.tree.leaves(worker.state)
+    first_pool = len(jax.tree.leaves(worker.params))  # the step's arguments: params, then the state
+    pool_sizes = {p.size for p in pools}
+    shapes = worker.shape_buckets()
+    assert {t for _, t, _ in shapes} == {1, 16, 32} and {b for b, _, _ in shapes} == {1, 2}
+    for shape in shapes:
+        compiled = worker.compiled_step(shape)
+        hlo, mem = compiled.as_text(), compiled.memory_analysis()
+        assert _aliased_parameters(hlo) == set(range(first_pool, first_pool + len(pools))), shape
+        assert mem.alias_size_in_bytes == sum(p.nbytes for p in pools), shape
+        assert not pool_sizes & set(_copied_sizes(hlo)), f"{shape}: a pool-sized copy"
+        # nor any other temporary as large as a pool (a dtype conversion of one, say)
+        assert mem.temp_size_in_bytes < min(p.nbytes for p in pools), (shape, mem.temp_size_in_bytes)
