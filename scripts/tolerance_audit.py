@@ -28,7 +28,7 @@ SETTINGS = {
     "default": ({}, []),
     "no-eigen-threads": ({"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}, []),
     "one-core": ({}, ["taskset", "-c", "0"]),
-    "no-compile-cache": ({"GDN_JAX_TEST_NO_COMPILE_CACHE": "1"}, []),
+    "compile-cache": ({"GDN_JAX_TEST_COMPILE_CACHE": "1"}, []),
 }
 
 PLUGIN = '''
