@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from gdn_jax.engine import EngineStepError, LLMEngine, RequestOutput
 from scheduler import SamplingParams
 
+ENGINE_THREAD_STACK_BYTES = 64 << 20
 log = logging.getLogger("gdn_jax.server")
 
 
@@ -156,7 +157,12 @@ class EngineLoop:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gdn-jax-engine", daemon=True)
+        # XLA compiles new step shapes on this thread: give it a main-thread-sized stack, not the platform's default
+        previous = threading.stack_size(ENGINE_THREAD_STACK_BYTES)
+        try:
+            self._thread = threading.Thread(target=self._run, name="gdn-jax-engine", daemon=True)
+        finally:
+            threading.stack_size(previous)
         self.consecutive_failures = 0
         # a snapshot for /metrics, replaced (never mutated) by the engine thread: at most every 50 ms while busy,
         # and whenever it goes idle or applies commands

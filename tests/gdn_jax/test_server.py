@@ -1,4 +1,8 @@
-"""The OpenAI-compatible server, driven by real clients (the `openai` package and httpx) over a loopback port."""
+"""The OpenAI-compatible server, driven by real clients (the `openai` package and httpx) over a loopback port.
+
+`make test` runs this file in a pytest process of its own: after the rest of the suite had run in the same process,
+a step compilation on the server's engine thread twice aborted inside XLA (a fatal error, not an exception); alone it
+never did."""
 
 import asyncio
 import json
