@@ -17,8 +17,11 @@ import numpy as np
 from gdn_jax.model import DeviceState
 
 
-def validate_cache_ops(ops, num_slots: int) -> None:
-    """Rejects, before dispatch, any op whose live or source slot is out of range or the padding slot 0."""
+def validate_cache_ops(ops, num_slots: int, in_place: bool = False) -> None:
+    """Rejects, before dispatch, any op whose live or source slot is out of range or the padding slot 0, two ops
+    advancing one live slot, a restore from a slot this step also restores into, and, when the step advances the
+    states `in_place` (one token per row), a restore from a slot that a row of the same step advances (rows are read
+    and written in any order, so that read could see the slot before or after its write)."""
     for i, op in enumerate(ops):
         if not 1 <= op.linear_state_id < num_slots:
             raise ValueError(f"op {i}: linear_state_id {op.linear_state_id} outside [1, {num_slots})")
@@ -31,11 +34,18 @@ def validate_cache_ops(ops, num_slots: int) -> None:
     if len(set(live)) != len(live):
         raise ValueError(f"two ops advance the same live slot: {sorted(live)}")
     # every copy reads the pools as they were before the step: a source that this step also restores into would
-    # hand over its stale content (a fork may read a live slot the step advances: that read is the point of it)
+    # hand over its stale content
     targets = {op.linear_state_id for op in ops if op.restore_requested and op.restore_src_slot_id != -1}
     for i, op in enumerate(ops):
         if op.restore_requested and op.restore_src_slot_id in targets:
             raise ValueError(f"op {i}: restore source {op.restore_src_slot_id} is itself restored in this step")
+    # a one-token step advances the states in their pool, rows in any order: a row could read a live slot before
+    # or after another row writes it (a fork, which reads its parent's live slot, only happens in prefill steps)
+    if in_place:
+        for i, op in enumerate(ops):
+            if op.restore_requested and op.restore_src_slot_id in live:
+                raise ValueError(f"op {i}: restore_src_slot_id {op.restore_src_slot_id} is a live slot of this "
+                                 "one-token step")
 
 
 def ops_to_arrays(ops, rows: int):

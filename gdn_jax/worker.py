@@ -303,7 +303,7 @@ class Worker:
         if self.cfg.linear_layer_ids:
             if len(ops) != n:
                 raise ValueError("every scheduled row of a model with GDN layers needs a LinearStateCacheOp")
-            validate_cache_ops(ops, self.memory.num_linear_slots)
+            validate_cache_ops(ops, self.memory.num_linear_slots, in_place=T == 1)
         live, requested, src = ops_to_arrays(ops, B)
         batch_arrays = (tokens, start, lengths, tables, slot_mapping)
         sampling = SamplingMetadata.from_rows(seqs, B, NB * self.block_size, self.cfg.vocab_size,

@@ -59,7 +59,9 @@ class Scheduler:
         for c in forks:
             self.seqs[c.seq_id] = c
         point = (len(seq.token_ids) - 1) // self.config.block_size * self.config.block_size
-        if forks and point > 0:
+        # a fork reads its parent's live slot while the parent advances: only a step of two or more tokens per row
+        # reads every state before writing any (chunk_stride 1 makes every step a one-token step)
+        if forks and point > 0 and self.config.chunk_stride > 1:
             self.forks[seq.seq_id] = (point, forks)
         else:  # nothing to share: plain requests
             self.waiting.extend(forks)

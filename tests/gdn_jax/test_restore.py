@@ -76,6 +76,14 @@ def test_duplicate_live_slots_are_rejected():
         validate_cache_ops([LinearStateCacheOp(2, False, -1), LinearStateCacheOp(2, True, 3)], NUM_SLOTS)
 
 
+def test_restore_from_a_slot_advanced_in_the_same_step_is_rejected():
+    ops = [LinearStateCacheOp(2, False, -1), LinearStateCacheOp(3, True, 2)]
+    with pytest.raises(ValueError, match="restore_src_slot_id 2 is a live slot"):
+        validate_cache_ops(ops, NUM_SLOTS, in_place=True)
+    validate_cache_ops(ops, NUM_SLOTS)  # a prefill step reads every state before writing any: a fork
+    validate_cache_ops([LinearStateCacheOp(2, False, -1), LinearStateCacheOp(3, True, 4)], NUM_SLOTS, in_place=True)
+
+
 def test_op_round_trip_keeps_forced_cold_start():
     op = LinearStateCacheOp(4, True, -1)
     back = LinearStateCacheOp.from_dict(op.to_dict())
