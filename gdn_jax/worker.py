@@ -206,9 +206,31 @@ class StepResult:
     prompt: PromptLogprobs | None = None
 
 
+# Ceiling on the float32 copy of the decode weights that `Worker` keeps by default (see `float32_decode_weights`).
+FLOAT32_DECODE_WEIGHTS_MAX_BYTES = 2 << 30
+
+
+def float32_kernels(params) -> list:
+    """The flat parameter leaves with every bfloat16 matrix of a projection (`kernel`) as float32, the rest (the
+    embedding, which fixes the activation dtype; norms; gates) as they are."""
+    def convert(path, leaf):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        return leaf.astype(jnp.float32) if names[-1:] == ["kernel"] and leaf.dtype == jnp.bfloat16 else leaf
+    return jax.tree.leaves(jax.tree_util.tree_map_with_path(convert, params))
+
+
 class Worker:
     def __init__(self, cfg: ModelConfig, graphdef, params, memory: MemoryPlan, block_size: int, max_num_seqs: int,
-                 max_model_len: int, chunk_stride: int, dtype, seed: int = 0):
+                 max_model_len: int, chunk_stride: int, dtype, seed: int = 0,
+                 float32_decode_weights: bool | None = None):
+        """`float32_decode_weights`: single-row decode steps multiply float32 copies of the bfloat16 projection
+        matrices. On XLA's CPU backend a one-row product of a bfloat16 weight either converts the whole weight to
+        float32 first (~10x the bandwidth bound) or, as two rows, goes through the library GEMM, which is
+        compute-bound there; the float32 matrix-vector product streams at the memory bandwidth (hybrid-1024,
+        batch 1: 26 ms against 38 ms). It costs float32 copies of the matrices: twice their bfloat16 bytes, kept
+        in memory beside them. Results are the same up to float32 summation order (bfloat16 products are exact in
+        float32, both accumulate in float32). None (default): on for bfloat16 on CPU while the copy is at most
+        FLOAT32_DECODE_WEIGHTS_MAX_BYTES; never on an accelerator, whose bfloat16 products are native."""
         self.cfg, self.graphdef, self.params = cfg, graphdef, params
         self.memory, self.block_size = memory, block_size
         self.max_rows = _bucket(max_num_seqs, 1, 1 << 30)
@@ -217,6 +239,12 @@ class Worker:
         self.seed, self.dtype = seed, dtype
         self.state = init_state(cfg, memory.num_kv_blocks, block_size, memory.num_linear_slots, dtype)
         self._param_leaves, params_def = jax.tree.flatten(params)
+        self._decode_leaves = self._param_leaves  # leaves of a single-row decode step
+        if float32_decode_weights is not False and jax.default_backend() == "cpu":
+            copy = float32_kernels(params)
+            extra = sum(c.nbytes for c, p in zip(copy, self._param_leaves) if c is not p)
+            if extra and (float32_decode_weights or extra <= FLOAT32_DECODE_WEIGHTS_MAX_BYTES):
+                self._decode_leaves = copy
         self._fn = step_function(graphdef, params_def)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
         self._prompt_fn = prompt_step_function(graphdef, params_def)
@@ -263,12 +291,16 @@ class Worker:
     def compiled_step(self, shape: tuple[int, int, int]):
         """The step's XLA executable for one (rows, tokens, blocks) bucket, compiled ahead of time (for inspection:
         `.as_text()`, `.memory_analysis()`); the worker's state is not touched."""
-        return self._fn.lower(self._param_leaves, self.state, *self._padding_args(*shape)).compile()
+        args = self._padding_args(*shape)
+        return self._fn.lower(self._leaves_for(args[0][0]), self.state, *args).compile()
+
+    def _leaves_for(self, tokens) -> list:
+        return self._decode_leaves if tokens.shape == (1, 1) else self._param_leaves
 
     def _run(self, *args, fn=None):
         fn = fn or self._fn
         before = fn._cache_size()
-        out = fn(self._param_leaves, self.state, *args)
+        out = fn(self._leaves_for(args[0][0]), self.state, *args)
         self.num_compilations += fn._cache_size() - before
         self.state = out[0]
         return out[1:]

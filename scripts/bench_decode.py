@@ -95,7 +95,7 @@ class _BlockTimer:
         return getattr(self.fn, name)
 
 
-def profile_steps(engine: LLMEngine, n: int) -> dict:
+def profile_steps(engine: LLMEngine, n: int, module: str) -> dict:
     """Traces `n` engine steps (Python tracer off) and returns the XLA op time of the step executable per step,
     summed by kind (median over the steps), and the op counts."""
     opts = jax.profiler.ProfileOptions()
@@ -110,7 +110,7 @@ def profile_steps(engine: LLMEngine, n: int) -> dict:
     ms, count = collections.Counter(), collections.Counter()
     for e in events:
         a = e.get("args") or {}
-        if e.get("ph") == "X" and a.get("hlo_module") == "jit_step" and "hlo_op" in a:
+        if e.get("ph") == "X" and a.get("hlo_module") == module and "hlo_op" in a:
             kind = _op_kind(a["hlo_op"])
             ms[kind] += e["dur"] / 1e3 / n
             count[kind] += 1 / n
@@ -132,6 +132,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(args.preset, dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches), chunk_stride=args.chunk_stride,
                        max_model_len=args.prompt + 256, verbose=True)
+    module = f"jit_{engine.worker._fn.__name__}"  # the step executable's name in the profile
     timer = engine.worker._fn = _BlockTimer(engine.worker._fn)
     vocab = engine.cfg.vocab_size
     rng = np.random.default_rng(0)
@@ -154,7 +155,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             steps.append(time.perf_counter() - t0)
             host.append(steps[-1] - sum(timer.blocked))
             assert engine.last_step_info["rows"] == batch and not engine.last_step_info["is_prefill"]
-        prof = profile_steps(engine, args.profile_steps)
+        prof = profile_steps(engine, args.profile_steps, module)
         context = args.prompt + 3 + args.steps // 2
         need = decode_bytes(engine, batch, context)
         bound = need["total"] / bandwidth
