@@ -111,6 +111,20 @@ def write_rows(pool, ids: tuple, rows, axis: int = 0):
     return pool.at[(slice(None),) * axis + ids].set(jnp.moveaxis(rows, 0, axis), mode="promise_in_bounds")
 
 
+# Working set of one iteration of the loops over a batch's rows that run on CPU (`rows_per_iteration`).
+CPU_ROWS_BYTES = {"attention": 4 << 20, "gdn_decode": 2 << 20}
+
+
+def rows_per_iteration(rows: int, bytes_per_row: int, kind: str) -> int:
+    """How many of `rows` rows one iteration of a loop over them handles: on CPU the largest power of two dividing
+    `rows` whose working set fits CPU_ROWS_BYTES[kind] (at least 1), elsewhere all of them. On CPU a few rows at a
+    time keep their gathered state in cache and the step's temporaries small: tens of MB of temporaries are
+    mapped fresh by glibc, and zero-filled by the kernel, on every step."""
+    if jax.default_backend() != "cpu":
+        return rows
+    return math.gcd(rows, 1 << max(0, (CPU_ROWS_BYTES[kind] // bytes_per_row).bit_length() - 1))
+
+
 def dense(x, kernel, spec: str = "...d,dv->...v"):
     """x [..., n_in] @ kernel [n_in, n_out] (or [n_out, n_in] with spec "...d,vd->...v") -> [..., n_out] float32,
     accumulated in float32.
@@ -118,7 +132,8 @@ def dense(x, kernel, spec: str = "...d,dv->...v"):
     On CPU a single bfloat16 row is duplicated into two: XLA's CPU backend has no bfloat16 matrix-vector kernel and
     multiplies one row by first converting the whole weight to float32, on every call (~10x the bandwidth bound on
     the development machine), while two or more rows take its library GEMM path, which reads the bfloat16 weight as
-    it is. Elsewhere (GPU, float32) the product is left alone."""
+    it is. (The engine's single-row decode step goes further: see `Worker`'s float32_decode_weights.) Elsewhere
+    (GPU, float32) the product is left alone."""
     lead = x.shape[:-1]
     if x.dtype == jnp.bfloat16 and kernel.dtype == jnp.bfloat16 and math.prod(lead) == 1 \
             and jax.default_backend() == "cpu":
@@ -221,17 +236,16 @@ class GatedDeltaNet(nnx.Module):
 
 def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta):
     """One decode token of the gated delta rule for every row, on states kept in their pool: a few rows at a time
-    (on CPU, about 2 MiB of state per iteration), each reads its initial state from slot `src` (zeros where not
-    `warm`) and writes the new one to its live slot in place. Returns (o [B, 1, Hv, dv], pool).
+    (`rows_per_iteration`), each reads its initial state from slot `src` (zeros where not `warm`) and writes the
+    new one to its live slot in place. Returns (o [B, 1, Hv, dv], pool).
 
     Why a few rows at a time: XLA schedules every layer's state gather at the start of the step, so the batch's
     states of all GDN layers are live at once (256 KiB per row and layer at hidden 1024, 2 MiB at Qwen3.5-9B):
-    tens of MB of temporaries, which glibc maps fresh, and the kernel zero-fills, on every step (hidden 1024,
-    float32, batch 16: 34 -> 7.5 MB of temporaries, ~15% off the step). Rows are independent, and no row reads a
-    slot another row writes (in a one-token step a restore source is never a live slot: `validate_cache_ops`)."""
+    tens of MB of temporaries (hidden 1024, float32, batch 16: 34 -> 7.5 MB, ~15% off the step). Rows are
+    independent, and no row reads a slot another row writes (in a one-token step a restore source is never a live
+    slot: `validate_cache_ops`), so the order does not matter."""
     B = q.shape[0]
-    per_row = pool[0].nbytes
-    chunk = B if jax.default_backend() != "cpu" else math.gcd(B, 1 << max(0, ((2 << 20) // per_row).bit_length() - 1))
+    chunk = rows_per_iteration(B, pool[0].nbytes, "gdn_decode")
 
     def rows(i, a):
         return jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk)
@@ -320,11 +334,9 @@ class Attention(nnx.Module):
             probs = jax.nn.softmax(jnp.where(causal[None], scores, -jnp.inf), axis=-1).astype(x.dtype)
             return jnp.einsum("kqs,ksd->kqd", probs, values, preferred_element_type=jnp.float32)
 
-        # On CPU a few rows at a time: a row's gathered prefix stays in cache, and the step's temporaries stay
-        # far below the size at which the allocator maps (and the kernel zero-fills) fresh pages on every step.
-        per_row = 2 * kvh * batch.block_tables.shape[1] * bs * hd * jnp.dtype(x.dtype).itemsize
-        chunk = max(1, (4 << 20) // per_row) if jax.default_backend() == "cpu" else B
-        out = jax.lax.map(lambda a: attend(*a), (qh, batch.block_tables, qpos), batch_size=min(chunk, B))
+        per_row = 2 * kvh * batch.block_tables.shape[1] * bs * hd * jnp.dtype(x.dtype).itemsize  # its keys + values
+        out = jax.lax.map(lambda a: attend(*a), (qh, batch.block_tables, qpos),
+                          batch_size=rows_per_iteration(B, per_row, "attention"))
         out = out.astype(x.dtype).reshape(B, kvh, g, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(out), k_cache, v_cache

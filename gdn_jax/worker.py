@@ -210,13 +210,16 @@ class StepResult:
 FLOAT32_DECODE_WEIGHTS_MAX_BYTES = 2 << 30
 
 
+def _is_bf16_kernel(path, leaf) -> bool:
+    """A bfloat16 projection matrix (`kernel`): not the embedding, which fixes the activation dtype, nor norms."""
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return names[-1:] == ["kernel"] and leaf.dtype == jnp.bfloat16
+
+
 def float32_kernels(params) -> list:
-    """The flat parameter leaves with every bfloat16 matrix of a projection (`kernel`) as float32, the rest (the
-    embedding, which fixes the activation dtype; norms; gates) as they are."""
-    def convert(path, leaf):
-        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        return leaf.astype(jnp.float32) if names[-1:] == ["kernel"] and leaf.dtype == jnp.bfloat16 else leaf
-    return jax.tree.leaves(jax.tree_util.tree_map_with_path(convert, params))
+    """The flat parameter leaves with every bfloat16 projection matrix as float32, the rest as they are."""
+    return jax.tree.leaves(jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf.astype(jnp.float32) if _is_bf16_kernel(path, leaf) else leaf, params))
 
 
 class Worker:
@@ -241,10 +244,10 @@ class Worker:
         self._param_leaves, params_def = jax.tree.flatten(params)
         self._decode_leaves = self._param_leaves  # leaves of a single-row decode step
         if float32_decode_weights is not False and jax.default_backend() == "cpu":
-            copy = float32_kernels(params)
-            extra = sum(c.nbytes for c, p in zip(copy, self._param_leaves) if c is not p)
+            extra = sum(2 * leaf.nbytes for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+                        if _is_bf16_kernel(path, leaf))  # bytes of the float32 copy
             if extra and (float32_decode_weights or extra <= FLOAT32_DECODE_WEIGHTS_MAX_BYTES):
-                self._decode_leaves = copy
+                self._decode_leaves = float32_kernels(params)
         self._fn = step_function(graphdef, params_def)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
         self._prompt_fn = prompt_step_function(graphdef, params_def)

@@ -1,7 +1,8 @@
 """Decode step time and tokens/s through `LLMEngine.step`, beside the memory-bandwidth bound of each step.
 
     python scripts/bench_decode.py [--preset hybrid-1024] [--prompt 512] [--batches 1,4,16,64]
-                                   [--dtypes float32,bfloat16] [--steps 12] [--bandwidth 16] [--out results/bench_decode.json]
+                                   [--dtypes float32,bfloat16] [--steps 12] [--bandwidth GBPS]
+                                   [--out results/bench_decode.json]
 
 For each dtype one engine (`--max-num-seqs` 64 and the default memory budget, so the state pools are as large as a
 serving engine's) prefills `batch` random `--prompt`-token prompts, then runs greedy decode steps; after two
@@ -13,9 +14,10 @@ Per configuration it reports:
 - `host`: the step's wall time minus the time the host waits for the device (from the return of the asynchronous
   jitted call to its outputs being ready): scheduling, padding, argument handling, dispatch, postprocess (median);
 - `bound`: the bytes a decode step must move (every weight except the embedding table, of which only the batch's
-  rows are read; the KV of the real context; the GDN conv + SSM state, read and written) divided by the read
-  bandwidth, `--bandwidth` GB/s (default 16, the figure of the development machine; the script also measures two
-  streaming probes and prints them, but on a shared machine they read low). `x bound` = median step / bound;
+  rows are read; the KV of the real context; the GDN conv + SSM state, read and written) in the model's dtype,
+  divided by the read bandwidth: `--bandwidth` GB/s if given, else the larger of 16 GB/s (the development
+  machine's figure) and the matrix-vector probe measured at the start (on a quiet machine ~24 GB/s; a busy one
+  reads low). `x bound` = median step / bound;
 - the XLA op time of a traced step summed by kind (copy, dot, convert, fusion, scatter, sort, ...).
 
 Prints a table and writes JSON. Timings on a shared machine are noisy: read the minimum beside the median.
@@ -184,15 +186,16 @@ def main():
     ap.add_argument("--steps", type=int, default=12, help="timed decode steps (default: %(default)s)")
     ap.add_argument("--chunk-stride", type=int, default=256, help="tokens between checkpoints (default: %(default)s)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="engine max_num_seqs (default: %(default)s)")
-    ap.add_argument("--bandwidth", type=float, default=16.0, help="read bandwidth (GB/s) of the bound")
+    ap.add_argument("--bandwidth", type=float, default=None,
+                    help="read bandwidth (GB/s) of the bound (default: measured by a large array copy)")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps traced for host / device time and op kinds")
     ap.add_argument("--out", default="results/bench_decode.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args()
 
     bw = measure_read_bandwidth()
-    bandwidth = args.bandwidth * 1e9
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(16e9, bw["gemv"])
     print(f"read bandwidth measured now: sum {bw['sum'] / 1e9:.1f} GB/s, matrix-vector {bw['gemv'] / 1e9:.1f} GB/s; "
-          f"the bound uses {args.bandwidth:.1f} GB/s")
+          f"the bound uses {bandwidth / 1e9:.1f} GB/s")
     rows = []
     for dtype in args.dtypes.split(","):
         rows += run_dtype(args, dtype, bandwidth)
