@@ -5,10 +5,11 @@
 One jitted decode step (forward of `--rows` rows, one token each, over `--gdn-layers` GDN layers with 9B's
 recurrent state: 32 value heads of 128 x 128, a 2 MiB float32 SSM state per slot and layer; a small hidden size,
 MLP and vocabulary),
-compiled four ways and timed alternately on the same donated pools:
+compiled four ways and timed in turn (in a rotating order) on the same donated pools:
 
 - `no restore`: the engine's step; every row continues its own state (restore_requested False);
-- `compiled out`: the same step with the restore removed from the program (rows read their live slots directly);
+- `compiled out`: the same step with the restore removed from the program: rows read their live slots directly
+  (the cold-start flag, which a step needs without restores too, stays);
 - `restore all`: the engine's step where every row restores a checkpoint (source slot -> live slot);
 - `copy, then step`: the previous design, a separate copy of `src or live` into every live slot before the forward
   (`restore_linear_state_slots`), so a row that restores nothing copies its slot onto itself.
@@ -44,8 +45,8 @@ def gdn_9b_config(layers: int, hidden: int) -> ModelConfig:
 
 def make_step(graphdef, variant: str):
     def step(params, state, batch_arrays, live, requested, src):
-        if variant == "compiled out":
-            ids, warm = None, jnp.ones(live.shape, bool)
+        if variant == "compiled out":  # cold starts stay (has_initial_state); no row reads another slot
+            ids, warm = None, restore_sources(live, requested, src)[1]
         elif variant == "copy, then step":
             state, warm = restore_linear_state_slots(state, live, requested, src)
             ids = None
@@ -86,8 +87,10 @@ def main():
         ops = (live, np.full(B, restore), src if restore else np.full(B, -1, np.int32))
         compiled[name] = (make_step(graphdef, name).lower(params, state, batch_arrays, *ops).compile(), ops)
     times = {name: [] for name in compiled}
-    for _ in range(args.repeats + 1):  # the first round warms up
-        for name, (fn, ops) in compiled.items():
+    names = list(compiled)
+    for r in range(args.repeats + 1):  # the first round warms up; the order rotates, so none always follows another
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, ops = compiled[name]
             t0 = time.perf_counter()
             logits, state = fn(params, state, batch_arrays, *ops)
             jax.block_until_ready(state)
