@@ -28,6 +28,7 @@ def _copied_sizes(hlo: str) -> list[int]:
     return sizes
 
 
+@pytest.mark.slow  # compiles every bucket: ~30 s per dtype without the compilation cache
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_no_step_shape_copies_a_pool(dtype):
     worker = LLMEngine("tiny", dtype=dtype, **ENGINE_KW).worker
