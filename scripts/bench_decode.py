@@ -132,8 +132,8 @@ def _op_kind(hlo_op: str) -> str:
 
 def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine(args.preset, dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches), chunk_stride=args.chunk_stride,
-                       max_model_len=args.prompt + 256, verbose=True)
+    engine = LLMEngine(args.preset, dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches),
+                       chunk_stride=args.chunk_stride, max_model_len=args.prompt + 256, verbose=True)
     module = f"jit_{engine.worker._fn.__name__}"  # the step executable's name in the profile
     timer = engine.worker._fn = _BlockTimer(engine.worker._fn)
     vocab = engine.cfg.vocab_size
@@ -142,7 +142,8 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     for batch in batches:
         for i in range(batch):
             engine.add_request(f"{batch}-{i}", rng.integers(4, vocab - 4, args.prompt).tolist(),
-                               SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile_steps + 8, ignore_eos=True))
+                               SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile_steps + 8,
+                                              ignore_eos=True))
         while True:  # prefill every row
             engine.step()
             if not engine.last_step_info["is_prefill"]:
@@ -170,8 +171,9 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
         print(f"  {dtype:9s} batch {batch:3d}: step {row['step_ms_min']:7.1f} min {row['step_ms_median']:7.1f} med ms"
               f" | host {row['host_ms_median']:5.2f} ms | {row['tokens_per_s']:7.1f} tok/s"
               f" | bound {row['bound_ms']:5.1f} ms ({need['total'] / 1e6:.0f} MB) x{row['x_bound']:.2f}", flush=True)
-        print("    op time per step (ms, count): " + ", ".join(
-            f"{k} {v:.1f} ({prof['op_count'][k]:.0f})" for k, v in sorted(prof["op_ms"].items(), key=lambda kv: -kv[1])))
+        kinds = sorted(prof["op_ms"].items(), key=lambda kv: -kv[1])
+        print("    op time per step (ms, count): "
+              + ", ".join(f"{k} {v:.1f} ({prof['op_count'][k]:.0f})" for k, v in kinds))
         for i in range(batch):
             engine.abort_request(f"{batch}-{i}")
     return rows
