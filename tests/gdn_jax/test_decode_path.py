@@ -31,7 +31,7 @@ def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
     """Four rows (one restoring from slot 6, two continuing, one padding row), decode and prefill: one row per loop
     iteration gives the logits and pools of one iteration for all rows, and both equal the previous design, a
     separate copy of the source into the live slot followed by a forward that reads the live slots."""
-    cfg = get_preset("tiny")
+    cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg)
     rng = np.random.default_rng(T)
     start = np.array([20, 9, 30, 0], np.int32)
@@ -75,7 +75,7 @@ def _row(tokens, start, op):
 
 
 def test_float32_decode_weights_decode_like_the_bfloat16_weights():
-    cfg = get_preset("tiny")
+    cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg, dtype=jnp.bfloat16)
     mem = plan_memory(cfg, jnp.bfloat16, 16, 2, 64, num_kv_blocks=9, num_linear_slots=4, memory_budget_bytes=1 << 24)
     prompt = np.random.default_rng(0).integers(4, 500, 20).tolist()
