@@ -28,3 +28,16 @@ def test_module_entry_point_names_itself(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m gdn_jax") and "(default: tiny)" in out
+
+
+def test_make_test_runs_every_test_file():
+    """`make test` lists its test files in process groups: a new file left out of every group would never run in CI."""
+    import re
+    recipe = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    listed = set()
+    for line in recipe.splitlines():
+        if re.match(r"(GROUP_\w+ :=|\t\$\(PY\) -m pytest)", line):
+            listed.update(re.findall(r"tests/[\w/]+(?:\.py)?", line))
+    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")}
+    missing = sorted(f for f in files if not any(f == t or f.startswith(t.rstrip("/") + "/") for t in listed))
+    assert not missing, f"test files in no group of `make test`: {missing}"
