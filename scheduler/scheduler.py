@@ -111,6 +111,14 @@ class Scheduler:
         self.inflight = plan
         return plan
 
+    def _row_budget(self, rows: list[ScheduledSequence], budget: int) -> int:
+        """Tokens one more prefill row may take. "scan" also bounds the padded batch: the worker pads every row to
+        the longest, so (rows + 1) x longest stays within max_num_batched_tokens (0: no room for another row)."""
+        if self.config.checkpoint_mode == "promote" or not rows:
+            return budget
+        cap = self.config.max_num_batched_tokens // (len(rows) + 1)
+        return min(budget, cap) if cap >= max(len(r.token_ids) for r in rows) else 0
+
     def _chunk_end(self, num_computed: int, num_tokens: int, budget: int) -> int | None:
         """Where a prefill row from `num_computed` ends this step: `num_tokens` if it fits, else the deepest stride
         boundary the budget reaches ("promote": never past the next boundary). None if that is no progress."""
@@ -169,7 +177,7 @@ class Scheduler:
             budget = self._schedule_forks(rows, budget)
         # Sequences admitted earlier whose prompt is still being prefilled.
         for seq in self.prefilling.values():
-            end = self._chunk_end(seq.num_computed_tokens, self._target(seq), budget)
+            end = self._chunk_end(seq.num_computed_tokens, self._target(seq), self._row_budget(rows, budget))
             if end is None:
                 continue
             assert self.block_manager.can_allocate(seq, end), "KV is taken for the whole prompt at admission"
@@ -184,7 +192,7 @@ class Scheduler:
                 break
             if seq.seq_id in self.forks and m.reuse >= self.forks[seq.seq_id][0]:
                 self._release_forks(seq.seq_id, at=1)  # the fork point is cached: children restore it as well
-            end = self._chunk_end(m.reuse, self._target(seq), budget)
+            end = self._chunk_end(m.reuse, self._target(seq), self._row_budget(rows, budget))
             if end is None:
                 break
             self.waiting.popleft()
