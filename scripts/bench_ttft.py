@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
@@ -91,6 +92,72 @@ def ab(args) -> dict:
            "restore_step_overhead": restore_step / plain_step - 1, "rounds": results,
            "memory": {n: e.memory.describe() for n, e in engines.items()}}
     path = Path(args.out) / "bench_ttft_ab.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return out
+
+
+def prefill(args) -> dict:
+    """Cold and hit TTFT of one long prompt against one jitted forward of the same tokens, per checkpoint mode and
+    policy, in one run: "scan" (all, last) prefills as many strides per step as the budget allows and writes the
+    checkpoints from the scan; "promote" takes one stride per step. Same weights for every engine."""
+    from gdn_jax.model import Batch, forward, init_state
+
+    variants = {"scan / all": dict(checkpoint_mode="scan"), "scan / last": dict(checkpoint_mode="scan",
+                                                                                checkpoint_policy="last"),
+                "promote": dict(checkpoint_mode="promote")}
+    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=2,
+              max_model_len=args.prompt + 64, max_num_batched_tokens=args.prompt, verbose=False)
+    engines = {name: LLMEngine(args.model, **kw, **v) for name, v in variants.items()}
+    worker = next(iter(engines.values())).worker
+    # one jitted forward of the same tokens: the engine's model, one row, fresh pools, last-position logits
+    T, nb = args.prompt, -(-args.prompt // 16)
+    fwd = jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,))
+    state = init_state(worker.cfg, nb + 1, 16, 2, worker.dtype)
+    batch = Batch(tokens=jnp.zeros((1, T), jnp.int32) + 5, start_pos=jnp.zeros(1, jnp.int32),
+                  lengths=jnp.full(1, T, jnp.int32), block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
+                  slot_mapping=jnp.arange(16, T + 16, dtype=jnp.int32)[None], linear_ids=jnp.ones(1, jnp.int32),
+                  has_initial_state=jnp.zeros(1, bool))
+    fwd_times = []
+    for _ in range(args.rounds + 1):
+        t0 = time.perf_counter()
+        logits, state = fwd(worker.graphdef, worker.params, batch, state, False)
+        logits.block_until_ready()
+        fwd_times.append(time.perf_counter() - t0)
+    forward_s = statistics.median(fwd_times[1:])
+    vocab = worker.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    rows, rounds = {}, {name: [] for name in engines}
+    for rnd in range(args.rounds + 1):  # round 0 compiles every shape the later rounds use
+        a = rng.integers(4, vocab, args.prompt).tolist()
+        b = a[:args.shared] + rng.integers(4, vocab, args.prompt - args.shared).tolist()
+        for name, engine in engines.items():
+            saved0 = engine.scheduler.stats()["checkpoints_saved"]
+            cold, hit = run_request(engine, f"a{rnd}", a), run_request(engine, f"b{rnd}", b)
+            saves = engine.scheduler.stats()["checkpoints_saved"] - saved0
+            if rnd:
+                rounds[name].append({"cold": cold, "hit": hit, "checkpoints_saved": saves})
+    print(f"\n{args.model} ({args.dtype}), backend {jax.default_backend()}: cold prompt {args.prompt} tokens, hit "
+          f"shares {args.shared}, chunk_stride {args.chunk_stride}, budget {args.prompt}; median of {args.rounds} "
+          f"rounds after a warm-up round; one jitted forward of {args.prompt} tokens: {1e3 * forward_s:.1f} ms")
+    print(f"{'variant':<13}{'cold TTFT ms':>13}{'x forward':>10}{'steps':>7}{'hit TTFT ms':>12}{'reused':>8}"
+          f"{'ckpts':>7}{'ckpt MiB':>10}")
+    for name, rs in rounds.items():
+        slot_mib = engines[name].memory.bytes_per_linear_slot / 2**20
+        cold = statistics.median(r["cold"]["ttft_s"] for r in rs)
+        hit = statistics.median(r["hit"]["ttft_s"] for r in rs)
+        saves = rs[0]["checkpoints_saved"]
+        rows[name] = {"cold_ttft_s": cold, "cold_over_forward": cold / forward_s,
+                      "cold_steps": len(rs[0]["cold"]["steps"]), "hit_ttft_s": hit,
+                      "hit_cached_tokens": rs[0]["hit"]["num_cached_tokens"], "checkpoints_saved": saves,
+                      "checkpoint_bytes_written": saves * engines[name].memory.bytes_per_linear_slot}
+        r = rows[name]
+        print(f"{name:<13}{1e3 * cold:>13.1f}{r['cold_over_forward']:>10.2f}{r['cold_steps']:>7}{1e3 * hit:>12.1f}"
+              f"{r['hit_cached_tokens']:>8}{saves:>7}{saves * slot_mib:>10.1f}")
+    out = {"args": vars(args), "backend": jax.default_backend(), "forward_s": forward_s, "forward_times_s": fwd_times,
+           "variants": rows, "rounds": rounds}
+    path = Path(args.out) / "bench_ttft_prefill.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")
@@ -238,16 +305,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="results", help="output folder (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="smaller workloads (a test runs this) (default: off)")
     ap.add_argument("--ab", action="store_true", help="the A/B restore comparison instead of the study (default: off)")
-    ap.add_argument("--prompt", type=int, default=2048, help="--ab: tokens of each prompt (default: %(default)s)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="cold and hit TTFT per checkpoint mode against one jitted forward (default: off)")
+    ap.add_argument("--prompt", type=int, default=2048,
+                    help="--ab / --prefill: tokens of each prompt (default: %(default)s)")
     ap.add_argument("--shared", type=int, default=1792,
-                    help="--ab: tokens request B shares with request A (default: %(default)s)")
+                    help="--ab / --prefill: tokens request B shares with request A (default: %(default)s)")
     ap.add_argument("--chunk-stride", type=int, default=None,
                     help="tokens between checkpoints (default: 64 for the study, 256 for --ab)")
-    ap.add_argument("--rounds", type=int, default=3, help="--ab: timed rounds after the warm-up round (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="--ab / --prefill: timed rounds after the warm-up round (default: %(default)s)")
     args = ap.parse_args(argv)
-    args.model = args.model or ("hybrid-1024" if args.ab else "tiny")
-    args.chunk_stride = args.chunk_stride or (256 if args.ab else 64)
-    return ab(args) if args.ab else study(args)
+    long = args.ab or args.prefill
+    args.model = args.model or ("hybrid-1024" if long else "tiny")
+    args.chunk_stride = args.chunk_stride or (256 if long else 64)
+    return ab(args) if args.ab else prefill(args) if args.prefill else study(args)
 
 
 if __name__ == "__main__":

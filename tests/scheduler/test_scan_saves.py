@@ -37,7 +37,8 @@ def test_a_cold_2048_token_prompt_prefills_in_one_step_with_the_policys_saves(po
     plan = one_step(sched, dev)
     assert plan.is_prefill and [(r.start_pos, len(r.token_ids)) for r in plan.seqs] == [(0, 2048)]
     assert [(s.row, s.offset, s.boundary) for s in plan.saves] == [(0, b, b) for b in boundaries]
-    assert sched.stats()["checkpoint_slots"] == len(boundaries) and sched.stats()["checkpoints_saved"] == len(boundaries)
+    stats = sched.stats()
+    assert stats["checkpoint_slots"] == stats["checkpoints_saved"] == len(boundaries)
     assert not sched.block_manager.linear.saving
     run(sched, dev)
 
