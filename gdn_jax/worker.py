@@ -254,7 +254,7 @@ class Worker:
         self.scan = checkpoint_mode == "scan"
         self.saves = self.scan and enable_prefix_caching and bool(cfg.linear_layer_ids)
         self.checkpoint_policy = checkpoint_policy
-        self.max_chunk = self.budget if self.scan else chunk_stride
+        self.max_chunk = min(self.budget, max_model_len) if self.scan else chunk_stride
         self.seed, self.dtype = seed, dtype
         self.state = init_state(cfg, memory.num_kv_blocks, block_size, memory.num_linear_slots, dtype)
         self._param_leaves, params_def = jax.tree.flatten(params)
