@@ -6,13 +6,15 @@ PY := $(VENV)/bin/python
 LOCK := requirements.lock
 EXTRAS ?= dev
 
-$(VENV)/.installed: pyproject.toml $(LOCK)
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c $(LOCK) pip
-	$(PY) -m pip install -q -c $(LOCK) -e '.[$(EXTRAS)]'
+REF_VENV := .venv-ref
+
+%/.installed: pyproject.toml $(LOCK)  # any venv folder: .venv, or .venv-ref for test-reference
+	$(PYTHON) -m venv $*
+	$*/bin/python -m pip install -q -c $(LOCK) pip
+	$*/bin/python -m pip install -q -c $(LOCK) -e '.[$(EXTRAS)]'
 	touch $@
 
-.PHONY: install run test test-fast soak lock
+.PHONY: install run test test-fast test-reference soak lock
 install: $(VENV)/.installed
 
 run: $(VENV)/.installed
@@ -36,6 +38,13 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q tests/gdn_jax/test_server.py
 	$(PY) -m pytest -q tests/test_studies.py
 
+# The comparison with transformers needs torch and transformers (the reference extra, CPU torch): a venv of its own,
+# so that `make test` never installs them.
+test-reference: EXTRAS = dev,reference
+test-reference: PY = $(REF_VENV)/bin/python
+test-reference: $(REF_VENV)/.installed
+	$(PY) -m pytest -q tests/reference
+
 test-fast: $(VENV)/.installed  # everything but the tests marked slow
 	$(PY) -m pytest -q -m "not slow"
 
@@ -43,14 +52,15 @@ test-fast: $(VENV)/.installed  # everything but the tests marked slow
 soak: $(VENV)/.installed
 	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -q tests/scheduler/test_scheduler_properties.py
 
-# Refresh the lock: resolve the newest versions pyproject.toml allows in a scratch venv, write them to
-# requirements.lock, rebuild .venv from it and rerun the whole suite.
+# Refresh the lock: resolve the newest versions pyproject.toml allows (dev and reference extras) in a scratch venv,
+# write them to requirements.lock, rebuild .venv from it and rerun the whole suite.
 lock:
 	rm -rf .venv-lock
 	$(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/pip install -q --upgrade pip
-	.venv-lock/bin/pip install -q -e '.[$(EXTRAS)]'
+	.venv-lock/bin/pip install -q -e '.[$(EXTRAS),reference]'
 	(echo "# Exact versions make installs with (make lock refreshes them); pyproject.toml keeps the ranges."; \
-	 .venv-lock/bin/pip freeze --all --exclude-editable | grep -v '^setuptools==\|^wheel==\|^# Editable') > $(LOCK)
+	 .venv-lock/bin/pip freeze --all --exclude-editable | grep -v '^setuptools==\|^wheel==\|^# Editable' \
+	 | sed 's/^\(torch==[0-9.]*\)+.*/\1/') > $(LOCK)  # torch==X.Y.Z, not the local +cpu build label
 	rm -rf .venv-lock $(VENV)
 	$(MAKE) test
