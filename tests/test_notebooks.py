@@ -10,7 +10,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 
 # what each notebook's output must contain
 EXPECTED = {
-    "prefix_cache_tour.ipynb": ["restored True"],  # the second request really restored a checkpoint
+    "01_prefix_cache_walkthrough.ipynb": ["restored True"],  # the second request really restored a checkpoint
     "train_tiny.ipynb": ["loss decreased True", "restored True"],
 }
 
