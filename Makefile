@@ -14,7 +14,7 @@ REF_VENV := .venv-ref
 	$*/bin/python -m pip install -q -c $(LOCK) -e '.[$(EXTRAS)]'
 	touch $@
 
-.PHONY: install run test test-fast test-reference soak lock
+.PHONY: install run test test-fast test-reference soak lock notebooks
 install: $(VENV)/.installed
 
 run: $(VENV)/.installed
@@ -24,7 +24,7 @@ run: $(VENV)/.installed
 # that compiled the whole suite's few hundred step shapes aborted inside LLVM (vm.max_map_count is 65530 here);
 # each group below compiles a fraction of that. The server tests also get their own process (their engine thread
 # compiles). .ci/run raises vm.max_map_count where it may.
-GROUP_A := tests/scheduler tests/test_cli_help.py tests/test_notebooks.py
+GROUP_A := tests/scheduler tests/test_cli_help.py
 GROUP_B := tests/gdn_jax/test_donation.py tests/gdn_jax/test_engine.py tests/gdn_jax/test_engine_cache_equivalence.py \
            tests/gdn_jax/test_fork_engine.py tests/gdn_jax/test_gated_delta.py tests/gdn_jax/test_memory_plan.py
 GROUP_C := tests/gdn_jax/test_decode_path.py tests/gdn_jax/test_model.py tests/gdn_jax/test_model_vs_hf.py tests/gdn_jax/test_prompt_logprobs.py \
@@ -36,7 +36,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q $(GROUP_C)
 	$(PY) -m pytest -q $(GROUP_D)
 	$(PY) -m pytest -q tests/gdn_jax/test_server.py
-	$(PY) -m pytest -q tests/test_studies.py
+	$(PY) -m pytest -q tests/test_studies.py tests/test_notebooks.py  # the accuracy notebook reuses the study's steps
 
 # The comparison with transformers needs torch and transformers (the reference extra, CPU torch): a venv of its own,
 # so that `make test` never installs them.
@@ -51,6 +51,11 @@ test-fast: $(VENV)/.installed  # everything but the tests marked slow
 # Long randomized property run for offline soak (CI uses the derandomized "ci" profile of tests/conftest.py).
 soak: $(VENV)/.installed
 	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -q tests/scheduler/test_scheduler_properties.py
+
+# Re-executes the study notebooks in place, so that the outputs committed with them are those of a real full run.
+NOTEBOOKS := notebooks/01_prefix_cache_walkthrough.ipynb notebooks/02_accuracy_study.ipynb
+notebooks: $(VENV)/.installed
+	$(PY) -m jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=3600 $(NOTEBOOKS)
 
 # Refresh the lock: resolve the newest versions pyproject.toml allows (dev and reference extras) in a scratch venv,
 # write them to requirements.lock, rebuild .venv from it and rerun the whole suite.

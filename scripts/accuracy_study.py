@@ -146,9 +146,10 @@ def table(summary) -> str:
     return "\n".join(lines)
 
 
-def plot(summary, path: Path | None = None):
-    """KL against the distance from the reuse point, one line per mode, log scale; saved to `path` if given."""
-    fig, ax = figure((7, 4))
+def plot(summary, path: Path | None = None, ax=None):
+    """KL against the distance from the reuse point, one line per mode, log scale; drawn on `ax` if given (see
+    `study_cli.figure`), saved to `path` if given."""
+    fig, ax = figure((7, 4), ax)
     for name, s in summary.items():
         d = np.array(list(s["kl_by_distance"]), float)
         kl = np.maximum(np.array(list(s["kl_by_distance"].values()), float), 1e-16)

@@ -109,10 +109,10 @@ def conclusion(rows) -> str:
             f"the mean reused fraction from {statistics.fmean(by_cap[lo]):.1%} to {statistics.fmean(by_cap[hi]):.1%}.")
 
 
-def plot(rows, strides, caps, path: Path | None = None):
+def plot(rows, strides, caps, path: Path | None = None, ax=None):
     grid = np.array([[next(r["reused_fraction"] for r in rows if r["chunk_stride"] == s and r["capacity_per_seq"] == c)
                       for c in caps] for s in strides])
-    fig, ax = figure((6, 4))
+    fig, ax = figure((6, 4), ax)
     im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=max(grid.max(), 1e-9), origin="lower")
     ax.set_xticks(range(len(caps)), [str(c) for c in caps])
     ax.set_yticks(range(len(strides)), [str(s) for s in strides])

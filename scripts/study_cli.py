@@ -53,9 +53,12 @@ def pools_of(engine) -> dict:
     return {"num_kv_blocks": engine.memory.num_kv_blocks, "num_linear_slots": engine.memory.num_linear_slots}
 
 
-def figure(figsize: tuple[float, float]):
-    """A matplotlib figure and its axes, made without pyplot: no backend is chosen or changed, so the same plotting
-    code writes PNGs from a headless script and shows inline in a notebook (return the figure as a cell's value)."""
+def figure(figsize: tuple[float, float], ax=None):
+    """The figure and axes a study plot draws on: `ax`'s if given (a notebook passes `plt.subplots()`'s, which it
+    shows inline), else a new figure made without pyplot, so that a headless script neither needs nor changes a
+    backend."""
+    if ax is not None:
+        return ax.figure, ax
     from matplotlib.figure import Figure
     fig = Figure(figsize=figsize)
     return fig, fig.subplots()
