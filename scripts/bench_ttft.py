@@ -19,17 +19,16 @@ runs the same tail shape (same rows, tokens, blocks) without one. Writes DIR/ben
 
 from __future__ import annotations
 
-import argparse
-import json
+import math
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
+from study_cli import figure, pools_of, save, study_parser, write_json
 
 
 def run_request(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
@@ -91,10 +90,7 @@ def ab(args) -> dict:
            "ttft_ratio": ratio, "restore_step_s": restore_step, "plain_step_s": plain_step,
            "restore_step_overhead": restore_step / plain_step - 1, "rounds": results,
            "memory": {n: e.memory.describe() for n, e in engines.items()}}
-    path = Path(args.out) / "bench_ttft_ab.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {write_json(args.out, 'bench_ttft_ab.json', out)}")
     return out
 
 
@@ -157,9 +153,7 @@ def prefill(args) -> dict:
               f"{r['hit_cached_tokens']:>8}{saves:>7}{saves * slot_mib:>10.1f}")
     out = {"args": vars(args), "backend": jax.default_backend(), "forward_s": forward_s, "forward_times_s": fwd_times,
            "variants": rows, "rounds": rounds}
-    path = Path(args.out) / "bench_ttft_prefill.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
+    path = write_json(args.out, "bench_ttft_prefill.json", out)
     print(f"wrote {path}")
     return out
 
@@ -230,17 +224,25 @@ def measured(engine: LLMEngine, make, concurrent: bool, max_tokens: int):
     return summarize(recs, {k: after[k] - before[k] for k in COUNTERS})
 
 
+# Engine and sweep sizes. Compiling the step shapes, not running them, is where a quick study's time goes: the
+# cache-off engine gets the cache-on engine's pools (same shapes, so it runs the steps the other compiled), and
+# --quick uses blocks of up to 64 tokens with max_model_len 512, one block-table bucket. Reuse is a checkpoint
+# boundary (a multiple of chunk_stride) either way, so the block size does not change what is reused.
+FULL = dict(block_size=16, max_model_len=2048, max_tokens=16, prefix_lengths=[128, 256, 512, 1024])
+QUICK = dict(max_model_len=512, max_tokens=4, prefix_lengths=[64, 256])
+
+
 def study(args) -> dict:
     from tqdm.auto import tqdm
     q = args.quick
-    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=8,
-              max_model_len=2048, verbose=False)
-    engines = {"on": LLMEngine(args.model, enable_prefix_caching=True, **kw),
-               "off": LLMEngine(args.model, enable_prefix_caching=False, **kw)}
-    tok = engines["on"].tokenizer
+    sizes = {**QUICK, "block_size": math.gcd(64, args.chunk_stride)} if q else FULL
+    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=sizes["block_size"], max_num_seqs=8,
+              max_model_len=sizes["max_model_len"], verbose=False)
+    on = LLMEngine(args.model, enable_prefix_caching=True, **kw)
+    engines = {"on": on, "off": LLMEngine(args.model, enable_prefix_caching=False, **kw, **pools_of(on))}
+    tok = on.tokenizer
     names = list(workloads(np.random.default_rng(0), tok, q))
-    max_tokens = 4 if q else 16
-    lengths = [64, 256] if q else [128, 256, 512, 1024]
+    max_tokens, lengths = sizes["max_tokens"], sizes["prefix_lengths"]
     bar = tqdm(total=len(names) * 4 + len(lengths) * 2, desc="TTFT study", unit="run")
     rows = []
     for name in names:
@@ -271,16 +273,11 @@ def study(args) -> dict:
     print(f"\n{'shared prefix':<15}" + "".join(f"{'p50 ' + c:>12}" for c in engines))
     for n in lengths:
         print(f"{n:<15}" + "".join(f"{r['ttft_p50_ms']:>12.1f}" for r in sweep if r["shared_prefix"] == n))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"model": args.model, "dtype": args.dtype, "backend": jax.default_backend(),
-              "config": {"chunk_stride": args.chunk_stride, "quick": q, "max_tokens": max_tokens}, "rows": rows,
+              "config": {"chunk_stride": args.chunk_stride, "quick": q, **sizes}, "rows": rows,
               "prefix_sweep": sweep}
-    (out / "bench_ttft.json").write_text(json.dumps(result, indent=1))
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
+    path = write_json(args.out, "bench_ttft.json", result)
+    fig, ax = figure((6, 4))
     for cache in engines:
         pts = [(r["shared_prefix"], r["ttft_p50_ms"]) for r in sweep if r["cache"] == cache]
         ax.plot(*zip(*pts), marker="o", label=f"cache {cache}")
@@ -288,33 +285,25 @@ def study(args) -> dict:
     ax.set_ylabel("TTFT p50 (ms), serial")
     ax.set_title(f"TTFT vs shared prefix ({args.model}, {args.dtype})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "bench_ttft.png", dpi=120)
-    plt.close(fig)
-    print(f"wrote {out / 'bench_ttft.json'} and {out / 'bench_ttft.png'}")
+    save(fig, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
     return result
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="bench_ttft.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", "--preset", default=None,
-                    help="preset or HF folder (default: tiny for the study, hybrid-1024 for --ab)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="weights and activations (default: %(default)s)")
-    ap.add_argument("--out", default="results", help="output folder (default: %(default)s)")
-    ap.add_argument("--quick", action="store_true", help="smaller workloads (a test runs this) (default: off)")
-    ap.add_argument("--ab", action="store_true", help="the A/B restore comparison instead of the study (default: off)")
+    ap = study_parser("bench_ttft.py", __doc__,
+                      "bench_ttft.json and .png (bench_ttft_ab.json with --ab, bench_ttft_prefill.json with --prefill)",
+                      "smaller workloads, blocks of up to 64 tokens", model_default=None, model_aliases=("--preset",),
+                      model_help="preset or HF folder (default: tiny for the study, hybrid-1024 for --ab / --prefill)")
+    ap.add_argument("--ab", action="store_true", help="the A/B restore comparison instead of the study")
     ap.add_argument("--prefill", action="store_true",
-                    help="cold and hit TTFT per checkpoint mode against one jitted forward (default: off)")
-    ap.add_argument("--prompt", type=int, default=2048,
-                    help="--ab / --prefill: tokens of each prompt (default: %(default)s)")
+                    help="cold and hit TTFT per checkpoint mode and policy against one jitted forward")
+    ap.add_argument("--prompt", type=int, default=2048, help="--ab / --prefill: tokens of each prompt")
     ap.add_argument("--shared", type=int, default=1792,
-                    help="--ab / --prefill: tokens request B shares with request A (default: %(default)s)")
+                    help="--ab / --prefill: tokens request B shares with request A")
     ap.add_argument("--chunk-stride", type=int, default=None,
-                    help="tokens between checkpoints (default: 64 for the study, 256 for --ab)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="--ab / --prefill: timed rounds after the warm-up round (default: %(default)s)")
+                    help="tokens between checkpoints (default: 64 for the study, 256 for --ab / --prefill)")
+    ap.add_argument("--rounds", type=int, default=3, help="--ab / --prefill: timed rounds after the warm-up round")
     args = ap.parse_args(argv)
     long = args.ab or args.prefill
     args.model = args.model or ("hybrid-1024" if long else "tiny")
