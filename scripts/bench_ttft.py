@@ -2,6 +2,7 @@
 
     python scripts/bench_ttft.py [--model tiny] [--dtype float32] [--out results] [--quick]
     python scripts/bench_ttft.py --ab [--model hybrid-1024] [--prompt 2048] [--shared 1792] [--chunk-stride 256]
+    python scripts/bench_ttft.py --prefill [--model hybrid-1024] [--prompt 2048] [--shared 1792] [--chunk-stride 256]
 
 Study (the default). Seeded workloads: a shared system prompt with distinct questions, multi-turn conversations
 (each turn extends the previous prompt and its answer), identical repeats, and a no-sharing control. Each runs with
@@ -15,6 +16,11 @@ A/B (`--ab`). Request A (a `--prompt`-token prompt) runs first; request B shares
 its own tail. With the cache on, B restores the checkpoint at `--shared` and prefills only its tail; with it off, B
 prefills everything. Also compares the engine step in which B's tail runs after a warm restore with the step that
 runs the same tail shape (same rows, tokens, blocks) without one. Writes DIR/bench_ttft_ab.json.
+
+Prefill (`--prefill`). One jitted forward of `--prompt` tokens, then per checkpoint mode and policy ("scan" with
+"all" and "last", "promote") a cold request of that length and a hit that shares `--shared` tokens with it, with a
+token budget of `--prompt`: cold TTFT and its ratio to the forward, prefill steps of the cold prompt, hit TTFT and
+reused tokens, checkpoints and bytes written. Writes DIR/bench_ttft_prefill.json.
 """
 
 from __future__ import annotations
