@@ -16,7 +16,8 @@ def _walkthrough(ns):
     # b shares 136 tokens with a: 8 whole KV blocks (128), checkpoints every 32 up to 128, all reused by a restore
     assert (b.metrics.kv_match, b.metrics.linear_reach, b.num_cached_tokens, b.metrics.reuse_lost) == (128, 128, 128, 0)
     steps, slots = ns["steps"], ns["pool"].num_slots - 1
-    assert all(s["live"] + s["pinned"] + s["checkpoint"] + s["free"] == slots for s in steps)
+    assert all(s["live"] + s["pinned"] + s["checkpoint"] + s["saving"] + s["free"] == slots for s in steps)
+    assert max(s["saving"] for s in steps) > 0  # prefill steps write checkpoints (checkpoint_mode "scan")
     assert max(s["live"] for s in steps) == ns["SEQS"]
     # every later turn restores a checkpoint of its own conversation, under eviction pressure
     later = [o for t, _, o in ns["requests"] if t > 0]
