@@ -233,21 +233,27 @@ class Worker:
         batch 1: 26 ms against 38 ms). It costs float32 copies of the matrices: twice their bfloat16 bytes, kept
         in memory beside them. Results are the same up to float32 summation order (bfloat16 products are exact in
         float32, both accumulate in float32). None (default): on for bfloat16 on CPU while the copy is at most
-        FLOAT32_DECODE_WEIGHTS_MAX_BYTES; never on an accelerator, whose bfloat16 products are native."""
+        FLOAT32_DECODE_WEIGHTS_MAX_BYTES; never on an accelerator, whose bfloat16 products are native.
+
+        `params` may be abstract (`jax.ShapeDtypeStruct` leaves, `weights.abstract_model`): the pools are then
+        abstract too, nothing is allocated, and the worker can only lower and compile (`lowered_step`), as
+        scripts/bench_compile.py does for models too large for the machine."""
         self.cfg, self.graphdef, self.params = cfg, graphdef, params
         self.memory, self.block_size = memory, block_size
         self.max_rows = _bucket(max_num_seqs, 1, 1 << 30)
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.max_chunk = chunk_stride
         self.seed, self.dtype = seed, dtype
-        self.state = init_state(cfg, memory.num_kv_blocks, block_size, memory.num_linear_slots, dtype)
         self._param_leaves, params_def = jax.tree.flatten(params)
+        self.abstract = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in self._param_leaves)
+        self.state = self._new_state()
         self._decode_leaves = self._param_leaves  # leaves of a single-row decode step
         if float32_decode_weights is not False and jax.default_backend() == "cpu":
-            extra = sum(2 * leaf.nbytes for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-                        if _is_bf16_kernel(path, leaf))  # bytes of the float32 copy
+            extra = sum(2 * leaf.size * leaf.dtype.itemsize for path, leaf in
+                        jax.tree_util.tree_flatten_with_path(params)[0] if _is_bf16_kernel(path, leaf))  # float32 copy
             if extra and (float32_decode_weights or extra <= FLOAT32_DECODE_WEIGHTS_MAX_BYTES):
-                self._decode_leaves = float32_kernels(params)
+                self._decode_leaves = (jax.eval_shape(float32_kernels, params) if self.abstract
+                                       else float32_kernels(params))
         self._fn = step_function(graphdef, params_def)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
         self._prompt_fn = prompt_step_function(graphdef, params_def)
@@ -286,16 +292,30 @@ class Worker:
         """True when the pools were consumed (donated to a call that then failed) and must be rebuilt."""
         return any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.state))
 
+    def _new_state(self):
+        make = functools.partial(init_state, self.cfg, self.memory.num_kv_blocks, self.block_size,
+                                 self.memory.num_linear_slots, self.dtype)
+        return jax.eval_shape(make) if self.abstract else make()
+
     def reset_state(self) -> None:
         """Fresh zeroed pools of the same shapes (the scheduler must forget everything they held)."""
-        self.state = init_state(self.cfg, self.memory.num_kv_blocks, self.block_size, self.memory.num_linear_slots,
-                                self.dtype)
+        self.state = self._new_state()
+
+    def lowered_step(self, shape: tuple[int, int, int]):
+        """The step lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's state is
+        not touched."""
+        args = self._padding_args(*shape)
+        return self._fn.lower(self._leaves_for(args[0][0]), self.state, *args)
+
+    def lowered_prompt_step(self, shape: tuple[int, int, int]):
+        """The prompt-logprobs step (top-k, not whole rows) lowered for one prefill bucket."""
+        args = self._padding_args(*shape)
+        return self._prompt_fn.lower(self._param_leaves, self.state, *args, np.zeros(shape[:2], np.int32), False)
 
     def compiled_step(self, shape: tuple[int, int, int]):
         """The step's XLA executable for one (rows, tokens, blocks) bucket, compiled ahead of time (for inspection:
         `.as_text()`, `.memory_analysis()`); the worker's state is not touched."""
-        args = self._padding_args(*shape)
-        return self._fn.lower(self._leaves_for(args[0][0]), self.state, *args).compile()
+        return self.lowered_step(shape).compile()
 
     def _leaves_for(self, tokens) -> list:
         return self._decode_leaves if tokens.shape == (1, 1) else self._param_leaves
