@@ -152,10 +152,11 @@ class LayerParam:
     def __getitem__(self, index):  # how an nnx.Variable reads its value: `param[...]`
         if index is not Ellipsis:
             raise TypeError("a LayerParam is read whole (param[...])")
-        return self if self.matmul else self.select(lambda a: a)
+        return self if self.matmul else self.select(_identity)
 
     def select(self, fn, *args):
-        """fn(the layer's array, *args), through a switch over the layers unless the layer is known when tracing."""
+        """fn(the layer's array, *args), through a switch over the layers unless the layer is known when tracing.
+        `fn` is traced once per layer (a branch each): keep it a call of a jitted function, whose trace is cached."""
         if isinstance(self.layer, int):
             return fn(self.arrays[self.layer], *args)
         return jax.lax.switch(self.layer, [partial(fn, a) for a in self.arrays], *args)
@@ -163,6 +164,18 @@ class LayerParam:
     @property
     def dtype(self):
         return self.arrays[0].dtype
+
+
+@jax.jit
+def _identity(a):
+    return a
+
+
+@partial(jax.jit, static_argnums=2)
+def _product(x, kernel, spec: str):
+    """x @ kernel as `spec`, accumulated and returned in float32. Jitted so that the switch branches of `LayerParam`
+    (one per layer, same shapes) reuse one trace."""
+    return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32)
 
 
 def dense(x, kernel, spec: str = "...d,dv->...v"):
@@ -176,10 +189,10 @@ def dense(x, kernel, spec: str = "...d,dv->...v"):
     (GPU, float32) the product is left alone."""
     lead = x.shape[:-1]
 
-    def matmul(x, kernel=kernel):
+    def matmul(x):
         if isinstance(kernel, LayerParam):
-            return kernel.select(lambda k, x: matmul(x, k), x)
-        return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32)
+            return kernel.select(lambda k, x: _product(x, k, spec), x)
+        return _product(x, kernel, spec)
 
     if x.dtype == jnp.bfloat16 and kernel.dtype == jnp.bfloat16 and math.prod(lead) == 1 \
             and jax.default_backend() == "cpu":

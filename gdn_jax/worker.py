@@ -143,14 +143,15 @@ def _read_batch(batch_arrays, live_ids, restore_requested, src_ids) -> Batch:
                  initial_state_ids=initial_state_ids)
 
 
-def _step(graphdef, params, state, batch_arrays, live_ids, restore_requested, src_ids, sampling: SamplingMetadata):
+def _step(graphdef, params, state, batch_arrays, live_ids, restore_requested, src_ids):
+    """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`_sample`)."""
     batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids)
     logits, state = forward(graphdef, params, batch, state)
-    return (state, *sample(logits, sampling))
+    return state, logits
 
 
-def _step_prompt_logprobs(graphdef, params, state, batch_arrays, live_ids, restore_requested, src_ids,
-                          sampling: SamplingMetadata, targets, full_rows):
+def _step_prompt_logprobs(graphdef, params, state, batch_arrays, live_ids, restore_requested, src_ids, targets,
+                          full_rows):
     """`_step` plus the log-distribution at every position of the chunk (prompt logprobs). A separate executable,
     so that steps without a prompt-logprobs row never pay for [B, T, V] logits. targets[b, t]: the prompt token at
     position start + t + 1, scored by the logits of position start + t. `full_rows` (static) also returns every row."""
@@ -162,7 +163,13 @@ def _step_prompt_logprobs(graphdef, params, state, batch_arrays, live_ids, resto
     rank = 1 + jnp.sum(logprobs > target_lp[..., None], axis=-1, dtype=jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
     prompt = (target_lp, rank, top_ids.astype(jnp.int32), top_lp) + ((logprobs,) if full_rows else ())
-    return (state, *sample(last, sampling), prompt)
+    return state, last, prompt
+
+
+# Sampling, compiled per (rows, vocabulary, history width) and shared by every step shape of that many rows: a
+# separate executable from the forward, so that the forward's grid (rows x tokens x blocks) does not compile the
+# sampling (sort, top-k, penalties: about a third of a decode step's compilation) once per shape.
+_sample = jax.jit(sample)
 
 
 @dataclasses.dataclass
@@ -194,7 +201,7 @@ def prompt_step_function(graphdef, params_def):
     def step(param_leaves, state, *args):
         return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves), state, *args)
 
-    return jax.jit(step, donate_argnums=(1,), static_argnums=(8,))
+    return jax.jit(step, donate_argnums=(1,), static_argnums=(7,))
 
 
 @dataclasses.dataclass
@@ -243,6 +250,9 @@ class Worker:
         self.max_rows = _bucket(max_num_seqs, 1, 1 << 30)
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.max_chunk = chunk_stride
+        # penalty history width: every step's (prompt + output) fits, whatever its blocks bucket, so sampling has no
+        # blocks dimension of its own
+        self.history_width = self.max_blocks * block_size
         self.seed, self.dtype = seed, dtype
         self._param_leaves, params_def = jax.tree.flatten(params)
         self.abstract = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in self._param_leaves)
@@ -273,7 +283,7 @@ class Worker:
         """Step arguments (after params and state) of an all-padding batch: writes land in block 0 / slot 0 only."""
         z = np.zeros((B, T), np.int32)
         batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
-        return (batch_arrays, *ops_to_arrays([], B), SamplingMetadata.padding(B, NB * self.block_size))
+        return (batch_arrays, *ops_to_arrays([], B), SamplingMetadata.padding(B, self.history_width))
 
     def warm_up(self, prompt_logprobs: bool = False) -> int:
         """Compiles the step for every shape bucket on an all-padding batch. Afterwards no workload compiles again.
@@ -302,15 +312,24 @@ class Worker:
         self.state = self._new_state()
 
     def lowered_step(self, shape: tuple[int, int, int]):
-        """The step lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's state is
-        not touched."""
-        args = self._padding_args(*shape)
+        """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
+        state is not touched."""
+        args = self._padding_args(*shape)[:4]
         return self._fn.lower(self._leaves_for(args[0][0]), self.state, *args)
 
     def lowered_prompt_step(self, shape: tuple[int, int, int]):
-        """The prompt-logprobs step (top-k, not whole rows) lowered for one prefill bucket."""
-        args = self._padding_args(*shape)
+        """The prompt-logprobs forward (top-k, not whole rows) lowered for one prefill bucket."""
+        args = self._padding_args(*shape)[:4]
         return self._prompt_fn.lower(self._param_leaves, self.state, *args, np.zeros(shape[:2], np.int32), False)
+
+    def sample_buckets(self) -> list[int]:
+        """The row counts sampling is compiled for: one executable per rows bucket, shared by its step shapes."""
+        return sorted({B for B, _, _ in self.shape_buckets()})
+
+    def lowered_sample(self, rows: int):
+        """Sampling lowered for one rows bucket."""
+        logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
+        return _sample.lower(logits, SamplingMetadata.padding(rows, self.history_width))
 
     def compiled_step(self, shape: tuple[int, int, int]):
         """The step's XLA executable for one (rows, tokens, blocks) bucket, compiled ahead of time (for inspection:
@@ -320,13 +339,16 @@ class Worker:
     def _leaves_for(self, tokens) -> list:
         return self._decode_leaves if tokens.shape == (1, 1) else self._param_leaves
 
-    def _run(self, *args, fn=None):
+    def _run(self, batch_arrays, live, requested, src, sampling, *extra, fn=None):
+        """The step's forward (`fn`, with `extra` arguments), then sampling: (tokens, logprobs, top ids, top
+        logprobs[, prompt logprobs])."""
         fn = fn or self._fn
-        before = fn._cache_size()
-        out = fn(self._leaves_for(args[0][0]), self.state, *args)
-        self.num_compilations += fn._cache_size() - before
-        self.state = out[0]
-        return out[1:]
+        before = fn._cache_size() + _sample._cache_size()
+        self.state, logits, *prompt = fn(self._leaves_for(batch_arrays[0]), self.state, batch_arrays, live,
+                                         requested, src, *extra)
+        sampled = _sample(logits, sampling)
+        self.num_compilations += fn._cache_size() + _sample._cache_size() - before
+        return (*sampled, *prompt)
 
     def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False
                 ) -> StepResult:
@@ -361,7 +383,7 @@ class Worker:
             validate_cache_ops(ops, self.memory.num_linear_slots, in_place=T == 1)
         live, requested, src = ops_to_arrays(ops, B)
         batch_arrays = (tokens, start, lengths, tables, slot_mapping)
-        sampling = SamplingMetadata.from_rows(seqs, B, NB * self.block_size, self.cfg.vocab_size,
+        sampling = SamplingMetadata.from_rows(seqs, B, self.history_width, self.cfg.vocab_size,
                                               self.cfg.eos_token_id, self.seed)
         args = (batch_arrays, live, requested, src, sampling)
         if plan.is_prefill and prompt_targets and any(prompt_targets):

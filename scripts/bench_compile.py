@@ -9,7 +9,8 @@ The worker is built as the engine builds it (same memory plan, same shape bucket
 `weights.abstract_model` parameters, so its pools are `jax.ShapeDtypeStruct`s too. For each shape (rows, tokens per
 row, blocks per row; tokens 1 is a decode step) the step is lowered (trace + StableHLO) and compiled (XLA), each
 timed; a table per shape and the totals are printed, and JSON is written with `num_shapes` (the whole grid),
-`per_shape_s` (lower + compile of each measured shape, in the order of `shapes`) and `total_s`.
+`per_shape_s` (lower + compile of each measured shape, in the order of `shapes`) and `total_s`. Sampling is its own
+executable, one per rows bucket (`Worker.sample_buckets()`): those are timed too (`sampling`) and count in the total.
 
 Subsets: `--shapes` lists shapes to time; `--limit N` times N shapes spread over the grid, always including the
 largest prefill and the largest decode shape. When not every shape was measured, `total_s` is an extrapolation (the
@@ -22,7 +23,8 @@ figure of a first start). `--cache-dir DIR` turns it on in DIR (every compilatio
 new cache folder (the first fills it, the second reads it) and reports both, with each process's wall time (imports,
 model setup and every shape).
 
-Timings on a shared machine are noisy: repeat a run and read the minimum.
+Timings on a shared machine are noisy: repeat a run and read the minimum. `cpu s` (the process's CPU time over all
+its threads, `time.process_time`) moves less with the load of other processes than the wall time does.
 """
 
 from __future__ import annotations
@@ -96,37 +98,59 @@ def measure(a) -> dict:
     print(f"{a.preset} {a.dtype}: {len(grid)} warm-up shapes ({sum(s[1] > 1 for s in grid)} prefill, "
           f"{sum(s[1] == 1 for s in grid)} decode); timing {len(shapes)}; memory {worker.memory.describe()}; "
           f"cache {a.cache_dir}; setup {setup_s:.1f} s")
-    print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'lower s':>8} {'compile s':>9} {'total s':>8}")
+    print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'lower s':>8} {'compile s':>9} {'total s':>8} {'cpu s':>7}")
+    # sampling: its own executable per rows bucket, shared by the step shapes with that many rows
+    # (a worker that samples inside its step, as before the split, has none)
+    all_samplers = worker.sample_buckets() if hasattr(worker, "sample_buckets") else []
+    samplers = [B for B in all_samplers if any(s[0] == B for s in shapes)] if a.shapes else all_samplers
+    sample_rows = []
+    for B in samplers:
+        t0, c0 = time.perf_counter(), time.process_time()
+        lowered = worker.lowered_sample(B)
+        t1 = time.perf_counter()
+        lowered.compile()
+        t2, c2 = time.perf_counter(), time.process_time()
+        sample_rows.append({"rows": B, "lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0,
+                            "cpu_s": c2 - c0})
+        print(f"{B:>5} {'(sampling)':>13} {t1 - t0:>8.2f} {t2 - t1:>9.2f} {t2 - t0:>8.2f} {c2 - c0:>7.2f}",
+              flush=True)
+    sampling_s = sum(r["total_s"] for r in sample_rows)
+    if sample_rows and len(sample_rows) < len(all_samplers):  # extrapolated like the step shapes
+        sampling_estimate = (len(all_samplers) - len(sample_rows)) * sampling_s / len(sample_rows)
+    else:
+        sampling_estimate = 0.0
     rows = []
     for shape in shapes:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         lowered = worker.lowered_step(shape)
         t1 = time.perf_counter()
         lowered.compile()
         t2 = time.perf_counter()
         if a.prompt_logprobs and shape[1] > 1:
             worker.lowered_prompt_step(shape).compile()
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.process_time()
         rows.append({"shape": list(shape), "lower_s": t1 - t0, "compile_s": t2 - t1, "prompt_logprobs_s": t3 - t2,
-                     "total_s": t3 - t0})
-        print(f"{shape[0]:>5} {shape[1]:>6} {shape[2]:>6} {t1 - t0:>8.2f} {t2 - t1:>9.2f} {t3 - t0:>8.2f}", flush=True)
+                     "total_s": t3 - t0, "cpu_s": c3 - c0})
+        print(f"{shape[0]:>5} {shape[1]:>6} {shape[2]:>6} {t1 - t0:>8.2f} {t2 - t1:>9.2f} {t3 - t0:>8.2f} "
+              f"{c3 - c0:>7.2f}", flush=True)
         del lowered
     out = {"preset": a.preset, "dtype": a.dtype, "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
            "block_size": a.block_size, "chunk_stride": a.chunk_stride, "cache_dir": a.cache_dir,
            "prompt_logprobs": a.prompt_logprobs, "setup_s": setup_s, "num_shapes": len(grid),
            "grid": [list(s) for s in grid], "shapes": [r["shape"] for r in rows],
-           "per_shape_s": [r["total_s"] for r in rows], "rows": rows,
-           "measured_total_s": sum(r["total_s"] for r in rows)}
+           "per_shape_s": [r["total_s"] for r in rows], "rows": rows, "num_sampling_shapes": len(all_samplers),
+           "sampling": sample_rows, "sampling_s": sampling_s,
+           "measured_total_s": sum(r["total_s"] for r in rows) + sampling_s}
     for kind, pick in (("prefill", lambda s: s[1] > 1), ("decode", lambda s: s[1] == 1)):
         got = [r for r in rows if pick(r["shape"])]
         out[f"{kind}_shapes"] = sum(map(pick, grid))
-        for key in ("lower_s", "compile_s", "total_s"):
+        for key in ("lower_s", "compile_s", "total_s", "cpu_s"):
             vals = sorted(r[key] for r in got)
             out[f"{kind}_{key}"] = ({"min": vals[0], "median": vals[len(vals) // 2], "max": vals[-1],
                                      "mean": sum(vals) / len(vals)} if vals else None)
     done = {tuple(r["shape"]) for r in rows}
-    out["total_extrapolated"] = len(done) < len(grid)
-    estimate = 0.0
+    out["total_extrapolated"] = len(done) < len(grid) or sampling_estimate > 0
+    estimate = sampling_estimate
     for kind in ("prefill", "decode"):
         missing = sum(1 for s in grid if (s[1] > 1) == (kind == "prefill") and s not in done)
         if missing and out[f"{kind}_total_s"] is None:
@@ -136,13 +160,14 @@ def measure(a) -> dict:
     out["total_s"] = out["measured_total_s"] + estimate
     out["process_s"] = time.perf_counter() - T_START
     label = "extrapolated to the whole grid" if out["total_extrapolated"] else "measured"
-    print(f"total {out['total_s']:.1f} s over {len(grid)} shapes ({label}; measured {out['measured_total_s']:.1f} s "
+    print(f"total {out['total_s']:.1f} s over {len(grid)} step shapes + {len(all_samplers)} sampling shapes ({label}; measured {out['measured_total_s']:.1f} s "
           f"over {len(rows)}); process {out['process_s']:.1f} s")
     for kind in ("prefill", "decode"):
         st = out[f"{kind}_total_s"]
         if st:
             print(f"  per {kind} shape: min {st['min']:.2f} s, median {st['median']:.2f} s, max {st['max']:.2f} s "
-                  f"(compile alone median {out[f'{kind}_compile_s']['median']:.2f} s)")
+                  f"(compile alone median {out[f'{kind}_compile_s']['median']:.2f} s; process CPU time median "
+                  f"{out[f'{kind}_cpu_s']['median']:.2f} s)")
     return out
 
 
