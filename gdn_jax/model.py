@@ -121,6 +121,10 @@ def write_rows(pool, ids: tuple, rows, axis: int = 0):
     return pool.at[(slice(None),) * axis + ids].set(jnp.moveaxis(rows, 0, axis), mode="promise_in_bounds")
 
 
+# Keys one iteration of the attention loop reads per row (`Attention`): the loop runs over the keys the batch's rows
+# hold, whatever the width of the block tables, so a wide table costs nothing and one width serves every step.
+KV_CHUNK_KEYS = 256
+
 # Working set of one iteration of the loops over a batch's rows that run on CPU (`rows_per_iteration`).
 CPU_ROWS_BYTES = {"attention": 4 << 20, "gdn_decode": 2 << 20}
 
@@ -135,70 +139,72 @@ def rows_per_iteration(rows: int, bytes_per_row: int, kind: str) -> int:
     return math.gcd(rows, 1 << max(0, (CPU_ROWS_BYTES[kind] // bytes_per_row).bit_length() - 1))
 
 
-class LayerParam:
-    """A parameter of the layer the layer loop is at (`Qwen35Model.scan_layers`): every layer's own array of that
-    parameter (separate buffers, never stacked) and the loop's layer index, which picks one with `lax.switch`.
+class LayerKernel:
+    """A projection matrix of the layer the layer loop is at (`Qwen35Model.scan_layers`): every layer's own matrix
+    (separate buffers, never stacked) and the loop's layer index. `dense` multiplies by the layer's matrix inside a
+    `lax.switch` over the layers, whose branches read their matrix where it lies.
 
-    A projection matrix (`matmul`) is not read out: `dense` multiplies by the layer's matrix inside the switch, whose
-    branches read their matrix where it lies. Slicing a stacked [layers, n_in, n_out] array instead copies the
-    layer's matrix on XLA's CPU backend (its matmuls read whole buffers) on every step, and a bfloat16 stack is
-    converted to float32 whole: hybrid-1024 decode steps ran 3-12x slower. A small parameter (norm, conv taps, gate)
-    is read out (`param[...]`) as a copy of the layer's array: a per-step stack of every layer's would be one
-    concatenation per parameter, slow to compile."""
+    Slicing a stacked [layers, n_in, n_out] array instead copies the layer's matrix on XLA's CPU backend (its
+    matmuls read whole buffers), on every step, and a bfloat16 stack is converted to float32 whole (see
+    docs/design.md, "Layer loop")."""
 
-    def __init__(self, arrays: tuple, layer, matmul: bool):
-        self.arrays, self.layer, self.matmul = arrays, layer, matmul
+    def __init__(self, kernels: tuple, layer):
+        self.kernels, self.layer = kernels, layer
 
-    def __getitem__(self, index):  # how an nnx.Variable reads its value: `param[...]`
+    def __getitem__(self, index):  # how an nnx.Variable reads its value: `kernel[...]`
         if index is not Ellipsis:
-            raise TypeError("a LayerParam is read whole (param[...])")
-        return self if self.matmul else self.select(_identity)
-
-    def select(self, fn, *args):
-        """fn(the layer's array, *args), through a switch over the layers unless the layer is known when tracing.
-        `fn` is traced once per layer (a branch each): keep it a call of a jitted function, whose trace is cached."""
-        if isinstance(self.layer, int):
-            return fn(self.arrays[self.layer], *args)
-        return jax.lax.switch(self.layer, [partial(fn, a) for a in self.arrays], *args)
+            raise TypeError("a LayerKernel is read whole (kernel[...])")
+        return self
 
     @property
     def dtype(self):
-        return self.arrays[0].dtype
+        return self.kernels[0].dtype
+
+    def select(self, fn, *args):
+        """fn(the layer's matrix, *args), through a switch over the layers unless the layer is known when tracing.
+        `fn` is traced once per layer (a branch each): keep it a call of a jitted function, whose trace is cached."""
+        if isinstance(self.layer, int):
+            return fn(self.kernels[self.layer], *args)
+        return jax.lax.switch(self.layer, [partial(fn, k) for k in self.kernels], *args)
 
 
 @jax.jit
-def _identity(a):
+def _identity(a):  # a branch of the switch that picks a layer's small parameters (one trace for every branch)
     return a
 
 
 @partial(jax.jit, static_argnums=2)
-def _product(x, kernel, spec: str):
-    """x @ kernel as `spec`, accumulated and returned in float32. Jitted so that the switch branches of `LayerParam`
-    (one per layer, same shapes) reuse one trace."""
-    return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32)
+def _products(x, kernels: tuple, spec: str) -> tuple:
+    """x @ each kernel as `spec`, accumulated and returned in float32. Jitted so that the switch branches of
+    `LayerKernel` (one per layer, same shapes) reuse one trace."""
+    return tuple(jnp.einsum(spec, x, k, preferred_element_type=jnp.float32) for k in kernels)
 
 
 def dense(x, kernel, spec: str = "...d,dv->...v"):
     """x [..., n_in] @ kernel [n_in, n_out] (or [n_out, n_in] with spec "...d,vd->...v") -> [..., n_out] float32,
-    accumulated in float32. `kernel` may be a `LayerParam`: the matrix of the layer the loop is at.
+    accumulated in float32. `kernel` may be a `LayerKernel`: the matrix of the layer the loop is at.
 
     On CPU a single bfloat16 row is duplicated into two: XLA's CPU backend has no bfloat16 matrix-vector kernel and
     multiplies one row by first converting the whole weight to float32, on every call (~10x the bandwidth bound on
     the development machine), while two or more rows take its library GEMM path, which reads the bfloat16 weight as
     it is. (The engine's single-row decode step goes further: see `Worker`'s float32_decode_weights.) Elsewhere
     (GPU, float32) the product is left alone."""
+    return dense_all(x, (kernel,), spec)[0]
+
+
+def dense_all(x, kernels, spec: str = "...d,dv->...v") -> list:
+    """[dense(x, k) for k in kernels]; `LayerKernel`s (of one layer loop) are picked by one switch for all of them."""
     lead = x.shape[:-1]
-
-    def matmul(x):
-        if isinstance(kernel, LayerParam):
-            return kernel.select(lambda k, x: _product(x, k, spec), x)
-        return _product(x, kernel, spec)
-
-    if x.dtype == jnp.bfloat16 and kernel.dtype == jnp.bfloat16 and math.prod(lead) == 1 \
-            and jax.default_backend() == "cpu":
-        pair = jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1]))
-        return matmul(pair)[:1].reshape(*lead, -1)
-    return matmul(x)
+    pair = (x.dtype == jnp.bfloat16 and all(k.dtype == jnp.bfloat16 for k in kernels) and math.prod(lead) == 1
+            and jax.default_backend() == "cpu")
+    if pair:
+        x = jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1]))
+    if not isinstance(kernels[0], LayerKernel):
+        out = _products(x, tuple(kernels), spec)
+    else:
+        out = LayerKernel(tuple(zip(*(k.kernels for k in kernels))), kernels[0].layer).select(
+            lambda ks, x: _products(x, ks, spec), x)
+    return [y[:1].reshape(*lead, -1) for y in out] if pair else list(out)
 
 
 class Linear(nnx.Linear):
@@ -206,7 +212,14 @@ class Linear(nnx.Linear):
     returning the activation dtype."""
 
     def __call__(self, x):
-        return dense(x.astype(self.dtype), self.kernel[...]).astype(self.dtype)
+        return project(x, self)[0]
+
+
+def project(x, *linears: Linear) -> list:
+    """[linear(x) for linear in linears]: several projections of one input (under the layer loop, one switch picks
+    the layer's matrices of all of them, so the step traces fewer branches)."""
+    dtype = linears[0].dtype
+    return [y.astype(dtype) for y in dense_all(x.astype(dtype), [linear.kernel[...] for linear in linears])]
 
 
 def _linear(rngs, n_in, n_out, dtype, std):
@@ -249,7 +262,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(rngs, cfg.intermediate_size, cfg.hidden_size, dtype, std)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -276,20 +290,21 @@ class GatedDeltaNet(nnx.Module):
         B, T, _ = x.shape
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d[...], conv_state, lengths)  # [B, T, C]
+        qkv, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        qkv, conv_state = causal_conv1d(qkv, self.conv1d[...], conv_state, lengths)  # [B, T, C]
         q, k, v = jnp.split(qkv, [cfg.linear_key_dim, 2 * cfg.linear_key_dim], axis=-1)
         q = l2norm(q.reshape(B, T, nk, dk).astype(jnp.float32)) * dk**-0.5
         k = l2norm(k.reshape(B, T, nk, dk).astype(jnp.float32))
         q, k = jnp.repeat(q, nv // nk, axis=2), jnp.repeat(k, nv // nk, axis=2)  # value head h -> key head h // (nv/nk)
         v = v.reshape(B, T, nv, dv)
-        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))  # [B, T, Hv]
-        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...])
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
         if rule is None:
             kw = {} if T == 1 else {"chunk_size": chunk_size}
             rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
                            initial_state=ssm_state, lengths=lengths, **kw)
         o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
-        o = self.norm(o.astype(x.dtype), self.in_proj_z(x).reshape(B, T, nv, dv))
+        o = self.norm(o.astype(x.dtype), z.reshape(B, T, nv, dv))
         return self.out_proj(o.reshape(B, T, nv * dv)), conv_state, ssm_state
 
 
@@ -352,10 +367,11 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg = self.q_proj(x).reshape(B, T, H, 2 * hd)
+        qg, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        qg = qg.reshape(B, T, H, 2 * hd)
         q, gate = self.q_norm(qg[..., :hd]), qg[..., hd:].reshape(B, T, H * hd)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, kvh, hd))
-        v = self.v_proj(x).reshape(B, T, kvh, hd)
+        k = self.k_norm(k.reshape(B, T, kvh, hd))
+        v = v.reshape(B, T, kvh, hd)
         q = rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
         k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
         return q, k, v, gate
@@ -364,16 +380,19 @@ class Attention(nnx.Module):
         """x: [B, T, D]; caches: [kvh, layers, NB, bs, hd] paged, of which this layer's is [:, layer]
         -> (out, k_cache, v_cache).
 
-        The caches are head-major so that a row's gathered prefix, [kvh, S, hd], has the matmuls' batch axis (kv
-        head) in front: the products read it as it is gathered, with no transposed copy."""
+        Each row attends to its keys in chunks of `KV_CHUNK_KEYS` (an online softmax), as many chunks as the
+        longest row of the batch needs (start + length): the block tables' width (padding blocks) costs nothing.
+        The caches are head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv
+        head) in front: the products read them as they are gathered, with no transposed copy."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg = self.q_proj(x).reshape(B, T, H, 2 * hd)
+        qg, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        qg = qg.reshape(B, T, H, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, H * hd)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, kvh, hd))
-        v = self.v_proj(x).reshape(B, T, kvh, hd)
+        k = self.k_norm(k.reshape(B, T, kvh, hd))
+        v = v.reshape(B, T, kvh, hd)
         positions = batch.start_pos[:, None] + jnp.arange(T)[None, :]  # [B, T]
         q = rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
         k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
@@ -388,17 +407,33 @@ class Attention(nnx.Module):
         qh = q.reshape(B, T, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(B, kvh, g * T, hd)
         qpos = jnp.tile(positions, (1, g))  # [B, g*T]
 
-        def attend(qh, table, qpos):  # one row: [kvh, gT, hd], [NB], [gT] -> [kvh, gT, hd]
-            S = table.shape[0] * bs
-            keys = from_pool(k_cache[:, layer, table], x.dtype).reshape(kvh, S, hd)
-            values = from_pool(v_cache[:, layer, table], x.dtype).reshape(kvh, S, hd)
-            scores = jnp.einsum("kqd,ksd->kqs", qh, keys, preferred_element_type=jnp.float32) * hd**-0.5
-            causal = jnp.arange(S)[None, :] <= qpos[:, None]  # [gT, S]
-            probs = jax.nn.softmax(jnp.where(causal[None], scores, -jnp.inf), axis=-1).astype(x.dtype)
-            return jnp.einsum("kqs,ksd->kqd", probs, values, preferred_element_type=jnp.float32)
+        NB = batch.block_tables.shape[1]
+        cb = max(1, min(NB, KV_CHUNK_KEYS // bs))  # blocks per chunk
+        tables = jnp.pad(batch.block_tables, ((0, 0), (0, -NB % cb)))  # whole chunks (padding block 0)
+        chunks = jnp.clip(-(-jnp.max(batch.start_pos + batch.lengths) // (cb * bs)), 1, tables.shape[1] // cb)
 
-        per_row = 2 * kvh * batch.block_tables.shape[1] * bs * hd * jnp.dtype(x.dtype).itemsize  # its keys + values
-        out = jax.lax.map(lambda a: attend(*a), (qh, batch.block_tables, qpos),
+        def attend(qh, table, qpos):  # one row: [kvh, gT, hd], [NB], [gT] -> [kvh, gT, hd] float32
+            def chunk(c, carry):  # keys [c * cb * bs, (c + 1) * cb * bs)
+                top, total, acc = carry  # running max [kvh, gT], sum of exp [kvh, gT], output [kvh, gT, hd]
+                blocks = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
+                keys = from_pool(k_cache[:, layer, blocks], x.dtype).reshape(kvh, cb * bs, hd)
+                values = from_pool(v_cache[:, layer, blocks], x.dtype).reshape(kvh, cb * bs, hd)
+                scores = jnp.einsum("kqd,ksd->kqs", qh, keys, preferred_element_type=jnp.float32) * hd**-0.5
+                causal = c * cb * bs + jnp.arange(cb * bs)[None, :] <= qpos[:, None]  # [gT, cb * bs]
+                scores = jnp.where(causal[None], scores, -jnp.inf)
+                new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # finite: key 0 is in every query's reach
+                p = jnp.exp(scores - new_top[..., None])
+                scale = jnp.exp(top - new_top)
+                pv = jnp.einsum("kqs,ksd->kqd", p.astype(x.dtype), values, preferred_element_type=jnp.float32)
+                return new_top, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
+
+            init = (jnp.full(qh.shape[:2], -jnp.inf, jnp.float32), jnp.zeros(qh.shape[:2], jnp.float32),
+                    jnp.zeros(qh.shape, jnp.float32))
+            _, total, acc = jax.lax.fori_loop(0, chunks, chunk, init)
+            return acc / total[..., None]
+
+        per_row = 2 * kvh * cb * bs * hd * jnp.dtype(x.dtype).itemsize  # the keys + values of one chunk
+        out = jax.lax.map(lambda a: attend(*a), (qh, tables, qpos),
                           batch_size=rows_per_iteration(B, per_row, "attention"))
         out = out.astype(x.dtype).reshape(B, kvh, g, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
@@ -455,21 +490,29 @@ class Qwen35Model(nnx.Module):
 
         The layers run under loops, one over the repeats of the layer group (`layer_groups`) and inside it one per
         run of same-kind layers, so a step compiles one GDN and one full-attention layer whatever the depth
-        (Qwen3.5-9B's 32 layers compile as 2). In the loop body `layer` holds `LayerParam`s: every layer's array of
-        each parameter, each in its own buffer, of which the loop's layer index picks one."""
+        (Qwen3.5-9B's 32 layers compile as 2). In the loop body `layer` holds, for each projection matrix, a
+        `LayerKernel` (every layer's matrix, each in its own buffer; `dense` multiplies by the loop's layer's), and
+        the loop's layer's small parameters (norms, conv taps, gates), picked together by one switch."""
         runs, repeats = layer_groups(self.cfg.layer_types)
         fns = {LINEAR: linear, FULL: full}
-        kinds = {}  # kind -> (graphdef, state whose leaves are the tuples of every layer's array)
+        kinds = {}  # kind -> (graphdef, treedef of its state, per leaf: the tuple of every layer's array)
         for kind in (LINEAR, FULL):
             layers = [layer for layer in self.layers if layer.layer_type == kind]
             if layers:
-                kinds[kind] = nnx.graphdef(layers[0]), jax.tree.map(lambda *a: a, *map(nnx.state, layers))
+                paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(layers[0]))
+                leaves = zip(*(jax.tree.leaves(nnx.state(layer)) for layer in layers))
+                kinds[kind] = (nnx.graphdef(layers[0]), treedef,
+                               [(jax.tree_util.DictKey("kernel") in path, arrays)
+                                for (path, _), arrays in zip(paths, leaves)])
 
         def layer_at(kind, j):
-            graphdef, params = kinds[kind]
-            return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(
-                lambda path, a: LayerParam(a, j, matmul=jax.tree_util.DictKey("kernel") in path), params,
-                is_leaf=lambda a: isinstance(a, tuple)))
+            graphdef, treedef, leaves = kinds[kind]
+            small = [arrays for is_kernel, arrays in leaves if not is_kernel]
+            per_layer = list(zip(*small))  # per layer, the tuple of its small parameters
+            picked = iter(per_layer[j] if isinstance(j, int) else
+                          jax.lax.switch(j, [partial(_identity, arrays) for arrays in per_layer]))
+            return nnx.merge(graphdef, jax.tree_util.tree_unflatten(
+                treedef, [LayerKernel(arrays, j) if is_kernel else next(picked) for is_kernel, arrays in leaves]))
 
         def group(g, carry):
             seen = dict.fromkeys(kinds, 0)

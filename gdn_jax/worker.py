@@ -1,8 +1,9 @@
 """The worker: device state pools and one jitted step (restore -> forward -> sample) over a bucketed batch.
 
 The step plan arrives as plain Python data from the scheduler; the worker pads it to bucketed shapes (batch rows,
-tokens per row, blocks per row) so a steady workload never recompiles, validates the linear-state ops on the host
-(fail closed), and runs `_step` with the state donated.
+tokens per row; the block tables always have the largest width, which costs nothing: attention loops over the keys
+the rows hold) so a steady workload never recompiles, validates the linear-state ops on the host (fail closed), and
+runs `_step` with the state donated, then `_sample`.
 
 The model's graph definition is closed over once per graphdef (`step_function`), not passed as a static argument:
 a static argument is hashed on every call, and hashing an NNX graphdef costs tens of milliseconds. The parameters
@@ -273,11 +274,12 @@ class Worker:
         return sorted({_bucket(n, lo, hi) for n in range(1, hi + 1)})
 
     def shape_buckets(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens per row, blocks per row) shape `execute` can produce; T = 1 is decode."""
+        """Every (rows, tokens per row, blocks per row) shape `execute` can produce; T = 1 is decode. The block
+        tables are always `max_blocks` wide: attention loops over the keys the rows hold, not over the table
+        (`model.Attention`), so a narrower table would save nothing but cost a compilation per width."""
         rows = self._buckets(1, self.max_rows)
         tokens = [1] + self._buckets(min(16, self.max_chunk), self.max_chunk)
-        blocks = self._buckets(min(8, self.max_blocks), self.max_blocks)
-        return [(b, t, nb) for b in rows for t in tokens for nb in blocks]
+        return [(b, t, self.max_blocks) for b in rows for t in tokens]
 
     def _padding_args(self, B: int, T: int, NB: int) -> tuple:
         """Step arguments (after params and state) of an all-padding batch: writes land in block 0 / slot 0 only."""
@@ -364,7 +366,7 @@ class Worker:
                              f"({self.max_rows} rows, {self.max_chunk if plan.is_prefill else 1} tokens per row)")
         B = _bucket(n, 1, self.max_rows)
         T = 1 if not plan.is_prefill else _bucket(longest, 16, self.max_chunk)
-        NB = _bucket(max(len(s.block_table) for s in seqs), 8, self.max_blocks)
+        NB = self.max_blocks
         tokens = np.zeros((B, T), np.int32)
         slot_mapping = np.zeros((B, T), np.int32)  # padding tokens write into block 0
         start = np.zeros(B, np.int32)
