@@ -12,6 +12,7 @@ travel as a flat list of arrays (flattened by the C++ dispatch path, not by NNX'
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -288,16 +289,28 @@ class Worker:
         return (batch_arrays, *ops_to_arrays([], B), SamplingMetadata.padding(B, self.history_width))
 
     def warm_up(self, prompt_logprobs: bool = False) -> int:
-        """Compiles the step for every shape bucket on an all-padding batch. Afterwards no workload compiles again.
-        Returns the number of shapes. `prompt_logprobs` also compiles the prompt-logprobs variant (top-k, not whole
-        rows) of every prefill shape, which is otherwise compiled lazily."""
+        """Compiles the step for every shape bucket (and sampling for every rows bucket), then runs each step shape
+        once on an all-padding batch. Afterwards no workload compiles again. Returns the number of step shapes.
+        `prompt_logprobs` also compiles the prompt-logprobs variant (top-k, not whole rows) of every prefill shape,
+        which is otherwise compiled lazily. An abstract worker only compiles.
+
+        The main thread lowers (traces, in Python) each executable while a background thread compiles the one
+        before, or loads it from the persistent compilation cache: XLA releases the GIL. The jitted functions find
+        the executables in JAX's in-memory caches when they are first called."""
         shapes = self.shape_buckets()
         extra = [(B, T, NB) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
-        for shape in shapes:
-            self._run(*self._padding_args(*shape))
-        for B, T, NB in extra:
-            self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
-        jax.block_until_ready(self.state)
+        lowerings = ([functools.partial(self.lowered_step, shape) for shape in shapes]
+                     + [functools.partial(self.lowered_sample, B) for B in self.sample_buckets()]
+                     + [functools.partial(self.lowered_prompt_step, shape) for shape in extra])
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for compiled in [pool.submit(lower().compile) for lower in lowerings]:
+                compiled.result()
+        if not self.abstract:
+            for shape in shapes:
+                self._run(*self._padding_args(*shape))
+            for B, T, NB in extra:
+                self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
+            jax.block_until_ready(self.state)
         return len(shapes) + len(extra)
 
     def state_lost(self) -> bool:

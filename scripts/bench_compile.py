@@ -3,7 +3,7 @@ allocated, so the Qwen3.5-9B preset compiles on a machine that could not hold it
 
     python scripts/bench_compile.py --preset qwen3.5-9b [--dtype bfloat16] [--max-num-seqs 16] [--max-model-len 4096]
         [--block-size 16] [--chunk-stride 64] [--shapes 16x64x256,16x1x256 | --limit N] [--prompt-logprobs]
-        [--cache-dir off|DIR] [--second-start] [--out results/bench_compile_<preset>.json]
+        [--warm-up] [--cache-dir off|DIR] [--second-start] [--out results/bench_compile_<preset>.json]
 
 The worker is built as the engine builds it (same memory plan, same shape buckets, `Worker.shape_buckets()`), but on
 `weights.abstract_model` parameters, so its pools are `jax.ShapeDtypeStruct`s too. For each shape (rows, tokens per
@@ -21,7 +21,8 @@ The persistent compilation cache is off by default (`--cache-dir off`), so every
 figure of a first start). `--cache-dir DIR` turns it on in DIR (every compilation is written, whatever it took).
 `--second-start` measures what a second process start costs: it runs this script twice in fresh processes on one
 new cache folder (the first fills it, the second reads it) and reports both, with each process's wall time (imports,
-model setup and every shape).
+model setup and every shape). `--warm-up` times `Worker.warm_up()` as a whole instead (the engine's own warm-up,
+which lowers one executable while the previous compiles): with `--second-start`, the second start of the engine.
 
 Timings on a shared machine are noisy: repeat a run and read the minimum. `cpu s` (the process's CPU time over all
 its threads, `time.process_time`) moves less with the load of other processes than the wall time does.
@@ -98,6 +99,15 @@ def measure(a) -> dict:
     print(f"{a.preset} {a.dtype}: {len(grid)} warm-up shapes ({sum(s[1] > 1 for s in grid)} prefill, "
           f"{sum(s[1] == 1 for s in grid)} decode); timing {len(shapes)}; memory {worker.memory.describe()}; "
           f"cache {a.cache_dir}; setup {setup_s:.1f} s")
+    if a.warm_up:
+        t0, c0 = time.perf_counter(), time.process_time()
+        worker.warm_up(prompt_logprobs=a.prompt_logprobs)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        print(f"Worker.warm_up: {wall:.1f} s ({cpu:.1f} s process CPU time) for {len(grid)} step shapes"
+              + (f" + {len(worker.sample_buckets())} sampling shapes" if hasattr(worker, "sample_buckets") else ""))
+        return {"mode": "warm_up", "preset": a.preset, "dtype": a.dtype, "cache_dir": a.cache_dir, "setup_s": setup_s,
+                "num_shapes": len(grid), "grid": [list(s) for s in grid], "per_shape_s": [], "total_s": wall,
+                "cpu_s": cpu, "total_extrapolated": False, "process_s": time.perf_counter() - T_START}
     print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'lower s':>8} {'compile s':>9} {'total s':>8} {'cpu s':>7}")
     # sampling: its own executable per rows bucket, shared by the step shapes with that many rows
     # (a worker that samples inside its step, as before the split, has none)
@@ -183,7 +193,7 @@ def second_start(a, argv: list[str]) -> dict:
             subprocess.run([sys.executable, __file__, *args, "--cache-dir", folder, "--out", str(out)], check=True)
             wall = time.perf_counter() - t0
             runs.append(json.loads(out.read_text()) | {"wall_s": wall})
-        print(f"start {i + 1}: {runs[-1]['total_s']:.1f} s compiling, process wall {wall:.1f} s", flush=True)
+        print(f"start {i + 1}: {runs[-1]['total_s']:.1f} s warming up, process wall {wall:.1f} s", flush=True)
     first, second = runs
     size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
     return {"mode": "second_start", "cache_dir": folder, "cache_bytes": size, "first": first, "second": second,
@@ -204,6 +214,8 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=0, help="time N shapes spread over the grid (0: all)")
     p.add_argument("--prompt-logprobs", action="store_true", help="also compile the prompt-logprobs step per prefill "
                    "shape (as warm_up(prompt_logprobs=True)); its time counts in the shape's total")
+    p.add_argument("--warm-up", action="store_true", help="time Worker.warm_up() as a whole (lowering overlapped "
+                   "with compilation, as the engine warms up) instead of shape by shape")
     p.add_argument("--cache-dir", default="off", help="persistent compilation cache folder, or 'off' (default)")
     p.add_argument("--second-start", action="store_true", help="run twice in fresh processes on one new cache "
                    "folder (or --cache-dir) and report the second start")
