@@ -71,6 +71,21 @@ def spread(shapes: list, n: int) -> list:
     return sorted(set(chosen), key=shapes.index)
 
 
+def timed(lower) -> dict:
+    """Wall seconds of `lower()` (-> a `jax.stages.Lowered`) and of its compilation, and the process CPU seconds of
+    both (over all threads)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    lowered = lower()
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2, c2 = time.perf_counter(), time.process_time()
+    return {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0, "cpu_s": c2 - c0}
+
+
+def row_times(r: dict) -> str:
+    return f"{r['lower_s']:>8.2f} {r['compile_s']:>9.2f} {r['total_s']:>8.2f} {r['cpu_s']:>7.2f}"
+
+
 def build_worker(a) -> Worker:
     cfg, dtype = get_preset(a.preset), DTYPES[a.dtype]
     graphdef, params = abstract_model(cfg, dtype)
@@ -115,15 +130,8 @@ def measure(a) -> dict:
     samplers = [B for B in all_samplers if any(s[0] == B for s in shapes)] if a.shapes else all_samplers
     sample_rows = []
     for B in samplers:
-        t0, c0 = time.perf_counter(), time.process_time()
-        lowered = worker.lowered_sample(B)
-        t1 = time.perf_counter()
-        lowered.compile()
-        t2, c2 = time.perf_counter(), time.process_time()
-        sample_rows.append({"rows": B, "lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0,
-                            "cpu_s": c2 - c0})
-        print(f"{B:>5} {'(sampling)':>13} {t1 - t0:>8.2f} {t2 - t1:>9.2f} {t2 - t0:>8.2f} {c2 - c0:>7.2f}",
-              flush=True)
+        sample_rows.append({"rows": B} | timed(lambda: worker.lowered_sample(B)))
+        print(f"{B:>5} {'(sampling)':>13} {row_times(sample_rows[-1])}", flush=True)
     sampling_s = sum(r["total_s"] for r in sample_rows)
     if sample_rows and len(sample_rows) < len(all_samplers):  # extrapolated like the step shapes
         sampling_estimate = (len(all_samplers) - len(sample_rows)) * sampling_s / len(sample_rows)
@@ -131,19 +139,13 @@ def measure(a) -> dict:
         sampling_estimate = 0.0
     rows = []
     for shape in shapes:
-        t0, c0 = time.perf_counter(), time.process_time()
-        lowered = worker.lowered_step(shape)
-        t1 = time.perf_counter()
-        lowered.compile()
-        t2 = time.perf_counter()
+        row = {"shape": list(shape)} | timed(lambda: worker.lowered_step(shape))
         if a.prompt_logprobs and shape[1] > 1:
-            worker.lowered_prompt_step(shape).compile()
-        t3, c3 = time.perf_counter(), time.process_time()
-        rows.append({"shape": list(shape), "lower_s": t1 - t0, "compile_s": t2 - t1, "prompt_logprobs_s": t3 - t2,
-                     "total_s": t3 - t0, "cpu_s": c3 - c0})
-        print(f"{shape[0]:>5} {shape[1]:>6} {shape[2]:>6} {t1 - t0:>8.2f} {t2 - t1:>9.2f} {t3 - t0:>8.2f} "
-              f"{c3 - c0:>7.2f}", flush=True)
-        del lowered
+            prompt = timed(lambda: worker.lowered_prompt_step(shape))
+            row |= {"prompt_logprobs_s": prompt["total_s"], "total_s": row["total_s"] + prompt["total_s"],
+                    "cpu_s": row["cpu_s"] + prompt["cpu_s"]}
+        rows.append(row)
+        print(f"{shape[0]:>5} {shape[1]:>6} {shape[2]:>6} {row_times(row)}", flush=True)
     out = {"preset": a.preset, "dtype": a.dtype, "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
            "block_size": a.block_size, "chunk_stride": a.chunk_stride, "cache_dir": a.cache_dir,
            "prompt_logprobs": a.prompt_logprobs, "setup_s": setup_s, "num_shapes": len(grid),
@@ -207,7 +209,7 @@ def main(argv=None):
     p.add_argument("--preset", default="qwen3.5-9b", help="model preset (random weights are never built)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation and weight dtype")
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine max_num_seqs (the rows buckets)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="engine max_model_len (the blocks buckets)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="engine max_model_len (the block tables' width)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size")
     p.add_argument("--chunk-stride", type=int, default=64, help="engine chunk_stride (the largest prefill chunk)")
     p.add_argument("--shapes", default="", help="comma-separated ROWSxTOKENSxBLOCKS shapes to time (default: all)")
