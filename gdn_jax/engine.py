@@ -169,13 +169,18 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, num_linear_slots: int | None = None,
                  max_num_batched_tokens: int | None = None, memory_budget_bytes: int | None = None,
                  gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, unsafe_reuse: str | None = None,
-                 verbose: bool = True):
+                 checkpoint_mode: str = "scan", checkpoint_policy: str = "all", verbose: bool = True):
         """`memory_budget_bytes` bounds the KV and linear-state pools; None sizes it from the device: on a GPU
         `gpu_memory_utilization` of its memory minus the weights, on the CPU `CPU_MEMORY_BUDGET_BYTES` (2 GiB).
         Explicit `num_kv_blocks` / `num_linear_slots` win over the budget.
 
         `unsafe_reuse` ("cold" or "stale") is an ablation for accuracy studies, never for serving: it reuses the whole
-        KV match with a zero ("cold") or an earlier ("stale") GDN state, the two errors the exact cache prevents."""
+        KV match with a zero ("cold") or an earlier ("stale") GDN state, the two errors the exact cache prevents.
+
+        `checkpoint_mode`: "scan" (default) prefills as many chunk strides per step as `max_num_batched_tokens`
+        allows and writes the checkpoints of the boundaries it crosses from the chunked scan, in the same step;
+        "promote" is the original design: one stride per prefill step, the live slot promoted to the checkpoint.
+        `checkpoint_policy` ("scan"): "all" boundaries crossed, or only the "last" one (see SchedulerConfig)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if block_size < 1 or chunk_stride < 1 or chunk_stride % block_size:
@@ -199,13 +204,16 @@ class LLMEngine:
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, has_linear_attention_layers=has_linear,
             state_fingerprint=f"{self.cfg.fingerprint()}:{dtype}", eos_token_id=self.cfg.eos_token_id,
-            unsafe_reuse=unsafe_reuse)
+            unsafe_reuse=unsafe_reuse, checkpoint_mode=checkpoint_mode, checkpoint_policy=checkpoint_policy)
         if unsafe_reuse is not None:
             warnings.warn(f"unsafe_reuse={unsafe_reuse!r}: reusing KV matches with a {unsafe_reuse} GDN state; "
                           f"outputs drift from the model's (an ablation for accuracy studies only)", stacklevel=2)
         self.scheduler = Scheduler(self.scheduler_config)
+        sc = self.scheduler_config
         self.worker = Worker(self.cfg, graphdef, params, self.memory, block_size, max_num_seqs, max_model_len,
-                             chunk_stride, DTYPES[dtype], seed=seed)
+                             chunk_stride, DTYPES[dtype], seed=seed, max_num_batched_tokens=sc.max_num_batched_tokens,
+                             checkpoint_mode=checkpoint_mode, checkpoint_policy=checkpoint_policy,
+                             enable_prefix_caching=enable_prefix_caching)
         if verbose:
             print(f"[gdn_jax] {self.cfg.name}: {self.memory.describe()}")
         if enable_prefix_caching and has_linear and self.memory.num_checkpoint_slots < max_num_seqs:

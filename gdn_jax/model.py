@@ -30,7 +30,7 @@ from gdn_jax.gated_delta import causal_conv1d, chunk_gated_delta_rule, l2norm, r
 
 @partial(jax.tree_util.register_dataclass, data_fields=[
     "tokens", "start_pos", "lengths", "block_tables", "slot_mapping", "linear_ids", "has_initial_state",
-    "initial_state_ids",
+    "initial_state_ids", "save_rows", "save_offsets", "save_slots",
 ], meta_fields=[])
 @dataclasses.dataclass
 class Batch:
@@ -44,6 +44,12 @@ class Batch:
     # [B] int32 slot each row's initial GDN state is read from: a restore's source, or the live slot itself
     # (None: linear_ids). The new state is always written to linear_ids, so a restore is a copy, never a move.
     initial_state_ids: jax.Array | None = None
+    # Checkpoints the step writes (checkpoint_mode "scan"), [S] int32 each: the GDN state of row save_rows[s] after
+    # save_offsets[s] of its tokens (a multiple of the chunked rule's chunk size) goes to slot save_slots[s], in every
+    # GDN layer. Padding entries write slot 0. None: no saves in this step shape.
+    save_rows: jax.Array | None = None
+    save_offsets: jax.Array | None = None
+    save_slots: jax.Array | None = None
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "conv", "ssm"], meta_fields=[])
@@ -281,17 +287,25 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = _linear(rngs, cfg.linear_value_dim, cfg.hidden_size, dtype, std)
 
-    def __call__(self, x, conv_state, ssm_state, lengths, chunk_size: int = 64, rule=None):
+    def __call__(self, x, conv_state, ssm_state, lengths, chunk_size: int = 64, rule=None, saves=None):
         """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state).
         `chunk_size` of the chunked rule (same maths; training on CPU runs fastest with 32). `rule`, if given,
         replaces the gated delta rule and the ssm_state argument: (q, k, v, g, beta) -> (o, new ssm state); the
-        engine's decode step passes one that advances the states inside their pool."""
+        engine's decode step passes one that advances the states inside their pool. `saves` = (rows, offsets), [S]
+        each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv
+        [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states."""
         cfg = self.cfg
         B, T, _ = x.shape
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        qkv, conv_state = causal_conv1d(qkv, self.conv1d[...], conv_state, lengths)  # [B, T, C]
+        mixed, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        saved_conv = None
+        if saves is not None:  # the K-1 conv inputs before each boundary, as causal_conv1d keeps them
+            rows, offsets = saves
+            xx = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
+            idx = offsets[:, None] + jnp.arange(conv_state.shape[1], dtype=jnp.int32)[None, :]
+            saved_conv = xx[rows[:, None], idx].astype(conv_state.dtype)       # [S, K-1, C]
+        qkv, conv_state = causal_conv1d(mixed, self.conv1d[...], conv_state, lengths)  # [B, T, C]
         q, k, v = jnp.split(qkv, [cfg.linear_key_dim, 2 * cfg.linear_key_dim], axis=-1)
         q = l2norm(q.reshape(B, T, nk, dk).astype(jnp.float32)) * dk**-0.5
         k = l2norm(k.reshape(B, T, nk, dk).astype(jnp.float32))
@@ -299,13 +313,21 @@ class GatedDeltaNet(nnx.Module):
         v = v.reshape(B, T, nv, dv)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
-        if rule is None:
-            kw = {} if T == 1 else {"chunk_size": chunk_size}
-            rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
-                           initial_state=ssm_state, lengths=lengths, **kw)
-        o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
+        if saves is not None:
+            o, ssm_state, chunk_states = chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, chunk_size=chunk_size,
+                output_chunk_states=True)                                       # [B, N, Hv, dk, dv]
+            rows, offsets = saves
+            saved = (saved_conv, chunk_states[rows, jnp.maximum(offsets // chunk_size - 1, 0)])
+        else:
+            if rule is None:
+                kw = {} if T == 1 else {"chunk_size": chunk_size}
+                rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
+                               initial_state=ssm_state, lengths=lengths, **kw)
+            o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
         o = self.norm(o.astype(x.dtype), z.reshape(B, T, nv, dv))
-        return self.out_proj(o.reshape(B, T, nv * dv)), conv_state, ssm_state
+        out = self.out_proj(o.reshape(B, T, nv * dv))
+        return (out, conv_state, ssm_state) if saves is None else (out, conv_state, ssm_state, saved)
 
 
 def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
@@ -526,7 +548,9 @@ class Qwen35Model(nnx.Module):
 
         return _repeat(repeats, group, carry)
 
-    def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False):
+    def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64):
+        """`chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
+        boundary is a chunk boundary of a row's scan)."""
         cfg = self.cfg
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
         warm = batch.has_initial_state
@@ -537,14 +561,21 @@ class Qwen35Model(nnx.Module):
             x, st = carry
             h = layer.input_layernorm(x)
             conv_in = jnp.where(warm[:, None, None], from_pool(read_slots(st.conv, src, j), x.dtype), 0)
+            slots = ids
             if batch.tokens.shape[1] == 1:  # decode: the states advance in their pool
                 rule = partial(advance_in_pool, st.ssm, src, ids, warm, batch.lengths, layer=j)
                 h, conv_out, ssm = layer.linear_attn(h, conv_in, None, batch.lengths, rule=rule)
             else:
                 ssm_in = jnp.where(warm[:, None, None, None], read_slots(st.ssm, src, j), 0.0)
-                h, conv_out, ssm_out = layer.linear_attn(h, conv_in, ssm_in, batch.lengths)
-                ssm = write_rows(st.ssm, (layer_ids(j, ids), ids), ssm_out)
-            conv = write_rows(st.conv, (layer_ids(j, ids), ids), conv_out)
+                if batch.save_slots is None:
+                    h, conv_out, ssm_out = layer.linear_attn(h, conv_in, ssm_in, batch.lengths, chunk_size)
+                else:  # also the checkpoints at the listed boundaries, written with the live slots at once
+                    h, conv_out, ssm_out, (conv_sv, ssm_sv) = layer.linear_attn(
+                        h, conv_in, ssm_in, batch.lengths, chunk_size, saves=(batch.save_rows, batch.save_offsets))
+                    slots = jnp.concatenate([ids, batch.save_slots])
+                    conv_out, ssm_out = jnp.concatenate([conv_out, conv_sv]), jnp.concatenate([ssm_out, ssm_sv])
+                ssm = write_rows(st.ssm, (layer_ids(j, slots), slots), ssm_out)
+            conv = write_rows(st.conv, (layer_ids(j, slots), slots), conv_out)
             return layer.residual(x, h), dataclasses.replace(st, conv=conv, ssm=ssm)
 
         def full(layer, j, carry):
@@ -571,10 +602,10 @@ class Qwen35Model(nnx.Module):
         return jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
 
 
-def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False):
+def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64):
     """Pure forward: (graphdef, params, batch, state) -> (logits [B, V] or [B, T, V] float32, new state)."""
     model = nnx.merge(graphdef, params)
-    return model(batch, state, all_logits=all_logits)
+    return model(batch, state, all_logits=all_logits, chunk_size=chunk_size)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):

@@ -97,6 +97,9 @@ class _Sampling(_Body):
     ignore_eos: bool | None = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None   # the rest are vLLM's extra sampling parameters
+    min_p: float | None = None
+    min_tokens: int | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -382,9 +385,9 @@ class _Server:
                         prompt_logprobs: int | None, num_prompt_tokens: int) -> SamplingParams:
         if req.n not in (None, 1):
             raise BadRequest(f"n must be 1 (got {req.n})", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0, 0.0):
-                raise BadRequest(f"{name} is not supported (must be 0)", name)
+        for name in ("presence_penalty", "frequency_penalty"):  # the OpenAI API's range
+            if getattr(req, name) is not None and not -2.0 <= getattr(req, name) <= 2.0:
+                raise BadRequest(f"{name} must be in [-2, 2], got {getattr(req, name)}", name)
         if req.seed is not None and not 0 <= req.seed < 2**32:
             raise BadRequest(f"seed must be in [0, 2**32), got {req.seed}", "seed")
         max_tokens = 16 if max_tokens is None else max_tokens
@@ -405,6 +408,9 @@ class _Server:
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
                 max_tokens=max_tokens, seed=req.seed, stop=req.stop or None, stop_token_ids=req.stop_token_ids,
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0,
                 skip_reading_prefix_cache=prompt_logprobs is not None)
         except ValueError as e:
             raise BadRequest(str(e)) from None

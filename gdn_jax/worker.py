@@ -137,28 +137,30 @@ def plan_memory(cfg: ModelConfig, dtype, block_size: int, max_num_seqs: int, max
     return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs)
 
 
-def _read_batch(batch_arrays, live_ids, restore_requested, src_ids) -> Batch:
+def _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves) -> Batch:
     """The batch with its restores folded into the forward's read of the initial state: from the source slot, written
-    to the live slot (a copy: the source is never written)."""
+    to the live slot (a copy: the source is never written). `saves`: (rows, offsets, slots) of the checkpoints the
+    step writes, or None."""
     initial_state_ids, has_initial_state = restore_sources(live_ids, restore_requested, src_ids)
     return Batch(*batch_arrays, linear_ids=live_ids, has_initial_state=has_initial_state,
-                 initial_state_ids=initial_state_ids)
+                 initial_state_ids=initial_state_ids, **dict(zip(("save_rows", "save_offsets", "save_slots"),
+                                                                 saves or (None,) * 3)))
 
 
-def _step(graphdef, params, state, batch_arrays, live_ids, restore_requested, src_ids):
+def _step(graphdef, params, chunk_size, state, batch_arrays, live_ids, restore_requested, src_ids, saves):
     """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`_sample`)."""
-    batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids)
-    logits, state = forward(graphdef, params, batch, state)
+    batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
+    logits, state = forward(graphdef, params, batch, state, chunk_size=chunk_size)
     return state, logits
 
 
-def _step_prompt_logprobs(graphdef, params, state, batch_arrays, live_ids, restore_requested, src_ids, targets,
-                          full_rows):
+def _step_prompt_logprobs(graphdef, params, chunk_size, state, batch_arrays, live_ids, restore_requested, src_ids,
+                          saves, targets, full_rows):
     """`_step` plus the log-distribution at every position of the chunk (prompt logprobs). A separate executable,
     so that steps without a prompt-logprobs row never pay for [B, T, V] logits. targets[b, t]: the prompt token at
     position start + t + 1, scored by the logits of position start + t. `full_rows` (static) also returns every row."""
-    batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids)
-    logits, state = forward(graphdef, params, batch, state, all_logits=True)        # [B, T, V]
+    batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
+    logits, state = forward(graphdef, params, batch, state, all_logits=True, chunk_size=chunk_size)  # [B, T, V]
     last = jnp.take_along_axis(logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T]
@@ -185,25 +187,26 @@ class PromptLogprobs:
 
 
 @functools.lru_cache(maxsize=None)
-def step_function(graphdef, params_def):
+def step_function(graphdef, params_def, chunk_size: int = 64):
     """The jitted step for one model structure: `(param_leaves, state, batch_arrays, ...)`, the state donated.
-    Cached per (graphdef, params treedef), so workers of the same model share compiled executables, and both are
-    hashed here, once, not per call."""
+    Cached per (graphdef, params treedef, GDN chunk size), so workers of the same model share compiled executables,
+    and the structure is hashed here, once, not per call."""
 
     def step(param_leaves, state, *args):
-        return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), state, *args)
+        return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), chunk_size, state, *args)
 
     return jax.jit(step, donate_argnums=(1,))
 
 
 @functools.lru_cache(maxsize=None)
-def prompt_step_function(graphdef, params_def):
+def prompt_step_function(graphdef, params_def, chunk_size: int = 64):
     """The prompt-logprobs variant of `step_function` (its last argument, `full_rows`, is static)."""
 
     def step(param_leaves, state, *args):
-        return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves), state, *args)
+        return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves), chunk_size, state,
+                                     *args)
 
-    return jax.jit(step, donate_argnums=(1,), static_argnums=(7,))
+    return jax.jit(step, donate_argnums=(1,), static_argnums=(8,))
 
 
 @dataclasses.dataclass
@@ -234,7 +237,8 @@ def float32_kernels(params) -> list:
 class Worker:
     def __init__(self, cfg: ModelConfig, graphdef, params, memory: MemoryPlan, block_size: int, max_num_seqs: int,
                  max_model_len: int, chunk_stride: int, dtype, seed: int = 0,
-                 float32_decode_weights: bool | None = None):
+                 float32_decode_weights: bool | None = None, max_num_batched_tokens: int | None = None,
+                 checkpoint_mode: str = "promote", checkpoint_policy: str = "all", enable_prefix_caching: bool = True):
         """`float32_decode_weights`: single-row decode steps multiply float32 copies of the bfloat16 projection
         matrices. On XLA's CPU backend a one-row product of a bfloat16 weight either converts the whole weight to
         float32 first (~10x the bandwidth bound) or, as two rows, goes through the library GEMM, which is
@@ -244,6 +248,12 @@ class Worker:
         float32, both accumulate in float32). None (default): on for bfloat16 on CPU while the copy is at most
         FLOAT32_DECODE_WEIGHTS_MAX_BYTES; never on an accelerator, whose bfloat16 products are native.
 
+        `checkpoint_mode` "scan" (the scheduler's; see SchedulerConfig): a prefill row holds up to
+        `max_num_batched_tokens` tokens, and a step shape with room for a row to cross a boundary writes up to
+        `num_saves(B, T)` checkpoints; "promote": a row holds at most `chunk_stride` tokens and no step writes a
+        checkpoint. The chunked GDN rule runs with chunk size gcd(64, chunk_stride), so that every boundary is a
+        chunk boundary of a row that starts on one.
+
         `params` may be abstract (`jax.ShapeDtypeStruct` leaves, `weights.abstract_model`): the pools are then
         abstract too, nothing is allocated, and the worker can only lower and compile (`lowered_step`), as
         scripts/bench_compile.py does for models too large for the machine."""
@@ -251,7 +261,12 @@ class Worker:
         self.memory, self.block_size = memory, block_size
         self.max_rows = _bucket(max_num_seqs, 1, 1 << 30)
         self.max_blocks = math.ceil(max_model_len / block_size)
-        self.max_chunk = chunk_stride
+        self.stride, self.chunk_size = chunk_stride, math.gcd(64, chunk_stride)
+        self.budget = max_num_batched_tokens or max(chunk_stride, 2048)
+        self.scan = checkpoint_mode == "scan"
+        self.saves = self.scan and enable_prefix_caching and bool(cfg.linear_layer_ids)
+        self.checkpoint_policy = checkpoint_policy
+        self.max_chunk = min(self.budget, max_model_len) if self.scan else chunk_stride
         # penalty history width: every step's (prompt + output) fits, whatever its blocks bucket, so sampling has no
         # blocks dimension of its own
         self.history_width = self.max_blocks * block_size
@@ -266,9 +281,9 @@ class Worker:
             if extra and (float32_decode_weights or extra <= FLOAT32_DECODE_WEIGHTS_MAX_BYTES):
                 self._decode_leaves = (jax.eval_shape(float32_kernels, params) if self.abstract
                                        else float32_kernels(params))
-        self._fn = step_function(graphdef, params_def)
+        self._fn = step_function(graphdef, params_def, self.chunk_size)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
-        self._prompt_fn = prompt_step_function(graphdef, params_def)
+        self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size)
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
     def _buckets(self, lo: int, hi: int) -> list[int]:
@@ -280,13 +295,48 @@ class Worker:
         (`model.Attention`), so a narrower table would save nothing but cost a compilation per width."""
         rows = self._buckets(1, self.max_rows)
         tokens = [1] + self._buckets(min(16, self.max_chunk), self.max_chunk)
-        return [(b, t, self.max_blocks) for b in rows for t in tokens]
+        # "scan": the scheduler keeps rows x longest row within the token budget, so a bucket (each side rounded up
+        # to a power of two) holds at most 4x the budget
+        fits = (lambda b, t: t == 1 or b * t <= 4 * self.budget) if self.scan else (lambda b, t: True)
+        return [(b, t, self.max_blocks) for b in rows for t in tokens if fits(b, t)]
+
+    def num_saves(self, B: int, T: int) -> int:
+        """Checkpoint writes a (B, T) step shape has room for: each row starts on a boundary, so a row of L tokens
+        crosses L // chunk_stride of them ("all") or saves at most one ("last"); all rows together hold at most
+        the token budget."""
+        if not self.saves or T < self.stride:
+            return 0
+        per_row = T // self.stride if self.checkpoint_policy == "all" else 1
+        return min(B * per_row, self.budget // self.stride)
+
+    def _save_arrays(self, saves, B: int, T: int, lengths, live, src):
+        """Plan saves -> (rows, offsets, slots) [S] int32, padded with writes to slot 0; None for a shape without
+        saves. Checked before dispatch: a save lands on a chunk boundary inside its row, in a slot that no row of
+        the step reads or advances."""
+        S = self.num_saves(B, T)
+        if len(saves) > S:
+            raise ValueError(f"{len(saves)} checkpoint saves for a ({B} x {T}) step with room for {S}")
+        if not S:
+            return None
+        rows, offsets, slots = np.zeros(S, np.int32), np.full(S, self.chunk_size, np.int32), np.zeros(S, np.int32)
+        busy = set(live.tolist()) | set(src.tolist())
+        for i, sv in enumerate(saves):
+            if not (0 < sv.offset <= lengths[sv.row] and sv.offset % self.chunk_size == 0):
+                raise ValueError(f"save {i}: offset {sv.offset} is not a chunk boundary inside row {sv.row}")
+            if not 1 <= sv.slot < self.memory.num_linear_slots or sv.slot in busy:
+                raise ValueError(f"save {i}: slot {sv.slot} is out of range or read or advanced by this step")
+            rows[i], offsets[i], slots[i] = sv.row, sv.offset, sv.slot
+        if len(set(slots[:len(saves)].tolist())) != len(saves):
+            raise ValueError("two checkpoint saves write the same slot")
+        return rows, offsets, slots
 
     def _padding_args(self, B: int, T: int, NB: int) -> tuple:
         """Step arguments (after params and state) of an all-padding batch: writes land in block 0 / slot 0 only."""
         z = np.zeros((B, T), np.int32)
         batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
-        return (batch_arrays, *ops_to_arrays([], B), SamplingMetadata.padding(B, self.history_width))
+        live, requested, src = ops_to_arrays([], B)
+        saves = self._save_arrays([], B, T, None, live, src)
+        return (batch_arrays, live, requested, src, saves, SamplingMetadata.padding(B, self.history_width))
 
     def warm_up(self, prompt_logprobs: bool = False) -> int:
         """Compiles the step for every shape bucket (and sampling for every rows bucket), then runs each step shape
@@ -329,12 +379,12 @@ class Worker:
     def lowered_step(self, shape: tuple[int, int, int]):
         """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
         state is not touched."""
-        args = self._padding_args(*shape)[:4]
+        args = self._padding_args(*shape)[:5]
         return self._fn.lower(self._leaves_for(args[0][0]), self.state, *args)
 
     def lowered_prompt_step(self, shape: tuple[int, int, int]):
         """The prompt-logprobs forward (top-k, not whole rows) lowered for one prefill bucket."""
-        args = self._padding_args(*shape)[:4]
+        args = self._padding_args(*shape)[:5]
         return self._prompt_fn.lower(self._param_leaves, self.state, *args, np.zeros(shape[:2], np.int32), False)
 
     def sample_buckets(self) -> list[int]:
@@ -354,13 +404,13 @@ class Worker:
     def _leaves_for(self, tokens) -> list:
         return self._decode_leaves if tokens.shape == (1, 1) else self._param_leaves
 
-    def _run(self, batch_arrays, live, requested, src, sampling, *extra, fn=None):
+    def _run(self, batch_arrays, live, requested, src, saves, sampling, *extra, fn=None):
         """The step's forward (`fn`, with `extra` arguments), then sampling: (tokens, logprobs, top ids, top
         logprobs[, prompt logprobs])."""
         fn = fn or self._fn
         before = fn._cache_size() + _sample._cache_size()
         self.state, logits, *prompt = fn(self._leaves_for(batch_arrays[0]), self.state, batch_arrays, live,
-                                         requested, src, *extra)
+                                         requested, src, saves, *extra)
         sampled = _sample(logits, sampling)
         self.num_compilations += fn._cache_size() + _sample._cache_size() - before
         return (*sampled, *prompt)
@@ -397,10 +447,11 @@ class Worker:
                 raise ValueError("every scheduled row of a model with GDN layers needs a LinearStateCacheOp")
             validate_cache_ops(ops, self.memory.num_linear_slots, in_place=T == 1)
         live, requested, src = ops_to_arrays(ops, B)
+        saves = self._save_arrays(getattr(plan, "saves", ()), B, T, lengths, live, src)
         batch_arrays = (tokens, start, lengths, tables, slot_mapping)
         sampling = SamplingMetadata.from_rows(seqs, B, self.history_width, self.cfg.vocab_size,
                                               self.cfg.eos_token_id, self.seed)
-        args = (batch_arrays, live, requested, src, sampling)
+        args = (batch_arrays, live, requested, src, saves, sampling)
         if plan.is_prefill and prompt_targets and any(prompt_targets):
             targets = np.zeros((B, T), np.int32)
             for i, t in enumerate(prompt_targets):

@@ -5,14 +5,14 @@ from scheduler.hashing import chain_hashes, domain_seed
 from scheduler.kv_cache import BlockManagerImpl
 from scheduler.linear_cache import (LinearStateBlockManager, LinearStateCacheOp,
                                     LinearStatePrefixCache, deepest_hit_at_or_below)
-from scheduler.plan import ScheduledSequence, StepPlan
+from scheduler.plan import CheckpointSave, ScheduledSequence, StepPlan
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence, SequenceStatus
 
 __all__ = [
     "BlockManagerImpl", "CompositeBlockManager", "LinearStateBlockManager", "LinearStateCacheOp",
-    "LinearStatePrefixCache", "PrefixMatch", "SamplingParams", "ScheduledSequence", "Scheduler",
+    "CheckpointSave", "LinearStatePrefixCache", "PrefixMatch", "SamplingParams", "ScheduledSequence", "Scheduler",
     "SchedulerConfig", "Sequence", "SequenceStatus", "StepPlan", "chain_hashes",
     "deepest_hit_at_or_below", "domain_seed",
 ]

@@ -138,15 +138,16 @@ class CompositeBlockManager:
             if op is not None and op.restores_checkpoint:
                 self.linear.release_source(op.restore_src_slot_id)
 
-    def on_computed(self, seq: Sequence) -> None:
-        """Hash what became full and computed; record a pending save at a chunk boundary."""
+    def on_computed(self, seq: Sequence, saved_in_step: bool = False) -> None:
+        """Hash what became full and computed; record a pending save at a chunk boundary, unless the step wrote
+        its checkpoints itself (`saved_in_step`: a "scan" prefill)."""
         cfg = self.config
         if not cfg.enable_prefix_caching:
             return
         seq.update_block_hashes(cfg.block_size, cfg.state_fingerprint)
         self.kv.hash_computed_blocks(seq)
         n = seq.num_computed_tokens
-        if self.linear is not None and n > 0 and n % cfg.chunk_stride == 0:
+        if self.linear is not None and not saved_in_step and n > 0 and n % cfg.chunk_stride == 0:
             seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
             seq.pending_save_hash = seq.linear_state_hashes[n // cfg.chunk_stride - 1]
             seq.pending_save_len = n

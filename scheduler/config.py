@@ -1,6 +1,8 @@
 from dataclasses import dataclass
 
 UNSAFE_REUSE_MODES = (None, "cold", "stale")
+CHECKPOINT_MODES = ("scan", "promote")
+CHECKPOINT_POLICIES = ("all", "last")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +27,15 @@ class SchedulerConfig:
     # Ablation only (never the default): reuse the whole KV match with a cold ("cold") or an earlier ("stale")
     # linear state. These are the two errors the cache exists to prevent; the accuracy study measures their drift.
     unsafe_reuse: str | None = None
+    # How prefill checkpoints are taken. "scan" (default): a prefill row covers as many chunk strides as the token
+    # budget allows, and the forward writes the state at every boundary the plan lists into a checkpoint slot of
+    # its own, from the chunked scan's intermediate states. "promote" (the original design): a prefill row stops at
+    # each boundary, and the next step promotes the live slot to a checkpoint and rotates the sequence into a copy.
+    # Boundaries crossed while decoding are saved by promotion in both modes.
+    checkpoint_mode: str = "scan"
+    # Which boundaries a "scan" prefill row saves: "all" crossed, or only the "last" (deepest) one it reaches (fewer
+    # slots and writes; a later prompt then reuses only from that depth, e.g. the next turn of a conversation).
+    checkpoint_policy: str = "all"
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -57,6 +68,10 @@ class SchedulerConfig:
             raise ValueError(f"unsafe_reuse must be one of {UNSAFE_REUSE_MODES}, got {self.unsafe_reuse!r}")
         if self.unsafe_reuse is not None and not self.enable_prefix_caching:
             raise ValueError("unsafe_reuse needs enable_prefix_caching=True: it is an ablation of the prefix cache")
+        if self.checkpoint_mode not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint_mode must be one of {CHECKPOINT_MODES}, got {self.checkpoint_mode!r}")
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise ValueError(f"checkpoint_policy must be one of {CHECKPOINT_POLICIES}, got {self.checkpoint_policy!r}")
         if not isinstance(self.state_fingerprint, str):
             raise ValueError("state_fingerprint must be a str")
 

@@ -145,6 +145,7 @@ class LinearStateBlockManager:
         self.chunk_stride = chunk_stride
         self.free_slots: deque[int] = deque(range(1, num_slots))
         self.live_slots: set[int] = set()
+        self.saving: dict[int, int] = {}  # slot -> hash: checkpoints the in-flight step writes ("scan" mode)
         self.index = LinearStatePrefixCache(chunk_stride) if enable_prefix_caching else None
         self.num_saved = 0
         self.num_save_skipped = 0
@@ -192,6 +193,39 @@ class LinearStateBlockManager:
             return True
         self.free_slots.append(slot)
         return False
+
+    # -- checkpoints written inside a step ("scan" mode) --------------------------------------
+    def acquire_save_slot(self, h: int) -> int | None:
+        """A slot for the in-flight step to write the checkpoint of hash `h` into: a free one, else the LRU unpinned
+        checkpoint (never a live, pinned or saving one). None, counted as skipped, when `h` is cached or being saved
+        already, or when no slot can be had."""
+        if self.index.contains(h) or h in self.saving.values():
+            self.num_save_skipped += 1
+            return None
+        if self.free_slots:
+            slot = self.free_slots.popleft()
+        else:
+            slot = self.index.evict_lru()
+            if slot is None:
+                self.num_save_skipped += 1
+                return None
+            self.num_evicted += 1
+        self.saving[slot] = h
+        return slot
+
+    def commit_save(self, slot: int) -> None:
+        """The step that wrote `slot` completed: it becomes the checkpoint of its hash."""
+        h = self.saving.pop(slot)
+        if self.index.insert_with_recorded_hash(slot, h):
+            self.num_saved += 1
+        else:  # cached meanwhile (a reset cannot race a step; kept for safety)
+            self.free_slots.append(slot)
+            self.num_save_skipped += 1
+
+    def cancel_save(self, slot: int) -> None:
+        """The step that should have written `slot` failed: the slot is free again, nothing is indexed."""
+        del self.saving[slot]
+        self.free_slots.append(slot)
 
     # -- per sequence ----------------------------------------------------------------------
     def save_pending(self, seq: Sequence) -> int:
@@ -274,9 +308,12 @@ class LinearStateBlockManager:
         assert live == self.live_slots, "live slots differ from the running sequences'"
         free = set(self.free_slots)
         ckpt = set(self.index.hash_of) if self.index is not None else set()
+        saving = set(self.saving)
         assert len(free) == len(self.free_slots), "duplicate id in the slot free list"
-        assert not (free & live) and not (free & ckpt) and not (live & ckpt), "slot in two states"
-        assert free | live | ckpt == set(range(1, self.num_slots)), "slot leaked or slot 0 used"
+        assert len(free) + len(live) + len(ckpt) + len(saving) == len(free | live | ckpt | saving), "slot in two states"
+        assert free | live | ckpt | saving == set(range(1, self.num_slots)), "slot leaked or slot 0 used"
+        assert pins_allowed or not saving, "checkpoint being saved outside a step"
+        assert len(set(self.saving.values())) == len(saving), "one hash saved twice in a step"
         if self.index is not None:
             idx = self.index
             assert {v: k for k, v in idx.slot_of.items()} == idx.hash_of

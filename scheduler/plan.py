@@ -1,5 +1,5 @@
 """The step plan: plain data handed from the scheduler to the worker."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.linear_cache import LinearStateCacheOp
 from scheduler.sampling_params import SamplingParams
@@ -25,10 +25,22 @@ class ScheduledSequence:
         return max(0, min(self.start_pos + len(self.token_ids), self.num_prompt_tokens) - self.start_pos)
 
 
+@dataclass(frozen=True)
+class CheckpointSave:
+    """A checkpoint the step writes ("scan" mode): the GDN state of row `row` after `offset` of its tokens (absolute
+    position `boundary`, a chunk_stride boundary) goes to slot `slot`, indexed under the boundary's hash once the
+    step completes."""
+    row: int
+    offset: int
+    boundary: int
+    slot: int
+
+
 @dataclass
 class StepPlan:
     is_prefill: bool
     seqs: list[ScheduledSequence]
+    saves: list[CheckpointSave] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

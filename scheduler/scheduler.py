@@ -1,8 +1,11 @@
 """Continuous batching with chunked prefill aligned to checkpoint boundaries.
 
 A step is either all-prefill or all-decode; prefill goes first whenever something can be
-prefilled. A prefill chunk ends at the next multiple of `chunk_stride` (or the end of the known
-tokens), so every full chunk leaves the live slot at a checkpoint boundary. Admission takes KV
+prefilled. A prefill row ends at the end of the known tokens or, when the token budget cuts it, at a multiple of
+`chunk_stride`, so every row starts on a checkpoint boundary. With checkpoint_mode="scan" a row covers as many
+strides as the budget allows and the plan lists a save for each boundary it crosses (`StepPlan.saves`: the forward
+writes those states into checkpoint slots); with "promote" a row stops at each boundary and the next step promotes
+the live slot to the checkpoint. Admission takes KV
 blocks for every known token and one live slot, so a prefill never stalls halfway; when decode runs
 out of KV the most recently admitted sequence is preempted by recompute.
 
@@ -17,7 +20,7 @@ from collections import Counter, deque
 from scheduler.composite import CompositeBlockManager, PrefixMatch
 from scheduler.config import SchedulerConfig
 from scheduler.linear_cache import LinearStateCacheOp
-from scheduler.plan import ScheduledSequence, StepPlan
+from scheduler.plan import CheckpointSave, ScheduledSequence, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
 
 
@@ -108,9 +111,25 @@ class Scheduler:
         self.inflight = plan
         return plan
 
-    def _chunk_end(self, num_computed: int, num_tokens: int) -> int:
+    def _row_budget(self, rows: list[ScheduledSequence], budget: int) -> int:
+        """Tokens one more prefill row may take. "scan" also bounds the padded batch: the worker pads every row to
+        the longest, so (rows + 1) x longest stays within max_num_batched_tokens (0: no room for another row)."""
+        if self.config.checkpoint_mode == "promote" or not rows:
+            return budget
+        cap = self.config.max_num_batched_tokens // (len(rows) + 1)
+        return min(budget, cap) if cap >= max(len(r.token_ids) for r in rows) else 0
+
+    def _chunk_end(self, num_computed: int, num_tokens: int, budget: int) -> int | None:
+        """Where a prefill row from `num_computed` ends this step: `num_tokens` if it fits, else the deepest stride
+        boundary the budget reaches ("promote": never past the next boundary). None if that is no progress."""
         stride = self.config.chunk_stride
-        return min(num_tokens, (num_computed // stride + 1) * stride)
+        if self.config.checkpoint_mode == "promote":
+            end = min(num_tokens, (num_computed // stride + 1) * stride)
+            return end if end - num_computed <= budget else None
+        end = min(num_tokens, num_computed + budget)
+        if end < num_tokens:
+            end = end // stride * stride
+        return end if end > num_computed else None
 
     def _target(self, seq: Sequence) -> int:
         """How far `seq` may compute now: a parent stops at its fork point until its children are forked."""
@@ -158,8 +177,8 @@ class Scheduler:
             budget = self._schedule_forks(rows, budget)
         # Sequences admitted earlier whose prompt is still being prefilled.
         for seq in self.prefilling.values():
-            end = self._chunk_end(seq.num_computed_tokens, self._target(seq))
-            if end - seq.num_computed_tokens > budget:
+            end = self._chunk_end(seq.num_computed_tokens, self._target(seq), self._row_budget(rows, budget))
+            if end is None:
                 continue
             assert self.block_manager.can_allocate(seq, end), "KV is taken for the whole prompt at admission"
             budget -= end - seq.num_computed_tokens
@@ -173,8 +192,8 @@ class Scheduler:
                 break
             if seq.seq_id in self.forks and m.reuse >= self.forks[seq.seq_id][0]:
                 self._release_forks(seq.seq_id, at=1)  # the fork point is cached: children restore it as well
-            end = self._chunk_end(m.reuse, self._target(seq))
-            if end - m.reuse > budget:
+            end = self._chunk_end(m.reuse, self._target(seq), self._row_budget(rows, budget))
+            if end is None:
                 break
             self.waiting.popleft()
             op = self.block_manager.admit(seq, m)
@@ -183,7 +202,30 @@ class Scheduler:
             self.running.append(seq)
             budget -= end - m.reuse
             rows.append(self._row(seq, end, op))
-        return StepPlan(is_prefill=True, seqs=rows) if rows else None
+        return StepPlan(is_prefill=True, seqs=rows, saves=self._plan_saves(rows)) if rows else None
+
+    def _plan_saves(self, rows: list[ScheduledSequence]) -> list[CheckpointSave]:
+        """"scan" mode: a checkpoint slot for each boundary a row crosses (policy "all") or for the deepest one
+        ("last"), taken after every row has its live slot. A row that starts off the stride grid (a fork, or the
+        unsafe ablation's KV-only reuse) saves nothing: its boundaries are not chunk ends of its scan."""
+        linear, cfg = self.block_manager.linear, self.config
+        if cfg.checkpoint_mode != "scan" or linear is None or linear.index is None:
+            return []
+        stride, saves = cfg.chunk_stride, []
+        for i, row in enumerate(rows):
+            start, end = row.start_pos, row.start_pos + len(row.token_ids)
+            if start % stride:
+                continue
+            boundaries = list(range(start + stride, end + 1, stride))
+            if cfg.checkpoint_policy == "last":
+                boundaries = boundaries[-1:]
+            seq = self.seqs[row.seq_id]
+            seq.update_linear_state_hashes(stride, cfg.state_fingerprint)
+            for b in boundaries:
+                slot = linear.acquire_save_slot(seq.linear_state_hashes[b // stride - 1])
+                if slot is not None:
+                    saves.append(CheckpointSave(row=i, offset=b - start, boundary=b, slot=slot))
+        return saves
 
     def _schedule_decode(self) -> StepPlan | None:
         rows: list[ScheduledSequence] = []
@@ -240,6 +282,8 @@ class Scheduler:
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} rows")
         self.inflight = None
         self.block_manager.release_step(row.linear_op for row in plan.seqs)
+        for save in plan.saves:  # the step wrote them: index them, whatever became of their sequence since
+            self.block_manager.linear.commit_save(save.slot)
         self._release_aborted_inflight()
         finished = []
         for row, token in zip(plan.seqs, sampled_token_ids):
@@ -247,7 +291,7 @@ class Scheduler:
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # aborted after it was scheduled
             seq.num_computed_tokens = row.start_pos + len(row.token_ids)
-            self.block_manager.on_computed(seq)
+            self.block_manager.on_computed(seq, saved_in_step=plan.is_prefill and self.config.checkpoint_mode == "scan")
             if plan.is_prefill:
                 if seq.is_prefilling:
                     self.prefilling[seq.seq_id] = seq
@@ -279,6 +323,8 @@ class Scheduler:
         assert plan is self.inflight, "fail_step takes the plan of the last schedule()"
         self.inflight = None
         self.block_manager.release_step(row.linear_op for row in plan.seqs)
+        for save in plan.saves:
+            self.block_manager.linear.cancel_save(save.slot)
         self._release_aborted_inflight()
         failed = []
         for row in plan.seqs:
@@ -405,6 +451,8 @@ class Scheduler:
         linear = self.block_manager.linear
         if linear is not None:
             linear.check_invariants(self.running, pins_allowed=self.inflight is not None)
+            saves = {save.slot for save in self.inflight.saves} if self.inflight else set()
+            assert set(linear.saving) == saves, "slots being saved differ from the in-flight plan's saves"
             if linear.index is not None:
                 expected = Counter(row.linear_op.restore_src_slot_id for row in self.inflight.seqs
                                    if row.linear_op.restores_checkpoint) if self.inflight else Counter()

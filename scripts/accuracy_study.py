@@ -16,8 +16,6 @@ DIR/accuracy_study.json and DIR/accuracy_study.png (KL against the distance from
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import warnings
 from pathlib import Path
@@ -25,18 +23,19 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLM, SamplingParams
+from study_cli import figure, pools_of, save, study_parser, write_json
 
 MODES = {"no_cache": dict(enable_prefix_caching=False), "exact": dict(enable_prefix_caching=True),
          "unsafe_cold": dict(enable_prefix_caching=True, unsafe_reuse="cold"),
          "unsafe_stale": dict(enable_prefix_caching=True, unsafe_reuse="stale")}
+# workload sizes: the full study and --quick (a test and the notebook's reduced mode run the latter)
+SIZES = {"full": dict(groups=6, per_group=4, turns=2, max_tokens=24),
+         "quick": dict(groups=2, per_group=2, turns=1, max_tokens=12)}
+ENGINE = dict(block_size=16, max_num_seqs=4, max_model_len=1024)
 OPENINGS = ["The following section of the Python language reference describes",
             "In the standard library documentation, the module",
             "A function definition defines a user-defined function object. The",
             "Exceptions are raised when an error is detected during execution, and"]
-
-
-def default_model() -> str:
-    return "tiny"
 
 
 def make_workload(vocab: int, chunk_stride: int, groups: int, per_group: int, turns: int, rng, tokenizer):
@@ -104,11 +103,53 @@ def compare(ref, mode):
             "kl_by_distance": {int(d): statistics.fmean(v) for d, v in sorted(by_distance.items())}}
 
 
-def plot(summary, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+def make_engines(model: str, dtype: str, chunk_stride: int) -> dict[str, LLM]:
+    """One engine per mode on the same weights. All get the pools of the `exact` engine, so their steps have the same
+    shapes and the first engine's compiled steps serve the other three."""
+    engines = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the unsafe modes warn by design
+        for name in ("exact", "no_cache", "unsafe_cold", "unsafe_stale"):
+            pools = pools_of(engines["exact"].engine) if engines else {}
+            engines[name] = LLM(model, dtype=dtype, chunk_stride=chunk_stride, verbose=False, **ENGINE, **pools,
+                                **MODES[name])
+    return {name: engines[name] for name in MODES}
+
+
+def num_requests(groups: int, per_group: int, turns: int, **_) -> int:
+    return groups * per_group + groups * turns
+
+
+def run_all(engines: dict[str, LLM], items, max_tokens: int, progress: bool = True):
+    """The reference (no_cache) first, then every other mode teacher-forced on its continuations."""
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        n = len(items) + sum(i.get("continue_turns", 0) for i in items)
+        bar = tqdm(total=n * len(MODES), desc="accuracy study", unit="req")
+    ref = run_mode(engines["no_cache"], items, max_tokens, bar=bar)
+    runs = {name: run_mode(engines[name], items, max_tokens, reference=ref, bar=bar)
+            for name in MODES if name != "no_cache"}
+    if bar is not None:
+        bar.close()
+    return ref, runs
+
+
+def table(summary) -> str:
+    lines = [f"{'mode':<14}{'reused':>8}{'KL mean':>11}{'KL max':>11}{'max|dlogp|':>12}{'greedy agr':>12}"
+             f"{'diverging':>11}{'first div':>10}"]
+    for name, s in summary.items():
+        fd = "-" if s["first_divergence_mean"] is None else f"{s['first_divergence_mean']:.1f}"
+        lines.append(f"{name:<14}{s['mean_cached_tokens']:>8.1f}{s['kl_mean']:>11.2e}{s['kl_max']:>11.2e}"
+                     f"{s['max_abs_logprob_diff']:>12.2e}{s['greedy_agreement']:>12.3f}"
+                     f"{s['diverging_requests']:>5}/{s['requests']:<5}{fd:>10}")
+    return "\n".join(lines)
+
+
+def plot(summary, path: Path | None = None, ax=None):
+    """KL against the distance from the reuse point, one line per mode, log scale; drawn on `ax` if given (see
+    `study_cli.figure`), saved to `path` if given."""
+    fig, ax = figure((7, 4), ax)
     for name, s in summary.items():
         d = np.array(list(s["kl_by_distance"]), float)
         kl = np.maximum(np.array(list(s["kl_by_distance"].values()), float), 1e-16)
@@ -118,61 +159,35 @@ def plot(summary, path: Path) -> None:
     ax.set_ylabel("KL(no_cache || mode), mean over requests")
     ax.set_title("Drift after the reuse point")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
+    return fig
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="accuracy_study.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default=default_model(), help="preset name or HF folder")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
-    ap.add_argument("--out", default="results", help="folder for accuracy_study.json and accuracy_study.png")
-    ap.add_argument("--quick", action="store_true", help="a small workload (a test runs this)")
+    ap = study_parser("accuracy_study.py", __doc__, "accuracy_study.json and accuracy_study.png", "a small workload")
     ap.add_argument("--chunk-stride", type=int, default=64, help="tokens between checkpoints")
-    ap.add_argument("--max-tokens", type=int, default=24, help="reference continuation length (greedy)")
+    ap.add_argument("--max-tokens", type=int, default=SIZES["full"]["max_tokens"],
+                    help="reference continuation length (greedy; --quick caps it at 12)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     args = ap.parse_args(argv)
 
-    groups, per_group, turns = (2, 2, 1) if args.quick else (6, 4, 2)
-    max_tokens = min(args.max_tokens, 12) if args.quick else args.max_tokens
-    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=4, max_model_len=1024,
-              verbose=False)
-    engines = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the unsafe modes warn by design
-        for name, opts in MODES.items():
-            engines[name] = LLM(args.model, **kw, **opts)
+    sizes = dict(SIZES["quick" if args.quick else "full"])
+    sizes["max_tokens"] = min(args.max_tokens, sizes["max_tokens"]) if args.quick else args.max_tokens
+    engines = make_engines(args.model, args.dtype, args.chunk_stride)
     tok = engines["no_cache"].get_tokenizer()
     vocab = engines["no_cache"].engine.cfg.vocab_size
-    items = make_workload(vocab, args.chunk_stride, groups, per_group, turns, np.random.default_rng(args.seed), tok)
-    n = len(items) + groups * turns
-    from tqdm.auto import tqdm
-    bar = tqdm(total=n * len(MODES), desc="accuracy study", unit="req")
-    ref = run_mode(engines["no_cache"], items, max_tokens, bar=bar)
-    runs = {name: run_mode(engines[name], items, max_tokens, reference=ref, bar=bar)
-            for name in MODES if name != "no_cache"}
-    bar.close()
+    items = make_workload(vocab, args.chunk_stride, sizes["groups"], sizes["per_group"], sizes["turns"],
+                          np.random.default_rng(args.seed), tok)
+    ref, runs = run_all(engines, items, sizes["max_tokens"])
     summary = {name: compare(ref, r) for name, r in runs.items()}
-
-    print(f"\n{'mode':<14}{'reused':>8}{'KL mean':>11}{'KL max':>11}{'max|dlogp|':>12}{'greedy agr':>12}"
-          f"{'diverging':>11}{'first div':>10}")
-    for name, s in summary.items():
-        fd = "-" if s["first_divergence_mean"] is None else f"{s['first_divergence_mean']:.1f}"
-        print(f"{name:<14}{s['mean_cached_tokens']:>8.1f}{s['kl_mean']:>11.2e}{s['kl_max']:>11.2e}"
-              f"{s['max_abs_logprob_diff']:>12.2e}{s['greedy_agreement']:>12.3f}"
-              f"{s['diverging_requests']:>5}/{s['requests']:<5}{fd:>10}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    print("\n" + table(summary))
     result = {"model": args.model, "dtype": args.dtype,
-              "config": {"chunk_stride": args.chunk_stride, "block_size": 16, "max_tokens": max_tokens,
-                         "groups": groups, "per_group": per_group, "turns": turns, "requests": n,
+              "config": {"chunk_stride": args.chunk_stride, **ENGINE, **sizes, "requests": num_requests(**sizes),
                          "seed": args.seed, "quick": args.quick},
               "modes": summary}
-    (out / "accuracy_study.json").write_text(json.dumps(result, indent=1))
-    plot(summary, out / "accuracy_study.png")
-    print(f"wrote {out / 'accuracy_study.json'} and {out / 'accuracy_study.png'}")
+    path = write_json(args.out, "accuracy_study.json", result)
+    plot(summary, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
     return result
 
 

@@ -60,13 +60,13 @@ def make_step(graphdef, variant: str):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--gdn-layers", type=int, default=2)
-    ap.add_argument("--slots", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--repeats", type=int, default=25)
-    ap.add_argument("--out", default="results/bench_restore.json")
+    ap.add_argument("--rows", type=int, default=16, help="decode rows per step (default: %(default)s)")
+    ap.add_argument("--gdn-layers", type=int, default=2, help="GDN layers of 9B's state shape (default: %(default)s)")
+    ap.add_argument("--slots", type=int, default=64, help="linear-state slots in the pools (default: %(default)s)")
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", help="parameter and activation dtype (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=25, help="timed steps per variant (default: %(default)s)")
+    ap.add_argument("--out", default="results/bench_restore.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args()
 
     B, dtype = args.rows, jnp.dtype(args.dtype)

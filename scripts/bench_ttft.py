@@ -2,6 +2,7 @@
 
     python scripts/bench_ttft.py [--model tiny] [--dtype float32] [--out results] [--quick]
     python scripts/bench_ttft.py --ab [--model hybrid-1024] [--prompt 2048] [--shared 1792] [--chunk-stride 256]
+    python scripts/bench_ttft.py --prefill [--model hybrid-1024] [--prompt 2048] [--shared 1792] [--chunk-stride 256]
 
 Study (the default). Seeded workloads: a shared system prompt with distinct questions, multi-turn conversations
 (each turn extends the previous prompt and its answer), identical repeats, and a no-sharing control. Each runs with
@@ -15,20 +16,25 @@ A/B (`--ab`). Request A (a `--prompt`-token prompt) runs first; request B shares
 its own tail. With the cache on, B restores the checkpoint at `--shared` and prefills only its tail; with it off, B
 prefills everything. Also compares the engine step in which B's tail runs after a warm restore with the step that
 runs the same tail shape (same rows, tokens, blocks) without one. Writes DIR/bench_ttft_ab.json.
+
+Prefill (`--prefill`). One jitted forward of `--prompt` tokens, then per checkpoint mode and policy ("scan" with
+"all" and "last", "promote") a cold request of that length and a hit that shares `--shared` tokens with it, with a
+token budget of `--prompt`: cold TTFT and its ratio to the forward, prefill steps of the cold prompt, hit TTFT and
+reused tokens, checkpoints and bytes written. Writes DIR/bench_ttft_prefill.json.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import math
 import statistics
 import time
-from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
+from study_cli import figure, pools_of, save, study_parser, write_json
 
 
 def run_request(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
@@ -90,9 +96,70 @@ def ab(args) -> dict:
            "ttft_ratio": ratio, "restore_step_s": restore_step, "plain_step_s": plain_step,
            "restore_step_overhead": restore_step / plain_step - 1, "rounds": results,
            "memory": {n: e.memory.describe() for n, e in engines.items()}}
-    path = Path(args.out) / "bench_ttft_ab.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {write_json(args.out, 'bench_ttft_ab.json', out)}")
+    return out
+
+
+def prefill(args) -> dict:
+    """Cold and hit TTFT of one long prompt against one jitted forward of the same tokens, per checkpoint mode and
+    policy, in one run: "scan" (all, last) prefills as many strides per step as the budget allows and writes the
+    checkpoints from the scan; "promote" takes one stride per step. Same weights for every engine."""
+    from gdn_jax.model import Batch, forward, init_state
+
+    variants = {"scan / all": dict(checkpoint_mode="scan"), "scan / last": dict(checkpoint_mode="scan",
+                                                                                checkpoint_policy="last"),
+                "promote": dict(checkpoint_mode="promote")}
+    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=2,
+              max_model_len=args.prompt + 64, max_num_batched_tokens=args.prompt, verbose=False)
+    engines = {name: LLMEngine(args.model, **kw, **v) for name, v in variants.items()}
+    worker = next(iter(engines.values())).worker
+    # one jitted forward of the same tokens: the engine's model, one row, fresh pools, last-position logits
+    T, nb = args.prompt, -(-args.prompt // 16)
+    fwd = jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,))
+    state = init_state(worker.cfg, nb + 1, 16, 2, worker.dtype)
+    batch = Batch(tokens=jnp.zeros((1, T), jnp.int32) + 5, start_pos=jnp.zeros(1, jnp.int32),
+                  lengths=jnp.full(1, T, jnp.int32), block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
+                  slot_mapping=jnp.arange(16, T + 16, dtype=jnp.int32)[None], linear_ids=jnp.ones(1, jnp.int32),
+                  has_initial_state=jnp.zeros(1, bool))
+    fwd_times = []
+    for _ in range(args.rounds + 1):
+        t0 = time.perf_counter()
+        logits, state = fwd(worker.graphdef, worker.params, batch, state, False)
+        logits.block_until_ready()
+        fwd_times.append(time.perf_counter() - t0)
+    forward_s = statistics.median(fwd_times[1:])
+    vocab = worker.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    rows, rounds = {}, {name: [] for name in engines}
+    for rnd in range(args.rounds + 1):  # round 0 compiles every shape the later rounds use
+        a = rng.integers(4, vocab, args.prompt).tolist()
+        b = a[:args.shared] + rng.integers(4, vocab, args.prompt - args.shared).tolist()
+        for name, engine in engines.items():
+            saved0 = engine.scheduler.stats()["checkpoints_saved"]
+            cold, hit = run_request(engine, f"a{rnd}", a), run_request(engine, f"b{rnd}", b)
+            saves = engine.scheduler.stats()["checkpoints_saved"] - saved0
+            if rnd:
+                rounds[name].append({"cold": cold, "hit": hit, "checkpoints_saved": saves})
+    print(f"\n{args.model} ({args.dtype}), backend {jax.default_backend()}: cold prompt {args.prompt} tokens, hit "
+          f"shares {args.shared}, chunk_stride {args.chunk_stride}, budget {args.prompt}; median of {args.rounds} "
+          f"rounds after a warm-up round; one jitted forward of {args.prompt} tokens: {1e3 * forward_s:.1f} ms")
+    print(f"{'variant':<13}{'cold TTFT ms':>13}{'x forward':>10}{'steps':>7}{'hit TTFT ms':>12}{'reused':>8}"
+          f"{'ckpts':>7}{'ckpt MiB':>10}")
+    for name, rs in rounds.items():
+        slot_mib = engines[name].memory.bytes_per_linear_slot / 2**20
+        cold = statistics.median(r["cold"]["ttft_s"] for r in rs)
+        hit = statistics.median(r["hit"]["ttft_s"] for r in rs)
+        saves = rs[0]["checkpoints_saved"]
+        rows[name] = {"cold_ttft_s": cold, "cold_over_forward": cold / forward_s,
+                      "cold_steps": len(rs[0]["cold"]["steps"]), "hit_ttft_s": hit,
+                      "hit_cached_tokens": rs[0]["hit"]["num_cached_tokens"], "checkpoints_saved": saves,
+                      "checkpoint_bytes_written": saves * engines[name].memory.bytes_per_linear_slot}
+        r = rows[name]
+        print(f"{name:<13}{1e3 * cold:>13.1f}{r['cold_over_forward']:>10.2f}{r['cold_steps']:>7}{1e3 * hit:>12.1f}"
+              f"{r['hit_cached_tokens']:>8}{saves:>7}{saves * slot_mib:>10.1f}")
+    out = {"args": vars(args), "backend": jax.default_backend(), "forward_s": forward_s, "forward_times_s": fwd_times,
+           "variants": rows, "rounds": rounds}
+    path = write_json(args.out, "bench_ttft_prefill.json", out)
     print(f"wrote {path}")
     return out
 
@@ -163,17 +230,25 @@ def measured(engine: LLMEngine, make, concurrent: bool, max_tokens: int):
     return summarize(recs, {k: after[k] - before[k] for k in COUNTERS})
 
 
+# Engine and sweep sizes. Compiling the step shapes, not running them, is where a quick study's time goes: the
+# cache-off engine gets the cache-on engine's pools (same shapes, so it runs the steps the other compiled), and
+# --quick uses blocks of up to 64 tokens with max_model_len 512, one block-table bucket. Reuse is a checkpoint
+# boundary (a multiple of chunk_stride) either way, so the block size does not change what is reused.
+FULL = dict(block_size=16, max_model_len=2048, max_tokens=16, prefix_lengths=[128, 256, 512, 1024])
+QUICK = dict(max_model_len=512, max_tokens=4, prefix_lengths=[64, 256])
+
+
 def study(args) -> dict:
     from tqdm.auto import tqdm
     q = args.quick
-    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=8,
-              max_model_len=2048, verbose=False)
-    engines = {"on": LLMEngine(args.model, enable_prefix_caching=True, **kw),
-               "off": LLMEngine(args.model, enable_prefix_caching=False, **kw)}
-    tok = engines["on"].tokenizer
+    sizes = {**QUICK, "block_size": math.gcd(64, args.chunk_stride)} if q else FULL
+    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=sizes["block_size"], max_num_seqs=8,
+              max_model_len=sizes["max_model_len"], verbose=False)
+    on = LLMEngine(args.model, enable_prefix_caching=True, **kw)
+    engines = {"on": on, "off": LLMEngine(args.model, enable_prefix_caching=False, **kw, **pools_of(on))}
+    tok = on.tokenizer
     names = list(workloads(np.random.default_rng(0), tok, q))
-    max_tokens = 4 if q else 16
-    lengths = [64, 256] if q else [128, 256, 512, 1024]
+    max_tokens, lengths = sizes["max_tokens"], sizes["prefix_lengths"]
     bar = tqdm(total=len(names) * 4 + len(lengths) * 2, desc="TTFT study", unit="run")
     rows = []
     for name in names:
@@ -204,16 +279,11 @@ def study(args) -> dict:
     print(f"\n{'shared prefix':<15}" + "".join(f"{'p50 ' + c:>12}" for c in engines))
     for n in lengths:
         print(f"{n:<15}" + "".join(f"{r['ttft_p50_ms']:>12.1f}" for r in sweep if r["shared_prefix"] == n))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"model": args.model, "dtype": args.dtype, "backend": jax.default_backend(),
-              "config": {"chunk_stride": args.chunk_stride, "quick": q, "max_tokens": max_tokens}, "rows": rows,
+              "config": {"chunk_stride": args.chunk_stride, "quick": q, **sizes}, "rows": rows,
               "prefix_sweep": sweep}
-    (out / "bench_ttft.json").write_text(json.dumps(result, indent=1))
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
+    path = write_json(args.out, "bench_ttft.json", result)
+    fig, ax = figure((6, 4))
     for cache in engines:
         pts = [(r["shared_prefix"], r["ttft_p50_ms"]) for r in sweep if r["cache"] == cache]
         ax.plot(*zip(*pts), marker="o", label=f"cache {cache}")
@@ -221,33 +291,30 @@ def study(args) -> dict:
     ax.set_ylabel("TTFT p50 (ms), serial")
     ax.set_title(f"TTFT vs shared prefix ({args.model}, {args.dtype})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "bench_ttft.png", dpi=120)
-    plt.close(fig)
-    print(f"wrote {out / 'bench_ttft.json'} and {out / 'bench_ttft.png'}")
+    save(fig, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
     return result
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="bench_ttft.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", "--preset", default=None,
-                    help="preset or HF folder (default: tiny for the study, hybrid-1024 for --ab)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="weights and activations (default: %(default)s)")
-    ap.add_argument("--out", default="results", help="output folder (default: %(default)s)")
-    ap.add_argument("--quick", action="store_true", help="smaller workloads (a test runs this) (default: off)")
-    ap.add_argument("--ab", action="store_true", help="the A/B restore comparison instead of the study (default: off)")
-    ap.add_argument("--prompt", type=int, default=2048, help="--ab: tokens of each prompt (default: %(default)s)")
+    ap = study_parser("bench_ttft.py", __doc__,
+                      "bench_ttft.json and .png (bench_ttft_ab.json with --ab, bench_ttft_prefill.json with --prefill)",
+                      "smaller workloads, blocks of up to 64 tokens", model_default=None, model_aliases=("--preset",),
+                      model_help="preset or HF folder (default: tiny for the study, hybrid-1024 for --ab / --prefill)")
+    ap.add_argument("--ab", action="store_true", help="the A/B restore comparison instead of the study")
+    ap.add_argument("--prefill", action="store_true",
+                    help="cold and hit TTFT per checkpoint mode and policy against one jitted forward")
+    ap.add_argument("--prompt", type=int, default=2048, help="--ab / --prefill: tokens of each prompt")
     ap.add_argument("--shared", type=int, default=1792,
-                    help="--ab: tokens request B shares with request A (default: %(default)s)")
+                    help="--ab / --prefill: tokens request B shares with request A")
     ap.add_argument("--chunk-stride", type=int, default=None,
-                    help="tokens between checkpoints (default: 64 for the study, 256 for --ab)")
-    ap.add_argument("--rounds", type=int, default=3, help="--ab: timed rounds after the warm-up round (default: %(default)s)")
+                    help="tokens between checkpoints (default: 64 for the study, 256 for --ab / --prefill)")
+    ap.add_argument("--rounds", type=int, default=3, help="--ab / --prefill: timed rounds after the warm-up round")
     args = ap.parse_args(argv)
-    args.model = args.model or ("hybrid-1024" if args.ab else "tiny")
-    args.chunk_stride = args.chunk_stride or (256 if args.ab else 64)
-    return ab(args) if args.ab else study(args)
+    long = args.ab or args.prefill
+    args.model = args.model or ("hybrid-1024" if long else "tiny")
+    args.chunk_stride = args.chunk_stride or (256 if long else 64)
+    return ab(args) if args.ab else prefill(args) if args.prefill else study(args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """gdn-jax against transformers on one random Qwen3.5 checkpoint made here by transformers (needs the reference extra).
 
-    python scripts/bench_vs_transformers.py [--preset hybrid-1024] [--dtype float32] [--out results] [--quick]
+    python scripts/bench_vs_transformers.py [--model hybrid-1024] [--dtype float32] [--out results] [--quick]
 
-transformers builds a random `Qwen3_5ForCausalLM` with the preset's shapes and saves it (`save_pretrained`); the
-engine loads that folder. Two measurements, both greedy, outputs compared:
+transformers builds a random `Qwen3_5ForCausalLM` with the shapes of `--model` (a preset, or a model folder's
+config.json) and saves it (`save_pretrained`); the engine loads that folder. Two measurements, both greedy, outputs
+compared:
   forward      one prefill of `--tokens` tokens: transformers' forward (no cache, last logits) vs the engine's
                time to first token with the cache off (after warm-up)
   end to end   `--requests` requests sharing a `--system`-token system prompt, each with its own `--suffix` tokens,
@@ -15,33 +16,31 @@ Prints the times, the ratios and the greedy agreement; writes DIR/bench_vs_trans
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from gdn_jax import LLM, SamplingParams, get_preset
+from gdn_jax import LLM, ModelConfig, SamplingParams, get_preset
+from gdn_jax.weights import model_folder
+from scheduler.sampling_params import MAX_LOGPROBS
+from study_cli import study_parser, write_json
 
 
-def make_checkpoint(preset: str, folder: Path, seed: int):
+def shapes_of(model: str) -> ModelConfig:
+    """The config of a preset, or of a model folder's config.json (only its shapes are used)."""
+    folder = model_folder(model)
+    return get_preset(model) if folder is None else ModelConfig.from_pretrained(folder)
+
+
+def make_checkpoint(cfg: ModelConfig, folder: Path, seed: int):
+    """A random `Qwen3_5ForCausalLM` of `cfg`'s shapes, saved to `folder`. It has no end-of-sequence token, so both
+    sides generate every requested token."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    cfg = get_preset(preset)
-    hf_cfg = Qwen3_5TextConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, layer_types=list(cfg.layer_types),
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, linear_num_key_heads=cfg.linear_num_key_heads,
-        linear_num_value_heads=cfg.linear_num_value_heads, linear_key_head_dim=cfg.linear_key_head_dim,
-        linear_value_head_dim=cfg.linear_value_head_dim, linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
-        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
-                         "partial_rotary_factor": cfg.partial_rotary_factor},
-        max_position_embeddings=cfg.max_position_embeddings, eos_token_id=None)
+    hf_cfg = Qwen3_5TextConfig(**{**cfg.to_hf_config(), "eos_token_id": None})
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(hf_cfg).eval()
@@ -59,10 +58,11 @@ def timed(fn, repeats: int):
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="bench_vs_transformers.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--preset", default="hybrid-1024", help="shapes of the random checkpoint")
-    ap.add_argument("--dtype", default="float32", choices=["float32"], help="both sides run in this dtype")
+    ap = study_parser("bench_vs_transformers.py", __doc__, "bench_vs_transformers.json",
+                      "tiny-random shapes (unless --model says otherwise) and small sizes", model_default=None,
+                      model_aliases=("--preset",), dtypes=("float32",),
+                      model_help="shapes of the random checkpoint: a preset or a model folder (default: hybrid-1024; "
+                                 "tiny-random with --quick)")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of the forward measurement")
     ap.add_argument("--requests", type=int, default=32, help="requests of the end-to-end measurement")
     ap.add_argument("--system", type=int, default=1024, help="tokens of the shared system prompt")
@@ -70,18 +70,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens each request generates (greedy)")
     ap.add_argument("--repeats", type=int, default=2, help="timed repeats; the minimum is reported")
     ap.add_argument("--seed", type=int, default=0, help="weights and prompt seed")
-    ap.add_argument("--out", default="results", help="folder for bench_vs_transformers.json")
-    ap.add_argument("--quick", action="store_true", help="tiny-random shapes and small sizes")
     args = ap.parse_args(argv)
+    args.model = args.model or ("tiny-random" if args.quick else "hybrid-1024")
     if args.quick:
-        args.preset, args.tokens, args.requests, args.system, args.suffix, args.max_tokens = (
-            "tiny-random", 256, 4, 96, 8, 8)
+        args.tokens, args.requests, args.system, args.suffix, args.max_tokens = 256, 4, 96, 8, 8
 
     import torch
     torch.set_num_threads(torch.get_num_threads())
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_checkpoint(args.preset, Path(tmp), args.seed)
+        model = make_checkpoint(shapes_of(args.model), Path(tmp), args.seed)
         vocab = model.config.vocab_size
         kw = dict(dtype=args.dtype, block_size=16, max_model_len=max(args.tokens, args.system + args.suffix +
                                                                       args.max_tokens) + 16, verbose=False)
@@ -89,7 +87,7 @@ def main(argv=None) -> dict:
         prompt = rng.integers(4, vocab, args.tokens).tolist()
         off = LLM(tmp, enable_prefix_caching=False, chunk_stride=args.tokens, max_num_seqs=1,
                   max_num_batched_tokens=args.tokens, **kw)
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=MAX_LOGPROBS)
         off.generate({"prompt_token_ids": rng.integers(4, vocab, args.tokens).tolist()}, one, use_tqdm=False)
         ours_fwd, out = timed(lambda: off.generate({"prompt_token_ids": prompt}, one, use_tqdm=False)[0],
                               args.repeats)
@@ -98,6 +96,8 @@ def main(argv=None) -> dict:
             model(ids[:, :64], use_cache=False, logits_to_keep=1)
             hf_fwd, logits = timed(lambda: model(ids, use_cache=False, logits_to_keep=1).logits, args.repeats)
         fwd_same = int(logits[0, -1].argmax()) == out.outputs[0].token_ids[0]
+        ref = torch.log_softmax(logits[0, -1].double(), -1)  # the engine's top logprobs against transformers'
+        fwd_diff = max(abs(lp.logprob - float(ref[t])) for t, lp in out.outputs[0].logprobs[0].items())
         del off
         # ---- end to end -------------------------------------------------------------------------------------
         system = rng.integers(4, vocab, args.system).tolist()
@@ -124,24 +124,23 @@ def main(argv=None) -> dict:
         same_requests = sum(x == y for x, y in zip(hf_tokens, ours_tokens))
         cached = sum(o.num_cached_tokens for o in outs)
 
-    result = {"preset": args.preset, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
+    result = {"model": args.model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
               "forward": {"tokens": args.tokens, "gdn_jax_s": ours_fwd, "transformers_s": hf_fwd,
-                          "speedup": hf_fwd / ours_fwd, "same_next_token": fwd_same},
+                          "speedup": hf_fwd / ours_fwd, "same_next_token": fwd_same,
+                          "max_abs_logprob_diff": fwd_diff},
               "end_to_end": {"requests": args.requests, "system": args.system, "suffix": args.suffix,
                              "max_tokens": args.max_tokens, "gdn_jax_s": ours_e2e, "transformers_s": hf_e2e,
                              "speedup": hf_e2e / ours_e2e, "greedy_token_agreement": agree,
                              "identical_requests": same_requests, "cached_tokens": cached}}
-    print(f"\n{args.preset} ({args.dtype}), transformers on {torch.get_num_threads()} threads, min of {args.repeats}")
+    print(f"\n{args.model} ({args.dtype}), transformers on {torch.get_num_threads()} threads, min of {args.repeats}")
     print(f"{'':<34}{'gdn-jax':>10}{'transformers':>14}{'speed-up':>10}")
     print(f"{f'forward, {args.tokens} tokens (s)':<34}{ours_fwd:>10.3f}{hf_fwd:>14.3f}{hf_fwd / ours_fwd:>9.2f}x")
     print(f"{f'{args.requests} requests x {args.max_tokens} tokens (s)':<34}{ours_e2e:>10.3f}{hf_e2e:>14.3f}"
           f"{hf_e2e / ours_e2e:>9.2f}x")
+    print(f"forward: top-{MAX_LOGPROBS} logprobs within {fwd_diff:.1e} of transformers'")
     print(f"greedy agreement: forward next token {'same' if fwd_same else 'DIFFERENT'}; end to end "
           f"{agree:.1%} of tokens, {same_requests}/{args.requests} requests identical; engine reused {cached} tokens")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_vs_transformers.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {out_dir / 'bench_vs_transformers.json'}")
+    print(f"wrote {write_json(args.out, 'bench_vs_transformers.json', result)}")
     return result
 
 

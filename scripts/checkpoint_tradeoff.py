@@ -12,8 +12,6 @@ checkpoint of every conversation alive; the table and the heat map show where ea
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import warnings
 from pathlib import Path
@@ -21,7 +19,15 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
+from study_cli import figure, save, study_parser, write_json
 
+# Workload and engine sizes. --quick keeps the sweep 2 x 2 and makes it cheap to compile: each step shape compiles once
+# per pool size (per capacity), and compilation, not running, is where a quick sweep's time goes. 64-token blocks keep
+# every step in one block-table bucket (for strides that are multiples of 64 the reuse is the same as with 16-token
+# blocks: a reuse is a checkpoint boundary; only the KV match, and so `reuse_lost`, is counted in coarser blocks), and
+# two conversations keep the row buckets to 1 and 2.
+FULL = dict(conversations=4, turns=4, max_tokens=24, user_words=(8, 30), block_size=16, max_model_len=4096)
+QUICK = dict(conversations=2, turns=3, max_tokens=8, user_words=(4, 12), block_size=64, max_model_len=512)
 SYSTEM = ("You are a helpful assistant that answers questions about the Python standard library. Quote the "
           "documentation where you can, and keep every answer short. ")
 
@@ -58,19 +64,20 @@ def run_workload(engine: LLMEngine, messages, max_tokens: int):
     return records
 
 
-def measure(model: str, dtype: str, stride: int, capacity: int, num_convs: int, turns: int, max_tokens: int,
-            seed: int, max_model_len: int) -> dict:
+def measure(model: str, dtype: str, stride: int, capacity: int, sizes: dict, seed: int) -> dict:
+    """One configuration: a warm-up pass of the workload compiles its step shapes, the prefix cache is emptied, then
+    the same workload runs again and is measured (it compiles nothing: the counters say so)."""
+    convs = sizes["conversations"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # capacity below one checkpoint per sequence warns by design
-        engine = LLMEngine(model, dtype=dtype, chunk_stride=stride, block_size=16, max_num_seqs=num_convs,
-                           max_model_len=max_model_len, num_linear_slots=1 + num_convs * (1 + capacity),
+        engine = LLMEngine(model, dtype=dtype, chunk_stride=stride, block_size=sizes["block_size"], max_num_seqs=convs,
+                           max_model_len=sizes["max_model_len"], num_linear_slots=1 + convs * (1 + capacity),
                            verbose=False)
-    warm = conversation_turns(np.random.default_rng(seed + 1000), num_convs, turns, (8, 30))
-    run_workload(engine, warm, max_tokens)         # compiles the shapes; then forget what it cached
+    messages = conversation_turns(np.random.default_rng(seed), convs, sizes["turns"], sizes["user_words"])
+    run_workload(engine, messages, sizes["max_tokens"])
     engine.reset_prefix_cache()
     before = engine.cache_stats()
-    recs = run_workload(engine, conversation_turns(np.random.default_rng(seed), num_convs, turns, (8, 30)),
-                        max_tokens)
+    recs = run_workload(engine, messages, sizes["max_tokens"])
     after = engine.cache_stats()
     later = [r for r in recs if r["turn"] > 0]      # turn 0 can only share the system prompt
     prompt_tokens = sum(r["prompt"] for r in recs)
@@ -83,6 +90,7 @@ def measure(model: str, dtype: str, stride: int, capacity: int, num_convs: int, 
             "ttft_p50_ms": 1e3 * statistics.median(r["ttft"] for r in recs),
             "evictions": after["checkpoints_evicted"] - before["checkpoints_evicted"],
             "saves_skipped": after["checkpoints_save_skipped"] - before["checkpoints_save_skipped"],
+            "compilations": after["compilations"] - before["compilations"],
             "requests": len(recs), "prompt_tokens": prompt_tokens}
 
 
@@ -101,13 +109,10 @@ def conclusion(rows) -> str:
             f"the mean reused fraction from {statistics.fmean(by_cap[lo]):.1%} to {statistics.fmean(by_cap[hi]):.1%}.")
 
 
-def plot(rows, strides, caps, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(rows, strides, caps, path: Path | None = None, ax=None):
     grid = np.array([[next(r["reused_fraction"] for r in rows if r["chunk_stride"] == s and r["capacity_per_seq"] == c)
                       for c in caps] for s in strides])
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = figure((6, 4), ax)
     im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=max(grid.max(), 1e-9), origin="lower")
     ax.set_xticks(range(len(caps)), [str(c) for c in caps])
     ax.set_yticks(range(len(strides)), [str(s) for s in strides])
@@ -118,29 +123,27 @@ def plot(rows, strides, caps, path: Path) -> None:
             ax.text(j, i, f"{grid[i, j]:.0%}", ha="center", va="center", color="w" if grid[i, j] < 0.5 else "k")
     fig.colorbar(im, ax=ax, label="fraction of prompt tokens reused")
     ax.set_title("Reuse under checkpoint pressure")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
+    return fig
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="checkpoint_tradeoff.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="preset name or HF folder")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
-    ap.add_argument("--out", default="results", help="folder for checkpoint_tradeoff.json and .png")
-    ap.add_argument("--quick", action="store_true", help="a 2 x 2 sweep on a small workload (a test runs this)")
-    ap.add_argument("--conversations", type=int, default=4, help="concurrent conversations (= max_num_seqs)")
-    ap.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    ap.add_argument("--max-tokens", type=int, default=24, help="tokens per answer (greedy)")
+    ap = study_parser("checkpoint_tradeoff.py", __doc__, "checkpoint_tradeoff.json and .png",
+                      "a 2 x 2 sweep (strides 64, 128; 1 and 4 slots per sequence) on a small workload with 64-token "
+                      "blocks; it ignores the workload flags")
+    ap.add_argument("--conversations", type=int, default=FULL["conversations"],
+                    help="concurrent conversations (= max_num_seqs)")
+    ap.add_argument("--turns", type=int, default=FULL["turns"], help="turns per conversation")
+    ap.add_argument("--max-tokens", type=int, default=FULL["max_tokens"], help="tokens per answer (greedy)")
+    ap.add_argument("--block-size", type=int, default=FULL["block_size"], help="KV block size (tokens)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     args = ap.parse_args(argv)
 
     strides, caps = ([64, 128], [1, 4]) if args.quick else ([64, 128, 256, 512], [1, 2, 4, 8])
-    convs, turns, max_tokens = (3, 3, 8) if args.quick else (args.conversations, args.turns, args.max_tokens)
+    sizes = QUICK if args.quick else {**FULL, "conversations": args.conversations, "turns": args.turns,
+                                      "max_tokens": args.max_tokens, "block_size": args.block_size}
     from tqdm.auto import tqdm
-    max_model_len = 1024 if args.quick else 4096
-    rows = [measure(args.model, args.dtype, s, c, convs, turns, max_tokens, args.seed, max_model_len)
+    rows = [measure(args.model, args.dtype, s, c, sizes, args.seed)
             for s, c in tqdm([(s, c) for s in strides for c in caps], desc="checkpoint trade-off", unit="config")]
     print(f"\n{'stride':>7}{'slots/seq':>10}{'reused':>9}{'later':>8}{'lost tot':>10}{'lost/req':>10}"
           f"{'ckpt MiB':>10}{'TTFT p50':>10}{'evict':>7}")
@@ -150,15 +153,12 @@ def main(argv=None) -> dict:
               f"{r['checkpoint_bytes'] / 2**20:>10.2f}{r['ttft_p50_ms']:>9.1f}ms{r['evictions']:>7}")
     text = conclusion(rows)
     print("\n" + text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"model": args.model, "dtype": args.dtype,
-              "config": {"strides": strides, "capacities": caps, "conversations": convs, "turns": turns,
-                         "max_tokens": max_tokens, "seed": args.seed, "quick": args.quick},
+              "config": {"strides": strides, "capacities": caps, **sizes, "seed": args.seed, "quick": args.quick},
               "rows": rows, "conclusion": text}
-    (out / "checkpoint_tradeoff.json").write_text(json.dumps(result, indent=1))
-    plot(rows, strides, caps, out / "checkpoint_tradeoff.png")
-    print(f"wrote {out / 'checkpoint_tradeoff.json'} and {out / 'checkpoint_tradeoff.png'}")
+    path = write_json(args.out, "checkpoint_tradeoff.json", result)
+    plot(rows, strides, caps, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
     return result
 
 

@@ -43,7 +43,9 @@ def test_no_step_shape_copies_a_pool(dtype):
     # neither a whole stacked pool nor one layer's part of it (the layer loop indexes the stacks)
     pool_sizes = {p.size for p in pools + _layer_pools(worker.state)}
     shapes = worker.shape_buckets()
-    assert {t for _, t, _ in shapes} == {1, 16, 32} and {b for b, _, _ in shapes} == {1, 2}
+    # prefill rows up to max_model_len; shapes of 32 and 64 tokens also write checkpoints (checkpoint_mode "scan")
+    assert {t for _, t, _ in shapes} == {1, 16, 32, 64} and {b for b, _, _ in shapes} == {1, 2}
+    assert [worker.num_saves(b, t) for b in (1, 2) for t in (16, 32, 64)] == [0, 1, 2, 0, 2, 4]
     for shape in shapes:
         compiled = worker.compiled_step(shape)
         hlo, mem = compiled.as_text(), compiled.memory_analysis()

@@ -55,7 +55,8 @@ def test_engine_greedy_equals_transformers_generate():
 
 def test_no_recompilation_after_warm_up():
     llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
-    assert llm.engine.warm_up() == 3 * 3 * 1  # rows {1,2,4} x tokens {1,16,32} x blocks {8}
+    # rows {1,2,4} x tokens {1,16,32,64,128} ("scan": a prefill row holds up to max_model_len) x blocks {8}
+    assert llm.engine.warm_up() == 3 * 5 * 1
     warm = llm.cache_stats()["compilations"]  # shapes another engine in this process compiled are shared
     rng = np.random.default_rng(9)
 

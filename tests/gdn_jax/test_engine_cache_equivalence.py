@@ -47,9 +47,11 @@ def _summary(out):
     return c.token_ids, np.array([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
 
 
-@pytest.fixture(scope="module")
-def engines():
-    return LLM("tiny-random", enable_prefix_caching=True, **ENGINE_KW), LLM("tiny-random", enable_prefix_caching=False, **ENGINE_KW)
+@pytest.fixture(scope="module", params=["scan", "promote"])
+def engines(request):
+    """Cache on (in both checkpoint modes) and cache off."""
+    return (LLM("tiny-random", enable_prefix_caching=True, checkpoint_mode=request.param, **ENGINE_KW),
+            LLM("tiny-random", enable_prefix_caching=False, **ENGINE_KW))
 
 
 def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):

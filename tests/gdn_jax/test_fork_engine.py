@@ -68,10 +68,11 @@ def test_n_samples_equal_separate_requests_with_derived_seeds_from_one_prefill(c
         assert len(children) == 3 and {r.start_pos for r in children} == {point}
         assert len({r.linear_op.restore_src_slot_id for r in children}) == 1
         if llm is cached and point % 32 == 0:
-            # the parent saves its state at the fork point in this very step: its slot becomes a checkpoint that
-            # it copies into a fresh slot, and the children copy the same slot (read before anything advances)
+            # the fork point is a boundary: the parent's prefill wrote its checkpoint from the scan (mode "scan") and
+            # kept its live slot, which the children copy in the step the parent advances it (read before written)
             op = parent[0].linear_op
-            assert op.restores_checkpoint and op.restore_src_slot_id == children[0].linear_op.restore_src_slot_id
+            assert not op.is_warm_restore and children[0].linear_op.restore_src_slot_id == op.linear_state_id
+            assert before["checkpoints_saved"] + 2 == after["checkpoints_saved"]  # boundaries 32 and 64
         assert after["live_slots"] == 0 and after["num_running"] == 0
         llm.engine.scheduler.check_invariants()
         if llm is cached:

@@ -94,8 +94,8 @@ def test_cached_positions_are_none_and_computed_ones_equal_cache_off(tiny_pair):
 
 def test_prompt_logprobs_compile_only_their_own_variant():
     llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=64, verbose=False)
-    plain = 2 * 3 * 1                                           # rows {1,2} x tokens {1,16,32} x blocks {8}
-    assert llm.engine.warm_up(prompt_logprobs=True) == plain + 2 * 2
+    plain = 2 * 4 * 1                           # rows {1,2} x tokens {1,16,32,64} (up to max_model_len) x blocks {8}
+    assert llm.engine.warm_up(prompt_logprobs=True) == plain + 2 * 3
     warm = llm.cache_stats()["compilations"]
     rng = np.random.default_rng(1)
     prompts = [random_ids(rng, n) for n in (5, 40, 33)]

@@ -146,6 +146,27 @@ def test_echo_logprobs_equal_offline_prompt_logprobs_cached_or_not(client, offli
     np.testing.assert_allclose(lps[1:len(ids)], want[1:], atol=1e-5, rtol=0)
 
 
+def test_penalties_and_vllm_extras_reach_the_engine(client, offline):
+    """Each of presence/frequency penalty (OpenAI fields) and repetition_penalty / min_p / min_tokens (vLLM's
+    extras) changes what the offline engine generates on this prompt, and the server gives the same output."""
+    prompt = _text(6, 11)
+    greedy = dict(temperature=0.0, max_tokens=32, ignore_eos=True)  # 32 tokens: some repeat, penalties bite
+    first = offline.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    sampled = dict(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    stop = dict(temperature=0.0, max_tokens=12, stop_token_ids=[first[2]])  # stops at 3 tokens unless min_tokens
+    cases = [(greedy, dict(presence_penalty=2.0)), (greedy, dict(frequency_penalty=2.0)),
+             (greedy, dict(repetition_penalty=1.5)), (sampled, dict(min_p=0.3)), (stop, dict(min_tokens=8))]
+    for base, extra in cases:
+        want, without = (offline.generate(prompt, SamplingParams(**base, **e), use_tqdm=False)[0].outputs[0]
+                         for e in (extra, {}))
+        assert want.token_ids != without.token_ids, extra  # the parameter matters here, so the check can fail
+        kw = {k: v for k, v in {**base, **extra}.items() if k in ("temperature", "max_tokens", "seed",
+                                                                 "presence_penalty", "frequency_penalty")}
+        body = {k: v for k, v in {**base, **extra}.items() if k not in kw}
+        got = client.completions.create(model="tiny", prompt=prompt, extra_body=body, **kw).choices[0]
+        assert got.text == want.text, extra
+
+
 def test_32_concurrent_streaming_clients_match_a_serial_run(server, client):
     rng = np.random.default_rng(7)
     system = _text(12, 3)
@@ -231,6 +252,11 @@ BAD = [
     ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
     ({"prompt": [[5, 6], [-1]]}, 400, "outside the vocabulary"),
     ({"prompt": "hi", "stop_token_ids": [100000]}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
+    ({"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty must be in [-2, 2]"),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ({"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     ({"prompt": "x" * 70000}, 413, "exceeds the limit"),
 ]
 

@@ -13,9 +13,12 @@ def next_token(tokens: list[int], vocab: int = VOCAB) -> int:
     return xxhash.xxh32_intdigest(array("q", tokens[-3:] + [len(tokens)]).tobytes()) % vocab
 
 
+DEFAULT_MODE = "promote"  # set per test by tests/scheduler/conftest.py: every test runs in both modes
+
+
 def small_config(**kw) -> SchedulerConfig:
     base = dict(block_size=4, chunk_stride=8, num_kv_blocks=64, num_linear_slots=16,
-                max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16)
+                max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16, checkpoint_mode=DEFAULT_MODE)
     base.update(kw)
     return SchedulerConfig(**base)
 
@@ -60,6 +63,17 @@ class FakeDevice:
                 new_state[op.linear_state_id] = self.state[op.restore_src_slot_id]
                 self.restores.append((row.seq_id, row.start_pos, op.restore_src_slot_id))
         self.state.update(new_state)
+        # checkpoints the step writes ("scan" mode): the row's state after `offset` of its tokens, into a slot no row
+        # reads or advances in this step
+        sources = {row.linear_op.restore_src_slot_id for row in plan.seqs if row.linear_op is not None}
+        assert len({s.slot for s in plan.saves}) == len(plan.saves), "two saves write one slot"
+        for save in plan.saves:
+            assert plan.is_prefill and 0 <= save.row < len(plan.seqs)
+            row = plan.seqs[save.row]
+            assert save.slot not in lives and save.slot not in sources and 0 < save.slot < cfg.num_linear_slots
+            assert 0 < save.offset <= len(row.token_ids) and save.boundary == row.start_pos + save.offset
+            assert save.boundary % cfg.chunk_stride == 0
+            self.state[save.slot] = tuple(self.tokens[row.seq_id][:save.boundary])
         out = []
         for row in plan.seqs:
             toks = self.tokens[row.seq_id]

@@ -1,4 +1,6 @@
 """How much of a prompt is reused: min(kv_match, linear_reach) on an actual checkpoint."""
+import pytest
+
 from scheduler import Scheduler
 from scheduler.hashing import KV_DOMAIN, LINEAR_DOMAIN, chain_hashes, domain_seed
 from tests.scheduler.sched_helpers import FakeDevice, make_seq, run, small_config, submit
@@ -36,6 +38,7 @@ def kv_block(sched, tokens):
     return sched.block_manager.kv.hash_to_block[h]
 
 
+@pytest.mark.promote_only
 def test_kv_hit_without_checkpoint_reuses_zero_tokens():
     sched, dev = setup()
     serve(sched, dev, 1, P[:7])  # block [0,4) cached, no chunk boundary reached

@@ -1,4 +1,6 @@
 """Counters that mean what they say; a failed step and an abort during an in-flight step release exactly."""
+import pytest
+
 from scheduler import Scheduler
 from tests.scheduler.sched_helpers import FakeDevice, make_seq, run, small_config, submit
 
@@ -9,6 +11,7 @@ def _held(sched, seq):
     return list(seq.block_table), seq.linear_state_id
 
 
+@pytest.mark.promote_only
 def test_a_request_that_never_hits_restores_nothing_but_rotates():
     cfg = small_config(max_num_batched_tokens=8)  # prompt 30 tokens, 12 decoded: boundaries 8..40 on the way
     sched, dev = Scheduler(cfg), FakeDevice(cfg)

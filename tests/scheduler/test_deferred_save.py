@@ -1,9 +1,13 @@
 """Checkpoints are saved one step late, under the hash recorded at their boundary."""
 import json
 
+import pytest
+
 from scheduler import LinearStateCacheOp, Scheduler
 from scheduler.hashing import LINEAR_DOMAIN, chain_hashes, domain_seed
 from tests.scheduler.sched_helpers import FakeDevice, make_seq, run, small_config, submit
+
+pytestmark = pytest.mark.promote_only  # the deferred save by promotion is the "promote" design
 
 P = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 0, 2, 6, 4, 3, 3, 2, 3, 0, 4]
 CS = 8

@@ -2,6 +2,8 @@
 import dataclasses
 import random
 
+import pytest
+
 from scheduler import SamplingParams, Scheduler, Sequence
 from tests.scheduler.sched_helpers import FakeDevice, make_seq, run, small_config, submit
 
@@ -25,6 +27,7 @@ def test_prefill_chunks_end_on_chunk_stride_multiples():
     assert row.slot_mapping == [row.block_table[p // 4] * 4 + p % 4 for p in range(8, 16)]
 
 
+@pytest.mark.promote_only
 def test_prefill_token_budget_and_max_num_seqs_bound_a_step():
     cfg = small_config(max_num_batched_tokens=16, max_num_seqs=2)
     sched, dev = Scheduler(cfg), FakeDevice(cfg)
@@ -131,6 +134,7 @@ def test_no_gdn_model_reuses_the_whole_kv_match_unaligned():
     assert shape(plan) == (True, [(2, 12, 2, True)]) and plan.seqs[0].linear_op is None
 
 
+@pytest.mark.promote_only
 def test_abort_releases_waiting_and_running_sequences():
     cfg = small_config(max_num_seqs=2, num_linear_slots=3)
     sched, dev = Scheduler(cfg), FakeDevice(cfg)

@@ -1,0 +1,71 @@
+"""What the study scripts share: the command line every study takes (`--model`, `--dtype`, `--out`, `--quick`), the
+JSON it writes, and figures drawn without a display.
+
+The scripts import this module by name: `python scripts/<study>.py` puts scripts/ on sys.path; a test or a notebook
+that imports a study puts it there itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEFAULT_MODEL = "tiny"  # the trained built-in model
+DTYPES = ("float32", "bfloat16")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as it is written, and "(default: X)" after each flag whose default is a value (a default
+    of None or False means "unset" or "off", which the help text says in words)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def study_parser(prog: str, doc: str, outputs: str, quick: str, *, model_default: str | None = DEFAULT_MODEL,
+                 model_help: str = "preset name or HF folder", dtypes: tuple[str, ...] = DTYPES,
+                 model_aliases: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """The parser with the four flags of every study; the script adds its own. `doc` (the module docstring) is the
+    description; `outputs` names the files written under --out; `quick` says what --quick shrinks."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=_HelpFormatter)
+    ap.add_argument("--model", *model_aliases, default=model_default, help=model_help)
+    ap.add_argument("--dtype", default="float32", choices=list(dtypes), help="weights and activations")
+    ap.add_argument("--out", default="results", help=f"folder for {outputs}")
+    ap.add_argument("--quick", action="store_true", help=f"{quick} (a test runs this)")
+    return ap
+
+
+def write_json(out: str | Path, name: str, result: dict) -> Path:
+    """Writes `result` to OUT/name (creating OUT) and returns the path."""
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+def pools_of(engine) -> dict:
+    """`LLMEngine` arguments for pools of the same sizes as `engine`'s. Engines of one model whose pools have the same
+    shapes run the same compiled steps: a study that compares engines (cache on / off, reuse modes) then compiles
+    each step shape once, not once per engine. With the prefix cache off the extra linear slots just stay free."""
+    return {"num_kv_blocks": engine.memory.num_kv_blocks, "num_linear_slots": engine.memory.num_linear_slots}
+
+
+def figure(figsize: tuple[float, float], ax=None):
+    """The figure and axes a study plot draws on: `ax`'s if given (a notebook passes `plt.subplots()`'s, which it
+    shows inline), else a new figure made without pyplot, so that a headless script neither needs nor changes a
+    backend."""
+    if ax is not None:
+        return ax.figure, ax
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots()
+
+
+def save(fig, path: str | Path | None) -> None:
+    """Saves a `figure()` as PNG (dpi 120) when a path is given; figures made here need no closing."""
+    if path is not None:
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
