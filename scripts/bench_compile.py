@@ -2,7 +2,8 @@
 allocated, so the Qwen3.5-9B preset compiles on a machine that could not hold it.
 
     python scripts/bench_compile.py --preset qwen3.5-9b [--dtype bfloat16] [--max-num-seqs 16] [--max-model-len 4096]
-        [--block-size 16] [--chunk-stride 64] [--shapes 16x64x256,16x1x256 | --limit N] [--prompt-logprobs]
+        [--block-size 16] [--chunk-stride 64] [--max-num-batched-tokens 2048] [--checkpoint-mode scan|promote]
+        [--checkpoint-policy all|last] [--shapes 16x64x256,16x1x256 | --limit N] [--prompt-logprobs]
         [--warm-up] [--cache-dir off|DIR] [--second-start] [--out results/bench_compile_<preset>.json]
 
 The worker is built as the engine builds it (same memory plan, same shape buckets, `Worker.shape_buckets()`), but on
@@ -92,7 +93,9 @@ def build_worker(a) -> Worker:
     params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     memory = plan_memory(cfg, dtype, a.block_size, a.max_num_seqs, a.max_model_len, None, None,
                          default_memory_budget(params_bytes))
-    return Worker(cfg, graphdef, params, memory, a.block_size, a.max_num_seqs, a.max_model_len, a.chunk_stride, dtype)
+    return Worker(cfg, graphdef, params, memory, a.block_size, a.max_num_seqs, a.max_model_len, a.chunk_stride, dtype,
+                  max_num_batched_tokens=a.max_num_batched_tokens or max(a.chunk_stride, 2048),
+                  checkpoint_mode=a.checkpoint_mode, checkpoint_policy=a.checkpoint_policy)
 
 
 def measure(a) -> dict:
@@ -113,7 +116,7 @@ def measure(a) -> dict:
         shapes = spread(grid, a.limit) if a.limit else grid
     print(f"{a.preset} {a.dtype}: {len(grid)} warm-up shapes ({sum(s[1] > 1 for s in grid)} prefill, "
           f"{sum(s[1] == 1 for s in grid)} decode); timing {len(shapes)}; memory {worker.memory.describe()}; "
-          f"cache {a.cache_dir}; setup {setup_s:.1f} s")
+          f"cache {a.cache_dir}; checkpoint_mode {a.checkpoint_mode}; setup {setup_s:.1f} s")
     if a.warm_up:
         t0, c0 = time.perf_counter(), time.process_time()
         worker.warm_up(prompt_logprobs=a.prompt_logprobs)
@@ -123,7 +126,7 @@ def measure(a) -> dict:
         return {"mode": "warm_up", "preset": a.preset, "dtype": a.dtype, "cache_dir": a.cache_dir, "setup_s": setup_s,
                 "num_shapes": len(grid), "grid": [list(s) for s in grid], "per_shape_s": [], "total_s": wall,
                 "cpu_s": cpu, "total_extrapolated": False, "process_s": time.perf_counter() - T_START}
-    print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'lower s':>8} {'compile s':>9} {'total s':>8} {'cpu s':>7}")
+    print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'saves':>5} {'lower s':>8} {'compile s':>9} {'total s':>8} {'cpu s':>7}")
     # sampling: its own executable per rows bucket, shared by the step shapes with that many rows
     # (a worker that samples inside its step, as before the split, has none)
     all_samplers = worker.sample_buckets() if hasattr(worker, "sample_buckets") else []
@@ -131,7 +134,7 @@ def measure(a) -> dict:
     sample_rows = []
     for B in samplers:
         sample_rows.append({"rows": B} | timed(lambda: worker.lowered_sample(B)))
-        print(f"{B:>5} {'(sampling)':>13} {row_times(sample_rows[-1])}", flush=True)
+        print(f"{B:>5} {'(sampling)':>19} {row_times(sample_rows[-1])}", flush=True)
     sampling_s = sum(r["total_s"] for r in sample_rows)
     if sample_rows and len(sample_rows) < len(all_samplers):  # extrapolated like the step shapes
         sampling_estimate = (len(all_samplers) - len(sample_rows)) * sampling_s / len(sample_rows)
@@ -139,15 +142,18 @@ def measure(a) -> dict:
         sampling_estimate = 0.0
     rows = []
     for shape in shapes:
-        row = {"shape": list(shape)} | timed(lambda: worker.lowered_step(shape))
+        saves = worker.num_saves(*shape[:2]) if hasattr(worker, "num_saves") else 0  # checkpoints the shape writes
+        row = {"shape": list(shape), "saves": saves} | timed(lambda: worker.lowered_step(shape))
         if a.prompt_logprobs and shape[1] > 1:
             prompt = timed(lambda: worker.lowered_prompt_step(shape))
             row |= {"prompt_logprobs_s": prompt["total_s"], "total_s": row["total_s"] + prompt["total_s"],
                     "cpu_s": row["cpu_s"] + prompt["cpu_s"]}
         rows.append(row)
-        print(f"{shape[0]:>5} {shape[1]:>6} {shape[2]:>6} {row_times(row)}", flush=True)
+        print(f"{shape[0]:>5} {shape[1]:>6} {shape[2]:>6} {saves:>5} {row_times(row)}", flush=True)
     out = {"preset": a.preset, "dtype": a.dtype, "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
-           "block_size": a.block_size, "chunk_stride": a.chunk_stride, "cache_dir": a.cache_dir,
+           "block_size": a.block_size, "chunk_stride": a.chunk_stride,
+           "max_num_batched_tokens": a.max_num_batched_tokens, "checkpoint_mode": a.checkpoint_mode,
+           "checkpoint_policy": a.checkpoint_policy, "cache_dir": a.cache_dir,
            "prompt_logprobs": a.prompt_logprobs, "setup_s": setup_s, "num_shapes": len(grid),
            "grid": [list(s) for s in grid], "shapes": [r["shape"] for r in rows],
            "per_shape_s": [r["total_s"] for r in rows], "rows": rows, "num_sampling_shapes": len(all_samplers),
@@ -211,7 +217,12 @@ def main(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine max_num_seqs (the rows buckets)")
     p.add_argument("--max-model-len", type=int, default=4096, help="engine max_model_len (the block tables' width)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size")
-    p.add_argument("--chunk-stride", type=int, default=64, help="engine chunk_stride (the largest prefill chunk)")
+    p.add_argument("--chunk-stride", type=int, default=64, help="engine chunk_stride (checkpoint boundaries)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine max_num_batched_tokens (default "
+                   "max(chunk_stride, 2048)): in checkpoint mode 'scan' the largest prefill row and the grid's bound")
+    p.add_argument("--checkpoint-mode", default="scan", choices=("scan", "promote"), help="engine checkpoint_mode "
+                   "('promote': prefill rows of at most chunk_stride tokens, no saves)")
+    p.add_argument("--checkpoint-policy", default="all", choices=("all", "last"), help="engine checkpoint_policy")
     p.add_argument("--shapes", default="", help="comma-separated ROWSxTOKENSxBLOCKS shapes to time (default: all)")
     p.add_argument("--limit", type=int, default=0, help="time N shapes spread over the grid (0: all)")
     p.add_argument("--prompt-logprobs", action="store_true", help="also compile the prompt-logprobs step per prefill "
