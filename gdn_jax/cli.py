@@ -28,12 +28,8 @@ def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
 
 def _engine_kwargs(args) -> dict:
     """LLMEngine keyword arguments from the shared flags (and the compilation cache set up on the way)."""
-    import jax
-    if args.compilation_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    elif args.compilation_cache == "":
-        os.environ["GDN_JAX_CACHE_DIR"] = "off"
+    if args.compilation_cache is not None:  # the engine turns the cache on (engine.enable_compilation_cache)
+        os.environ["GDN_JAX_CACHE_DIR"] = args.compilation_cache or "off"
     return dict(dtype=args.dtype, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
                 block_size=args.block_size, chunk_stride=args.chunk_stride, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,

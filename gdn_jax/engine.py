@@ -146,7 +146,9 @@ def enable_compilation_cache() -> str | None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         folder = os.path.join(base, "gdn_jax", "jax")
     jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # every executable is kept, the quick ones too: a second start then compiles nothing (a step shape's entry is a
+    # few hundred KB; sampling's, ~60 KB)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return folder
 
 

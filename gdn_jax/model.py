@@ -15,6 +15,7 @@ Batch layout: `B` rows (sequences), `T` tokens per row (a prefill chunk, or 1 fo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from functools import partial
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn_jax.config import LINEAR, ModelConfig
+from gdn_jax.config import FULL, LINEAR, ModelConfig
 from gdn_jax.gated_delta import causal_conv1d, chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 
 
@@ -54,10 +55,14 @@ class Batch:
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "conv", "ssm"], meta_fields=[])
 @dataclasses.dataclass
 class DeviceState:
-    k: tuple[jax.Array, ...]      # per full-attention layer [kv_heads, num_blocks, block_size, head_dim]
-    v: tuple[jax.Array, ...]
-    conv: tuple[jax.Array, ...]   # per GDN layer [num_slots, kernel - 1, conv_dim] (activation dtype, see pool_dtype)
-    ssm: tuple[jax.Array, ...]    # per GDN layer [num_slots, Hv, dk, dv] float32
+    """The pools, one array per kind with every layer of that kind stacked (None for a kind the model lacks), so
+    that the layer loop (`Qwen35Model.scan_layers`) indexes its layer's pool by the loop counter. Full-attention
+    layer j's KV pool is k[:, j] (head-major, the layer axis second: a row's gathered prefix is [kv_heads, S, hd],
+    see Attention); GDN layer j's pools are conv[j] and ssm[j]."""
+    k: jax.Array | None      # [kv_heads, full layers, num_blocks, block_size, head_dim] (see pool_dtype)
+    v: jax.Array | None
+    conv: jax.Array | None   # [GDN layers, num_slots, kernel - 1, conv_dim] (activation dtype, see pool_dtype)
+    ssm: jax.Array | None    # [GDN layers, num_slots, Hv, dk, dv] float32
 
 
 def pool_dtype(dtype):
@@ -81,26 +86,31 @@ def from_pool(x, dtype):
 
 
 def init_state(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int, dtype=jnp.float32) -> DeviceState:
-    kv_shape = (cfg.num_key_value_heads, num_blocks, block_size, cfg.head_dim)  # head-major: see Attention
     n_full, n_lin = len(cfg.full_layer_ids), len(cfg.linear_layer_ids)
-    conv_shape = (num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
-    ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    kv_shape = (cfg.num_key_value_heads, n_full, num_blocks, block_size, cfg.head_dim)  # head-major: see Attention
+    conv_shape = (n_lin, num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
+    ssm_shape = (n_lin, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     store = pool_dtype(dtype)
     return DeviceState(
-        k=tuple(jnp.zeros(kv_shape, store) for _ in range(n_full)),
-        v=tuple(jnp.zeros(kv_shape, store) for _ in range(n_full)),
-        conv=tuple(jnp.zeros(conv_shape, store) for _ in range(n_lin)),
-        ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(n_lin)),
+        k=jnp.zeros(kv_shape, store) if n_full else None,
+        v=jnp.zeros(kv_shape, store) if n_full else None,
+        conv=jnp.zeros(conv_shape, store) if n_lin else None,
+        ssm=jnp.zeros(ssm_shape, jnp.float32) if n_lin else None,
     )
 
 
-def read_slots(pool, ids):
-    """pool [num_slots, ...] -> pool[ids] [B, ...], gathered with one extra (padding) index.
+def read_slots(pool, ids, layer):
+    """pool [layers, num_slots, ...] -> pool[layer, ids] [B, ...], gathered with one extra (padding) index.
 
     XLA turns a one-index gather into a dynamic slice and fuses that copy into every consumer: then the GDN
     output reads the pool after the slot's write was issued, and XLA copies the whole pool to keep the old
     contents. A gather of two or more indices is computed once, so only it reads the pool, before the write."""
-    return pool[jnp.concatenate([ids, jnp.zeros((1,), ids.dtype)])][:-1]
+    return pool[layer, jnp.concatenate([ids, jnp.zeros((1,), ids.dtype)])][:-1]
+
+
+def layer_ids(layer, ids):
+    """The layer index broadcast to the shape of `ids`: the leading index array of a write into a stacked pool."""
+    return jnp.full(ids.shape, layer, ids.dtype)
 
 
 def write_rows(pool, ids: tuple, rows, axis: int = 0):
@@ -117,6 +127,10 @@ def write_rows(pool, ids: tuple, rows, axis: int = 0):
     return pool.at[(slice(None),) * axis + ids].set(jnp.moveaxis(rows, 0, axis), mode="promise_in_bounds")
 
 
+# Keys one iteration of the attention loop reads per row (`Attention`): the loop runs over the keys the batch's rows
+# hold, whatever the width of the block tables, so a wide table costs nothing and one width serves every step.
+KV_CHUNK_KEYS = 256
+
 # Working set of one iteration of the loops over a batch's rows that run on CPU (`rows_per_iteration`).
 CPU_ROWS_BYTES = {"attention": 4 << 20, "gdn_decode": 2 << 20}
 
@@ -131,21 +145,72 @@ def rows_per_iteration(rows: int, bytes_per_row: int, kind: str) -> int:
     return math.gcd(rows, 1 << max(0, (CPU_ROWS_BYTES[kind] // bytes_per_row).bit_length() - 1))
 
 
+class LayerKernel:
+    """A projection matrix of the layer the layer loop is at (`Qwen35Model.scan_layers`): every layer's own matrix
+    (separate buffers, never stacked) and the loop's layer index. `dense` multiplies by the layer's matrix inside a
+    `lax.switch` over the layers, whose branches read their matrix where it lies.
+
+    Slicing a stacked [layers, n_in, n_out] array instead copies the layer's matrix on XLA's CPU backend (its
+    matmuls read whole buffers), on every step, and a bfloat16 stack is converted to float32 whole (see
+    docs/design.md, "Layer loop")."""
+
+    def __init__(self, kernels: tuple, layer):
+        self.kernels, self.layer = kernels, layer
+
+    def __getitem__(self, index):  # how an nnx.Variable reads its value: `kernel[...]`
+        if index is not Ellipsis:
+            raise TypeError("a LayerKernel is read whole (kernel[...])")
+        return self
+
+    @property
+    def dtype(self):
+        return self.kernels[0].dtype
+
+    def select(self, fn, *args):
+        """fn(the layer's matrix, *args), through a switch over the layers unless the layer is known when tracing.
+        `fn` is traced once per layer (a branch each): keep it a call of a jitted function, whose trace is cached."""
+        if isinstance(self.layer, int):
+            return fn(self.kernels[self.layer], *args)
+        return jax.lax.switch(self.layer, [partial(fn, k) for k in self.kernels], *args)
+
+
+@jax.jit
+def _identity(a):  # a branch of the switch that picks a layer's small parameters (one trace for every branch)
+    return a
+
+
+@partial(jax.jit, static_argnums=2)
+def _products(x, kernels: tuple, spec: str) -> tuple:
+    """x @ each kernel as `spec`, accumulated and returned in float32. Jitted so that the switch branches of
+    `LayerKernel` (one per layer, same shapes) reuse one trace."""
+    return tuple(jnp.einsum(spec, x, k, preferred_element_type=jnp.float32) for k in kernels)
+
+
 def dense(x, kernel, spec: str = "...d,dv->...v"):
     """x [..., n_in] @ kernel [n_in, n_out] (or [n_out, n_in] with spec "...d,vd->...v") -> [..., n_out] float32,
-    accumulated in float32.
+    accumulated in float32. `kernel` may be a `LayerKernel`: the matrix of the layer the loop is at.
 
     On CPU a single bfloat16 row is duplicated into two: XLA's CPU backend has no bfloat16 matrix-vector kernel and
     multiplies one row by first converting the whole weight to float32, on every call (~10x the bandwidth bound on
     the development machine), while two or more rows take its library GEMM path, which reads the bfloat16 weight as
     it is. (The engine's single-row decode step goes further: see `Worker`'s float32_decode_weights.) Elsewhere
     (GPU, float32) the product is left alone."""
+    return dense_all(x, (kernel,), spec)[0]
+
+
+def dense_all(x, kernels, spec: str = "...d,dv->...v") -> list:
+    """[dense(x, k) for k in kernels]; `LayerKernel`s (of one layer loop) are picked by one switch for all of them."""
     lead = x.shape[:-1]
-    if x.dtype == jnp.bfloat16 and kernel.dtype == jnp.bfloat16 and math.prod(lead) == 1 \
-            and jax.default_backend() == "cpu":
-        pair = jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1]))
-        return jnp.einsum(spec, pair, kernel, preferred_element_type=jnp.float32)[:1].reshape(*lead, -1)
-    return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32)
+    pair = (x.dtype == jnp.bfloat16 and all(k.dtype == jnp.bfloat16 for k in kernels) and math.prod(lead) == 1
+            and jax.default_backend() == "cpu")
+    if pair:
+        x = jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1]))
+    if not isinstance(kernels[0], LayerKernel):
+        out = _products(x, tuple(kernels), spec)
+    else:
+        out = LayerKernel(tuple(zip(*(k.kernels for k in kernels))), kernels[0].layer).select(
+            lambda ks, x: _products(x, ks, spec), x)
+    return [y[:1].reshape(*lead, -1) for y in out] if pair else list(out)
 
 
 class Linear(nnx.Linear):
@@ -153,7 +218,14 @@ class Linear(nnx.Linear):
     returning the activation dtype."""
 
     def __call__(self, x):
-        return dense(x.astype(self.dtype), self.kernel[...]).astype(self.dtype)
+        return project(x, self)[0]
+
+
+def project(x, *linears: Linear) -> list:
+    """[linear(x) for linear in linears]: several projections of one input (under the layer loop, one switch picks
+    the layer's matrices of all of them, so the step traces fewer branches)."""
+    dtype = linears[0].dtype
+    return [y.astype(dtype) for y in dense_all(x.astype(dtype), [linear.kernel[...] for linear in linears])]
 
 
 def _linear(rngs, n_in, n_out, dtype, std):
@@ -196,7 +268,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(rngs, cfg.intermediate_size, cfg.hidden_size, dtype, std)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -225,7 +298,7 @@ class GatedDeltaNet(nnx.Module):
         B, T, _ = x.shape
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed = self.in_proj_qkv(x)
+        mixed, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         saved_conv = None
         if saves is not None:  # the K-1 conv inputs before each boundary, as causal_conv1d keeps them
             rows, offsets = saves
@@ -238,8 +311,8 @@ class GatedDeltaNet(nnx.Module):
         k = l2norm(k.reshape(B, T, nk, dk).astype(jnp.float32))
         q, k = jnp.repeat(q, nv // nk, axis=2), jnp.repeat(k, nv // nk, axis=2)  # value head h -> key head h // (nv/nk)
         v = v.reshape(B, T, nv, dv)
-        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))  # [B, T, Hv]
-        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...])
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
         if saves is not None:
             o, ssm_state, chunk_states = chunk_gated_delta_rule(
                 q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, chunk_size=chunk_size,
@@ -252,13 +325,14 @@ class GatedDeltaNet(nnx.Module):
                 rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
                                initial_state=ssm_state, lengths=lengths, **kw)
             o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
-        o = self.norm(o.astype(x.dtype), self.in_proj_z(x).reshape(B, T, nv, dv))
+        o = self.norm(o.astype(x.dtype), z.reshape(B, T, nv, dv))
         out = self.out_proj(o.reshape(B, T, nv * dv))
         return (out, conv_state, ssm_state) if saves is None else (out, conv_state, ssm_state, saved)
 
 
-def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta):
-    """One decode token of the gated delta rule for every row, on states kept in their pool: a few rows at a time
+def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
+    """One decode token of the gated delta rule for every row, on the states of GDN layer `layer` kept in their
+    stacked pool [layers, num_slots, Hv, dk, dv]: a few rows at a time
     (`rows_per_iteration`), each reads its initial state from slot `src` (zeros where not `warm`) and writes the
     new one to its live slot in place. Returns (o [B, 1, Hv, dv], pool).
 
@@ -268,17 +342,19 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta):
     independent, and no row reads a slot another row writes (in a one-token step a restore source is never a live
     slot: `validate_cache_ops`), so the order does not matter."""
     B = q.shape[0]
-    chunk = rows_per_iteration(B, pool[0].nbytes, "gdn_decode")
+    chunk = rows_per_iteration(B, math.prod(pool.shape[2:]) * pool.dtype.itemsize, "gdn_decode")
 
     def rows(i, a):
         return jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk)
 
     def body(i, carry):
         pool, o = carry
-        s0 = jnp.where(rows(i, warm)[:, None, None, None], read_slots(pool, rows(i, src)), 0.0)
+        s0 = jnp.where(rows(i, warm)[:, None, None, None], read_slots(pool, rows(i, src), layer), 0.0)
         oi, s1 = recurrent_gated_delta_rule(*(rows(i, a) for a in (q, k, v, g, beta)), initial_state=s0,
                                             lengths=rows(i, lengths))
-        return write_rows(pool, (rows(i, live),), s1), jax.lax.dynamic_update_slice_in_dim(o, oi, i * chunk, 0)
+        ids = rows(i, live)
+        return (write_rows(pool, (layer_ids(layer, ids), ids), s1),
+                jax.lax.dynamic_update_slice_in_dim(o, oi, i * chunk, 0))
 
     pool, o = jax.lax.fori_loop(0, B // chunk, body, (pool, jnp.zeros(v.shape, v.dtype)))
     return o, pool
@@ -313,52 +389,73 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg = self.q_proj(x).reshape(B, T, H, 2 * hd)
+        qg, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        qg = qg.reshape(B, T, H, 2 * hd)
         q, gate = self.q_norm(qg[..., :hd]), qg[..., hd:].reshape(B, T, H * hd)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, kvh, hd))
-        v = self.v_proj(x).reshape(B, T, kvh, hd)
+        k = self.k_norm(k.reshape(B, T, kvh, hd))
+        v = v.reshape(B, T, kvh, hd)
         q = rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
         k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
         return q, k, v, gate
 
-    def __call__(self, x, k_cache, v_cache, batch: Batch):
-        """x: [B, T, D]; caches: [kvh, NB, bs, hd] paged -> (out, k_cache, v_cache).
+    def __call__(self, x, k_cache, v_cache, batch: Batch, layer):
+        """x: [B, T, D]; caches: [kvh, layers, NB, bs, hd] paged, of which this layer's is [:, layer]
+        -> (out, k_cache, v_cache).
 
-        The caches are head-major so that a row's gathered prefix, [kvh, S, hd], has the matmuls' batch axis (kv
-        head) in front: the products read it as it is gathered, with no transposed copy."""
+        Each row attends to its keys in chunks of `KV_CHUNK_KEYS` (an online softmax), as many chunks as the
+        longest row of the batch needs (start + length): the block tables' width (padding blocks) costs nothing.
+        The caches are head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv
+        head) in front: the products read them as they are gathered, with no transposed copy."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg = self.q_proj(x).reshape(B, T, H, 2 * hd)
+        qg, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        qg = qg.reshape(B, T, H, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, H * hd)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, kvh, hd))
-        v = self.v_proj(x).reshape(B, T, kvh, hd)
+        k = self.k_norm(k.reshape(B, T, kvh, hd))
+        v = v.reshape(B, T, kvh, hd)
         positions = batch.start_pos[:, None] + jnp.arange(T)[None, :]  # [B, T]
         q = rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
         k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
 
         # write this chunk's K/V into the paged cache, then read each row's whole prefix back
-        bs = k_cache.shape[2]
+        bs = k_cache.shape[3]
         flat = batch.slot_mapping.reshape(-1)
-        at = (flat // bs, flat % bs)  # (block, offset) per token
+        at = (layer_ids(layer, flat), flat // bs, flat % bs)  # (layer, block, offset) per token
         k_cache = write_rows(k_cache, at, k.reshape(B * T, kvh, hd), axis=1)
         v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd), axis=1)
         g = H // kvh  # per (row, kv head) one matmul over its g * T queries
         qh = q.reshape(B, T, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(B, kvh, g * T, hd)
         qpos = jnp.tile(positions, (1, g))  # [B, g*T]
 
-        def attend(qh, table, qpos):  # one row: [kvh, gT, hd], [NB], [gT] -> [kvh, gT, hd]
-            S = table.shape[0] * bs
-            keys = from_pool(k_cache[:, table], x.dtype).reshape(kvh, S, hd)
-            values = from_pool(v_cache[:, table], x.dtype).reshape(kvh, S, hd)
-            scores = jnp.einsum("kqd,ksd->kqs", qh, keys, preferred_element_type=jnp.float32) * hd**-0.5
-            causal = jnp.arange(S)[None, :] <= qpos[:, None]  # [gT, S]
-            probs = jax.nn.softmax(jnp.where(causal[None], scores, -jnp.inf), axis=-1).astype(x.dtype)
-            return jnp.einsum("kqs,ksd->kqd", probs, values, preferred_element_type=jnp.float32)
+        NB = batch.block_tables.shape[1]
+        cb = max(1, min(NB, KV_CHUNK_KEYS // bs))  # blocks per chunk
+        tables = jnp.pad(batch.block_tables, ((0, 0), (0, -NB % cb)))  # whole chunks (padding block 0)
+        chunks = jnp.clip(-(-jnp.max(batch.start_pos + batch.lengths) // (cb * bs)), 1, tables.shape[1] // cb)
 
-        per_row = 2 * kvh * batch.block_tables.shape[1] * bs * hd * jnp.dtype(x.dtype).itemsize  # its keys + values
-        out = jax.lax.map(lambda a: attend(*a), (qh, batch.block_tables, qpos),
+        def attend(qh, table, qpos):  # one row: [kvh, gT, hd], [NB], [gT] -> [kvh, gT, hd] float32
+            def chunk(c, carry):  # keys [c * cb * bs, (c + 1) * cb * bs)
+                top, total, acc = carry  # running max [kvh, gT], sum of exp [kvh, gT], output [kvh, gT, hd]
+                blocks = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
+                keys = from_pool(k_cache[:, layer, blocks], x.dtype).reshape(kvh, cb * bs, hd)
+                values = from_pool(v_cache[:, layer, blocks], x.dtype).reshape(kvh, cb * bs, hd)
+                scores = jnp.einsum("kqd,ksd->kqs", qh, keys, preferred_element_type=jnp.float32) * hd**-0.5
+                causal = c * cb * bs + jnp.arange(cb * bs)[None, :] <= qpos[:, None]  # [gT, cb * bs]
+                scores = jnp.where(causal[None], scores, -jnp.inf)
+                new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # finite: key 0 is in every query's reach
+                p = jnp.exp(scores - new_top[..., None])
+                scale = jnp.exp(top - new_top)
+                pv = jnp.einsum("kqs,ksd->kqd", p.astype(x.dtype), values, preferred_element_type=jnp.float32)
+                return new_top, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
+
+            init = (jnp.full(qh.shape[:2], -jnp.inf, jnp.float32), jnp.zeros(qh.shape[:2], jnp.float32),
+                    jnp.zeros(qh.shape, jnp.float32))
+            _, total, acc = jax.lax.fori_loop(0, chunks, chunk, init)
+            return acc / total[..., None]
+
+        per_row = 2 * kvh * cb * bs * hd * jnp.dtype(x.dtype).itemsize  # the keys + values of one chunk
+        out = jax.lax.map(lambda a: attend(*a), (qh, tables, qpos),
                           batch_size=rows_per_iteration(B, per_row, "attention"))
         out = out.astype(x.dtype).reshape(B, kvh, g, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
@@ -376,6 +473,26 @@ class DecoderLayer(nnx.Module):
             self.self_attn = Attention(cfg, dtype, rngs, std)
         self.mlp = MLP(cfg, dtype, rngs, std)
 
+    def residual(self, x, h):
+        """The layer's output from its input x and its mixer's (GDN or attention) output h: both residual adds
+        around the MLP."""
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def layer_groups(layer_types) -> tuple[tuple[tuple[str, int], ...], int]:
+    """The layer list as `repeats` copies of one group, the group as runs of consecutive layers of one kind:
+    Qwen3.5's 3 GDN + 1 full attention, repeated -> (((LINEAR, 3), (FULL, 1)), layers / 4). The group is the
+    shortest one that repeats to the whole list; a list with none (say G G A G) is a single group of its runs."""
+    types, n = tuple(layer_types), len(layer_types)
+    p = next(p for p in range(1, n + 1) if n % p == 0 and types[:p] * (n // p) == types)
+    return tuple((kind, len(list(run))) for kind, run in itertools.groupby(types[:p])), n // p
+
+
+def _repeat(n: int, body, carry):
+    """carry = body(i, carry) for i in range(n): a loop (its body compiled once), a plain call when n == 1."""
+    return body(0, carry) if n == 1 else jax.lax.fori_loop(0, n, body, carry)
+
 
 class Qwen35Model(nnx.Module):
     """Qwen3_5ForCausalLM: embeddings, hybrid decoder layers, final norm, lm_head (tied or not)."""
@@ -388,41 +505,85 @@ class Qwen35Model(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(rngs, cfg.hidden_size, cfg.vocab_size, dtype, std)
 
+    def scan_layers(self, carry, linear, full):
+        """Runs the decoder layers in order on `carry`: `linear(layer, j, carry) -> carry` for the j-th GDN layer,
+        `full(layer, j, carry)` for the j-th full-attention layer, where `layer` is a `DecoderLayer` with that
+        layer's parameters and j (an int32 scalar, or an int) indexes its kind's stacked pools (`DeviceState`).
+
+        The layers run under loops, one over the repeats of the layer group (`layer_groups`) and inside it one per
+        run of same-kind layers, so a step compiles one GDN and one full-attention layer whatever the depth
+        (Qwen3.5-9B's 32 layers compile as 2). In the loop body `layer` holds, for each projection matrix, a
+        `LayerKernel` (every layer's matrix, each in its own buffer; `dense` multiplies by the loop's layer's), and
+        the loop's layer's small parameters (norms, conv taps, gates), picked together by one switch."""
+        runs, repeats = layer_groups(self.cfg.layer_types)
+        fns = {LINEAR: linear, FULL: full}
+        kinds = {}  # kind -> (graphdef, treedef of its state, per leaf: the tuple of every layer's array)
+        for kind in (LINEAR, FULL):
+            layers = [layer for layer in self.layers if layer.layer_type == kind]
+            if layers:
+                paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(layers[0]))
+                leaves = zip(*(jax.tree.leaves(nnx.state(layer)) for layer in layers))
+                kinds[kind] = (nnx.graphdef(layers[0]), treedef,
+                               [(jax.tree_util.DictKey("kernel") in path, arrays)
+                                for (path, _), arrays in zip(paths, leaves)])
+
+        def layer_at(kind, j):
+            graphdef, treedef, leaves = kinds[kind]
+            small = [arrays for is_kernel, arrays in leaves if not is_kernel]
+            per_layer = list(zip(*small))  # per layer, the tuple of its small parameters
+            picked = iter(per_layer[j] if isinstance(j, int) else
+                          jax.lax.switch(j, [partial(_identity, arrays) for arrays in per_layer]))
+            return nnx.merge(graphdef, jax.tree_util.tree_unflatten(
+                treedef, [LayerKernel(arrays, j) if is_kernel else next(picked) for is_kernel, arrays in leaves]))
+
+        def group(g, carry):
+            seen = dict.fromkeys(kinds, 0)
+            for kind, n in runs:
+                per_group = sum(m for k, m in runs if k == kind)
+                base = g * per_group + seen[kind]
+                seen[kind] += n
+                carry = _repeat(n, lambda i, c, kind=kind, base=base: fns[kind](layer_at(kind, base + i),
+                                                                               base + i, c), carry)
+            return carry
+
+        return _repeat(repeats, group, carry)
+
     def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64):
         """`chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
         boundary is a chunk boundary of a row's scan)."""
         cfg = self.cfg
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
-        ks, vs, convs, ssms = list(state.k), list(state.v), list(state.conv), list(state.ssm)
         warm = batch.has_initial_state
         ids = batch.linear_ids
         src = ids if batch.initial_state_ids is None else batch.initial_state_ids
-        i_full = i_lin = 0
-        for layer in self.layers:
+
+        def linear(layer, j, carry):
+            x, st = carry
             h = layer.input_layernorm(x)
-            if layer.layer_type == LINEAR:
-                conv_in = jnp.where(warm[:, None, None], from_pool(read_slots(convs[i_lin], src), x.dtype), 0)
-                slots = ids
-                if batch.tokens.shape[1] == 1:  # decode: the states advance in their pool
-                    rule = partial(advance_in_pool, ssms[i_lin], src, ids, warm, batch.lengths)
-                    h, conv_out, ssms[i_lin] = layer.linear_attn(h, conv_in, None, batch.lengths, rule=rule)
-                else:
-                    ssm_in = jnp.where(warm[:, None, None, None], read_slots(ssms[i_lin], src), 0.0)
-                    if batch.save_slots is None:
-                        h, conv_out, ssm_out = layer.linear_attn(h, conv_in, ssm_in, batch.lengths, chunk_size)
-                    else:  # also the checkpoints at the listed boundaries, written with the live slots at once
-                        h, conv_out, ssm_out, (conv_sv, ssm_sv) = layer.linear_attn(
-                            h, conv_in, ssm_in, batch.lengths, chunk_size, saves=(batch.save_rows, batch.save_offsets))
-                        slots = jnp.concatenate([ids, batch.save_slots])
-                        conv_out, ssm_out = jnp.concatenate([conv_out, conv_sv]), jnp.concatenate([ssm_out, ssm_sv])
-                    ssms[i_lin] = write_rows(ssms[i_lin], (slots,), ssm_out)
-                convs[i_lin] = write_rows(convs[i_lin], (slots,), conv_out)
-                i_lin += 1
+            conv_in = jnp.where(warm[:, None, None], from_pool(read_slots(st.conv, src, j), x.dtype), 0)
+            slots = ids
+            if batch.tokens.shape[1] == 1:  # decode: the states advance in their pool
+                rule = partial(advance_in_pool, st.ssm, src, ids, warm, batch.lengths, layer=j)
+                h, conv_out, ssm = layer.linear_attn(h, conv_in, None, batch.lengths, rule=rule)
             else:
-                h, ks[i_full], vs[i_full] = layer.self_attn(h, ks[i_full], vs[i_full], batch)
-                i_full += 1
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                ssm_in = jnp.where(warm[:, None, None, None], read_slots(st.ssm, src, j), 0.0)
+                if batch.save_slots is None:
+                    h, conv_out, ssm_out = layer.linear_attn(h, conv_in, ssm_in, batch.lengths, chunk_size)
+                else:  # also the checkpoints at the listed boundaries, written with the live slots at once
+                    h, conv_out, ssm_out, (conv_sv, ssm_sv) = layer.linear_attn(
+                        h, conv_in, ssm_in, batch.lengths, chunk_size, saves=(batch.save_rows, batch.save_offsets))
+                    slots = jnp.concatenate([ids, batch.save_slots])
+                    conv_out, ssm_out = jnp.concatenate([conv_out, conv_sv]), jnp.concatenate([ssm_out, ssm_sv])
+                ssm = write_rows(st.ssm, (layer_ids(j, slots), slots), ssm_out)
+            conv = write_rows(st.conv, (layer_ids(j, slots), slots), conv_out)
+            return layer.residual(x, h), dataclasses.replace(st, conv=conv, ssm=ssm)
+
+        def full(layer, j, carry):
+            x, st = carry
+            h, k, v = layer.self_attn(layer.input_layernorm(x), st.k, st.v, batch, j)
+            return layer.residual(x, h), dataclasses.replace(st, k=k, v=v)
+
+        x, state = self.scan_layers((x, state), linear, full)
         if not all_logits:  # hidden state of each row's last real token
             last = jnp.maximum(batch.lengths - 1, 0)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
@@ -431,7 +592,7 @@ class Qwen35Model(nnx.Module):
             logits = dense(x, self.embed_tokens[...], "...d,vd->...v")
         else:
             logits = dense(x, self.lm_head.kernel[...])
-        return logits, DeviceState(tuple(ks), tuple(vs), tuple(convs), tuple(ssms))
+        return logits, state
 
     def logits(self, x):
         """Final norm and LM head (tied or not): hidden [..., D] -> float32 logits [..., V]."""

@@ -72,10 +72,10 @@ def restore_linear_state_slots(state: DeviceState, live_ids, restore_requested, 
     own copy."""
     read, has_initial_state = restore_sources(live_ids, restore_requested, src_ids)
 
-    def _copy(pool):  # pool: [num_slots, ...]; a row that restores nothing copies its slot onto itself
-        return pool.at[live_ids].set(pool[read])
+    def _copy(pool):  # pool: [layers, num_slots, ...]; a row that restores nothing copies its slot onto itself
+        return None if pool is None else pool.at[:, live_ids].set(pool[:, read])
 
-    state = DeviceState(state.k, state.v, tuple(map(_copy, state.conv)), tuple(map(_copy, state.ssm)))
+    state = DeviceState(state.k, state.v, _copy(state.conv), _copy(state.ssm))
     return state, has_initial_state
 
 

@@ -29,8 +29,9 @@ class SamplingMetadata:
     """Per-row sampling inputs of one step; every field has leading dimension B (the row bucket).
 
     `history` holds, for rows that use penalties, the row's prompt then output token ids (-1 padding), with
-    `prompt_lens` marking where the output starts; its width is the step's KV reach (blocks per row x block size),
-    which bounds every sampling row's length, so it adds no shape of its own. Rows without penalties leave it at -1.
+    `prompt_lens` marking where the output starts; its width is the worker's `history_width` (the most blocks a row
+    can hold x block size), which bounds every row's length, so it adds no shape of its own and sampling compiles
+    once per rows bucket. Rows without penalties leave it at -1.
     `banned` lists the ids the `min_tokens` rule forbids this step (-1 padding).
     """
 

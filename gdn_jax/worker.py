@@ -1,8 +1,9 @@
 """The worker: device state pools and one jitted step (restore -> forward -> sample) over a bucketed batch.
 
 The step plan arrives as plain Python data from the scheduler; the worker pads it to bucketed shapes (batch rows,
-tokens per row, blocks per row) so a steady workload never recompiles, validates the linear-state ops on the host
-(fail closed), and runs `_step` with the state donated.
+tokens per row; the block tables always have the largest width, which costs nothing: attention loops over the keys
+the rows hold) so a steady workload never recompiles, validates the linear-state ops on the host (fail closed), and
+runs `_step` with the state donated, then `_sample`.
 
 The model's graph definition is closed over once per graphdef (`step_function`), not passed as a static argument:
 a static argument is hashed on every call, and hashing an NNX graphdef costs tens of milliseconds. The parameters
@@ -11,6 +12,7 @@ travel as a flat list of arrays (flattened by the C++ dispatch path, not by NNX'
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -145,15 +147,15 @@ def _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves) -> Ba
                                                                  saves or (None,) * 3)))
 
 
-def _step(graphdef, params, chunk_size, state, batch_arrays, live_ids, restore_requested, src_ids,
-          sampling: SamplingMetadata, saves):
+def _step(graphdef, params, chunk_size, state, batch_arrays, live_ids, restore_requested, src_ids, saves):
+    """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`_sample`)."""
     batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
     logits, state = forward(graphdef, params, batch, state, chunk_size=chunk_size)
-    return (state, *sample(logits, sampling))
+    return state, logits
 
 
 def _step_prompt_logprobs(graphdef, params, chunk_size, state, batch_arrays, live_ids, restore_requested, src_ids,
-                          sampling: SamplingMetadata, saves, targets, full_rows):
+                          saves, targets, full_rows):
     """`_step` plus the log-distribution at every position of the chunk (prompt logprobs). A separate executable,
     so that steps without a prompt-logprobs row never pay for [B, T, V] logits. targets[b, t]: the prompt token at
     position start + t + 1, scored by the logits of position start + t. `full_rows` (static) also returns every row."""
@@ -165,7 +167,13 @@ def _step_prompt_logprobs(graphdef, params, chunk_size, state, batch_arrays, liv
     rank = 1 + jnp.sum(logprobs > target_lp[..., None], axis=-1, dtype=jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
     prompt = (target_lp, rank, top_ids.astype(jnp.int32), top_lp) + ((logprobs,) if full_rows else ())
-    return (state, *sample(last, sampling), prompt)
+    return state, last, prompt
+
+
+# Sampling, compiled per (rows, vocabulary, history width) and shared by every step shape of that many rows: a
+# separate executable from the forward, so that the forward's grid (rows x tokens per row) does not compile the
+# sampling (sort, top-k, penalties: 1-1.5 s of CPU at Qwen3.5-9B's vocabulary) once per shape.
+_sample = jax.jit(sample)
 
 
 @dataclasses.dataclass
@@ -198,7 +206,7 @@ def prompt_step_function(graphdef, params_def, chunk_size: int = 64):
         return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves), chunk_size, state,
                                      *args)
 
-    return jax.jit(step, donate_argnums=(1,), static_argnums=(9,))
+    return jax.jit(step, donate_argnums=(1,), static_argnums=(8,))
 
 
 @dataclasses.dataclass
@@ -244,7 +252,11 @@ class Worker:
         `max_num_batched_tokens` tokens, and a step shape with room for a row to cross a boundary writes up to
         `num_saves(B, T)` checkpoints; "promote": a row holds at most `chunk_stride` tokens and no step writes a
         checkpoint. The chunked GDN rule runs with chunk size gcd(64, chunk_stride), so that every boundary is a
-        chunk boundary of a row that starts on one."""
+        chunk boundary of a row that starts on one.
+
+        `params` may be abstract (`jax.ShapeDtypeStruct` leaves, `weights.abstract_model`): the pools are then
+        abstract too, nothing is allocated, and the worker can only lower and compile (`lowered_step`), as
+        scripts/bench_compile.py does for models too large for the machine."""
         self.cfg, self.graphdef, self.params = cfg, graphdef, params
         self.memory, self.block_size = memory, block_size
         self.max_rows = _bucket(max_num_seqs, 1, 1 << 30)
@@ -255,15 +267,20 @@ class Worker:
         self.saves = self.scan and enable_prefix_caching and bool(cfg.linear_layer_ids)
         self.checkpoint_policy = checkpoint_policy
         self.max_chunk = min(self.budget, max_model_len) if self.scan else chunk_stride
+        # penalty history width: every step's (prompt + output) fits, whatever its blocks bucket, so sampling has no
+        # blocks dimension of its own
+        self.history_width = self.max_blocks * block_size
         self.seed, self.dtype = seed, dtype
-        self.state = init_state(cfg, memory.num_kv_blocks, block_size, memory.num_linear_slots, dtype)
         self._param_leaves, params_def = jax.tree.flatten(params)
+        self.abstract = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in self._param_leaves)
+        self.state = self._new_state()
         self._decode_leaves = self._param_leaves  # leaves of a single-row decode step
         if float32_decode_weights is not False and jax.default_backend() == "cpu":
-            extra = sum(2 * leaf.nbytes for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-                        if _is_bf16_kernel(path, leaf))  # bytes of the float32 copy
+            extra = sum(2 * leaf.size * leaf.dtype.itemsize for path, leaf in
+                        jax.tree_util.tree_flatten_with_path(params)[0] if _is_bf16_kernel(path, leaf))  # float32 copy
             if extra and (float32_decode_weights or extra <= FLOAT32_DECODE_WEIGHTS_MAX_BYTES):
-                self._decode_leaves = float32_kernels(params)
+                self._decode_leaves = (jax.eval_shape(float32_kernels, params) if self.abstract
+                                       else float32_kernels(params))
         self._fn = step_function(graphdef, params_def, self.chunk_size)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
         self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size)
@@ -273,14 +290,15 @@ class Worker:
         return sorted({_bucket(n, lo, hi) for n in range(1, hi + 1)})
 
     def shape_buckets(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens per row, blocks per row) shape `execute` can produce; T = 1 is decode."""
+        """Every (rows, tokens per row, blocks per row) shape `execute` can produce; T = 1 is decode. The block
+        tables are always `max_blocks` wide: attention loops over the keys the rows hold, not over the table
+        (`model.Attention`), so a narrower table would save nothing but cost a compilation per width."""
         rows = self._buckets(1, self.max_rows)
         tokens = [1] + self._buckets(min(16, self.max_chunk), self.max_chunk)
-        blocks = self._buckets(min(8, self.max_blocks), self.max_blocks)
         # "scan": the scheduler keeps rows x longest row within the token budget, so a bucket (each side rounded up
         # to a power of two) holds at most 4x the budget
         fits = (lambda b, t: t == 1 or b * t <= 4 * self.budget) if self.scan else (lambda b, t: True)
-        return [(b, t, nb) for b in rows for t in tokens for nb in blocks if fits(b, t)]
+        return [(b, t, self.max_blocks) for b in rows for t in tokens if fits(b, t)]
 
     def num_saves(self, B: int, T: int) -> int:
         """Checkpoint writes a (B, T) step shape has room for: each row starts on a boundary, so a row of L tokens
@@ -318,46 +336,84 @@ class Worker:
         batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
         live, requested, src = ops_to_arrays([], B)
         saves = self._save_arrays([], B, T, None, live, src)
-        return (batch_arrays, live, requested, src, SamplingMetadata.padding(B, NB * self.block_size), saves)
+        return (batch_arrays, live, requested, src, saves, SamplingMetadata.padding(B, self.history_width))
 
     def warm_up(self, prompt_logprobs: bool = False) -> int:
-        """Compiles the step for every shape bucket on an all-padding batch. Afterwards no workload compiles again.
-        Returns the number of shapes. `prompt_logprobs` also compiles the prompt-logprobs variant (top-k, not whole
-        rows) of every prefill shape, which is otherwise compiled lazily."""
+        """Compiles the step for every shape bucket (and sampling for every rows bucket), then runs each step shape
+        once on an all-padding batch. Afterwards no workload compiles again. Returns the number of step shapes.
+        `prompt_logprobs` also compiles the prompt-logprobs variant (top-k, not whole rows) of every prefill shape,
+        which is otherwise compiled lazily. An abstract worker only compiles.
+
+        The main thread lowers (traces, in Python) each executable while a background thread compiles the one
+        before, or loads it from the persistent compilation cache: XLA releases the GIL. The jitted functions find
+        the executables in JAX's in-memory caches when they are first called."""
         shapes = self.shape_buckets()
         extra = [(B, T, NB) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
-        for shape in shapes:
-            self._run(*self._padding_args(*shape))
-        for B, T, NB in extra:
-            self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
-        jax.block_until_ready(self.state)
+        lowerings = ([functools.partial(self.lowered_step, shape) for shape in shapes]
+                     + [functools.partial(self.lowered_sample, B) for B in self.sample_buckets()]
+                     + [functools.partial(self.lowered_prompt_step, shape) for shape in extra])
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for compiled in [pool.submit(lower().compile) for lower in lowerings]:
+                compiled.result()
+        if not self.abstract:
+            for shape in shapes:
+                self._run(*self._padding_args(*shape))
+            for B, T, NB in extra:
+                self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
+            jax.block_until_ready(self.state)
         return len(shapes) + len(extra)
 
     def state_lost(self) -> bool:
         """True when the pools were consumed (donated to a call that then failed) and must be rebuilt."""
         return any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.state))
 
+    def _new_state(self):
+        make = functools.partial(init_state, self.cfg, self.memory.num_kv_blocks, self.block_size,
+                                 self.memory.num_linear_slots, self.dtype)
+        return jax.eval_shape(make) if self.abstract else make()
+
     def reset_state(self) -> None:
         """Fresh zeroed pools of the same shapes (the scheduler must forget everything they held)."""
-        self.state = init_state(self.cfg, self.memory.num_kv_blocks, self.block_size, self.memory.num_linear_slots,
-                                self.dtype)
+        self.state = self._new_state()
+
+    def lowered_step(self, shape: tuple[int, int, int]):
+        """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
+        state is not touched."""
+        args = self._padding_args(*shape)[:5]
+        return self._fn.lower(self._leaves_for(args[0][0]), self.state, *args)
+
+    def lowered_prompt_step(self, shape: tuple[int, int, int]):
+        """The prompt-logprobs forward (top-k, not whole rows) lowered for one prefill bucket."""
+        args = self._padding_args(*shape)[:5]
+        return self._prompt_fn.lower(self._param_leaves, self.state, *args, np.zeros(shape[:2], np.int32), False)
+
+    def sample_buckets(self) -> list[int]:
+        """The row counts sampling is compiled for: one executable per rows bucket, shared by its step shapes."""
+        return sorted({B for B, _, _ in self.shape_buckets()})
+
+    def lowered_sample(self, rows: int):
+        """Sampling lowered for one rows bucket."""
+        logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
+        return _sample.lower(logits, SamplingMetadata.padding(rows, self.history_width))
 
     def compiled_step(self, shape: tuple[int, int, int]):
         """The step's XLA executable for one (rows, tokens, blocks) bucket, compiled ahead of time (for inspection:
         `.as_text()`, `.memory_analysis()`); the worker's state is not touched."""
-        args = self._padding_args(*shape)
-        return self._fn.lower(self._leaves_for(args[0][0]), self.state, *args).compile()
+        return self.lowered_step(shape).compile()
 
     def _leaves_for(self, tokens) -> list:
         return self._decode_leaves if tokens.shape == (1, 1) else self._param_leaves
 
-    def _run(self, *args, fn=None):
+    def _run(self, batch_arrays, live, requested, src, saves, sampling, *extra, fn=None):
+        """The step's forward (`fn`, with `extra` arguments), then sampling: (tokens, logprobs, top ids, top
+        logprobs[, prompt logprobs])."""
         fn = fn or self._fn
-        before = fn._cache_size()
-        out = fn(self._leaves_for(args[0][0]), self.state, *args)
-        self.num_compilations += fn._cache_size() - before
-        self.state = out[0]
-        return out[1:]
+        before = fn._cache_size() + _sample._cache_size()
+        self.state, logits, *prompt = fn(self._leaves_for(batch_arrays[0]), self.state, batch_arrays, live,
+                                         requested, src, saves, *extra)
+        sampled = _sample(logits, sampling)
+        self.num_compilations += fn._cache_size() + _sample._cache_size() - before
+        return (*sampled, *prompt)
 
     def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False
                 ) -> StepResult:
@@ -373,7 +429,7 @@ class Worker:
                              f"({self.max_rows} rows, {self.max_chunk if plan.is_prefill else 1} tokens per row)")
         B = _bucket(n, 1, self.max_rows)
         T = 1 if not plan.is_prefill else _bucket(longest, 16, self.max_chunk)
-        NB = _bucket(max(len(s.block_table) for s in seqs), 8, self.max_blocks)
+        NB = self.max_blocks
         tokens = np.zeros((B, T), np.int32)
         slot_mapping = np.zeros((B, T), np.int32)  # padding tokens write into block 0
         start = np.zeros(B, np.int32)
@@ -393,9 +449,9 @@ class Worker:
         live, requested, src = ops_to_arrays(ops, B)
         saves = self._save_arrays(getattr(plan, "saves", ()), B, T, lengths, live, src)
         batch_arrays = (tokens, start, lengths, tables, slot_mapping)
-        sampling = SamplingMetadata.from_rows(seqs, B, NB * self.block_size, self.cfg.vocab_size,
+        sampling = SamplingMetadata.from_rows(seqs, B, self.history_width, self.cfg.vocab_size,
                                               self.cfg.eos_token_id, self.seed)
-        args = (batch_arrays, live, requested, src, sampling, saves)
+        args = (batch_arrays, live, requested, src, saves, sampling)
         if plan.is_prefill and prompt_targets and any(prompt_targets):
             targets = np.zeros((B, T), np.int32)
             for i, t in enumerate(prompt_targets):

@@ -75,7 +75,7 @@ def main():
     cfg = gdn_9b_config(args.gdn_layers, args.hidden)
     graphdef, params = init_model(cfg, dtype=dtype)
     state = init_state(cfg, 2, 16, args.slots, dtype)
-    slot_mb = sum(p[0].nbytes for p in state.conv + state.ssm) / 2**20
+    slot_mb = sum(p[:, 0].nbytes for p in (state.conv, state.ssm)) / 2**20  # one slot of every layer
     rng = np.random.default_rng(0)
     batch_arrays = (rng.integers(4, cfg.vocab_size, (B, 1)).astype(np.int32), np.full(B, 100, np.int32),
                     np.ones(B, np.int32), np.zeros((B, 1), np.int32), np.zeros((B, 1), np.int32))

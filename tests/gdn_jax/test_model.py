@@ -1,4 +1,7 @@
-"""Model-level invariants the engine relies on: batching with padding, cold starts, the tiny preset."""
+"""Model-level invariants the engine relies on: batching with padding, cold starts, the tiny preset, the layer loop,
+attention in chunks of keys."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gdn_jax.config import FULL, LINEAR, get_preset
-from gdn_jax.model import Batch, forward, init_model, init_state
+import gdn_jax.model as model
+from gdn_jax.config import FULL, LINEAR, get_preset, hybrid_layer_types
+from gdn_jax.model import Batch, forward, init_model, init_state, layer_groups
+from gdn_jax.train import dense_forward
 from tests.gdn_jax.helpers import BLOCK_SIZE, single_row_batch
 
 NB = 8
@@ -85,3 +90,62 @@ def test_split_prefill_equals_one_pass(tiny, step):
         l1, st = step(graphdef, params, single_row_batch(toks[:split], 0, NB), st, True)
         l2, _ = step(graphdef, params, single_row_batch(toks[split:], split, NB), st, True)
         np.testing.assert_allclose(np.concatenate([l1[0], l2[0]]), np.asarray(full[0]), atol=1e-4)
+
+
+def test_layer_groups_split_the_layer_list_into_repeats_of_runs():
+    L, F = LINEAR, FULL
+    assert layer_groups(hybrid_layer_types(32)) == (((L, 3), (F, 1)), 8)   # Qwen3.5-9B: 8 x (3 GDN + 1 full)
+    assert layer_groups((L, L, F, L, L, F)) == (((L, 2), (F, 1)), 2)
+    assert layer_groups((L, F, L, L)) == (((L, 1), (F, 1), (L, 2)), 1)       # no repeat: one group of runs
+    assert layer_groups((F, F, F)) == (((F, 1),), 3)
+    assert layer_groups((L,)) == (((L, 1),), 1)
+
+
+@pytest.mark.parametrize("layer_types", [
+    hybrid_layer_types(8),            # 2 repeats of (3 GDN, 1 full): loops with a traced layer index
+    (LINEAR, LINEAR, FULL) * 2,
+    (LINEAR, FULL, LINEAR, LINEAR),   # no repeating group: runs of 1, 1 and 2 layers
+    (FULL, FULL, FULL),
+], ids=lambda t: "".join("G" if x == LINEAR else "A" for x in t))
+def test_layer_loop_computes_what_the_layers_one_by_one_compute(layer_types):
+    """The engine's forward (layers under loops, pools and matrices picked by the layer index) against the training
+    forward, which calls the layers one after another on their own parameters (and attends densely)."""
+    cfg = dataclasses.replace(get_preset("tiny-random"), layer_types=layer_types)
+    graphdef, params = init_model(cfg)
+    tokens = np.random.default_rng(3).integers(4, 500, 100)
+    logits, _ = jax.jit(forward, static_argnums=(0, 4))(graphdef, params, single_row_batch(tokens, 0, NB),
+                                                        init_state(cfg, NB + 1, BLOCK_SIZE, 4), True)
+    dense = jax.jit(dense_forward)(nnx.merge(graphdef, params), tokens[None])
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(dense), atol=2e-5, rtol=0)
+
+
+def test_step_traces_one_layer_of_each_kind_whatever_the_depth():
+    """The lowered step of a 16-layer model holds as many exponentials (gates, softmax, decay) as a 4-layer one: one
+    GDN and one attention layer body (only the switch branches that pick the layers' matrices grow with depth)."""
+    def lowered(n_layers):
+        cfg = dataclasses.replace(get_preset("tiny-random"), layer_types=hybrid_layer_types(n_layers))
+        graphdef, params = init_model(cfg)
+        return jax.jit(forward, static_argnums=(0, 4)).lower(
+            graphdef, params, single_row_batch(np.arange(4, 20), 0, NB), init_state(cfg, NB + 1, BLOCK_SIZE, 4),
+            False).as_text()
+
+    small, deep = lowered(4), lowered(16)  # unrolled layers would hold 4x as many
+    assert small.count("stablehlo.exponential") == deep.count("stablehlo.exponential") > 0
+
+
+@pytest.mark.parametrize("T", [1, 40])
+def test_attention_in_chunks_equals_attention_in_one_chunk(monkeypatch, tiny, T):
+    """Keys a block at a time (an online softmax over 10 chunks) give the logits and pools of one chunk of 256 keys,
+    for a prefill chunk and a decode step after a 150-token prefix."""
+    cfg, graphdef, params = tiny
+    toks = np.random.default_rng(4).integers(4, 500, 150 + T)
+    results = []
+    for keys in (256, BLOCK_SIZE):
+        monkeypatch.setattr(model, "KV_CHUNK_KEYS", keys)
+        step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, True))  # a fresh trace under this chunk size
+        _, state = step(params, single_row_batch(toks[:150], 0, 12), init_state(cfg, 13, BLOCK_SIZE, 4))
+        results.append(jax.device_get(step(params, single_row_batch(toks[150:], 150, 12), state)))
+    (l1, s1), (l2, s2) = results
+    np.testing.assert_allclose(l1, l2, atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

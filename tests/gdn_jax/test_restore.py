@@ -19,16 +19,17 @@ def pools():
     st = init_state(cfg, 2, 16, NUM_SLOTS)
     rng = np.random.default_rng(0)
 
-    def fill(pool, j):
-        s = np.arange(NUM_SLOTS).reshape((-1,) + (1,) * (pool.ndim - 1))
+    def fill(pool):  # [layers, slots, ...]
+        j = np.arange(pool.shape[0]).reshape((-1,) + (1,) * (pool.ndim - 1))
+        s = np.arange(NUM_SLOTS).reshape((1, -1) + (1,) * (pool.ndim - 2))
         return jnp.asarray(100 * j + s + rng.random(pool.shape), pool.dtype)
 
-    return DeviceState(st.k, st.v, tuple(fill(p, j) for j, p in enumerate(st.conv)),
-                       tuple(fill(p, j) for j, p in enumerate(st.ssm)))
+    return DeviceState(st.k, st.v, fill(st.conv), fill(st.ssm))
 
 
 def _snapshot(state):
-    return [np.asarray(p) for p in state.conv + state.ssm]
+    """Every GDN layer's conv and SSM pool, slot axis first."""
+    return [np.asarray(layer) for pool in (state.conv, state.ssm) for layer in pool]
 
 
 def test_restore_copies_source_into_live_in_every_layer(pools):
@@ -113,8 +114,7 @@ def test_worker_cold_start_ignores_garbage_and_warm_restore_continues_exactly():
     one_pass = worker(64).execute(StepPlan(True, [row(toks, 0, [1, 2, 3], LinearStateCacheOp(1, True, -1))]))
 
     w = worker()
-    w.state = DeviceState(w.state.k, w.state.v, tuple(p + 9.0 for p in w.state.conv),
-                          tuple(p - 5.0 for p in w.state.ssm))            # garbage in every slot
+    w.state = DeviceState(w.state.k, w.state.v, w.state.conv + 9.0, w.state.ssm - 5.0)  # garbage in every slot
     w.execute(StepPlan(True, [row(toks[:32], 0, [1, 2, 3], LinearStateCacheOp(1, True, -1))]))  # cold
     resumed = w.execute(StepPlan(True, [row(toks[32:], 32, [1, 2, 3], LinearStateCacheOp(2, True, 1))]))
     np.testing.assert_allclose(resumed.top_logprobs, one_pass.top_logprobs, atol=1e-5)

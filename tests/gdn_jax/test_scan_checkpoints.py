@@ -1,6 +1,7 @@
 """checkpoint_mode="scan": the checkpoints a prefill step writes from its chunked scan are the states a separate cold
 prefill reaches at those boundaries, in every GDN layer; a long prompt prefills in one step; reuse stays exact."""
 
+import dataclasses
 import math
 
 import jax
@@ -9,17 +10,18 @@ import numpy as np
 import pytest
 
 from gdn_jax import LLM, LLMEngine, SamplingParams
-from gdn_jax.model import forward, init_state
+from gdn_jax.config import get_preset, hybrid_layer_types
+from gdn_jax.model import Batch, forward, init_model, init_state
 from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
 
 
-def cold_states(worker, tokens):
+def cold_states(cfg, graphdef, params, dtype, tokens):
     """Per GDN layer, (conv, ssm) after a cold prefill of `tokens` alone, through the plain forward."""
     nb = math.ceil(len(tokens) / BLOCK_SIZE)
-    state = init_state(worker.cfg, nb + 1, BLOCK_SIZE, 2, worker.dtype)
-    _, state = forward(worker.graphdef, worker.params, single_row_batch(tokens, 0, nb), state)
+    state = init_state(cfg, nb + 1, BLOCK_SIZE, 2, dtype)
+    _, state = forward(graphdef, params, single_row_batch(tokens, 0, nb), state)
     return [(np.asarray(c[1], np.float32), np.asarray(s[1])) for c, s in zip(state.conv, state.ssm)]
 
 
@@ -44,9 +46,9 @@ def test_every_saved_checkpoint_equals_a_cold_prefill_to_its_boundary(stride, bu
         engine.step()
     saved = saved_checkpoints(engine, prompt)
     assert sorted(saved) == list(range(stride, length + 1, stride))  # policy "all": every boundary crossed
-    pools = engine.worker.state
+    pools, w = engine.worker.state, engine.worker
     for b, slot in saved.items():
-        for layer, (conv, ssm) in enumerate(cold_states(engine.worker, prompt[:b])):
+        for layer, (conv, ssm) in enumerate(cold_states(w.cfg, w.graphdef, w.params, w.dtype, prompt[:b])):
             np.testing.assert_allclose(np.asarray(pools.conv[layer][slot], np.float32), conv, atol=1e-5, rtol=0,
                                        err_msg=f"conv state, boundary {b}, GDN layer {layer}")
             np.testing.assert_allclose(np.asarray(pools.ssm[layer][slot]), ssm, atol=1e-5, rtol=0,
@@ -95,3 +97,37 @@ def test_policy_last_saves_only_the_deepest_boundary_and_a_next_turn_reuses_it()
     out2 = last.generate([turn2], GREEDY, use_tqdm=False)[0]
     assert out2.num_cached_tokens == 96
     assert out2.outputs[0].token_ids == plain.generate([turn2], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_saves_land_in_their_layer_under_the_nested_layer_loops():
+    """Two repeats of (3 GDN + 1 full): the GDN layer index is traced from both loops (group and run). Saves of two
+    ragged rows go into the stacked pools at that index, each equal to a cold prefill to its boundary, in all six
+    GDN layers; the live slots hold the rows' final states; a padding save writes slot 0 only."""
+    cfg = dataclasses.replace(get_preset("tiny-random"), layer_types=hybrid_layer_types(8))
+    graphdef, params = init_model(cfg)
+    rng = np.random.default_rng(11)
+    rows = [random_ids(rng, 100), random_ids(rng, 70)]
+    T, nb = 128, 8
+    tokens, slot_mapping = np.zeros((2, T), np.int32), np.zeros((2, T), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+        slot_mapping[i, :len(r)] = (1 + i * nb) * BLOCK_SIZE + np.arange(len(r))  # row i owns blocks 1+8i..8+8i
+    saves = [(0, 32, 3), (0, 96, 4), (1, 64, 5), (0, 16, 0)]  # (row, offset, slot); the last one is padding
+    batch = Batch(tokens=jnp.asarray(tokens), start_pos=jnp.zeros(2, jnp.int32),
+                  lengths=jnp.asarray([len(r) for r in rows], jnp.int32),
+                  block_tables=jnp.asarray(1 + np.arange(2 * nb, dtype=np.int32).reshape(2, nb)),
+                  slot_mapping=jnp.asarray(slot_mapping), linear_ids=jnp.asarray([1, 2], jnp.int32),
+                  has_initial_state=jnp.zeros(2, bool),
+                  **{f"save_{k}": jnp.asarray(v, jnp.int32) for k, v in zip(("rows", "offsets", "slots"), zip(*saves))})
+    step = jax.jit(forward, static_argnums=(0, 4, 5))
+    _, pools = step(graphdef, params, batch, init_state(cfg, 2 * nb + 1, BLOCK_SIZE, 8), False, 16)
+    expected = {slot: rows[row][:offset] for row, offset, slot in saves if slot} | {1: rows[0], 2: rows[1]}
+    for slot, prefix in expected.items():
+        cold = cold_states(cfg, graphdef, params, jnp.float32, prefix)
+        assert len(cold) == 6
+        for layer, (conv, ssm) in enumerate(cold):
+            np.testing.assert_allclose(np.asarray(pools.conv[layer][slot]), conv, atol=1e-5, rtol=0,
+                                       err_msg=f"conv state, slot {slot}, GDN layer {layer}")
+            np.testing.assert_allclose(np.asarray(pools.ssm[layer][slot]), ssm, atol=1e-5, rtol=0,
+                                       err_msg=f"ssm state, slot {slot}, GDN layer {layer}")
+    assert not np.any(np.asarray(pools.ssm[:, 6:]))  # no other slot was written (slot 0 takes the padding save)
