@@ -1,26 +1,29 @@
-"""CompositeBlockManager: one entry point over the KV leaf and the linear leaf.
+"""CompositeBlockManager: the scheduler's only door to cache state, over the KV leaf and the linear leaf.
 
 It decides how much of a new sequence's prefix is reused: `min(kv_match, linear_reach)` aligned
 down to an actual checkpoint boundary, with the KV blocks clamped to it. Restoring KV without the
-matching recurrent state would be silently wrong, so reuse never goes past a checkpoint.
+matching recurrent state would be silently wrong, so reuse never goes past a checkpoint. The prefix is
+matched once (`match`); `admit` takes exactly what that match found. It also owns the step's cache
+bookkeeping (saves, pins), `reset_prefix_cache`, `stats` and `check_invariants`.
 """
+from collections import Counter
 from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache import BlockManagerImpl
-from scheduler.linear_cache import (LinearStateBlockManager, LinearStateCacheOp,
-                                    deepest_hit_at_or_below)
+from scheduler.linear_cache import LinearStateBlockManager, deepest_hit_at_or_below
+from scheduler.plan import LinearStateCacheOp, StepPlan
 from scheduler.sequence import Sequence
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefixMatch:
     """What admitting a sequence would reuse (probed; nothing taken yet)."""
-    kv_blocks: list[int]  # matched KV blocks already clamped to `reuse`
-    kv_len: int           # tokens the KV leaf matched
-    linear_reach: int     # deepest checkpoint boundary the linear leaf matched
-    reuse: int            # tokens that will be skipped
-    src_slot: int         # checkpoint restored at `reuse`, -1 for a cold start
+    kv_blocks: list[int]      # matched KV blocks already clamped to `reuse`
+    kv_match: int             # tokens the KV leaf matched
+    linear_reach: int         # deepest checkpoint boundary the linear leaf matched
+    reuse: int                # tokens that will be skipped
+    restore_src_slot_id: int  # checkpoint restored at `reuse`, -1 for a cold start
 
 
 class CompositeBlockManager:
@@ -33,24 +36,30 @@ class CompositeBlockManager:
                                                config.enable_prefix_caching)
                        if config.has_linear_attention_layers else None)
 
+    @property
+    def saves_checkpoints(self) -> bool:
+        """Checkpoints exist at all: GDN layers and prefix caching."""
+        return self.linear is not None and self.config.enable_prefix_caching
+
     # -- admission of a sequence with nothing computed -------------------------------------
     def match(self, seq: Sequence) -> PrefixMatch:
+        """Walk both leaves' indexes once; the admission takes what this finds."""
         cfg = self.config
         if not cfg.enable_prefix_caching or seq.sampling_params.skip_reading_prefix_cache:
             return PrefixMatch([], 0, 0, 0, -1)  # (a skipping sequence still hashes and caches what it computes)
         seq.update_block_hashes(cfg.block_size, cfg.state_fingerprint)
         kv_blocks = self.kv.match(seq.token_ids, seq.block_hashes)
-        kv_len = len(kv_blocks) * cfg.block_size
+        kv_match = len(kv_blocks) * cfg.block_size
         if self.linear is None:  # plain KV path: every matched block is reused
-            return PrefixMatch(kv_blocks, kv_len, 0, kv_len, -1)
+            return PrefixMatch(kv_blocks, kv_match, 0, kv_match, -1)
         seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
-        hits, reach = self.linear.index.match(seq.token_ids, seq.linear_state_hashes)
-        reuse, src = deepest_hit_at_or_below(hits, kv_len)  # <= min(kv_len, reach), a checkpoint
+        hits, reach = self.linear.match(seq.token_ids, seq.linear_state_hashes)
+        reuse, src = deepest_hit_at_or_below(hits, kv_match)  # <= min(kv_match, reach), a checkpoint
         if cfg.unsafe_reuse == "cold":    # ablation: all the KV, a zero GDN state
-            return PrefixMatch(kv_blocks, kv_len, reach, kv_len, -1)
+            return PrefixMatch(kv_blocks, kv_match, reach, kv_match, -1)
         if cfg.unsafe_reuse == "stale":   # ablation: all the KV, the GDN state of the deepest checkpoint below it
-            return PrefixMatch(kv_blocks, kv_len, reach, kv_len, src)
-        return PrefixMatch(kv_blocks[:reuse // cfg.block_size], kv_len, reach, reuse, src)
+            return PrefixMatch(kv_blocks, kv_match, reach, kv_match, src)
+        return PrefixMatch(kv_blocks[:reuse // cfg.block_size], kv_match, reach, reuse, src)
 
     def admissible(self, seq: Sequence, m: PrefixMatch) -> PrefixMatch | None:
         """The match to admit `seq` with now, or None if it does not fit.
@@ -61,8 +70,8 @@ class CompositeBlockManager:
         """
         if self._fits(seq, m):
             return m
-        if m.src_slot > 0:
-            cold = PrefixMatch([], m.kv_len, m.linear_reach, 0, -1)
+        if m.restore_src_slot_id > 0:
+            cold = PrefixMatch([], m.kv_match, m.linear_reach, 0, -1)
             if self._fits(seq, cold):
                 return cold
         return None
@@ -72,26 +81,21 @@ class CompositeBlockManager:
         if new_blocks > self.kv.num_free_blocks - self.kv.num_evictable_among(m.kv_blocks):
             return False
         if self.linear is not None:
-            pinned_now = m.src_slot > 0 and not self.linear.index.is_pinned(m.src_slot)
+            pinned_now = m.restore_src_slot_id > 0 and not self.linear.is_pinned(m.restore_src_slot_id)
             if self.linear.num_obtainable - pinned_now < 1:
                 return False
         return True
 
     def admit(self, seq: Sequence, m: PrefixMatch) -> LinearStateCacheOp | None:
-        """Mount the reused prefix, allocate the rest, emit the op. `m` from `admissible`."""
-        num_tokens = len(seq.token_ids)
+        """Mount the reused prefix `m` found (from `admissible`, with nothing allocated since), allocate the rest,
+        and return the row's op: a live slot restored from the match's source, pinned before the live slot is
+        taken."""
         self.kv.allocate_shared(seq, m.kv_blocks)
-        self.kv.allocate(seq, num_tokens)
+        self.kv.allocate(seq, len(seq.token_ids))
         op = None
         if self.linear is not None:
-            src = -1
-            if m.src_slot > 0:
-                src, boundary, _ = self.linear.allocate_shared(
-                    seq.token_ids, seq.linear_state_hashes, limit=m.reuse)
-                assert src == m.src_slot and (boundary == m.reuse or self.config.unsafe_reuse == "stale")
-            op = self.linear.allocate_for_sequence(seq, num_tokens)
-            assert op is not None and op.restore_requested, "admissible promised a live slot"
-            op.restore_src_slot_id = src  # the source was pinned before the live slot was taken
+            op = self.linear.admit(seq, m.restore_src_slot_id)
+            assert op is not None, "admissible promised a live slot"
         seq.num_computed_tokens = m.reuse
         return op
 
@@ -115,10 +119,9 @@ class CompositeBlockManager:
         if self.linear is None:
             return None
         assert parent.linear_state_id > 0, "a fork needs the parent's live slot"
-        slot = self.linear.acquire_live_slot()
-        assert slot is not None, "can_fork promised a live slot"
-        child.linear_state_id = slot
-        return LinearStateCacheOp(slot, True, parent.linear_state_id, fork=True)
+        op = self.linear.admit(child, parent.linear_state_id, fork=True)
+        assert op is not None, "can_fork promised a live slot"
+        return op
 
     # -- a running sequence's next step ----------------------------------------------------
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
@@ -131,12 +134,26 @@ class CompositeBlockManager:
             return None
         return self.linear.allocate_for_sequence(seq, num_tokens)
 
+    # -- checkpoints the step writes ("scan" mode) --------------------------------------------
+    def acquire_save_slot(self, seq: Sequence, boundary: int) -> int | None:
+        """A slot for the step to write `seq`'s checkpoint at `boundary` (a chunk_stride multiple) into, or None
+        (counted as skipped) when that checkpoint exists or is being saved already, or no slot can be had."""
+        cfg = self.config
+        seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
+        return self.linear.acquire_save_slot(seq.linear_state_hashes[boundary // cfg.chunk_stride - 1])
+
     # -- after a step ----------------------------------------------------------------------
-    def release_step(self, ops) -> None:
-        """Unpin the restore sources a finished step used."""
-        for op in ops:
-            if op is not None and op.restores_checkpoint:
-                self.linear.release_source(op.restore_src_slot_id)
+    def finish_step(self, plan: StepPlan, completed: bool) -> None:
+        """Unpin the restore sources the step used; index the checkpoints it wrote if it `completed`, else give
+        their slots back (whatever became of their sequences since)."""
+        for row in plan.seqs:
+            if row.linear_op is not None and row.linear_op.restores_checkpoint:
+                self.linear.release_source(row.linear_op.restore_src_slot_id)
+        for save in plan.saves:
+            if completed:
+                self.linear.commit_save(save.slot)
+            else:
+                self.linear.cancel_save(save.slot)
 
     def on_computed(self, seq: Sequence, saved_in_step: bool = False) -> None:
         """Hash what became full and computed; record a pending save at a chunk boundary, unless the step wrote
@@ -156,3 +173,29 @@ class CompositeBlockManager:
         self.kv.deallocate(seq)
         if self.linear is not None:
             self.linear.deallocate(seq)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached KV block and checkpoint not in use."""
+        self.kv.reset_prefix_cache()
+        if self.linear is not None:
+            self.linear.reset_prefix_cache()
+
+    # -- observability ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        """The leaves' figures (slot counts are 0 without GDN layers)."""
+        out = (self.linear.stats() if self.linear is not None else
+               dict(checkpoints_saved=0, checkpoints_save_skipped=0, checkpoints_evicted=0, live_slots=0,
+                    checkpoint_slots=0, free_slots=0))
+        out.update(self.kv.stats())
+        return out
+
+    def check_invariants(self, running: list[Sequence], inflight: StepPlan | None) -> None:
+        """Both leaves consistent with the running sequences; while a step is in flight, exactly its restore sources
+        are pinned and exactly its saves are being written."""
+        self.kv.check_invariants(running)
+        if self.linear is None:
+            return
+        saves = {save.slot for save in inflight.saves} if inflight is not None else set()
+        sources = Counter(row.linear_op.restore_src_slot_id for row in inflight.seqs
+                          if row.linear_op.restores_checkpoint) if inflight is not None else Counter()
+        self.linear.check_invariants(running, pins_allowed=inflight is not None, saves=saves, sources=sources)

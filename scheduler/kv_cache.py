@@ -81,7 +81,7 @@ class BlockManagerImpl:
         return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
     def allocate_shared(self, seq: Sequence, blocks: list[int]) -> int:
-        """Mount matched blocks at the head of an empty block table (refcount + 1). -> kv_len."""
+        """Mount matched blocks at the head of an empty block table (refcount + 1). -> kv_match."""
         assert not seq.block_table
         for block in blocks:
             self._ref(block)
@@ -132,7 +132,16 @@ class BlockManagerImpl:
         seq.block_table.clear()
         seq.num_kv_hashed_blocks = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Evict every unreferenced cached block."""
+        for block in list(self.cached_lru):
+            self.evict(block)
+
     # -- accounting ------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return dict(kv_blocks_cached=self.num_cached_blocks, kv_blocks_evicted=self.num_evictions,
+                    kv_blocks_free=self.num_free_blocks)
+
     @property
     def num_cached_blocks(self) -> int:
         return len(self.hash_to_block)

@@ -4,38 +4,10 @@ A GDN layer's state is overwritten every step, so it is never shared: a checkpoi
 frozen at a chunk boundary, and reuse *copies* it into the reusing sequence's own live slot.
 Slot ids [1, num_slots) are one pool; each is exactly one of free / live / checkpoint.
 """
-from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass
+from collections import Counter, OrderedDict, deque
 
+from scheduler.plan import LinearStateCacheOp
 from scheduler.sequence import Sequence
-
-
-@dataclass
-class LinearStateCacheOp:
-    linear_state_id: int = -1        # live slot the sequence advances
-    restore_requested: bool = False  # kept separate from the source id on purpose
-    restore_src_slot_id: int = -1    # checkpoint slot to copy from
-    fork: bool = False               # the source is the live slot of the sequence this one forks from (n > 1)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LinearStateCacheOp":
-        return cls(linear_state_id=int(d["linear_state_id"]),
-                   restore_requested=bool(d["restore_requested"]),
-                   restore_src_slot_id=int(d["restore_src_slot_id"]),
-                   fork=bool(d.get("fork", False)))
-
-    @property
-    def is_warm_restore(self) -> bool:
-        """The step copies a source slot into the live slot (a checkpoint restore or a fork)."""
-        return self.restore_requested and self.restore_src_slot_id > 0
-
-    @property
-    def restores_checkpoint(self) -> bool:
-        """A warm restore from a checkpoint, pinned for the step (a fork reads a live slot and pins nothing)."""
-        return self.is_warm_restore and not self.fork
 
 
 class LinearStatePrefixCache:
@@ -69,11 +41,15 @@ class LinearStatePrefixCache:
     def find(self, h: int) -> int | None:
         """Take a restore reference on the checkpoint for `h` (pin + 1, LRU promote)."""
         slot = self.slot_of.get(h)
-        if slot is None:
-            return None
+        if slot is not None:
+            self.pin(slot)
+        return slot
+
+    def pin(self, slot: int) -> None:
+        """Take a restore reference on checkpoint `slot` (one a `match` found): pin + 1, out of the LRU."""
+        assert slot in self.hash_of, f"slot {slot} is not a checkpoint"
         self.pins[slot] += 1
         self.lru.pop(slot, None)
-        return slot
 
     def release(self, slot: int) -> None:
         """Drop a restore reference; an unpinned checkpoint becomes the most recently used."""
@@ -251,41 +227,45 @@ class LinearStateBlockManager:
     def replace_block(self, seq: Sequence, slot: int) -> None:
         seq.linear_state_id = slot
 
-    def allocate_for_sequence(self, seq: Sequence, num_tokens: int | None = None) -> LinearStateCacheOp | None:
-        """Per-step entry. `num_tokens` is unused: a sequence needs one slot whatever its length.
+    def allocate_for_sequence(self, seq: Sequence, num_tokens: int | None = None) -> LinearStateCacheOp:
+        """Per-step entry of a running sequence (it holds a live slot: `admit` gave it one). `num_tokens` is unused:
+        a sequence needs one slot whatever its length.
 
-        1. perform the deferred save (replace: the live slot becomes a checkpoint, the sequence
-           rotates to a fresh slot, and this step restores from the checkpoint);
-        2. acquire a live slot if the sequence has none (append; restore requested, no source
-           yet: the composite fills it in). None if no slot can be obtained.
+        With a deferred save pending, the live slot becomes the checkpoint and the sequence rotates to a fresh live
+        slot that this step restores from it (replace); otherwise the sequence continues its own state.
         """
-        if seq.pending_save_hash is not None and seq.linear_state_id > 0:
+        assert seq.linear_state_id > 0, f"seq {seq.seq_id} runs without a live slot"
+        if seq.pending_save_hash is not None:
             src = self.save_pending(seq)
             if src > 0:
                 return LinearStateCacheOp(seq.linear_state_id, True, src)
-        if seq.linear_state_id <= 0:
-            slot = self.acquire_live_slot()
-            if slot is None:
-                return None
-            seq.linear_state_id = slot
-            return LinearStateCacheOp(slot, True, -1)
         return LinearStateCacheOp(seq.linear_state_id, False, -1)
 
-    def allocate_shared(self, token_ids: list[int], hashes: list[int],
-                        limit: int | None = None) -> tuple[int, int, int]:
-        """Resolve a restore source: the deepest checkpoint at or below `limit` tokens.
+    def match(self, token_ids: list[int], hashes: list[int]) -> tuple[list[tuple[int, int]], int]:
+        """Probe the checkpoint index (see `LinearStatePrefixCache.match`); no hit without prefix caching."""
+        return self.index.match(token_ids, hashes) if self.index is not None else ([], 0)
 
-        Returns (source slot pinned via `find`, or -1; its boundary, 0 if none; reach = deepest
-        hit overall). The source joins no block vector and no admission count.
+    def is_pinned(self, slot: int) -> bool:
+        return self.index is not None and self.index.is_pinned(slot)
+
+    def admit(self, seq: Sequence, restore_src_slot_id: int = -1, fork: bool = False) -> LinearStateCacheOp | None:
+        """A live slot for a sequence that holds none, restored from `restore_src_slot_id` (-1: a cold start).
+
+        The source is a checkpoint slot found by the admission's match, or with `fork` the live slot of the sequence
+        forked from. A checkpoint source is pinned for the step *before* the live slot is taken, so taking the live
+        slot can never evict it, and the op is built complete, once. None (nothing pinned) when no slot can be had.
         """
-        if self.index is None:
-            return -1, 0, 0
-        hits, reach = self.index.match(token_ids, hashes)
-        boundary, _ = deepest_hit_at_or_below(hits, reach if limit is None else limit)
-        if boundary == 0:
-            return -1, 0, reach
-        src = self.index.find(hashes[boundary // self.chunk_stride - 1])
-        return src, boundary, reach
+        assert seq.linear_state_id <= 0 and seq.pending_save_hash is None, f"seq {seq.seq_id} already holds a slot"
+        pin = restore_src_slot_id > 0 and not fork
+        if pin:
+            self.index.pin(restore_src_slot_id)
+        slot = self.acquire_live_slot()
+        if slot is None:
+            if pin:
+                self.index.release(restore_src_slot_id)
+            return None
+        seq.linear_state_id = slot
+        return LinearStateCacheOp(slot, True, restore_src_slot_id, fork=fork)
 
     def release_source(self, slot: int) -> None:
         self.index.release(slot)
@@ -301,8 +281,22 @@ class LinearStateBlockManager:
         else:
             self.free_live_slot(slot)
 
+    def reset_prefix_cache(self) -> None:
+        """Evict every unpinned checkpoint."""
+        if self.index is not None:
+            for slot in list(self.index.lru):
+                self.evict_checkpoint(slot)
+
     # -- accounting ------------------------------------------------------------------------
-    def check_invariants(self, running: list[Sequence], pins_allowed: bool) -> None:
+    def stats(self) -> dict:
+        return dict(checkpoints_saved=self.num_saved, checkpoints_save_skipped=self.num_save_skipped,
+                    checkpoints_evicted=self.num_evicted, live_slots=len(self.live_slots),
+                    checkpoint_slots=self.num_checkpoints, free_slots=len(self.free_slots))
+
+    def check_invariants(self, running: list[Sequence], pins_allowed: bool, saves: set[int] = frozenset(),
+                         sources: Counter | None = None) -> None:
+        """Every slot in exactly one state. `saves`: the slots the in-flight step writes; `sources`: the
+        checkpoints it restores from (slot -> rows), exactly what may be pinned (None: not checked)."""
         live = {s.linear_state_id for s in running}
         assert len(live) == len(running), "two running sequences share a live slot"
         assert live == self.live_slots, "live slots differ from the running sequences'"
@@ -314,6 +308,7 @@ class LinearStateBlockManager:
         assert free | live | ckpt | saving == set(range(1, self.num_slots)), "slot leaked or slot 0 used"
         assert pins_allowed or not saving, "checkpoint being saved outside a step"
         assert len(set(self.saving.values())) == len(saving), "one hash saved twice in a step"
+        assert saving == set(saves), "slots being saved differ from the in-flight plan's saves"
         if self.index is not None:
             idx = self.index
             assert {v: k for k, v in idx.slot_of.items()} == idx.hash_of
@@ -321,3 +316,6 @@ class LinearStateBlockManager:
             assert set(idx.lru) == {s for s in ckpt if idx.pins[s] == 0}, "LRU != unpinned checkpoints"
             if not pins_allowed:
                 assert not any(idx.pins.values()), "checkpoint pinned outside a step"
+            if sources is not None:
+                pins = Counter({s: p for s, p in idx.pins.items() if p})
+                assert pins == Counter(sources), "pins differ from the in-flight restore sources"

@@ -1,12 +1,47 @@
-"""The step plan: plain data handed from the scheduler to the worker."""
-from dataclasses import dataclass, field
+"""The scheduler -> worker contract: plain, frozen data, built once by the scheduler and only read by the worker.
 
-from scheduler.linear_cache import LinearStateCacheOp
+A `StepPlan` holds the step's rows (`ScheduledSequence`, one per scheduled sequence), each row's `LinearStateCacheOp`
+(which live slot it advances and what is restored into it first), and the `CheckpointSave`s the step writes. The
+names are the ones of the design: `linear_state_id` is a live slot, `restore_src_slot_id` a restore source.
+"""
+from dataclasses import asdict, dataclass, field
+
 from scheduler.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(frozen=True)
+class LinearStateCacheOp:
+    """What a row does with the linear-state slot pool before its forward. Built once, when the scheduler has
+    resolved both slots: the restore source is pinned before the live slot is taken, so nothing patches it later."""
+    linear_state_id: int = -1        # live slot the sequence advances
+    restore_requested: bool = False  # kept separate from the source id on purpose
+    restore_src_slot_id: int = -1    # checkpoint slot to copy from (-1 with restore_requested: a cold start)
+    fork: bool = False               # the source is the live slot of the sequence this one forks from (n > 1)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LinearStateCacheOp":
+        return cls(linear_state_id=int(d["linear_state_id"]),
+                   restore_requested=bool(d["restore_requested"]),
+                   restore_src_slot_id=int(d["restore_src_slot_id"]),
+                   fork=bool(d.get("fork", False)))
+
+    @property
+    def is_warm_restore(self) -> bool:
+        """The step copies a source slot into the live slot (a checkpoint restore or a fork)."""
+        return self.restore_requested and self.restore_src_slot_id > 0
+
+    @property
+    def restores_checkpoint(self) -> bool:
+        """A warm restore from a checkpoint, pinned for the step (a fork reads a live slot and pins nothing)."""
+        return self.is_warm_restore and not self.fork
+
+
+@dataclass(frozen=True)
 class ScheduledSequence:
+    """One row of a step: a sequence's tokens computed this step and everything the worker needs to compute them."""
     seq_id: int
     token_ids: list[int]        # tokens computed this step (a prefill chunk, or 1 decode token)
     start_pos: int              # absolute position of token_ids[0] (= num_computed_tokens before the step)
@@ -36,8 +71,9 @@ class CheckpointSave:
     slot: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepPlan:
+    """One step: all-prefill or all-decode rows, and the checkpoint saves of a "scan" prefill."""
     is_prefill: bool
     seqs: list[ScheduledSequence]
     saves: list[CheckpointSave] = field(default_factory=list)

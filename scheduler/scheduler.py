@@ -19,8 +19,7 @@ from collections import Counter, deque
 
 from scheduler.composite import CompositeBlockManager, PrefixMatch
 from scheduler.config import SchedulerConfig
-from scheduler.linear_cache import LinearStateCacheOp
-from scheduler.plan import CheckpointSave, ScheduledSequence, StepPlan
+from scheduler.plan import CheckpointSave, LinearStateCacheOp, ScheduledSequence, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
 
 
@@ -208,8 +207,8 @@ class Scheduler:
         """"scan" mode: a checkpoint slot for each boundary a row crosses (policy "all") or for the deepest one
         ("last"), taken after every row has its live slot. A row that starts off the stride grid (a fork, or the
         unsafe ablation's KV-only reuse) saves nothing: its boundaries are not chunk ends of its scan."""
-        linear, cfg = self.block_manager.linear, self.config
-        if cfg.checkpoint_mode != "scan" or linear is None or linear.index is None:
+        cfg = self.config
+        if cfg.checkpoint_mode != "scan" or not self.block_manager.saves_checkpoints:
             return []
         stride, saves = cfg.chunk_stride, []
         for i, row in enumerate(rows):
@@ -220,9 +219,8 @@ class Scheduler:
             if cfg.checkpoint_policy == "last":
                 boundaries = boundaries[-1:]
             seq = self.seqs[row.seq_id]
-            seq.update_linear_state_hashes(stride, cfg.state_fingerprint)
             for b in boundaries:
-                slot = linear.acquire_save_slot(seq.linear_state_hashes[b // stride - 1])
+                slot = self.block_manager.acquire_save_slot(seq, b)
                 if slot is not None:
                     saves.append(CheckpointSave(row=i, offset=b - start, boundary=b, slot=slot))
         return saves
@@ -281,9 +279,7 @@ class Scheduler:
         if len(sampled_token_ids) != len(plan.seqs):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} rows")
         self.inflight = None
-        self.block_manager.release_step(row.linear_op for row in plan.seqs)
-        for save in plan.saves:  # the step wrote them: index them, whatever became of their sequence since
-            self.block_manager.linear.commit_save(save.slot)
+        self.block_manager.finish_step(plan, completed=True)
         self._release_aborted_inflight()
         finished = []
         for row, token in zip(plan.seqs, sampled_token_ids):
@@ -322,9 +318,7 @@ class Scheduler:
         hashed and its live slots are freed, not promoted. Returns the sequences that were failed."""
         assert plan is self.inflight, "fail_step takes the plan of the last schedule()"
         self.inflight = None
-        self.block_manager.release_step(row.linear_op for row in plan.seqs)
-        for save in plan.saves:
-            self.block_manager.linear.cancel_save(save.slot)
+        self.block_manager.finish_step(plan, completed=False)
         self._release_aborted_inflight()
         failed = []
         for row in plan.seqs:
@@ -363,7 +357,7 @@ class Scheduler:
 
     # -- lifecycle -------------------------------------------------------------------------
     def _record_admission(self, seq: Sequence, m: PrefixMatch) -> None:
-        self.counters["checkpoints_restored"] += m.src_slot > 0
+        self.counters["checkpoints_restored"] += m.restore_src_slot_id > 0
         if seq.num_admissions > 0:
             self.counters["readmissions"] += 1
         elif self.config.enable_prefix_caching and not seq.sampling_params.skip_reading_prefix_cache:
@@ -372,9 +366,9 @@ class Scheduler:
             self.counters["query_tokens"] += len(seq.token_ids)
             self.counters["reused_tokens"] += m.reuse
         if seq.num_admissions == 0:  # per-request metrics describe the first admission
-            seq.kv_match, seq.linear_reach, seq.num_cached_tokens = m.kv_len, m.linear_reach, m.reuse
-            seq.reuse_lost = m.kv_len - m.reuse
-            seq.restored = m.src_slot > 0
+            seq.kv_match, seq.linear_reach, seq.num_cached_tokens = m.kv_match, m.linear_reach, m.reuse
+            seq.reuse_lost = m.kv_match - m.reuse
+            seq.restored = m.restore_src_slot_id > 0
         seq.num_admissions += 1
 
     def _preempt(self, seq: Sequence) -> None:
@@ -398,30 +392,12 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached KV block and checkpoint not in use (e.g. between A/B runs)."""
-        kv, linear = self.block_manager.kv, self.block_manager.linear
-        for block in list(kv.cached_lru):
-            kv.evict(block)
-        if linear is not None and linear.index is not None:
-            for slot in list(linear.index.lru):
-                linear.evict_checkpoint(slot)
+        self.block_manager.reset_prefix_cache()
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> dict:
-        kv, linear = self.block_manager.kv, self.block_manager.linear
         out = dict(self.counters)
-        out.update(
-            checkpoints_saved=linear.num_saved if linear else 0,
-            checkpoints_save_skipped=linear.num_save_skipped if linear else 0,
-            checkpoints_evicted=linear.num_evicted if linear else 0,
-            live_slots=len(linear.live_slots) if linear else 0,
-            checkpoint_slots=linear.num_checkpoints if linear else 0,
-            free_slots=len(linear.free_slots) if linear else 0,
-            kv_blocks_cached=kv.num_cached_blocks,
-            kv_blocks_evicted=kv.num_evictions,
-            kv_blocks_free=kv.num_free_blocks,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-        )
+        out.update(self.block_manager.stats(), num_running=len(self.running), num_waiting=len(self.waiting))
         return out
 
     def check_invariants(self) -> None:
@@ -447,14 +423,4 @@ class Scheduler:
         if self.inflight is None:
             assert list(self.prefilling.values()) == [s for s in self.running if s.is_prefilling]
         assert len(self.running) <= self.config.max_num_seqs
-        self.block_manager.kv.check_invariants(self.running)
-        linear = self.block_manager.linear
-        if linear is not None:
-            linear.check_invariants(self.running, pins_allowed=self.inflight is not None)
-            saves = {save.slot for save in self.inflight.saves} if self.inflight else set()
-            assert set(linear.saving) == saves, "slots being saved differ from the in-flight plan's saves"
-            if linear.index is not None:
-                expected = Counter(row.linear_op.restore_src_slot_id for row in self.inflight.seqs
-                                   if row.linear_op.restores_checkpoint) if self.inflight else Counter()
-                pins = Counter({s: p for s, p in linear.index.pins.items() if p})
-                assert pins == expected, "pins differ from the in-flight restore sources"
+        self.block_manager.check_invariants(self.running, self.inflight)

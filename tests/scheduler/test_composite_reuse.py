@@ -1,4 +1,6 @@
 """How much of a prompt is reused: min(kv_match, linear_reach) on an actual checkpoint."""
+import dataclasses
+
 import pytest
 
 from scheduler import Scheduler
@@ -136,3 +138,19 @@ def test_admission_falls_back_to_cold_start_when_the_source_holds_the_last_free_
     op = row.linear_op
     assert (op.linear_state_id, op.restore_requested, op.restore_src_slot_id) == (1, True, -1)
     assert sched.stats()["checkpoints_evicted"] == 1 and row.start_pos == 0
+
+
+def test_a_warm_admission_walks_each_index_once_and_its_op_is_built_complete(monkeypatch):
+    sched, dev = setup()
+    serve(sched, dev, 1, P[:20])  # checkpoints at 8 and 16
+    bm = sched.block_manager
+    walks = []
+    for leaf in (bm.kv, bm.linear.index):
+        monkeypatch.setattr(leaf, "match", lambda *a, _real=leaf.match, _leaf=leaf: walks.append(_leaf) or _real(*a))
+    seq, row = admit(sched, dev, 2, P[:20] + [1])
+    assert walks == [bm.kv, bm.linear.index]  # one walk of each index for the whole admission
+    assert seq.num_cached_tokens == 16 and row.linear_op.restore_src_slot_id == checkpoint_slot(sched, P[:16])
+    for frozen in (sched.inflight, row, row.linear_op):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            frozen.seq_id = 0
+    sched.check_invariants()

@@ -1,4 +1,9 @@
-from scheduler import LinearStateBlockManager, LinearStatePrefixCache, Sequence
+import dataclasses
+
+import pytest
+
+from scheduler import (LinearStateBlockManager, LinearStateCacheOp, LinearStatePrefixCache, Sequence,
+                       deepest_hit_at_or_below)
 
 CS = 8
 
@@ -132,22 +137,38 @@ def test_match_walks_whole_chunks_strictly_below_the_final_token():
     assert list(idx.lru) == [1, 2] and not any(idx.pins.values())  # a probe pins nothing
 
 
-def test_match_skips_gaps_and_mounts_deepest():
+def test_match_skips_gaps_and_pins_nothing():
     m = manager(6)
-    checkpoint(m, 100)
+    shallow = checkpoint(m, 100)
     deep = checkpoint(m, 300)  # chunk 1 (hash 200) missing
-    src, boundary, reach = m.allocate_shared(list(range(30)), [100, 200, 300])
-    assert (src, boundary, reach) == (deep, 24, 24)
-    assert m.index.pins == {1: 0, deep: 1}
+    hits, reach = m.match(list(range(30)), [100, 200, 300])
+    assert (hits, reach) == ([(8, shallow), (24, deep)], 24)
+    assert deepest_hit_at_or_below(hits, 23) == (8, shallow) and deepest_hit_at_or_below(hits, 7) == (0, -1)
+    assert m.index.pins == {shallow: 0, deep: 0} and list(m.index.lru) == [shallow, deep]
+    assert LinearStateBlockManager(6, CS, enable_prefix_caching=False).match(list(range(30)), [100]) == ([], 0)
 
 
-def test_allocate_shared_resolves_deepest_hit_at_or_below_limit_and_pins_only_it():
-    m = manager(6)
-    shallow, _ = checkpoint(m, 100), checkpoint(m, 200)
-    src, boundary, reach = m.allocate_shared(list(range(30)), [100, 200, 300], limit=15)
-    assert (src, boundary, reach) == (shallow, 8, 16)
-    assert [m.index.is_pinned(s) for s in sorted(m.index.hash_of)] == [True, False]
-    assert m.allocate_shared(list(range(30)), [100, 200, 300], limit=7)[:2] == (-1, 0)
+def test_admit_pins_the_source_before_taking_the_live_slot_and_builds_the_op_once():
+    m = manager(3)  # slots 1, 2: both checkpoints, so the live slot must come from evicting one
+    src, other = checkpoint(m, 100), checkpoint(m, 200)
+    seq = Sequence(1, list(range(20)))
+    op = m.admit(seq, src)
+    assert op == LinearStateCacheOp(other, True, src) and seq.linear_state_id == other  # never the source itself
+    assert m.index.pins == {src: 1} and m.num_evicted == 1
+    m.check_invariants([seq], pins_allowed=True, sources={src: 1})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        op.restore_src_slot_id = -1
+
+
+def test_admit_with_no_slot_to_take_returns_none_and_leaves_the_source_unpinned():
+    m = manager(3)
+    src = checkpoint(m, 100)
+    m.acquire_live_slot()
+    seq = Sequence(1, list(range(20)))
+    assert m.admit(seq, src) is None
+    assert seq.linear_state_id == -1 and not m.index.is_pinned(src) and list(m.index.lru) == [src]
+    with pytest.raises(AssertionError, match="not a checkpoint"):
+        m.admit(seq, 2)  # a live slot is no restore source
 
 
 def test_finish_with_pending_save_promotes_live_slot_else_frees_it():
