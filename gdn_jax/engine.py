@@ -22,6 +22,7 @@ from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 from scheduler.sampling_params import SEED_BOUND
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+GDN_SCHEDULES = ("auto", "fused", "parallel")  # chunked GDN rule schedules (gated_delta.chunk_gated_delta_rule)
 MAX_FULL_ROW_VOCAB = 65_536  # prompt_logprobs=-1 returns whole rows only for vocabularies up to this size
 
 
@@ -169,7 +170,8 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, num_linear_slots: int | None = None,
                  max_num_batched_tokens: int | None = None, memory_budget_bytes: int | None = None,
                  gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, unsafe_reuse: str | None = None,
-                 checkpoint_mode: str = "scan", checkpoint_policy: str = "all", verbose: bool = True):
+                 checkpoint_mode: str = "scan", checkpoint_policy: str = "all", gdn_schedule: str = "auto",
+                 verbose: bool = True):
         """`memory_budget_bytes` bounds the KV and linear-state pools; None sizes it from the device: on a GPU
         `gpu_memory_utilization` of its memory minus the weights, on the CPU `CPU_MEMORY_BUDGET_BYTES` (2 GiB).
         Explicit `num_kv_blocks` / `num_linear_slots` win over the budget.
@@ -180,9 +182,14 @@ class LLMEngine:
         `checkpoint_mode`: "scan" (default) prefills as many chunk strides per step as `max_num_batched_tokens`
         allows and writes the checkpoints of the boundaries it crosses from the chunked scan, in the same step;
         "promote" is the original design: one stride per prefill step, the live slot promoted to the checkpoint.
-        `checkpoint_policy` ("scan"): "all" boundaries crossed, or only the "last" one (see SchedulerConfig)."""
+        `checkpoint_policy` ("scan"): "all" boundaries crossed, or only the "last" one (see SchedulerConfig).
+
+        `gdn_schedule`: how the chunked GDN rule is computed, "auto" ("fused" on CPU, "parallel" on accelerators),
+        "fused" or "parallel": the same maths, so outputs agree to float rounding."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if gdn_schedule not in GDN_SCHEDULES:
+            raise ValueError(f"gdn_schedule must be one of {GDN_SCHEDULES}, got {gdn_schedule!r}")
         if block_size < 1 or chunk_stride < 1 or chunk_stride % block_size:
             raise ValueError(f"chunk_stride ({chunk_stride}) must be a positive multiple of block_size ({block_size})")
         enable_compilation_cache()
@@ -213,7 +220,7 @@ class LLMEngine:
         self.worker = Worker(self.cfg, graphdef, params, self.memory, block_size, max_num_seqs, max_model_len,
                              chunk_stride, DTYPES[dtype], seed=seed, max_num_batched_tokens=sc.max_num_batched_tokens,
                              checkpoint_mode=checkpoint_mode, checkpoint_policy=checkpoint_policy,
-                             enable_prefix_caching=enable_prefix_caching)
+                             enable_prefix_caching=enable_prefix_caching, gdn_schedule=gdn_schedule)
         if verbose:
             print(f"[gdn_jax] {self.cfg.name}: {self.memory.describe()}")
         if enable_prefix_caching and has_linear and self.memory.num_checkpoint_slots < max_num_seqs:

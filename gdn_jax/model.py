@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 from functools import partial
 
 import jax
@@ -287,13 +288,15 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = _linear(rngs, cfg.linear_value_dim, cfg.hidden_size, dtype, std)
 
-    def __call__(self, x, conv_state, ssm_state, lengths, chunk_size: int = 64, rule=None, saves=None):
+    def __call__(self, x, conv_state, ssm_state, lengths, chunk_size: int = 64, rule=None, saves=None,
+                 schedule: str = "auto"):
         """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state).
         `chunk_size` of the chunked rule (same maths; training on CPU runs fastest with 32). `rule`, if given,
         replaces the gated delta rule and the ssm_state argument: (q, k, v, g, beta) -> (o, new ssm state); the
         engine's decode step passes one that advances the states inside their pool. `saves` = (rows, offsets), [S]
         each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv
-        [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states."""
+        [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states. `schedule`: the chunked
+        rule's (`chunk_gated_delta_rule`'s impl: "auto", "fused" or "parallel"; same maths)."""
         cfg = self.cfg
         B, T, _ = x.shape
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -316,12 +319,12 @@ class GatedDeltaNet(nnx.Module):
         if saves is not None:
             o, ssm_state, chunk_states = chunk_gated_delta_rule(
                 q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, chunk_size=chunk_size,
-                output_chunk_states=True)                                       # [B, N, Hv, dk, dv]
+                output_chunk_states=True, impl=schedule)                                       # [B, N, Hv, dk, dv]
             rows, offsets = saves
             saved = (saved_conv, chunk_states[rows, jnp.maximum(offsets // chunk_size - 1, 0)])
         else:
             if rule is None:
-                kw = {} if T == 1 else {"chunk_size": chunk_size}
+                kw = {} if T == 1 else {"chunk_size": chunk_size, "impl": schedule}
                 rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
                                initial_state=ssm_state, lengths=lengths, **kw)
             o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
@@ -490,7 +493,12 @@ def layer_groups(layer_types) -> tuple[tuple[tuple[str, int], ...], int]:
 
 
 def _repeat(n: int, body, carry):
-    """carry = body(i, carry) for i in range(n): a loop (its body compiled once), a plain call when n == 1."""
+    """carry = body(i, carry) for i in range(n): a loop (its body compiled once), a plain call when n == 1; unrolled
+    (every layer traced with its index known) when the environment sets GDN_JAX_UNROLL_LAYERS=1."""
+    if os.environ.get("GDN_JAX_UNROLL_LAYERS") == "1":
+        for i in range(n):
+            carry = body(i, carry)
+        return carry
     return body(0, carry) if n == 1 else jax.lax.fori_loop(0, n, body, carry)
 
 
@@ -548,8 +556,10 @@ class Qwen35Model(nnx.Module):
 
         return _repeat(repeats, group, carry)
 
-    def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64):
-        """`chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
+    def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64,
+                 gdn_schedule: str = "auto"):
+        """`gdn_schedule`: the chunked GDN rule's schedule ("auto", "fused", "parallel"; same maths).
+        `chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
         boundary is a chunk boundary of a row's scan)."""
         cfg = self.cfg
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
@@ -568,10 +578,12 @@ class Qwen35Model(nnx.Module):
             else:
                 ssm_in = jnp.where(warm[:, None, None, None], read_slots(st.ssm, src, j), 0.0)
                 if batch.save_slots is None:
-                    h, conv_out, ssm_out = layer.linear_attn(h, conv_in, ssm_in, batch.lengths, chunk_size)
+                    h, conv_out, ssm_out = layer.linear_attn(h, conv_in, ssm_in, batch.lengths, chunk_size,
+                                                                     schedule=gdn_schedule)
                 else:  # also the checkpoints at the listed boundaries, written with the live slots at once
                     h, conv_out, ssm_out, (conv_sv, ssm_sv) = layer.linear_attn(
-                        h, conv_in, ssm_in, batch.lengths, chunk_size, saves=(batch.save_rows, batch.save_offsets))
+                        h, conv_in, ssm_in, batch.lengths, chunk_size, saves=(batch.save_rows, batch.save_offsets),
+                        schedule=gdn_schedule)
                     slots = jnp.concatenate([ids, batch.save_slots])
                     conv_out, ssm_out = jnp.concatenate([conv_out, conv_sv]), jnp.concatenate([ssm_out, ssm_sv])
                 ssm = write_rows(st.ssm, (layer_ids(j, slots), slots), ssm_out)
@@ -602,10 +614,11 @@ class Qwen35Model(nnx.Module):
         return jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
 
 
-def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64):
+def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64,
+            gdn_schedule: str = "auto"):
     """Pure forward: (graphdef, params, batch, state) -> (logits [B, V] or [B, T, V] float32, new state)."""
     model = nnx.merge(graphdef, params)
-    return model(batch, state, all_logits=all_logits, chunk_size=chunk_size)
+    return model(batch, state, all_logits=all_logits, chunk_size=chunk_size, gdn_schedule=gdn_schedule)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):

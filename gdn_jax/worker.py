@@ -147,20 +147,22 @@ def _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves) -> Ba
                                                                  saves or (None,) * 3)))
 
 
-def _step(graphdef, params, chunk_size, state, batch_arrays, live_ids, restore_requested, src_ids, saves):
-    """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`_sample`)."""
+def _step(graphdef, params, rule, state, batch_arrays, live_ids, restore_requested, src_ids, saves):
+    """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`_sample`). `rule`: the
+    chunked GDN rule's (chunk size, schedule)."""
     batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
-    logits, state = forward(graphdef, params, batch, state, chunk_size=chunk_size)
+    logits, state = forward(graphdef, params, batch, state, chunk_size=rule[0], gdn_schedule=rule[1])
     return state, logits
 
 
-def _step_prompt_logprobs(graphdef, params, chunk_size, state, batch_arrays, live_ids, restore_requested, src_ids,
+def _step_prompt_logprobs(graphdef, params, rule, state, batch_arrays, live_ids, restore_requested, src_ids,
                           saves, targets, full_rows):
     """`_step` plus the log-distribution at every position of the chunk (prompt logprobs). A separate executable,
     so that steps without a prompt-logprobs row never pay for [B, T, V] logits. targets[b, t]: the prompt token at
     position start + t + 1, scored by the logits of position start + t. `full_rows` (static) also returns every row."""
     batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
-    logits, state = forward(graphdef, params, batch, state, all_logits=True, chunk_size=chunk_size)  # [B, T, V]
+    logits, state = forward(graphdef, params, batch, state, all_logits=True, chunk_size=rule[0],
+                            gdn_schedule=rule[1])  # [B, T, V]
     last = jnp.take_along_axis(logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T]
@@ -187,23 +189,24 @@ class PromptLogprobs:
 
 
 @functools.lru_cache(maxsize=None)
-def step_function(graphdef, params_def, chunk_size: int = 64):
+def step_function(graphdef, params_def, chunk_size: int = 64, gdn_schedule: str = "auto"):
     """The jitted step for one model structure: `(param_leaves, state, batch_arrays, ...)`, the state donated.
-    Cached per (graphdef, params treedef, GDN chunk size), so workers of the same model share compiled executables,
+    Cached per (graphdef, params treedef, GDN chunk size and schedule), so workers of the same model share compiled executables,
     and the structure is hashed here, once, not per call."""
 
     def step(param_leaves, state, *args):
-        return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), chunk_size, state, *args)
+        return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule), state, *args)
 
     return jax.jit(step, donate_argnums=(1,))
 
 
 @functools.lru_cache(maxsize=None)
-def prompt_step_function(graphdef, params_def, chunk_size: int = 64):
+def prompt_step_function(graphdef, params_def, chunk_size: int = 64, gdn_schedule: str = "auto"):
     """The prompt-logprobs variant of `step_function` (its last argument, `full_rows`, is static)."""
 
     def step(param_leaves, state, *args):
-        return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves), chunk_size, state,
+        return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves),
+                                     (chunk_size, gdn_schedule), state,
                                      *args)
 
     return jax.jit(step, donate_argnums=(1,), static_argnums=(8,))
@@ -238,7 +241,8 @@ class Worker:
     def __init__(self, cfg: ModelConfig, graphdef, params, memory: MemoryPlan, block_size: int, max_num_seqs: int,
                  max_model_len: int, chunk_stride: int, dtype, seed: int = 0,
                  float32_decode_weights: bool | None = None, max_num_batched_tokens: int | None = None,
-                 checkpoint_mode: str = "promote", checkpoint_policy: str = "all", enable_prefix_caching: bool = True):
+                 checkpoint_mode: str = "promote", checkpoint_policy: str = "all", enable_prefix_caching: bool = True,
+                 gdn_schedule: str = "auto"):
         """`float32_decode_weights`: single-row decode steps multiply float32 copies of the bfloat16 projection
         matrices. On XLA's CPU backend a one-row product of a bfloat16 weight either converts the whole weight to
         float32 first (~10x the bandwidth bound) or, as two rows, goes through the library GEMM, which is
@@ -256,7 +260,11 @@ class Worker:
 
         `params` may be abstract (`jax.ShapeDtypeStruct` leaves, `weights.abstract_model`): the pools are then
         abstract too, nothing is allocated, and the worker can only lower and compile (`lowered_step`), as
-        scripts/bench_compile.py does for models too large for the machine."""
+        scripts/bench_compile.py does for models too large for the machine.
+
+        `gdn_schedule`: the chunked GDN rule's schedule, "auto" (fused on CPU, parallel on accelerators), "fused"
+        or "parallel" (`gated_delta.chunk_gated_delta_rule`'s impl; same maths, so a CPU test can run the
+        accelerators' schedule through the engine)."""
         self.cfg, self.graphdef, self.params = cfg, graphdef, params
         self.memory, self.block_size = memory, block_size
         self.max_rows = _bucket(max_num_seqs, 1, 1 << 30)
@@ -281,9 +289,9 @@ class Worker:
             if extra and (float32_decode_weights or extra <= FLOAT32_DECODE_WEIGHTS_MAX_BYTES):
                 self._decode_leaves = (jax.eval_shape(float32_kernels, params) if self.abstract
                                        else float32_kernels(params))
-        self._fn = step_function(graphdef, params_def, self.chunk_size)
+        self._fn = step_function(graphdef, params_def, self.chunk_size, gdn_schedule)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
-        self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size)
+        self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size, gdn_schedule)
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
     def _buckets(self, lo: int, hi: int) -> list[int]:

@@ -47,11 +47,15 @@ def _summary(out):
     return c.token_ids, np.array([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
 
 
-@pytest.fixture(scope="module", params=["scan", "promote"])
+@pytest.fixture(scope="module", params=["scan", "promote", "scan-parallel"])
 def engines(request):
-    """Cache on (in both checkpoint modes) and cache off."""
-    return (LLM("tiny-random", enable_prefix_caching=True, checkpoint_mode=request.param, **ENGINE_KW),
-            LLM("tiny-random", enable_prefix_caching=False, **ENGINE_KW))
+    """Cache on (in both checkpoint modes) and cache off. "scan-parallel": the cache-on engine computes the chunked
+    GDN rule with the accelerators' "parallel" schedule, the cache-off one with the CPU's "fused" one, so the
+    equivalence also holds across schedules."""
+    mode, _, schedule = request.param.partition("-")
+    return (LLM("tiny-random", enable_prefix_caching=True, checkpoint_mode=mode, gdn_schedule=schedule or "auto",
+                **ENGINE_KW),
+            LLM("tiny-random", enable_prefix_caching=False, gdn_schedule="fused", **ENGINE_KW))
 
 
 def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):
@@ -150,3 +154,8 @@ def test_single_kind_models_cache_exactly(layer_types):
     # deepest checkpoint below them (64), through a restore
     assert a[1].num_cached_tokens == (64 if LINEAR in layer_types else 80)
     assert a[1].metrics.restored == (LINEAR in layer_types)
+
+
+def test_unknown_gdn_schedule_is_refused():
+    with pytest.raises(ValueError, match="gdn_schedule"):
+        LLM("tiny-random", gdn_schedule="chunked", **ENGINE_KW)

@@ -1,0 +1,297 @@
+"""Large-model figures on an accelerator: prefill MFU, decode step against the HBM roofline, TTFT hit / off, compile.
+
+    python scripts/bench_gpu.py [--preset qwen3.5-9b] [--dtype bfloat16] [--prefill-tokens 4096]
+                                [--decode-batch 64] [--shared 8192] [--new 512] [--out results/bench_gpu.json]
+
+Random weights of the preset (nothing is downloaded), built on the default device. In one process:
+1. probes: a large bfloat16 matrix product (the measured matmul peak) and a streaming read (the measured bandwidth);
+2. one jitted forward of `--prefill-tokens` tokens (the engine's `forward`, last position's logits): time and model
+   FLOP utilisation (matmul work: every projection, the attention products over the causal triangle, the chunked
+   GDN rule), against `--peak-tflops` (the datasheet's dense bfloat16 figure) and against the measured peak;
+3. through `LLMEngine.step` with the prefix cache on: a cold prompt of `--shared` + `--new` tokens, then prompts that
+   share the `--shared` tokens (the hit: `--new` tokens prefilled after a restore); the first call of each shape
+   is reported apart (it compiles);
+4. a decode step of `--decode-batch` rows at `--decode-prompt` tokens of context, against the bytes it must move
+   divided by `--hbm-gbps` (the datasheet) and by the measured read bandwidth;
+5. the same cold prompt through an engine with the prefix cache off (the "off" TTFT).
+Every figure is written to the JSON as soon as it is measured, so a run cut short keeps what it reached. On a CPU the
+script runs too (use a small preset and sizes): the figures then only check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import _op_kind, decode_bytes, measure_read_bandwidth  # noqa: E402
+
+from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
+from gdn_jax.config import LINEAR, get_preset  # noqa: E402
+from gdn_jax.model import Batch, forward, init_state  # noqa: E402
+
+
+def matmul_peak(n: int, dtype, repeats: int = 10) -> float:
+    """FLOP/s of an n x n x n product in `dtype` (float32 accumulation), best of `repeats` after a warm-up."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    fn = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype))
+    fn(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def forward_flops(cfg, T: int, chunk: int = 64) -> dict:
+    """Matmul FLOPs of a T-token prefill forward that returns the last position's logits."""
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mlp = 3 * D * I
+    full = D * (2 * H * hd + 2 * kvh * hd) + H * hd * D  # q (+ gate), k, v, o
+    linear = D * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * D  # q, k, v, z, a, b, out
+    n_full, n_lin = len(cfg.full_layer_ids), len(cfg.linear_layer_ids)
+    dense = 2 * T * (cfg.num_hidden_layers * mlp + n_full * full + n_lin * linear) + 2 * D * cfg.vocab_size
+    attention = n_full * 2 * 2 * H * hd * T * (T + 1) / 2  # scores + values over the causal triangle
+    # chunked delta rule per token and value head: K K^T, A K, A V, Q K^T, attn V within the chunk (6 C dk + 4 C dv)
+    # and the state products Q S, K S, K^T U (6 dk dv)
+    gdn = n_lin * T * hv * (6 * chunk * dk + 4 * chunk * dv + 6 * dk * dv)
+    return {"dense": dense, "attention": attention, "gdn": gdn, "total": dense + attention + gdn}
+
+
+def trace_ops(fn, n: int) -> dict:
+    """Runs fn() n times under the JAX profiler; per process of the trace (host, each device stream), the XLA op time
+    per call summed by kind, the busiest ops, and the span of the device's events (busy time vs wall time)."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            wall = (time.perf_counter() - t0) / n
+        events = json.loads(gzip.decompress(next(Path(d).rglob("*.trace.json.gz")).read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    kinds, ops = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
+    for e in events:
+        a = e.get("args") or {}
+        if e.get("ph") == "X" and "hlo_op" in a:
+            where = names.get(e["pid"], str(e["pid"]))
+            kinds[where][_op_kind(a["hlo_op"])] += e["dur"] / 1e3 / n
+            ops[where][a["hlo_op"]] += e["dur"] / 1e3 / n
+    return {"wall_ms": 1e3 * wall,
+            "by_process": {w: {"op_ms_total": sum(k.values()), "op_ms_by_kind": dict(k.most_common()),
+                               "top_ops_ms": dict(ops[w].most_common(15))} for w, k in kinds.items()}}
+
+
+def run_one(engine: LLMEngine, rid: str, tokens: list[int]) -> dict:
+    engine.add_request(rid, tokens, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    t0 = time.perf_counter()
+    done = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished and o.request_id == rid:
+                done = o
+    wall = time.perf_counter() - t0
+    return {"ttft_s": done.metrics.ttft, "wall_s": wall, "cached": done.num_cached_tokens}
+
+
+class Results:
+    def __init__(self, path: str, head: dict):
+        self.path, self.data = Path(path), dict(head)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        self.write()
+        print(f"[{key}] {json.dumps(value)}", flush=True)
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=2, default=str))
+
+
+def stage(results: Results, name: str, fn):
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as e:  # keep the other figures: one stage failing must not lose the rest
+        traceback.print_exc()
+        results.put(name, {"error": f"{type(e).__name__}: {e}"[:2000], "stage_s": time.perf_counter() - t0})
+        return None
+    if isinstance(out, dict):
+        out["stage_s"] = time.perf_counter() - t0
+    results.put(name, out)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(prog="bench_gpu.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--prefill-tokens", type=int, default=4096, help="tokens of the one-pass forward (MFU)")
+    ap.add_argument("--decode-batch", type=int, default=64)
+    ap.add_argument("--decode-prompt", type=int, default=512, help="context of the decode rows")
+    ap.add_argument("--decode-steps", type=int, default=10)
+    ap.add_argument("--shared", type=int, default=8192, help="tokens the hit prompts share")
+    ap.add_argument("--new", type=int, default=512, help="tokens after the shared part")
+    ap.add_argument("--chunk-stride", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of each TTFT")
+    ap.add_argument("--pool-gib", type=float, default=24.0, help="memory budget of the KV + linear-state pools")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="datasheet dense bfloat16 TFLOP/s (H200 SXM)")
+    ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="datasheet memory bandwidth GB/s (H200)")
+    ap.add_argument("--matmul-probe", type=int, default=8192, help="size of the matmul-peak probe")
+    ap.add_argument("--skip", default="", help="comma-separated stages to skip: forward,ttft,decode,off")
+    ap.add_argument("--profile", action="store_true", help="also trace two decode steps and sum XLA op time by kind")
+    ap.add_argument("--out", default="results/bench_gpu.json")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    cfg = get_preset(args.preset)
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    res = Results(args.out, {"preset": args.preset, "dtype": args.dtype, "backend": jax.default_backend(),
+                             "unroll_layers": os.environ.get("GDN_JAX_UNROLL_LAYERS") == "1",
+                             "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "args": vars(args)})
+
+    def probes():
+        bw = measure_read_bandwidth(mib=2048 if jax.default_backend() != "cpu" else 256)
+        return {"matmul_tflops": matmul_peak(args.matmul_probe, dtype) / 1e12, "read_gbps": bw["sum"] / 1e9,
+                "gemv_gbps": bw["gemv"] / 1e9}
+    peak = stage(res, "probes", probes) or {}
+
+    ctx = args.shared + args.new
+    max_len = -(-max(ctx, args.decode_prompt + args.decode_steps + 8, args.prefill_tokens) // 256) * 256
+    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, max_num_seqs=args.decode_batch, max_model_len=max_len,
+              max_num_batched_tokens=ctx, memory_budget_bytes=int(args.pool_gib * (1 << 30)), verbose=True)
+    t0 = time.perf_counter()
+    engine = LLMEngine(args.preset, enable_prefix_caching=True, **kw)
+    res.put("engine", {"init_s": time.perf_counter() - t0, "memory": engine.memory.describe(),
+                       "params_gib": sum(x.nbytes for x in jax.tree.leaves(engine.worker.params)) / (1 << 30)})
+    rng = np.random.default_rng(0)
+    words = lambda n: rng.integers(0, cfg.vocab_size, n).tolist()  # noqa: E731
+
+    def fwd():
+        T, bs = args.prefill_tokens, 16
+        nb = -(-T // bs)
+        batch = Batch(tokens=jnp.asarray(words(T), jnp.int32)[None], start_pos=jnp.zeros(1, jnp.int32),
+                      lengths=jnp.asarray([T], jnp.int32), block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
+                      slot_mapping=jnp.asarray(np.arange(T) + bs, jnp.int32)[None],
+                      linear_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool))
+        state = init_state(cfg, nb + 1, bs, 2, dtype)
+        fn = jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,))
+        g, p = engine.worker.graphdef, engine.worker.params
+        t0 = time.perf_counter()
+        logits, state = fn(g, p, batch, state, False)
+        logits.block_until_ready()
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            logits, state = fn(g, p, batch, state, False)
+            logits.block_until_ready()
+            times.append(time.perf_counter() - t0)
+        fl = forward_flops(cfg, T)
+        best = min(times)
+        out = {"tokens": T, "first_call_s": first, "times_s": times, "best_s": best, "flops": fl,
+               "tflops": fl["total"] / best / 1e12, "mfu_datasheet": fl["total"] / best / (args.peak_tflops * 1e12),
+               "finite": bool(jnp.isfinite(logits).all())}
+        if peak.get("matmul_tflops"):
+            out["mfu_measured_peak"] = fl["total"] / best / (peak["matmul_tflops"] * 1e12)
+        del state
+        return out
+    if "forward" not in skip:
+        stage(res, "forward", fwd)
+
+    shared = words(args.shared)
+
+    def ttft():
+        out = {"context": ctx, "shared": args.shared, "new": args.new}
+        warm = words(args.shared)  # first calls compile the cold and the hit shapes (other tokens than the rounds')
+        out["cold_first_call"] = run_one(engine, "warm-cold", warm + words(args.new))
+        out["hit_first_call"] = run_one(engine, "warm-hit", warm + words(args.new))
+        cold, hit = [], []
+        for r in range(args.rounds):
+            engine.reset_prefix_cache()
+            cold.append(run_one(engine, f"cold{r}", shared + words(args.new)))
+            hit.append(run_one(engine, f"hit{r}", shared + words(args.new)))
+        out["cold"], out["hit"] = cold, hit
+        out["cold_ttft_ms_median"] = 1e3 * statistics.median(c["ttft_s"] for c in cold)
+        out["hit_ttft_ms_median"] = 1e3 * statistics.median(h["ttft_s"] for h in hit)
+        out["hit_cached"] = [h["cached"] for h in hit]
+        return out
+    if "ttft" not in skip:
+        stage(res, "ttft", ttft)
+
+    def decode():
+        B, P = args.decode_batch, args.decode_prompt
+        params = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 6, ignore_eos=True)
+        engine.reset_prefix_cache()
+        for i in range(B):
+            engine.add_request(f"d{i}", words(P), params)
+        t0 = time.perf_counter()
+        steps = 0
+        while any(r.metrics.first_token_time is None for r in engine._requests.values()) and steps < 10 * B:
+            engine.step()
+            steps += 1
+        prefill_s = time.perf_counter() - t0
+        times = []
+        for _ in range(args.decode_steps + 2):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        first, times = times[:2], times[2:]
+        by = decode_bytes(engine, B, P + 4)
+        med = statistics.median(times)
+        out = {"batch": B, "context": P, "prefill_steps": steps, "prefill_s": prefill_s, "first_steps_s": first,
+               "times_s": times, "median_ms": 1e3 * med, "min_ms": 1e3 * min(times), "tokens_per_s": B / med,
+               "bytes": by, "bound_ms_datasheet": 1e3 * by["total"] / (args.hbm_gbps * 1e9),
+               "step_info": {k: v for k, v in engine.last_step_info.items() if isinstance(v, (int, float, str))}}
+        out["x_bound_datasheet"] = out["median_ms"] / out["bound_ms_datasheet"]
+        if peak.get("read_gbps"):
+            out["bound_ms_measured"] = 1e3 * by["total"] / (peak["read_gbps"] * 1e9)
+            out["x_bound_measured"] = out["median_ms"] / out["bound_ms_measured"]
+        if args.profile:
+            try:
+                out["profile"] = trace_ops(engine.step, 2)
+            except Exception as e:  # the profiler is optional: keep the timings
+                out["profile"] = {"error": f"{type(e).__name__}: {e}"}
+        while engine.has_unfinished_requests():
+            engine.step()
+        return out
+    if "decode" not in skip:
+        stage(res, "decode", decode)
+
+    def off():
+        nonlocal engine
+        pools = {"num_kv_blocks": engine.memory.num_kv_blocks, "num_linear_slots": engine.memory.num_linear_slots}
+        engine = None
+        gc.collect()
+        eng = LLMEngine(args.preset, enable_prefix_caching=False, **{**kw, **pools})
+        out = {"first_call": run_one(eng, "warm-off", words(ctx))}
+        runs = [run_one(eng, f"off{r}", shared + words(args.new)) for r in range(args.rounds)]
+        out["runs"] = runs
+        out["off_ttft_ms_median"] = 1e3 * statistics.median(r["ttft_s"] for r in runs)
+        return out
+    if "off" not in skip:
+        stage(res, "off", off)
+    print(json.dumps(res.data, indent=1, default=str)[:6000])
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
