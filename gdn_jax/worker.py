@@ -286,19 +286,33 @@ class Worker:
         self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size)
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
-    def _buckets(self, lo: int, hi: int) -> list[int]:
-        return sorted({_bucket(n, lo, hi) for n in range(1, hi + 1)})
+    def rows_bucket(self, n: int) -> int:
+        """Rows of the step shape that holds n scheduled rows: the one rule `execute` pads by and `shape_buckets`
+        enumerates."""
+        return _bucket(n, 1, self.max_rows)
+
+    def tokens_bucket(self, longest: int, prefill: bool = True) -> int:
+        """Tokens per row of the step shape whose longest row has `longest` tokens (a decode step has 1)."""
+        return _bucket(longest, min(16, self.max_chunk), self.max_chunk) if prefill else 1
 
     def shape_buckets(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens per row, blocks per row) shape `execute` can produce; T = 1 is decode. The block
-        tables are always `max_blocks` wide: attention loops over the keys the rows hold, not over the table
-        (`model.Attention`), so a narrower table would save nothing but cost a compilation per width."""
-        rows = self._buckets(1, self.max_rows)
-        tokens = [1] + self._buckets(min(16, self.max_chunk), self.max_chunk)
-        # "scan": the scheduler keeps rows x longest row within the token budget, so a bucket (each side rounded up
-        # to a power of two) holds at most 4x the budget
-        fits = (lambda b, t: t == 1 or b * t <= 4 * self.budget) if self.scan else (lambda b, t: True)
-        return [(b, t, self.max_blocks) for b in rows for t in tokens if fits(b, t)]
+        """Every (rows, tokens per row, blocks per row) shape `execute` can produce from the scheduler's plans; T = 1
+        is decode. The block tables are always `max_blocks` wide: attention loops over the keys the rows hold, not
+        over the table (`model.Attention`), so a narrower table would save nothing but cost a compilation per width.
+
+        "scan": the scheduler keeps rows x longest row within the token budget (`Scheduler._row_budget`), so a
+        bucket is listed only when the fewest rows and the shortest longest row that land in it fit the budget
+        together: with 16 sequences and a budget of 2048, 16 rows x 512 tokens would need 9 rows of at least 257
+        tokens, which the scheduler never plans. (A step with forked children can exceed it: their rows are taken
+        before that rule applies. Such a shape, like any shape outside this list, compiles on first use.)"""
+        def fewest(bucket, hi: int) -> dict[int, int]:  # bucket -> the smallest count that pads to it
+            return {bucket(n): n for n in range(hi, 0, -1)}
+
+        rows = sorted(fewest(self.rows_bucket, self.max_rows).items())
+        tokens = sorted(fewest(self.tokens_bucket, self.max_chunk).items())
+        fits = (lambda n, m: n == 1 or n * m <= self.budget) if self.scan else (lambda n, m: True)
+        return [(b, t, self.max_blocks) for b, n in rows
+                for t in [1] + [t for t, m in tokens if fits(n, m)]]
 
     def num_saves(self, B: int, T: int) -> int:
         """Checkpoint writes a (B, T) step shape has room for: each row starts on a boundary, so a row of L tokens
@@ -427,8 +441,7 @@ class Worker:
         if n > self.max_rows or longest > (self.max_chunk if plan.is_prefill else 1):
             raise ValueError(f"step plan of {n} rows x {longest} tokens exceeds the worker's shapes "
                              f"({self.max_rows} rows, {self.max_chunk if plan.is_prefill else 1} tokens per row)")
-        B = _bucket(n, 1, self.max_rows)
-        T = 1 if not plan.is_prefill else _bucket(longest, 16, self.max_chunk)
+        B, T = self.rows_bucket(n), self.tokens_bucket(longest, plan.is_prefill)
         NB = self.max_blocks
         tokens = np.zeros((B, T), np.int32)
         slot_mapping = np.zeros((B, T), np.int32)  # padding tokens write into block 0
