@@ -3,7 +3,7 @@
 The step plan arrives as plain Python data from the scheduler; the worker pads it to bucketed shapes (batch rows,
 tokens per row; the block tables always have the largest width, which costs nothing: attention loops over the keys
 the rows hold) so a steady workload never recompiles, validates the linear-state ops on the host (fail closed), and
-runs `_step` with the state donated, then `_sample`.
+runs `_step` with the state donated, then `sample_function()`.
 
 The model's graph definition is closed over once per graphdef (`step_function`), not passed as a static argument:
 a static argument is hashed on every call, and hashing an NNX graphdef costs tens of milliseconds. The parameters
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax import executables
 from gdn_jax.config import ModelConfig
 from gdn_jax.model import Batch, forward, init_state
 from gdn_jax.restore import ops_to_arrays, restore_sources, validate_cache_ops
@@ -148,7 +149,7 @@ def _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves) -> Ba
 
 
 def _step(graphdef, params, chunk_size, state, batch_arrays, live_ids, restore_requested, src_ids, saves):
-    """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`_sample`)."""
+    """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`sample_function`)."""
     batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
     logits, state = forward(graphdef, params, batch, state, chunk_size=chunk_size)
     return state, logits
@@ -170,10 +171,27 @@ def _step_prompt_logprobs(graphdef, params, chunk_size, state, batch_arrays, liv
     return state, last, prompt
 
 
+# XLA options of the prefill step executables on the CPU backend. XLA's CPU fusion emitters (MLIR, the default)
+# spend most of a step's compilation generating and optimizing the code of its elementwise fusions; the older LLVM IR
+# emitters compile a Qwen3.5-9B prefill shape about twice as fast, and the prefill runs as fast: its time is in the
+# matmuls, library calls either way. A decode step (and sampling) keeps XLA's defaults: with the older emitters its
+# elementwise work ran 2-3x slower (hybrid-1024, 16 rows; scripts/bench_compile_options.py, docs/design.md,
+# "Compiling the step"). The options are part of the persistent cache's key.
+PREFILL_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
+@functools.cache
+def compiler_options(prefill: bool) -> dict | None:
+    """`PREFILL_CPU_COMPILER_OPTIONS` for a prefill step on the CPU backend; XLA's defaults otherwise."""
+    return dict(PREFILL_CPU_COMPILER_OPTIONS) if prefill and jax.default_backend() == "cpu" else None
+
+
 # Sampling, compiled per (rows, vocabulary, history width) and shared by every step shape of that many rows: a
 # separate executable from the forward, so that the forward's grid (rows x tokens per row) does not compile the
 # sampling (sort, top-k, penalties: 1-1.5 s of CPU at Qwen3.5-9B's vocabulary) once per shape.
-_sample = jax.jit(sample)
+@functools.cache
+def sample_function():
+    return jax.jit(sample)
 
 
 @dataclasses.dataclass
@@ -187,15 +205,15 @@ class PromptLogprobs:
 
 
 @functools.lru_cache(maxsize=None)
-def step_function(graphdef, params_def, chunk_size: int = 64):
+def step_function(graphdef, params_def, chunk_size: int = 64, prefill: bool = True):
     """The jitted step for one model structure: `(param_leaves, state, batch_arrays, ...)`, the state donated.
-    Cached per (graphdef, params treedef, GDN chunk size), so workers of the same model share compiled executables,
-    and the structure is hashed here, once, not per call."""
+    Cached per (graphdef, params treedef, GDN chunk size, prefill or decode: their compile options differ), so
+    workers of the same model share compiled executables, and the structure is hashed here, once, not per call."""
 
     def step(param_leaves, state, *args):
         return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), chunk_size, state, *args)
 
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(prefill))
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,7 +224,7 @@ def prompt_step_function(graphdef, params_def, chunk_size: int = 64):
         return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves), chunk_size, state,
                                      *args)
 
-    return jax.jit(step, donate_argnums=(1,), static_argnums=(8,))
+    return jax.jit(step, donate_argnums=(1,), static_argnums=(8,), compiler_options=compiler_options(True))
 
 
 @dataclasses.dataclass
@@ -282,8 +300,14 @@ class Worker:
                 self._decode_leaves = (jax.eval_shape(float32_kernels, params) if self.abstract
                                        else float32_kernels(params))
         self._fn = step_function(graphdef, params_def, self.chunk_size)
+        self._decode_fn = step_function(graphdef, params_def, self.chunk_size, prefill=False)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
         self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size)
+        self._sample = sample_function()
+        # warm_up's executables, called directly: ("step", rows, tokens) and ("sample", rows)
+        self._executables: dict[tuple, object] = {}
+        self.executable_dir = executables.default_folder()  # the executable store (None: off)
+        self.warm_up_stats = {"loaded": 0, "compiled": 0}
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
     def rows_bucket(self, n: int) -> int:
@@ -358,17 +382,36 @@ class Worker:
         `prompt_logprobs` also compiles the prompt-logprobs variant (top-k, not whole rows) of every prefill shape,
         which is otherwise compiled lazily. An abstract worker only compiles.
 
-        The main thread lowers (traces, in Python) each executable while a background thread compiles the one
-        before, or loads it from the persistent compilation cache: XLA releases the GIL. The jitted functions find
-        the executables in JAX's in-memory caches when they are first called."""
+        Each step and sampling executable is first looked up in the executable store (`gdn_jax.executables`, keyed
+        without tracing; `executable_dir`, None: off): a second process start loads them without lowering. The
+        others: the main thread lowers (traces, in Python) each executable while a background thread compiles the
+        one before, or loads it from JAX's persistent compilation cache (XLA releases the GIL); they are then
+        stored. The worker calls these executables (`_executables`) directly; shapes outside the grid, and the
+        prompt-logprobs variant, go through the jitted functions. `warm_up_stats`: how many were loaded, compiled."""
         shapes = self.shape_buckets()
         extra = [(B, T, NB) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
-        lowerings = ([functools.partial(self.lowered_step, shape) for shape in shapes]
-                     + [functools.partial(self.lowered_sample, B) for B in self.sample_buckets()]
-                     + [functools.partial(self.lowered_prompt_step, shape) for shape in extra])
+        folder, static = self.executable_dir, (repr(self.cfg), self.chunk_size)
+        jobs = ([(("step", B, T), self._key_args(B, T), functools.partial(self.lowered_step, (B, T, NB)))
+                 for B, T, NB in shapes]
+                + [(("sample", B), self._sample_key_args(B), functools.partial(self.lowered_sample, B))
+                   for B in self.sample_buckets()])
+        loaded, pending = 0, []
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            for compiled in [pool.submit(lower().compile) for lower in lowerings]:
-                compiled.result()
+            for name, key_args, lower in jobs:
+                options = compiler_options(name[0] == "step" and name[2] > 1)
+                key = executables.executable_key(name[0], static, key_args, options) if folder else None
+                compiled = executables.load(folder, key)
+                if compiled is not None:
+                    self._executables[name], loaded = compiled, loaded + 1
+                else:
+                    pending.append((name, key, pool.submit(lower().compile)))
+            prompt = [pool.submit(self.lowered_prompt_step(shape).compile) for shape in extra]
+            for name, key, future in pending:
+                self._executables[name] = future.result()
+                executables.save(folder, key, self._executables[name])
+            for future in prompt:
+                future.result()
+        self.warm_up_stats = {"loaded": loaded, "compiled": len(pending) + len(extra)}
         if not self.abstract:
             for shape in shapes:
                 self._run(*self._padding_args(*shape))
@@ -376,6 +419,15 @@ class Worker:
                 self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
             jax.block_until_ready(self.state)
         return len(shapes) + len(extra)
+
+    def _key_args(self, B: int, T: int) -> tuple:
+        """The step's arguments for one shape, as the executable store keys them."""
+        args = self._padding_args(B, T, self.max_blocks)[:5]
+        return (self._leaves_for(args[0][0]), self.state, *args)
+
+    def _sample_key_args(self, rows: int) -> tuple:
+        return (jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32),
+                SamplingMetadata.padding(rows, self.history_width))
 
     def state_lost(self) -> bool:
         """True when the pools were consumed (donated to a call that then failed) and must be rebuilt."""
@@ -394,7 +446,7 @@ class Worker:
         """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
         state is not touched."""
         args = self._padding_args(*shape)[:5]
-        return self._fn.lower(self._leaves_for(args[0][0]), self.state, *args)
+        return self._fn_for(args[0][0]).lower(self._leaves_for(args[0][0]), self.state, *args)
 
     def lowered_prompt_step(self, shape: tuple[int, int, int]):
         """The prompt-logprobs forward (top-k, not whole rows) lowered for one prefill bucket."""
@@ -407,13 +459,15 @@ class Worker:
 
     def lowered_sample(self, rows: int):
         """Sampling lowered for one rows bucket."""
-        logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
-        return _sample.lower(logits, SamplingMetadata.padding(rows, self.history_width))
+        return self._sample.lower(*self._sample_key_args(rows))
 
     def compiled_step(self, shape: tuple[int, int, int]):
         """The step's XLA executable for one (rows, tokens, blocks) bucket, compiled ahead of time (for inspection:
         `.as_text()`, `.memory_analysis()`); the worker's state is not touched."""
         return self.lowered_step(shape).compile()
+
+    def _fn_for(self, tokens):
+        return self._decode_fn if tokens.shape[1] == 1 else self._fn
 
     def _leaves_for(self, tokens) -> list:
         return self._decode_leaves if tokens.shape == (1, 1) else self._param_leaves
@@ -421,12 +475,13 @@ class Worker:
     def _run(self, batch_arrays, live, requested, src, saves, sampling, *extra, fn=None):
         """The step's forward (`fn`, with `extra` arguments), then sampling: (tokens, logprobs, top ids, top
         logprobs[, prompt logprobs])."""
-        fn = fn or self._fn
-        before = fn._cache_size() + _sample._cache_size()
-        self.state, logits, *prompt = fn(self._leaves_for(batch_arrays[0]), self.state, batch_arrays, live,
-                                         requested, src, saves, *extra)
-        sampled = _sample(logits, sampling)
-        self.num_compilations += fn._cache_size() + _sample._cache_size() - before
+        step = fn or self._executables.get(("step", *batch_arrays[0].shape)) or self._fn_for(batch_arrays[0])
+        jitted = (self._fn, self._decode_fn, self._prompt_fn, self._sample)
+        before = sum(f._cache_size() for f in jitted)
+        self.state, logits, *prompt = step(self._leaves_for(batch_arrays[0]), self.state, batch_arrays, live,
+                                           requested, src, saves, *extra)
+        sampled = self._executables.get(("sample", logits.shape[0]), self._sample)(logits, sampling)
+        self.num_compilations += sum(f._cache_size() for f in jitted) - before
         return (*sampled, *prompt)
 
     def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False
