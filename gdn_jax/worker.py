@@ -391,16 +391,17 @@ class Worker:
         shapes = self.shape_buckets()
         extra = [(B, T, NB) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
         folder, static = self.executable_dir, (repr(self.cfg), self.chunk_size)
-        jobs = ([(("step", B, T), self._key_args(B, T), functools.partial(self.lowered_step, (B, T, NB)))
-                 for B, T, NB in shapes]
-                + [(("sample", B), self._sample_key_args(B), functools.partial(self.lowered_sample, B))
+        jobs = ([(("step", B, T), self._key_args(B, T), compiler_options(T > 1),
+                  functools.partial(self.lowered_step, (B, T, NB))) for B, T, NB in shapes]
+                + [(("sample", B), self._sample_key_args(B), None, functools.partial(self.lowered_sample, B))
                    for B in self.sample_buckets()])
+        keys = [executables.executable_key(name[0], static, args, options) if folder else None
+                for name, args, options, _ in jobs]
+        with concurrent.futures.ThreadPoolExecutor(2) as loaders:  # deserializing releases the GIL
+            found = list(loaders.map(functools.partial(executables.load, folder), keys))
         loaded, pending = 0, []
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            for name, key_args, lower in jobs:
-                options = compiler_options(name[0] == "step" and name[2] > 1)
-                key = executables.executable_key(name[0], static, key_args, options) if folder else None
-                compiled = executables.load(folder, key)
+            for (name, _, _, lower), key, compiled in zip(jobs, keys, found):
                 if compiled is not None:
                     self._executables[name], loaded = compiled, loaded + 1
                 else:
