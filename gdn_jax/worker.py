@@ -174,9 +174,10 @@ def _step_prompt_logprobs(graphdef, params, chunk_size, state, batch_arrays, liv
 # XLA options of the prefill step executables on the CPU backend. XLA's CPU fusion emitters (MLIR, the default)
 # spend most of a step's compilation generating and optimizing the code of its elementwise fusions; the older LLVM IR
 # emitters compile a Qwen3.5-9B prefill shape about twice as fast, and the prefill runs as fast: its time is in the
-# matmuls, library calls either way. A decode step (and sampling) keeps XLA's defaults: with the older emitters its
-# elementwise work ran 2-3x slower (hybrid-1024, 16 rows; scripts/bench_compile_options.py, docs/design.md,
-# "Compiling the step"). The options are part of the persistent cache's key.
+# matmuls, library calls either way. A decode step (and sampling) keeps XLA's defaults: with the older emitters a
+# 16-row decode step took 5% more CPU time in one measurement and 2-3x the wall time in another (hybrid-1024;
+# scripts/bench_compile_options.py, docs/design.md, "Compiling the step"). The options are part of the persistent
+# cache's key.
 PREFILL_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
