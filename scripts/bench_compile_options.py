@@ -54,12 +54,16 @@ def step_args(worker, rows: int, tokens: int, context: int, rng) -> tuple:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="hybrid-1024")
-    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--preset", default="hybrid-1024",
+                  help='model preset, random weights (default: %(default)s)')
+    p.add_argument("--dtypes", default="bfloat16,float32",
+                  help='dtypes, comma-separated (default: %(default)s)')
     p.add_argument("--shapes", default="1x2048,16x1,16x64", help="ROWSxTOKENS,... (tokens 1: decode)")
     p.add_argument("--context", type=int, default=1024, help="cached tokens before a decode row")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default="results/bench_compile_options.json")
+    p.add_argument("--repeats", type=int, default=5,
+                  help='timed runs per option set and shape, after a warm-up round (default: %(default)s)')
+    p.add_argument("--out", default="results/bench_compile_options.json",
+                  help='JSON output (default: %(default)s)')
     a = p.parse_args(argv)
     shapes = [tuple(int(n) for n in s.split("x")) for s in a.shapes.split(",")]
     rng, results = np.random.default_rng(0), []

@@ -63,18 +63,30 @@ def hlo_census(text: str) -> list[tuple[str, int]]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="qwen3.5-9b")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--shape", default="16x512x256")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--chunk-stride", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=0)
-    p.add_argument("--checkpoint-mode", default="scan", choices=("scan", "promote"))
-    p.add_argument("--checkpoint-policy", default="all", choices=("all", "last"))
-    p.add_argument("--top", type=int, default=25)
-    p.add_argument("--out", default=None)
+    p.add_argument("--preset", default="qwen3.5-9b",
+                  help='model preset (abstract weights, nothing allocated) (default: %(default)s)')
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                  help='activation and weight dtype (default: %(default)s)')
+    p.add_argument("--shape", default="16x512x256",
+                  help='the step shape ROWSxTOKENSxBLOCKS (default: %(default)s)')
+    p.add_argument("--max-num-seqs", type=int, default=16,
+                  help='engine max_num_seqs (default: %(default)s)')
+    p.add_argument("--max-model-len", type=int, default=4096,
+                  help='engine max_model_len (default: %(default)s)')
+    p.add_argument("--block-size", type=int, default=16,
+                  help='KV block size (default: %(default)s)')
+    p.add_argument("--chunk-stride", type=int, default=64,
+                  help='tokens between checkpoints (default: %(default)s)')
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                  help="token budget of a step; 0: the engine's default (default: %(default)s)")
+    p.add_argument("--checkpoint-mode", default="scan", choices=("scan", "promote"),
+                  help='scheduler checkpoint mode (default: %(default)s)')
+    p.add_argument("--checkpoint-policy", default="all", choices=("all", "last"),
+                  help='checkpoint policy of scan mode (default: %(default)s)')
+    p.add_argument("--top", type=int, default=25,
+                  help='XLA trace events to print (default: %(default)s)')
+    p.add_argument("--out", default=None,
+                  help='JSON output (default: results/profile_compile_<preset>_<shape>.json)')
     a = p.parse_args(argv)
     (shape,) = parse_shapes(a.shape)
     worker = build_worker(a)
