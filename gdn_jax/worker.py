@@ -3,7 +3,7 @@
 The step plan arrives as plain Python data from the scheduler; the worker pads it to bucketed shapes (batch rows,
 tokens per row; the block tables always have the largest width, which costs nothing: attention loops over the keys
 the rows hold) so a steady workload never recompiles, validates the linear-state ops on the host (fail closed), and
-runs `_step` with the state donated, then `_sample`.
+runs `_step` with the state donated, then `sample_function()`.
 
 The model's graph definition is closed over once per graphdef (`step_function`), not passed as a static argument:
 a static argument is hashed on every call, and hashing an NNX graphdef costs tens of milliseconds. The parameters
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax import executables
 from gdn_jax.config import ModelConfig
 from gdn_jax.model import Batch, forward, init_state
 from gdn_jax.restore import ops_to_arrays, restore_sources, validate_cache_ops
@@ -148,8 +149,8 @@ def _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves) -> Ba
 
 
 def _step(graphdef, params, rule, state, batch_arrays, live_ids, restore_requested, src_ids, saves):
-    """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`_sample`). `rule`: the
-    chunked GDN rule's (chunk size, schedule)."""
+    """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`sample_function`). `rule`:
+    the chunked GDN rule's (chunk size, schedule)."""
     batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
     logits, state = forward(graphdef, params, batch, state, chunk_size=rule[0], gdn_schedule=rule[1])
     return state, logits
@@ -172,10 +173,28 @@ def _step_prompt_logprobs(graphdef, params, rule, state, batch_arrays, live_ids,
     return state, last, prompt
 
 
+# XLA options of the prefill step executables on the CPU backend. XLA's CPU fusion emitters (MLIR, the default)
+# spend most of a step's compilation generating and optimizing the code of its elementwise fusions; the older LLVM IR
+# emitters compile a Qwen3.5-9B prefill shape about twice as fast, and the prefill runs as fast: its time is in the
+# matmuls, library calls either way. A decode step (and sampling) keeps XLA's defaults: with the older emitters a
+# 16-row decode step took 5% more CPU time in one measurement and 2-3x the wall time in another (hybrid-1024;
+# scripts/bench_compile_options.py, docs/design.md, "Compiling the step"). The options are part of the persistent
+# cache's key.
+PREFILL_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
+@functools.cache
+def compiler_options(prefill: bool) -> dict | None:
+    """`PREFILL_CPU_COMPILER_OPTIONS` for a prefill step on the CPU backend; XLA's defaults otherwise."""
+    return dict(PREFILL_CPU_COMPILER_OPTIONS) if prefill and jax.default_backend() == "cpu" else None
+
+
 # Sampling, compiled per (rows, vocabulary, history width) and shared by every step shape of that many rows: a
 # separate executable from the forward, so that the forward's grid (rows x tokens per row) does not compile the
 # sampling (sort, top-k, penalties: 1-1.5 s of CPU at Qwen3.5-9B's vocabulary) once per shape.
-_sample = jax.jit(sample)
+@functools.cache
+def sample_function():
+    return jax.jit(sample)
 
 
 @dataclasses.dataclass
@@ -189,15 +208,16 @@ class PromptLogprobs:
 
 
 @functools.lru_cache(maxsize=None)
-def step_function(graphdef, params_def, chunk_size: int = 64, gdn_schedule: str = "auto"):
+def step_function(graphdef, params_def, chunk_size: int = 64, prefill: bool = True, gdn_schedule: str = "auto"):
     """The jitted step for one model structure: `(param_leaves, state, batch_arrays, ...)`, the state donated.
-    Cached per (graphdef, params treedef, GDN chunk size and schedule), so workers of the same model share compiled executables,
-    and the structure is hashed here, once, not per call."""
+    Cached per (graphdef, params treedef, GDN chunk size and schedule, prefill or decode: their compile options
+    differ), so workers of the same model share compiled executables, and the structure is hashed here, once, not
+    per call."""
 
     def step(param_leaves, state, *args):
         return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule), state, *args)
 
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(prefill))
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,7 +229,7 @@ def prompt_step_function(graphdef, params_def, chunk_size: int = 64, gdn_schedul
                                      (chunk_size, gdn_schedule), state,
                                      *args)
 
-    return jax.jit(step, donate_argnums=(1,), static_argnums=(8,))
+    return jax.jit(step, donate_argnums=(1,), static_argnums=(8,), compiler_options=compiler_options(True))
 
 
 @dataclasses.dataclass
@@ -289,24 +309,45 @@ class Worker:
             if extra and (float32_decode_weights or extra <= FLOAT32_DECODE_WEIGHTS_MAX_BYTES):
                 self._decode_leaves = (jax.eval_shape(float32_kernels, params) if self.abstract
                                        else float32_kernels(params))
-        self._fn = step_function(graphdef, params_def, self.chunk_size, gdn_schedule)
+        self._fn = step_function(graphdef, params_def, self.chunk_size, gdn_schedule=gdn_schedule)
+        self._decode_fn = step_function(graphdef, params_def, self.chunk_size, prefill=False, gdn_schedule=gdn_schedule)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
         self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size, gdn_schedule)
+        self.gdn_schedule = gdn_schedule
+        self._sample = sample_function()
+        # warm_up's executables, called directly: ("step", rows, tokens) and ("sample", rows)
+        self._executables: dict[tuple, object] = {}
+        self.executable_dir = executables.default_folder()  # the executable store (None: off)
+        self.warm_up_stats = {"loaded": 0, "compiled": 0}
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
-    def _buckets(self, lo: int, hi: int) -> list[int]:
-        return sorted({_bucket(n, lo, hi) for n in range(1, hi + 1)})
+    def rows_bucket(self, n: int) -> int:
+        """Rows of the step shape that holds n scheduled rows: the one rule `execute` pads by and `shape_buckets`
+        enumerates."""
+        return _bucket(n, 1, self.max_rows)
+
+    def tokens_bucket(self, longest: int, prefill: bool = True) -> int:
+        """Tokens per row of the step shape whose longest row has `longest` tokens (a decode step has 1)."""
+        return _bucket(longest, min(16, self.max_chunk), self.max_chunk) if prefill else 1
 
     def shape_buckets(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens per row, blocks per row) shape `execute` can produce; T = 1 is decode. The block
-        tables are always `max_blocks` wide: attention loops over the keys the rows hold, not over the table
-        (`model.Attention`), so a narrower table would save nothing but cost a compilation per width."""
-        rows = self._buckets(1, self.max_rows)
-        tokens = [1] + self._buckets(min(16, self.max_chunk), self.max_chunk)
-        # "scan": the scheduler keeps rows x longest row within the token budget, so a bucket (each side rounded up
-        # to a power of two) holds at most 4x the budget
-        fits = (lambda b, t: t == 1 or b * t <= 4 * self.budget) if self.scan else (lambda b, t: True)
-        return [(b, t, self.max_blocks) for b in rows for t in tokens if fits(b, t)]
+        """Every (rows, tokens per row, blocks per row) shape `execute` can produce from the scheduler's plans; T = 1
+        is decode. The block tables are always `max_blocks` wide: attention loops over the keys the rows hold, not
+        over the table (`model.Attention`), so a narrower table would save nothing but cost a compilation per width.
+
+        "scan": the scheduler keeps rows x longest row within the token budget (`Scheduler._row_budget`), so a
+        bucket is listed only when the fewest rows and the shortest longest row that land in it fit the budget
+        together: with 16 sequences and a budget of 2048, 16 rows x 512 tokens would need 9 rows of at least 257
+        tokens, which the scheduler never plans. (A step with forked children can exceed it: their rows are taken
+        before that rule applies. Such a shape, like any shape outside this list, compiles on first use.)"""
+        def fewest(bucket, hi: int) -> dict[int, int]:  # bucket -> the smallest count that pads to it
+            return {bucket(n): n for n in range(hi, 0, -1)}
+
+        rows = sorted(fewest(self.rows_bucket, self.max_rows).items())
+        tokens = sorted(fewest(self.tokens_bucket, self.max_chunk).items())
+        fits = (lambda n, m: n == 1 or n * m <= self.budget) if self.scan else (lambda n, m: True)
+        return [(b, t, self.max_blocks) for b, n in rows
+                for t in [1] + [t for t, m in tokens if fits(n, m)]]
 
     def num_saves(self, B: int, T: int) -> int:
         """Checkpoint writes a (B, T) step shape has room for: each row starts on a boundary, so a row of L tokens
@@ -352,17 +393,37 @@ class Worker:
         `prompt_logprobs` also compiles the prompt-logprobs variant (top-k, not whole rows) of every prefill shape,
         which is otherwise compiled lazily. An abstract worker only compiles.
 
-        The main thread lowers (traces, in Python) each executable while a background thread compiles the one
-        before, or loads it from the persistent compilation cache: XLA releases the GIL. The jitted functions find
-        the executables in JAX's in-memory caches when they are first called."""
+        Each step and sampling executable is first looked up in the executable store (`gdn_jax.executables`, keyed
+        without tracing; `executable_dir`, None: off): a second process start loads them without lowering. The
+        others: the main thread lowers (traces, in Python) each executable while a background thread compiles the
+        one before, or loads it from JAX's persistent compilation cache (XLA releases the GIL); they are then
+        stored. The worker calls these executables (`_executables`) directly; shapes outside the grid, and the
+        prompt-logprobs variant, go through the jitted functions. `warm_up_stats`: how many were loaded, compiled."""
         shapes = self.shape_buckets()
         extra = [(B, T, NB) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
-        lowerings = ([functools.partial(self.lowered_step, shape) for shape in shapes]
-                     + [functools.partial(self.lowered_sample, B) for B in self.sample_buckets()]
-                     + [functools.partial(self.lowered_prompt_step, shape) for shape in extra])
+        folder, static = self.executable_dir, (repr(self.cfg), self.chunk_size, self.gdn_schedule)
+        jobs = ([(("step", B, T), self._key_args(B, T), compiler_options(T > 1),
+                  functools.partial(self.lowered_step, (B, T, NB))) for B, T, NB in shapes]
+                + [(("sample", B), self._sample_key_args(B), None, functools.partial(self.lowered_sample, B))
+                   for B in self.sample_buckets()])
+        keys = [executables.executable_key(name[0], static, args, options) if folder else None
+                for name, args, options, _ in jobs]
+        with concurrent.futures.ThreadPoolExecutor(2) as loaders:  # deserializing releases the GIL
+            found = list(loaders.map(functools.partial(executables.load, folder), keys))
+        loaded, pending = 0, []
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            for compiled in [pool.submit(lower().compile) for lower in lowerings]:
-                compiled.result()
+            for (name, _, _, lower), key, compiled in zip(jobs, keys, found):
+                if compiled is not None:
+                    self._executables[name], loaded = compiled, loaded + 1
+                else:
+                    pending.append((name, key, pool.submit(lower().compile)))
+            prompt = [pool.submit(self.lowered_prompt_step(shape).compile) for shape in extra]
+            for name, key, future in pending:
+                self._executables[name] = future.result()
+                executables.save(folder, key, self._executables[name])
+            for future in prompt:
+                future.result()
+        self.warm_up_stats = {"loaded": loaded, "compiled": len(pending) + len(extra)}
         if not self.abstract:
             for shape in shapes:
                 self._run(*self._padding_args(*shape))
@@ -370,6 +431,15 @@ class Worker:
                 self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
             jax.block_until_ready(self.state)
         return len(shapes) + len(extra)
+
+    def _key_args(self, B: int, T: int) -> tuple:
+        """The step's arguments for one shape, as the executable store keys them."""
+        args = self._padding_args(B, T, self.max_blocks)[:5]
+        return (self._leaves_for(args[0][0]), self.state, *args)
+
+    def _sample_key_args(self, rows: int) -> tuple:
+        return (jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32),
+                SamplingMetadata.padding(rows, self.history_width))
 
     def state_lost(self) -> bool:
         """True when the pools were consumed (donated to a call that then failed) and must be rebuilt."""
@@ -388,7 +458,7 @@ class Worker:
         """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
         state is not touched."""
         args = self._padding_args(*shape)[:5]
-        return self._fn.lower(self._leaves_for(args[0][0]), self.state, *args)
+        return self._fn_for(args[0][0]).lower(self._leaves_for(args[0][0]), self.state, *args)
 
     def lowered_prompt_step(self, shape: tuple[int, int, int]):
         """The prompt-logprobs forward (top-k, not whole rows) lowered for one prefill bucket."""
@@ -401,13 +471,15 @@ class Worker:
 
     def lowered_sample(self, rows: int):
         """Sampling lowered for one rows bucket."""
-        logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
-        return _sample.lower(logits, SamplingMetadata.padding(rows, self.history_width))
+        return self._sample.lower(*self._sample_key_args(rows))
 
     def compiled_step(self, shape: tuple[int, int, int]):
         """The step's XLA executable for one (rows, tokens, blocks) bucket, compiled ahead of time (for inspection:
         `.as_text()`, `.memory_analysis()`); the worker's state is not touched."""
         return self.lowered_step(shape).compile()
+
+    def _fn_for(self, tokens):
+        return self._decode_fn if tokens.shape[1] == 1 else self._fn
 
     def _leaves_for(self, tokens) -> list:
         return self._decode_leaves if tokens.shape == (1, 1) else self._param_leaves
@@ -415,12 +487,13 @@ class Worker:
     def _run(self, batch_arrays, live, requested, src, saves, sampling, *extra, fn=None):
         """The step's forward (`fn`, with `extra` arguments), then sampling: (tokens, logprobs, top ids, top
         logprobs[, prompt logprobs])."""
-        fn = fn or self._fn
-        before = fn._cache_size() + _sample._cache_size()
-        self.state, logits, *prompt = fn(self._leaves_for(batch_arrays[0]), self.state, batch_arrays, live,
-                                         requested, src, saves, *extra)
-        sampled = _sample(logits, sampling)
-        self.num_compilations += fn._cache_size() + _sample._cache_size() - before
+        step = fn or self._executables.get(("step", *batch_arrays[0].shape)) or self._fn_for(batch_arrays[0])
+        jitted = (self._fn, self._decode_fn, self._prompt_fn, self._sample)
+        before = sum(f._cache_size() for f in jitted)
+        self.state, logits, *prompt = step(self._leaves_for(batch_arrays[0]), self.state, batch_arrays, live,
+                                           requested, src, saves, *extra)
+        sampled = self._executables.get(("sample", logits.shape[0]), self._sample)(logits, sampling)
+        self.num_compilations += sum(f._cache_size() for f in jitted) - before
         return (*sampled, *prompt)
 
     def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False
@@ -435,8 +508,7 @@ class Worker:
         if n > self.max_rows or longest > (self.max_chunk if plan.is_prefill else 1):
             raise ValueError(f"step plan of {n} rows x {longest} tokens exceeds the worker's shapes "
                              f"({self.max_rows} rows, {self.max_chunk if plan.is_prefill else 1} tokens per row)")
-        B = _bucket(n, 1, self.max_rows)
-        T = 1 if not plan.is_prefill else _bucket(longest, 16, self.max_chunk)
+        B, T = self.rows_bucket(n), self.tokens_bucket(longest, plan.is_prefill)
         NB = self.max_blocks
         tokens = np.zeros((B, T), np.int32)
         slot_mapping = np.zeros((B, T), np.int32)  # padding tokens write into block 0

@@ -23,7 +23,9 @@ figure of a first start). `--cache-dir DIR` turns it on in DIR (every compilatio
 `--second-start` measures what a second process start costs: it runs this script twice in fresh processes on one
 new cache folder (the first fills it, the second reads it) and reports both, with each process's wall time (imports,
 model setup and every shape). `--warm-up` times `Worker.warm_up()` as a whole instead (the engine's own warm-up,
-which lowers one executable while the previous compiles): with `--second-start`, the second start of the engine.
+which lowers one executable while the previous compiles, and first looks each up in the executable store beside the
+cache, `gdn_jax.executables`): with `--second-start`, the second start of the engine. Timing shape by shape (without
+`--warm-up`) fills JAX's persistent cache but not the executable store.
 
 Timings on a shared machine are noisy: repeat a run and read the minimum. `cpu s` (the process's CPU time over all
 its threads, `time.process_time`) moves less with the load of other processes than the wall time does.
@@ -121,11 +123,14 @@ def measure(a) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
         worker.warm_up(prompt_logprobs=a.prompt_logprobs)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        stats = getattr(worker, "warm_up_stats", None)  # executables loaded from the store / compiled
         print(f"Worker.warm_up: {wall:.1f} s ({cpu:.1f} s process CPU time) for {len(grid)} step shapes"
-              + (f" + {len(worker.sample_buckets())} sampling shapes" if hasattr(worker, "sample_buckets") else ""))
+              + (f" + {len(worker.sample_buckets())} sampling shapes" if hasattr(worker, "sample_buckets") else "")
+              + (f"; {stats['loaded']} loaded from the executable store, {stats['compiled']} compiled" if stats else ""))
         return {"mode": "warm_up", "preset": a.preset, "dtype": a.dtype, "cache_dir": a.cache_dir, "setup_s": setup_s,
                 "num_shapes": len(grid), "grid": [list(s) for s in grid], "per_shape_s": [], "total_s": wall,
-                "cpu_s": cpu, "total_extrapolated": False, "process_s": time.perf_counter() - T_START}
+                "cpu_s": cpu, "total_extrapolated": False, "process_s": time.perf_counter() - T_START,
+                "warm_up_stats": stats}
     print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'saves':>5} {'lower s':>8} {'compile s':>9} {'total s':>8} {'cpu s':>7}")
     # sampling: its own executable per rows bucket, shared by the step shapes with that many rows
     # (a worker that samples inside its step, as before the split, has none)

@@ -1,0 +1,87 @@
+"""Compiled step executables kept on disk under a key computed without tracing, so that a second process start loads
+its warm-up executables without lowering them first.
+
+JAX's persistent compilation cache keys an executable by its lowered module: a second start still traces and lowers
+every shape (0.3-1.5 s each for Qwen3.5-9B's step, most of a second start's warm-up) before it can look the
+executable up. This store keys it by what determines the module instead: the source of the package (every
+`gdn_jax` and `scheduler` file, so any code change misses), the jax and jaxlib versions, the backend and device, the
+compile options, the static context the caller passes (model config, GDN chunk size and schedule), the environment
+that changes a compiled program (`ENVIRONMENT`, the default matmul precision) and the tree structure, shapes and
+dtypes of the arguments. A hit is `jax.experimental.serialize_executable`'s payload, loaded as a `jax.stages.Compiled`
+(its argument donation included). A corrupt or unreadable entry is a miss; a write that fails leaves no entry.
+
+The folder is `executables/` beside JAX's persistent cache (engine.enable_compilation_cache): off when that is off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+
+ENVIRONMENT = ("XLA_FLAGS", "GDN_JAX_UNROLL_LAYERS")  # environment variables that change a compiled step
+
+
+@functools.cache
+def source_digest() -> str:
+    """Digest of the package's Python source (gdn_jax and scheduler) and the jax / jaxlib versions."""
+    h = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
+    root = Path(__file__).resolve().parent.parent
+    for pkg in ("gdn_jax", "scheduler"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def default_folder() -> str | None:
+    """`executables/` beside JAX's persistent compilation cache, or None when that cache is off."""
+    cache = jax.config.jax_compilation_cache_dir
+    return os.path.join(cache, "executables") if cache else None
+
+
+def executable_key(kind: str, static, args, options: dict | None) -> str:
+    """The store's key of `kind` (e.g. "step") compiled with `options` for `args` (arrays or ShapeDtypeStructs, any
+    pytree) under `static` (whatever else the traced function closes over, as a repr-able value)."""
+    leaves, treedef = jax.tree.flatten(args)
+    spec = [(tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in leaves]
+    device = jax.devices()[0]
+    # what changes the compiled program from outside the arguments: XLA's flags, the layer-loop switch, precision
+    env = [(name, os.environ.get(name)) for name in ENVIRONMENT] + [("precision", jax.config.jax_default_matmul_precision)]
+    text = repr((source_digest(), kind, static, str(treedef), spec, sorted((options or {}).items()),
+                 device.platform, device.device_kind, jax.device_count(), env))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load(folder: str | None, key: str):
+    """The `jax.stages.Compiled` stored under `key`, or None (no folder, no entry, or one that does not load)."""
+    path = Path(folder, key) if folder else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+    except Exception:  # noqa: BLE001 - a stale or corrupt entry is a miss: the caller compiles
+        return None
+
+
+def save(folder: str | None, key: str, compiled) -> bool:
+    """Stores `compiled` under `key` (atomically: a concurrent reader sees the whole entry or none)."""
+    if not folder:
+        return False
+    try:
+        os.makedirs(folder, exist_ok=True)
+        payload = pickle.dumps(serialize_executable.serialize(compiled))
+        with tempfile.NamedTemporaryFile(dir=folder, delete=False, suffix=".tmp") as f:
+            f.write(payload)
+        os.replace(f.name, os.path.join(folder, key))
+        return True
+    except (OSError, ValueError, TypeError, pickle.PicklingError):
+        return False

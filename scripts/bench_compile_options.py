@@ -1,0 +1,110 @@
+"""XLA compile options against the step's compile time and run time, in one process, interleaved.
+
+    python scripts/bench_compile_options.py [--preset hybrid-1024] [--dtypes bfloat16,float32] [--repeats 5]
+        [--shapes 1x2048,16x1,16x64] [--context 1024] [--out results/bench_compile_options.json]
+
+Each option set (`OPTION_SETS`: XLA's defaults, the engine's prefill options `worker.PREFILL_CPU_COMPILER_OPTIONS`,
+and one more) compiles
+the engine's step (`Worker.lowered_step(...).compile(compiler_options=...)`) for each shape on real (random) weights;
+then the executables run in turn, A B C A B C ..., `--repeats` times each, so that the load of other processes falls
+on every set alike. A prefill shape runs full rows of `tokens` tokens from position 0; a decode shape runs rows that
+attend to `--context` cached tokens. Reports compile seconds and run milliseconds (wall min and median; process CPU
+median, which moves less with the load) per set and shape,
+and whether the logits are bitwise those of XLA's defaults (else the largest difference). Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from gdn_jax.engine import LLMEngine
+from gdn_jax.restore import ops_to_arrays
+
+# each set overrides the jitted step's own options (worker.compiler_options), so every option is spelled out
+OPTION_SETS = {
+    "xla defaults": {"xla_cpu_use_fusion_emitters": True},
+    "LLVM IR emitters": {"xla_cpu_use_fusion_emitters": False},  # the engine's prefill steps
+    "LLVM IR emitters, LLVM O1": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
+}
+
+
+def step_args(worker, rows: int, tokens: int, context: int, rng) -> tuple:
+    """Arguments after (params, state) of a step of `rows` full rows of `tokens` tokens after `context` tokens each
+    (their KV in distinct blocks; live slots 1..rows, cold)."""
+    bs, NB = worker.block_size, worker.max_blocks
+    per_row = -(-(context + tokens) // bs)
+    tables = np.zeros((rows, NB), np.int32)
+    for b in range(rows):
+        tables[b, :per_row] = 1 + b * per_row + np.arange(per_row)
+    positions = context + np.arange(tokens)
+    slot_mapping = tables[:, positions // bs] * bs + positions % bs
+    batch = (rng.integers(0, worker.cfg.vocab_size, (rows, tokens), dtype=np.int32), np.full(rows, context, np.int32),
+             np.full(rows, tokens, np.int32), tables, slot_mapping.astype(np.int32))
+    live, requested, src = ops_to_arrays([], rows)
+    live[:] = 1 + np.arange(rows)
+    saves = worker._save_arrays([], rows, tokens, batch[2], live, src)
+    return batch, live, requested, src, saves
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="hybrid-1024",
+                  help='model preset, random weights (default: %(default)s)')
+    p.add_argument("--dtypes", default="bfloat16,float32",
+                  help='dtypes, comma-separated (default: %(default)s)')
+    p.add_argument("--shapes", default="1x2048,16x1,16x64", help="ROWSxTOKENS,... (tokens 1: decode)")
+    p.add_argument("--context", type=int, default=1024, help="cached tokens before a decode row")
+    p.add_argument("--repeats", type=int, default=5,
+                  help='timed runs per option set and shape, after a warm-up round (default: %(default)s)')
+    p.add_argument("--out", default="results/bench_compile_options.json",
+                  help='JSON output (default: %(default)s)')
+    a = p.parse_args(argv)
+    shapes = [tuple(int(n) for n in s.split("x")) for s in a.shapes.split(",")]
+    rng, results = np.random.default_rng(0), []
+    for dtype in a.dtypes.split(","):
+        engine = LLMEngine(a.preset, dtype=dtype, max_num_seqs=16, max_model_len=4096, verbose=False)
+        worker = engine.worker
+        for rows, tokens in shapes:
+            shape = (rows, tokens, worker.max_blocks)
+            args = step_args(worker, rows, tokens, 0 if tokens > 1 else a.context, rng)
+            lowered = worker._fn_for(args[0][0]).lower(worker._leaves_for(args[0][0]), worker.state, *args)
+            compiled, rec = {}, {}
+            for name, opts in OPTION_SETS.items():
+                t0 = time.perf_counter()
+                compiled[name] = lowered.compile(compiler_options=dict(opts))
+                rec[name] = {"compile_s": time.perf_counter() - t0, "run_ms": [], "cpu_ms": []}
+            reference = None
+            for _ in range(a.repeats + 1):  # the first round warms up
+                for name, fn in compiled.items():
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    worker.state, logits = fn(worker._leaves_for(args[0][0]), worker.state, *args)
+                    logits = np.asarray(jax.block_until_ready(logits), np.float32)
+                    rec[name]["run_ms"].append(1e3 * (time.perf_counter() - t0))
+                    rec[name]["cpu_ms"].append(1e3 * (time.process_time() - c0))
+                    if name == "xla defaults":
+                        reference = logits
+                    rec[name]["max_abs_diff"] = float(np.max(np.abs(logits - reference)))
+            for name, r in rec.items():
+                runs, cpu = sorted(r.pop("run_ms")[1:]), sorted(r.pop("cpu_ms")[1:])
+                r |= {"run_ms_min": runs[0], "run_ms_median": runs[len(runs) // 2], "cpu_ms_median": cpu[len(cpu) // 2]}
+                results.append({"dtype": dtype, "shape": list(shape), "options": name, **r})
+                print(f"{dtype:<9} {rows:>3}x{tokens:<5} {name:<30} compile {r['compile_s']:6.2f} s   run min "
+                      f"{r['run_ms_min']:8.1f} ms  median {r['run_ms_median']:8.1f} ms "
+                      f"(CPU {r['cpu_ms_median']:8.1f} ms)  "
+                      f"max |logits - default| {r['max_abs_diff']:.2e}", flush=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"preset": a.preset, "repeats": a.repeats, "context": a.context,
+                               "option_sets": OPTION_SETS, "results": results}, indent=1))
+    print(f"wrote {out}")
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The executable store (gdn_jax.executables): a second worker loads every warm-up executable without lowering and
+generates exactly what the first did; a key changes with anything that changes the executable; a bad entry is a
+miss, never an error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn_jax import LLM, SamplingParams, executables
+from tests.gdn_jax.helpers import random_ids
+
+KW = dict(block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=64, verbose=False)
+
+
+def _generate(llm, prompts):
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.slow  # compiles the tiny grid once (~30 s on a quiet machine)
+def test_a_second_start_loads_every_warm_up_executable_and_generates_the_same(tmp_path):
+    rng = np.random.default_rng(4)
+    prompts = [random_ids(rng, n) for n in (5, 40, 21)]
+    first = LLM("tiny-random", **KW)
+    first.engine.worker.executable_dir = str(tmp_path)
+    n = first.engine.warm_up() + len(first.engine.worker.sample_buckets())
+    assert first.engine.worker.warm_up_stats == {"loaded": 0, "compiled": n}
+    assert len([p for p in tmp_path.iterdir() if not p.name.endswith(".tmp")]) == n
+    want = _generate(first, prompts)
+
+    second = LLM("tiny-random", **KW)
+    worker = second.engine.worker
+    worker.executable_dir = str(tmp_path)
+    lowered = []
+    worker.lowered_step = lambda shape: lowered.append(shape)  # a hit must not lower
+    second.engine.warm_up()
+    assert worker.warm_up_stats == {"loaded": n, "compiled": 0} and not lowered
+    warm = second.cache_stats()["compilations"]
+    assert _generate(second, prompts) == want
+    assert second.cache_stats()["compilations"] == warm  # every step ran a loaded executable
+
+
+def test_the_key_follows_shapes_dtypes_structure_options_and_context(monkeypatch):
+    args = (jnp.zeros((2, 3)), {"a": np.zeros(4, np.int32)})
+    key = executables.executable_key("step", ("cfg", 64), args, {"o": False})
+    assert key == executables.executable_key("step", ("cfg", 64), args, {"o": False})
+    others = [executables.executable_key("step", ("cfg", 32), args, {"o": False}),
+              executables.executable_key("sample", ("cfg", 64), args, {"o": False}),
+              executables.executable_key("step", ("cfg", 64), args, {"o": True}),
+              executables.executable_key("step", ("cfg", 64), (jnp.zeros((2, 4)), args[1]), {"o": False}),
+              executables.executable_key("step", ("cfg", 64), (args[0], {"a": np.zeros(4, np.int64)}), {"o": False}),
+              executables.executable_key("step", ("cfg", 64), (args[0], {"b": args[1]["a"]}), {"o": False})]
+    for name, value in (("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false"), ("GDN_JAX_UNROLL_LAYERS", "1")):
+        with monkeypatch.context() as m:  # the environment that changes a compiled program is part of the key
+            m.setenv(name, value)
+            others.append(executables.executable_key("step", ("cfg", 64), args, {"o": False}))
+    assert len({key, *others}) == 1 + len(others)
+
+
+def test_a_corrupt_or_missing_entry_is_a_miss(tmp_path):
+    compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile()
+    assert executables.save(str(tmp_path), "k", compiled)
+    assert np.array_equal(executables.load(str(tmp_path), "k")(jnp.ones(3)), [2.0, 2.0, 2.0])
+    (tmp_path / "k").write_bytes(b"not an executable")
+    assert executables.load(str(tmp_path), "k") is None
+    assert executables.load(str(tmp_path), "absent") is None and executables.load(None, "k") is None
+    assert not executables.save(None, "k", compiled)
