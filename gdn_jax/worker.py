@@ -417,10 +417,12 @@ class Worker:
 
     def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False
                 ) -> StepResult:
-        """Runs one step plan (all-prefill or all-decode) and returns the sampled tokens per row.
+        """Runs one step plan (all-prefill, all-decode or mixed) and returns the sampled tokens per row.
 
-        `prompt_targets[i]` (prefill only): the prompt tokens at positions start+1, start+2, ... of row i to score
-        from this chunk's logits; when any row has some, the step also returns `StepResult.prompt`."""
+        `prompt_targets[i]` (prefill rows only): the prompt tokens at positions start+1, start+2, ... of row i to
+        score from this chunk's logits; when any row has some, the step also returns `StepResult.prompt`."""
+        if getattr(plan, "is_mixed", False):
+            return self._execute_mixed(plan, prompt_targets, full_rows)
         seqs = plan.seqs
         n = len(seqs)
         longest = max(len(s.token_ids) for s in seqs)
@@ -463,3 +465,36 @@ class Worker:
                               PromptLogprobs(*(a[:n] for a in prompt[:4]), rows))
         toks, lp, top_ids, top_lp = jax.device_get(self._run(*args))
         return StepResult(toks[:n], lp[:n], top_ids[:n], top_lp[:n])
+
+    def _execute_mixed(self, plan, prompt_targets, full_rows: bool) -> StepResult:
+        """A mixed plan runs as its prefill sub-batch, then its decode sub-batch: the two executables of the
+        all-prefill and all-decode shapes, back to back on the same pools (so a mixed step compiles nothing new,
+        and each row's result is bit for bit that of the same row scheduled in a step of its own kind). No decode
+        row pads to the prefill length.
+
+        The rows of the two sub-batches touch disjoint slots, which is checked here for the whole step before
+        anything runs (fail closed): the linear-state ops of all rows together, no restore source that a decode row
+        advances (it would be read after its write) or that a row of the one-token sub-batch reads from a live slot,
+        and no checkpoint save into a slot a decode row reads or advances."""
+        n = plan.num_prefill_rows
+        ops = [s.linear_op for s in plan.seqs if s.linear_op is not None]
+        if self.cfg.linear_layer_ids and len(ops) == len(plan.seqs):
+            validate_cache_ops(ops, self.memory.num_linear_slots)
+            live = {op.linear_state_id for op in ops}
+            decode_live = {s.linear_op.linear_state_id for s in plan.decode_seqs}
+            decode_src = {s.linear_op.restore_src_slot_id for s in plan.decode_seqs if s.linear_op.is_warm_restore}
+            for i, s in enumerate(plan.seqs):
+                op = s.linear_op
+                if op.is_warm_restore and op.restore_src_slot_id in (live if i >= n else decode_live):
+                    raise ValueError(f"row {i}: restore_src_slot_id {op.restore_src_slot_id} is a live slot that a "
+                                     "decode row of this mixed step advances")
+            for sv in plan.saves:
+                if sv.slot in decode_live | decode_src:
+                    raise ValueError(f"save into slot {sv.slot}: a decode row of this mixed step reads or advances it")
+        prefill = type(plan)(True, plan.prefill_seqs, plan.saves)
+        decode = type(plan)(False, plan.decode_seqs)
+        first = self.execute(prefill, prompt_targets[:n] if prompt_targets else None, full_rows)
+        second = self.execute(decode)
+        return StepResult(*(np.concatenate([a, b]) for a, b in zip(
+            (first.tokens, first.logprobs, first.top_ids, first.top_logprobs),
+            (second.tokens, second.logprobs, second.top_ids, second.top_logprobs))), prompt=first.prompt)
