@@ -23,7 +23,7 @@ import numpy as np
 
 from gdn_jax.config import ModelConfig
 from gdn_jax.model import Batch, forward, init_state
-from gdn_jax.restore import ops_to_arrays, restore_sources, validate_cache_ops
+from gdn_jax.restore import RestoreOps, validate_cache_ops
 from gdn_jax.sampling import SamplingMetadata, sample
 from scheduler.sampling_params import MAX_LOGPROBS
 
@@ -137,29 +137,26 @@ def plan_memory(cfg: ModelConfig, dtype, block_size: int, max_num_seqs: int, max
     return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs)
 
 
-def _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves) -> Batch:
-    """The batch with its restores folded into the forward's read of the initial state: from the source slot, written
-    to the live slot (a copy: the source is never written). `saves`: (rows, offsets, slots) of the checkpoints the
-    step writes, or None."""
-    initial_state_ids, has_initial_state = restore_sources(live_ids, restore_requested, src_ids)
-    return Batch(*batch_arrays, linear_ids=live_ids, has_initial_state=has_initial_state,
-                 initial_state_ids=initial_state_ids, **dict(zip(("save_rows", "save_offsets", "save_slots"),
-                                                                 saves or (None,) * 3)))
+def host_batch(tokens, start_pos, lengths, block_tables, slot_mapping, ops: RestoreOps, saves) -> Batch:
+    """The step's `Batch` as host arrays, its restores folded into the forward's read of the initial state: from
+    the source slot, written to the live slot (a copy: the source is never written). `saves`: (rows, offsets, slots)
+    of the checkpoints the step writes, or None."""
+    initial_state_ids, has_initial_state = ops.sources()
+    return Batch(tokens, start_pos, lengths, block_tables, slot_mapping, linear_ids=ops.linear_state_ids,
+                 has_initial_state=has_initial_state, initial_state_ids=initial_state_ids,
+                 **dict(zip(("save_rows", "save_offsets", "save_slots"), saves or (None,) * 3)))
 
 
-def _step(graphdef, params, chunk_size, state, batch_arrays, live_ids, restore_requested, src_ids, saves):
+def _step(graphdef, params, chunk_size, state, batch: Batch):
     """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`_sample`)."""
-    batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
     logits, state = forward(graphdef, params, batch, state, chunk_size=chunk_size)
     return state, logits
 
 
-def _step_prompt_logprobs(graphdef, params, chunk_size, state, batch_arrays, live_ids, restore_requested, src_ids,
-                          saves, targets, full_rows):
+def _step_prompt_logprobs(graphdef, params, chunk_size, state, batch: Batch, targets, full_rows):
     """`_step` plus the log-distribution at every position of the chunk (prompt logprobs). A separate executable,
     so that steps without a prompt-logprobs row never pay for [B, T, V] logits. targets[b, t]: the prompt token at
     position start + t + 1, scored by the logits of position start + t. `full_rows` (static) also returns every row."""
-    batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
     logits, state = forward(graphdef, params, batch, state, all_logits=True, chunk_size=chunk_size)  # [B, T, V]
     last = jnp.take_along_axis(logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -188,7 +185,7 @@ class PromptLogprobs:
 
 @functools.lru_cache(maxsize=None)
 def step_function(graphdef, params_def, chunk_size: int = 64):
-    """The jitted step for one model structure: `(param_leaves, state, batch_arrays, ...)`, the state donated.
+    """The jitted step for one model structure: `(param_leaves, state, batch)`, the state donated.
     Cached per (graphdef, params treedef, GDN chunk size), so workers of the same model share compiled executables,
     and the structure is hashed here, once, not per call."""
 
@@ -206,7 +203,7 @@ def prompt_step_function(graphdef, params_def, chunk_size: int = 64):
         return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves), chunk_size, state,
                                      *args)
 
-    return jax.jit(step, donate_argnums=(1,), static_argnums=(8,))
+    return jax.jit(step, donate_argnums=(1,), static_argnums=(4,))
 
 
 @dataclasses.dataclass
@@ -286,15 +283,19 @@ class Worker:
         self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size)
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
-    def _buckets(self, lo: int, hi: int) -> list[int]:
-        return sorted({_bucket(n, lo, hi) for n in range(1, hi + 1)})
+    def step_shape(self, rows: int, longest: int, prefill: bool) -> tuple[int, int, int]:
+        """The bucket (rows, tokens per row, blocks per row) a step of `rows` rows whose longest row has `longest`
+        tokens runs in: rows up to a power of two, tokens 1 for decode, else a power of two from 16 up to the
+        longest row the worker takes (`max_chunk`). The one rule `execute` pads by and `shape_buckets` lists."""
+        return (_bucket(rows, 1, self.max_rows), _bucket(longest, 16, self.max_chunk) if prefill else 1,
+                self.max_blocks)
 
     def shape_buckets(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, blocks per row) shape `execute` can produce; T = 1 is decode. The block
         tables are always `max_blocks` wide: attention loops over the keys the rows hold, not over the table
         (`model.Attention`), so a narrower table would save nothing but cost a compilation per width."""
-        rows = self._buckets(1, self.max_rows)
-        tokens = [1] + self._buckets(min(16, self.max_chunk), self.max_chunk)
+        rows = sorted({self.step_shape(n, 1, False)[0] for n in range(1, self.max_rows + 1)})
+        tokens = [1] + sorted({self.step_shape(1, t, True)[1] for t in range(1, self.max_chunk + 1)})
         # "scan": the scheduler keeps rows x longest row within the token budget, so a bucket (each side rounded up
         # to a power of two) holds at most 4x the budget
         fits = (lambda b, t: t == 1 or b * t <= 4 * self.budget) if self.scan else (lambda b, t: True)
@@ -309,7 +310,7 @@ class Worker:
         per_row = T // self.stride if self.checkpoint_policy == "all" else 1
         return min(B * per_row, self.budget // self.stride)
 
-    def _save_arrays(self, saves, B: int, T: int, lengths, live, src):
+    def _save_arrays(self, saves, B: int, T: int, lengths, ops: RestoreOps):
         """Plan saves -> (rows, offsets, slots) [S] int32, padded with writes to slot 0; None for a shape without
         saves. Checked before dispatch: a save lands on a chunk boundary inside its row, in a slot that no row of
         the step reads or advances."""
@@ -319,7 +320,7 @@ class Worker:
         if not S:
             return None
         rows, offsets, slots = np.zeros(S, np.int32), np.full(S, self.chunk_size, np.int32), np.zeros(S, np.int32)
-        busy = set(live.tolist()) | set(src.tolist())
+        busy = set(ops.linear_state_ids.tolist()) | set(ops.restore_src_slot_ids.tolist())
         for i, sv in enumerate(saves):
             if not (0 < sv.offset <= lengths[sv.row] and sv.offset % self.chunk_size == 0):
                 raise ValueError(f"save {i}: offset {sv.offset} is not a chunk boundary inside row {sv.row}")
@@ -333,10 +334,10 @@ class Worker:
     def _padding_args(self, B: int, T: int, NB: int) -> tuple:
         """Step arguments (after params and state) of an all-padding batch: writes land in block 0 / slot 0 only."""
         z = np.zeros((B, T), np.int32)
-        batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
-        live, requested, src = ops_to_arrays([], B)
-        saves = self._save_arrays([], B, T, None, live, src)
-        return (batch_arrays, live, requested, src, saves, SamplingMetadata.padding(B, self.history_width))
+        ops = RestoreOps.from_ops([], B)
+        batch = host_batch(z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z, ops,
+                           self._save_arrays([], B, T, None, ops))
+        return batch, SamplingMetadata.padding(B, self.history_width)
 
     def warm_up(self, prompt_logprobs: bool = False) -> int:
         """Compiles the step for every shape bucket (and sampling for every rows bucket), then runs each step shape
@@ -379,13 +380,13 @@ class Worker:
     def lowered_step(self, shape: tuple[int, int, int]):
         """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
         state is not touched."""
-        args = self._padding_args(*shape)[:5]
-        return self._fn.lower(self._leaves_for(args[0][0]), self.state, *args)
+        batch = self._padding_args(*shape)[0]
+        return self._fn.lower(self._leaves_for(batch.tokens), self.state, batch)
 
     def lowered_prompt_step(self, shape: tuple[int, int, int]):
         """The prompt-logprobs forward (top-k, not whole rows) lowered for one prefill bucket."""
-        args = self._padding_args(*shape)[:5]
-        return self._prompt_fn.lower(self._param_leaves, self.state, *args, np.zeros(shape[:2], np.int32), False)
+        batch = self._padding_args(*shape)[0]
+        return self._prompt_fn.lower(self._param_leaves, self.state, batch, np.zeros(shape[:2], np.int32), False)
 
     def sample_buckets(self) -> list[int]:
         """The row counts sampling is compiled for: one executable per rows bucket, shared by its step shapes."""
@@ -404,13 +405,12 @@ class Worker:
     def _leaves_for(self, tokens) -> list:
         return self._decode_leaves if tokens.shape == (1, 1) else self._param_leaves
 
-    def _run(self, batch_arrays, live, requested, src, saves, sampling, *extra, fn=None):
+    def _run(self, batch: Batch, sampling: SamplingMetadata, *extra, fn=None):
         """The step's forward (`fn`, with `extra` arguments), then sampling: (tokens, logprobs, top ids, top
         logprobs[, prompt logprobs])."""
         fn = fn or self._fn
         before = fn._cache_size() + _sample._cache_size()
-        self.state, logits, *prompt = fn(self._leaves_for(batch_arrays[0]), self.state, batch_arrays, live,
-                                         requested, src, saves, *extra)
+        self.state, logits, *prompt = fn(self._leaves_for(batch.tokens), self.state, batch, *extra)
         sampled = _sample(logits, sampling)
         self.num_compilations += fn._cache_size() + _sample._cache_size() - before
         return (*sampled, *prompt)
@@ -429,9 +429,7 @@ class Worker:
         if n > self.max_rows or longest > (self.max_chunk if plan.is_prefill else 1):
             raise ValueError(f"step plan of {n} rows x {longest} tokens exceeds the worker's shapes "
                              f"({self.max_rows} rows, {self.max_chunk if plan.is_prefill else 1} tokens per row)")
-        B = _bucket(n, 1, self.max_rows)
-        T = 1 if not plan.is_prefill else _bucket(longest, 16, self.max_chunk)
-        NB = self.max_blocks
+        B, T, NB = self.step_shape(n, longest, plan.is_prefill)
         tokens = np.zeros((B, T), np.int32)
         slot_mapping = np.zeros((B, T), np.int32)  # padding tokens write into block 0
         start = np.zeros(B, np.int32)
@@ -448,12 +446,12 @@ class Worker:
             if len(ops) != n:
                 raise ValueError("every scheduled row of a model with GDN layers needs a LinearStateCacheOp")
             validate_cache_ops(ops, self.memory.num_linear_slots, in_place=T == 1)
-        live, requested, src = ops_to_arrays(ops, B)
-        saves = self._save_arrays(getattr(plan, "saves", ()), B, T, lengths, live, src)
-        batch_arrays = (tokens, start, lengths, tables, slot_mapping)
+        restore = RestoreOps.from_ops(ops, B)
+        saves = self._save_arrays(getattr(plan, "saves", ()), B, T, lengths, restore)
+        batch = host_batch(tokens, start, lengths, tables, slot_mapping, restore, saves)
         sampling = SamplingMetadata.from_rows(seqs, B, self.history_width, self.cfg.vocab_size,
                                               self.cfg.eos_token_id, self.seed)
-        args = (batch_arrays, live, requested, src, saves, sampling)
+        args = (batch, sampling)
         if plan.is_prefill and prompt_targets and any(prompt_targets):
             targets = np.zeros((B, T), np.int32)
             for i, t in enumerate(prompt_targets):
@@ -480,16 +478,18 @@ class Worker:
         ops = [s.linear_op for s in plan.seqs if s.linear_op is not None]
         if self.cfg.linear_layer_ids and len(ops) == len(plan.seqs):
             validate_cache_ops(ops, self.memory.num_linear_slots)
-            live = {op.linear_state_id for op in ops}
-            decode_live = {s.linear_op.linear_state_id for s in plan.decode_seqs}
-            decode_src = {s.linear_op.restore_src_slot_id for s in plan.decode_seqs if s.linear_op.is_warm_restore}
+            linear_state_ids = {op.linear_state_id for op in ops}
+            decode_linear_state_ids = {s.linear_op.linear_state_id for s in plan.decode_seqs}
+            decode_restore_src_slot_ids = {s.linear_op.restore_src_slot_id for s in plan.decode_seqs
+                                           if s.linear_op.is_warm_restore}
             for i, s in enumerate(plan.seqs):
                 op = s.linear_op
-                if op.is_warm_restore and op.restore_src_slot_id in (live if i >= n else decode_live):
+                if op.is_warm_restore and op.restore_src_slot_id in (
+                        linear_state_ids if i >= n else decode_linear_state_ids):
                     raise ValueError(f"row {i}: restore_src_slot_id {op.restore_src_slot_id} is a live slot that a "
                                      "decode row of this mixed step advances")
             for sv in plan.saves:
-                if sv.slot in decode_live | decode_src:
+                if sv.slot in decode_linear_state_ids | decode_restore_src_slot_ids:
                     raise ValueError(f"save into slot {sv.slot}: a decode row of this mixed step reads or advances it")
         prefill = type(plan)(True, plan.prefill_seqs, plan.saves)
         decode = type(plan)(False, plan.decode_seqs)
