@@ -423,6 +423,10 @@ class Worker:
         score from this chunk's logits; when any row has some, the step also returns `StepResult.prompt`."""
         if getattr(plan, "is_mixed", False):
             return self._execute_mixed(plan, prompt_targets, full_rows)
+        return self._execute_one(plan, prompt_targets, full_rows)
+
+    def _execute_one(self, plan, prompt_targets, full_rows: bool) -> StepResult:
+        """An all-prefill or all-decode plan (or one sub-batch of a mixed plan): one step executable."""
         seqs = plan.seqs
         n = len(seqs)
         longest = max(len(s.token_ids) for s in seqs)
@@ -493,8 +497,8 @@ class Worker:
                     raise ValueError(f"save into slot {sv.slot}: a decode row of this mixed step reads or advances it")
         prefill = type(plan)(True, plan.prefill_seqs, plan.saves)
         decode = type(plan)(False, plan.decode_seqs)
-        first = self.execute(prefill, prompt_targets[:n] if prompt_targets else None, full_rows)
-        second = self.execute(decode)
+        first = self._execute_one(prefill, prompt_targets[:n] if prompt_targets else None, full_rows)
+        second = self._execute_one(decode, None, False)
         return StepResult(*(np.concatenate([a, b]) for a, b in zip(
             (first.tokens, first.logprobs, first.top_ids, first.top_logprobs),
             (second.tokens, second.logprobs, second.top_ids, second.top_logprobs))), prompt=first.prompt)
