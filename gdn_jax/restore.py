@@ -32,9 +32,9 @@ def validate_cache_ops(ops, num_slots: int, in_place: bool = False) -> None:
                 raise ValueError(f"op {i}: restore_src_slot_id {op.restore_src_slot_id} outside [1, {num_slots})")
             if op.restore_src_slot_id == op.linear_state_id:
                 raise ValueError(f"op {i}: restore source and live slot are both {op.linear_state_id}")
-    live = [op.linear_state_id for op in ops]
-    if len(set(live)) != len(live):
-        raise ValueError(f"two ops advance the same live slot: {sorted(live)}")
+    linear_state_ids = [op.linear_state_id for op in ops]
+    if len(set(linear_state_ids)) != len(linear_state_ids):
+        raise ValueError(f"two ops advance the same live slot: {sorted(linear_state_ids)}")
     # every copy reads the pools as they were before the step: a source that this step also restores into would
     # hand over its stale content
     targets = {op.linear_state_id for op in ops if op.restore_requested and op.restore_src_slot_id != -1}
@@ -45,7 +45,7 @@ def validate_cache_ops(ops, num_slots: int, in_place: bool = False) -> None:
     # or after another row writes it (a fork, which reads its parent's live slot, only happens in prefill steps)
     if in_place:
         for i, op in enumerate(ops):
-            if op.restore_requested and op.restore_src_slot_id in live:
+            if op.restore_requested and op.restore_src_slot_id in linear_state_ids:
                 raise ValueError(f"op {i}: restore_src_slot_id {op.restore_src_slot_id} is a live slot of this "
                                  "one-token step")
 

@@ -2,8 +2,10 @@
 
 The step plan arrives as plain Python data from the scheduler; the worker pads it to bucketed shapes (batch rows,
 tokens per row; the block tables always have the largest width, which costs nothing: attention loops over the keys
-the rows hold) so a steady workload never recompiles, validates the linear-state ops on the host (fail closed), and
-runs `_step` with the state donated, then `_sample`.
+the rows hold; one rule, `Worker.step_shape`) so a steady workload never recompiles, validates the linear-state ops on
+the host (fail closed), and runs `_step` on the step's `Batch` (a pytree of host arrays, the restores folded in) with
+the state donated, then `_sample`. A mixed plan (prefill and decode rows) runs as its two sub-batches, one
+executable each (see docs/design.md, "Mixed prefill + decode steps").
 
 The model's graph definition is closed over once per graphdef (`step_function`), not passed as a static argument:
 a static argument is hashed on every call, and hashing an NNX graphdef costs tens of milliseconds. The parameters
