@@ -76,7 +76,8 @@ def main():
     ap.add_argument("--chunk-stride", type=int, default=256, help="tokens between checkpoints (default: %(default)s)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default: %(default)s)")
     ap.add_argument("--max-model-len", type=int, default=4096, help="engine max_model_len (default: %(default)s)")
-    ap.add_argument("--modes", nargs="+", default=["separate", "mixed"], choices=["separate", "mixed"])
+    ap.add_argument("--modes", nargs="+", default=["separate", "mixed"], choices=["separate", "mixed"],
+                    help="scheduling modes to measure (default: %(default)s)")
     ap.add_argument("--runs", type=int, default=3, help="measured passes per mode (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_itl.json", help="JSON output (default: %(default)s)")
