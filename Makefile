@@ -26,7 +26,7 @@ run: $(VENV)/.installed
 # compiles). .ci/run raises vm.max_map_count where it may.
 GROUP_A := tests/scheduler tests/test_cli_help.py
 GROUP_B := tests/gdn_jax/test_donation.py tests/gdn_jax/test_engine.py tests/gdn_jax/test_engine_cache_equivalence.py \
-           tests/gdn_jax/test_scan_checkpoints.py \
+           tests/gdn_jax/test_scan_checkpoints.py tests/gdn_jax/test_mixed_steps.py \
            tests/gdn_jax/test_fork_engine.py tests/gdn_jax/test_gated_delta.py tests/gdn_jax/test_memory_plan.py
 GROUP_C := tests/gdn_jax/test_decode_path.py tests/gdn_jax/test_model.py tests/gdn_jax/test_model_vs_hf.py tests/gdn_jax/test_prompt_logprobs.py \
            tests/gdn_jax/test_restore.py tests/gdn_jax/test_sampling.py tests/gdn_jax/test_sampling_engine.py

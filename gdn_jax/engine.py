@@ -170,7 +170,8 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, num_linear_slots: int | None = None,
                  max_num_batched_tokens: int | None = None, memory_budget_bytes: int | None = None,
                  gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, unsafe_reuse: str | None = None,
-                 checkpoint_mode: str = "scan", checkpoint_policy: str = "all", gdn_schedule: str = "auto",
+                 checkpoint_mode: str = "scan", checkpoint_policy: str = "all", mixed_steps: bool = True,
+                 gdn_schedule: str = "auto",
                  verbose: bool = True):
         """`memory_budget_bytes` bounds the KV and linear-state pools; None sizes it from the device: on a GPU
         `gpu_memory_utilization` of its memory minus the weights, on the CPU `CPU_MEMORY_BUDGET_BYTES` (2 GiB).
@@ -183,6 +184,8 @@ class LLMEngine:
         allows and writes the checkpoints of the boundaries it crosses from the chunked scan, in the same step;
         "promote" is the original design: one stride per prefill step, the live slot promoted to the checkpoint.
         `checkpoint_policy` ("scan"): "all" boundaries crossed, or only the "last" one (see SchedulerConfig).
+        `mixed_steps` ("scan"): a step decodes every running sequence and prefills within the rest of the token
+        budget; False (and "promote"): a step is all-prefill or all-decode, prefill first.
 
         `gdn_schedule`: how the chunked GDN rule is computed, "auto" ("fused" on CPU, "parallel" on accelerators),
         "fused" or "parallel": the same maths, so outputs agree to float rounding."""
@@ -211,7 +214,8 @@ class LLMEngine:
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, has_linear_attention_layers=has_linear,
             state_fingerprint=f"{self.cfg.fingerprint()}:{dtype}", eos_token_id=self.cfg.eos_token_id,
-            unsafe_reuse=unsafe_reuse, checkpoint_mode=checkpoint_mode, checkpoint_policy=checkpoint_policy)
+            unsafe_reuse=unsafe_reuse, checkpoint_mode=checkpoint_mode, checkpoint_policy=checkpoint_policy,
+            mixed_steps=mixed_steps)
         if unsafe_reuse is not None:
             warnings.warn(f"unsafe_reuse={unsafe_reuse!r}: reusing KV matches with a {unsafe_reuse} GDN state; "
                           f"outputs drift from the model's (an ablation for accuracy studies only)", stacklevel=2)
@@ -326,7 +330,8 @@ class LLMEngine:
                 if t is not None:
                     self._record_prompt_logprobs(self._by_seq[s.seq_id], s.start_pos, t, result.prompt, i)
         self.last_step_info = {
-            "is_prefill": plan.is_prefill, "rows": len(plan.seqs), "tokens": sum(len(s.token_ids) for s in plan.seqs),
+            "is_prefill": plan.is_prefill, "decode_rows": len(plan.decode_seqs), "rows": len(plan.seqs),
+            "tokens": sum(len(s.token_ids) for s in plan.seqs),
             "warm_restores": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.restores_checkpoint),
             "forks": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.fork)}
         sampled = [int(result.tokens[i]) if s.sample else None for i, s in enumerate(plan.seqs)]

@@ -10,6 +10,8 @@ every slot, every step). `restore_linear_state_slots` is the same copy as a stan
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,9 +32,9 @@ def validate_cache_ops(ops, num_slots: int, in_place: bool = False) -> None:
                 raise ValueError(f"op {i}: restore_src_slot_id {op.restore_src_slot_id} outside [1, {num_slots})")
             if op.restore_src_slot_id == op.linear_state_id:
                 raise ValueError(f"op {i}: restore source and live slot are both {op.linear_state_id}")
-    live = [op.linear_state_id for op in ops]
-    if len(set(live)) != len(live):
-        raise ValueError(f"two ops advance the same live slot: {sorted(live)}")
+    linear_state_ids = [op.linear_state_id for op in ops]
+    if len(set(linear_state_ids)) != len(linear_state_ids):
+        raise ValueError(f"two ops advance the same live slot: {sorted(linear_state_ids)}")
     # every copy reads the pools as they were before the step: a source that this step also restores into would
     # hand over its stale content
     targets = {op.linear_state_id for op in ops if op.restore_requested and op.restore_src_slot_id != -1}
@@ -43,37 +45,48 @@ def validate_cache_ops(ops, num_slots: int, in_place: bool = False) -> None:
     # or after another row writes it (a fork, which reads its parent's live slot, only happens in prefill steps)
     if in_place:
         for i, op in enumerate(ops):
-            if op.restore_requested and op.restore_src_slot_id in live:
+            if op.restore_requested and op.restore_src_slot_id in linear_state_ids:
                 raise ValueError(f"op {i}: restore_src_slot_id {op.restore_src_slot_id} is a live slot of this "
                                  "one-token step")
 
 
-def ops_to_arrays(ops, rows: int):
-    """Ops -> (live_ids, restore_requested, src_ids), int32/bool [rows]. Padding rows: slot 0, forced cold."""
-    live = np.zeros(rows, np.int32)
-    requested = np.ones(rows, bool)
-    src = np.full(rows, -1, np.int32)
-    for i, op in enumerate(ops):
-        live[i], requested[i], src[i] = op.linear_state_id, op.restore_requested, op.restore_src_slot_id
-    return live, requested, src
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RestoreOps:
+    """The linear-state ops of a step's rows as arrays [rows] (a pytree). Padding rows: slot 0, forced cold."""
+    linear_state_ids: np.ndarray      # int32 live slot each row advances
+    restore_requested: np.ndarray     # bool
+    restore_src_slot_ids: np.ndarray  # int32 slot restored from (-1: none)
+
+    @classmethod
+    def from_ops(cls, ops, rows: int) -> "RestoreOps":
+        live, requested, src = np.zeros(rows, np.int32), np.ones(rows, bool), np.full(rows, -1, np.int32)
+        for i, op in enumerate(ops):
+            live[i], requested[i], src[i] = op.linear_state_id, op.restore_requested, op.restore_src_slot_id
+        return cls(live, requested, src)
+
+    def sources(self, xp=np):
+        """(initial_state_ids, has_initial_state) [rows]: see `restore_sources`."""
+        return restore_sources(self.linear_state_ids, self.restore_requested, self.restore_src_slot_ids, xp)
 
 
-def restore_sources(live_ids, restore_requested, src_ids):
+def restore_sources(linear_state_ids, restore_requested, restore_src_slot_ids, xp=jnp):
     """Per row, the slot its initial GDN state comes from and whether it has one: requested + source -> the source,
     warm (True); requested, no source (-1) -> cold start (False; the forward treats the state as zeros); not
-    requested -> its own live slot, warm (True). Returns (initial_state_ids [B] int32, has_initial_state [B] bool)."""
-    copy = restore_requested & (src_ids >= 0)
-    return jnp.where(copy, src_ids, live_ids), jnp.where(restore_requested, copy, True)
+    requested -> its own live slot, warm (True). Returns (initial_state_ids [B] int32, has_initial_state [B] bool).
+    `xp`: jax.numpy, or numpy to fold them on the host."""
+    copy = restore_requested & (restore_src_slot_ids >= 0)
+    return xp.where(copy, restore_src_slot_ids, linear_state_ids), xp.where(restore_requested, copy, True)
 
 
-def restore_linear_state_slots(state: DeviceState, live_ids, restore_requested, src_ids):
-    """Copies `src_ids[b]` into `live_ids[b]` in every GDN layer where a restore is requested with a valid source
-    (see `restore_sources`). Returns (state, has_initial_state [B] bool). Nothing is shared: the live slot gets its
-    own copy."""
-    read, has_initial_state = restore_sources(live_ids, restore_requested, src_ids)
+def restore_linear_state_slots(state: DeviceState, linear_state_ids, restore_requested, restore_src_slot_ids):
+    """Copies `restore_src_slot_ids[b]` into `linear_state_ids[b]` in every GDN layer where a restore is requested
+    with a valid source (see `restore_sources`). Returns (state, has_initial_state [B] bool). Nothing is shared: the
+    live slot gets its own copy."""
+    read, has_initial_state = restore_sources(linear_state_ids, restore_requested, restore_src_slot_ids)
 
     def _copy(pool):  # pool: [layers, num_slots, ...]; a row that restores nothing copies its slot onto itself
-        return None if pool is None else pool.at[:, live_ids].set(pool[:, read])
+        return None if pool is None else pool.at[:, linear_state_ids].set(pool[:, read])
 
     state = DeviceState(state.k, state.v, _copy(state.conv), _copy(state.ssm))
     return state, has_initial_state
@@ -85,5 +98,6 @@ restore_linear_state_slots_jit = jax.jit(restore_linear_state_slots, donate_argn
 def restore_ops(state: DeviceState, ops, num_slots: int):
     """Host entry: validate (fail closed), then the jitted copy. Returns (state, has_initial_state)."""
     validate_cache_ops(ops, num_slots)
-    live, requested, src = ops_to_arrays(ops, len(ops))
-    return restore_linear_state_slots_jit(state, jnp.asarray(live), jnp.asarray(requested), jnp.asarray(src))
+    arrays = RestoreOps.from_ops(ops, len(ops))
+    return restore_linear_state_slots_jit(state, *(jnp.asarray(a) for a in (
+        arrays.linear_state_ids, arrays.restore_requested, arrays.restore_src_slot_ids)))

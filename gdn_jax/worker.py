@@ -2,8 +2,10 @@
 
 The step plan arrives as plain Python data from the scheduler; the worker pads it to bucketed shapes (batch rows,
 tokens per row; the block tables always have the largest width, which costs nothing: attention loops over the keys
-the rows hold) so a steady workload never recompiles, validates the linear-state ops on the host (fail closed), and
-runs `_step` with the state donated, then `sample_function()`.
+the rows hold; one rule, `Worker.step_shape`) so a steady workload never recompiles, validates the linear-state ops on
+the host (fail closed), and runs `_step` on the step's `Batch` (a pytree of host arrays, the restores folded in) with
+the state donated, then `sample_function()`. A mixed plan (prefill and decode rows) runs as its two sub-batches, one
+executable each (see docs/design.md, "Mixed prefill + decode steps").
 
 The model's graph definition is closed over once per graphdef (`step_function`), not passed as a static argument:
 a static argument is hashed on every call, and hashing an NNX graphdef costs tens of milliseconds. The parameters
@@ -24,7 +26,7 @@ import numpy as np
 from gdn_jax import executables
 from gdn_jax.config import ModelConfig
 from gdn_jax.model import Batch, forward, init_state
-from gdn_jax.restore import ops_to_arrays, restore_sources, validate_cache_ops
+from gdn_jax.restore import RestoreOps, validate_cache_ops
 from gdn_jax.sampling import SamplingMetadata, sample
 from scheduler.sampling_params import MAX_LOGPROBS
 
@@ -138,30 +140,27 @@ def plan_memory(cfg: ModelConfig, dtype, block_size: int, max_num_seqs: int, max
     return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs)
 
 
-def _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves) -> Batch:
-    """The batch with its restores folded into the forward's read of the initial state: from the source slot, written
-    to the live slot (a copy: the source is never written). `saves`: (rows, offsets, slots) of the checkpoints the
-    step writes, or None."""
-    initial_state_ids, has_initial_state = restore_sources(live_ids, restore_requested, src_ids)
-    return Batch(*batch_arrays, linear_ids=live_ids, has_initial_state=has_initial_state,
-                 initial_state_ids=initial_state_ids, **dict(zip(("save_rows", "save_offsets", "save_slots"),
-                                                                 saves or (None,) * 3)))
+def host_batch(tokens, start_pos, lengths, block_tables, slot_mapping, ops: RestoreOps, saves) -> Batch:
+    """The step's `Batch` as host arrays, its restores folded into the forward's read of the initial state: from
+    the source slot, written to the live slot (a copy: the source is never written). `saves`: (rows, offsets, slots)
+    of the checkpoints the step writes, or None."""
+    initial_state_ids, has_initial_state = ops.sources()
+    return Batch(tokens, start_pos, lengths, block_tables, slot_mapping, linear_ids=ops.linear_state_ids,
+                 has_initial_state=has_initial_state, initial_state_ids=initial_state_ids,
+                 **dict(zip(("save_rows", "save_offsets", "save_slots"), saves or (None,) * 3)))
 
 
-def _step(graphdef, params, rule, state, batch_arrays, live_ids, restore_requested, src_ids, saves):
+def _step(graphdef, params, rule, state, batch: Batch):
     """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`sample_function`). `rule`:
     the chunked GDN rule's (chunk size, schedule)."""
-    batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
     logits, state = forward(graphdef, params, batch, state, chunk_size=rule[0], gdn_schedule=rule[1])
     return state, logits
 
 
-def _step_prompt_logprobs(graphdef, params, rule, state, batch_arrays, live_ids, restore_requested, src_ids,
-                          saves, targets, full_rows):
+def _step_prompt_logprobs(graphdef, params, rule, state, batch: Batch, targets, full_rows):
     """`_step` plus the log-distribution at every position of the chunk (prompt logprobs). A separate executable,
     so that steps without a prompt-logprobs row never pay for [B, T, V] logits. targets[b, t]: the prompt token at
     position start + t + 1, scored by the logits of position start + t. `full_rows` (static) also returns every row."""
-    batch = _read_batch(batch_arrays, live_ids, restore_requested, src_ids, saves)
     logits, state = forward(graphdef, params, batch, state, all_logits=True, chunk_size=rule[0],
                             gdn_schedule=rule[1])  # [B, T, V]
     last = jnp.take_along_axis(logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -209,10 +208,9 @@ class PromptLogprobs:
 
 @functools.lru_cache(maxsize=None)
 def step_function(graphdef, params_def, chunk_size: int = 64, prefill: bool = True, gdn_schedule: str = "auto"):
-    """The jitted step for one model structure: `(param_leaves, state, batch_arrays, ...)`, the state donated.
-    Cached per (graphdef, params treedef, GDN chunk size and schedule, prefill or decode: their compile options
-    differ), so workers of the same model share compiled executables, and the structure is hashed here, once, not
-    per call."""
+    """The jitted step for one model structure: `(param_leaves, state, batch)`, the state donated. Cached per
+    (graphdef, params treedef, GDN chunk size and schedule, prefill or decode: their compile options differ), so
+    workers of the same model share compiled executables, and the structure is hashed here, once, not per call."""
 
     def step(param_leaves, state, *args):
         return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule), state, *args)
@@ -229,7 +227,7 @@ def prompt_step_function(graphdef, params_def, chunk_size: int = 64, gdn_schedul
                                      (chunk_size, gdn_schedule), state,
                                      *args)
 
-    return jax.jit(step, donate_argnums=(1,), static_argnums=(8,), compiler_options=compiler_options(True))
+    return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options(True))
 
 
 @dataclasses.dataclass
@@ -349,6 +347,11 @@ class Worker:
         return [(b, t, self.max_blocks) for b, n in rows
                 for t in [1] + [t for t, m in tokens if fits(n, m)]]
 
+    def step_shape(self, rows: int, longest: int, prefill: bool) -> tuple[int, int, int]:
+        """The bucket (rows, tokens per row, blocks per row) a step of `rows` rows whose longest row has `longest`
+        tokens runs in (`rows_bucket`, `tokens_bucket`; the block tables always have their largest width)."""
+        return self.rows_bucket(rows), self.tokens_bucket(longest, prefill), self.max_blocks
+
     def num_saves(self, B: int, T: int) -> int:
         """Checkpoint writes a (B, T) step shape has room for: each row starts on a boundary, so a row of L tokens
         crosses L // chunk_stride of them ("all") or saves at most one ("last"); all rows together hold at most
@@ -358,7 +361,7 @@ class Worker:
         per_row = T // self.stride if self.checkpoint_policy == "all" else 1
         return min(B * per_row, self.budget // self.stride)
 
-    def _save_arrays(self, saves, B: int, T: int, lengths, live, src):
+    def _save_arrays(self, saves, B: int, T: int, lengths, ops: RestoreOps):
         """Plan saves -> (rows, offsets, slots) [S] int32, padded with writes to slot 0; None for a shape without
         saves. Checked before dispatch: a save lands on a chunk boundary inside its row, in a slot that no row of
         the step reads or advances."""
@@ -368,7 +371,7 @@ class Worker:
         if not S:
             return None
         rows, offsets, slots = np.zeros(S, np.int32), np.full(S, self.chunk_size, np.int32), np.zeros(S, np.int32)
-        busy = set(live.tolist()) | set(src.tolist())
+        busy = set(ops.linear_state_ids.tolist()) | set(ops.restore_src_slot_ids.tolist())
         for i, sv in enumerate(saves):
             if not (0 < sv.offset <= lengths[sv.row] and sv.offset % self.chunk_size == 0):
                 raise ValueError(f"save {i}: offset {sv.offset} is not a chunk boundary inside row {sv.row}")
@@ -382,10 +385,10 @@ class Worker:
     def _padding_args(self, B: int, T: int, NB: int) -> tuple:
         """Step arguments (after params and state) of an all-padding batch: writes land in block 0 / slot 0 only."""
         z = np.zeros((B, T), np.int32)
-        batch_arrays = (z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z)
-        live, requested, src = ops_to_arrays([], B)
-        saves = self._save_arrays([], B, T, None, live, src)
-        return (batch_arrays, live, requested, src, saves, SamplingMetadata.padding(B, self.history_width))
+        ops = RestoreOps.from_ops([], B)
+        batch = host_batch(z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z, ops,
+                           self._save_arrays([], B, T, None, ops))
+        return batch, SamplingMetadata.padding(B, self.history_width)
 
     def warm_up(self, prompt_logprobs: bool = False) -> int:
         """Compiles the step for every shape bucket (and sampling for every rows bucket), then runs each step shape
@@ -434,8 +437,8 @@ class Worker:
 
     def _key_args(self, B: int, T: int) -> tuple:
         """The step's arguments for one shape, as the executable store keys them."""
-        args = self._padding_args(B, T, self.max_blocks)[:5]
-        return (self._leaves_for(args[0][0]), self.state, *args)
+        batch = self._padding_args(B, T, self.max_blocks)[0]
+        return (self._leaves_for(batch.tokens), self.state, batch)
 
     def _sample_key_args(self, rows: int) -> tuple:
         return (jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32),
@@ -457,13 +460,13 @@ class Worker:
     def lowered_step(self, shape: tuple[int, int, int]):
         """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
         state is not touched."""
-        args = self._padding_args(*shape)[:5]
-        return self._fn_for(args[0][0]).lower(self._leaves_for(args[0][0]), self.state, *args)
+        batch = self._padding_args(*shape)[0]
+        return self._fn_for(batch.tokens).lower(self._leaves_for(batch.tokens), self.state, batch)
 
     def lowered_prompt_step(self, shape: tuple[int, int, int]):
         """The prompt-logprobs forward (top-k, not whole rows) lowered for one prefill bucket."""
-        args = self._padding_args(*shape)[:5]
-        return self._prompt_fn.lower(self._param_leaves, self.state, *args, np.zeros(shape[:2], np.int32), False)
+        batch = self._padding_args(*shape)[0]
+        return self._prompt_fn.lower(self._param_leaves, self.state, batch, np.zeros(shape[:2], np.int32), False)
 
     def sample_buckets(self) -> list[int]:
         """The row counts sampling is compiled for: one executable per rows bucket, shared by its step shapes."""
@@ -484,32 +487,36 @@ class Worker:
     def _leaves_for(self, tokens) -> list:
         return self._decode_leaves if tokens.shape == (1, 1) else self._param_leaves
 
-    def _run(self, batch_arrays, live, requested, src, saves, sampling, *extra, fn=None):
+    def _run(self, batch: Batch, sampling: SamplingMetadata, *extra, fn=None):
         """The step's forward (`fn`, with `extra` arguments), then sampling: (tokens, logprobs, top ids, top
         logprobs[, prompt logprobs])."""
-        step = fn or self._executables.get(("step", *batch_arrays[0].shape)) or self._fn_for(batch_arrays[0])
+        step = fn or self._executables.get(("step", *batch.tokens.shape)) or self._fn_for(batch.tokens)
         jitted = (self._fn, self._decode_fn, self._prompt_fn, self._sample)
         before = sum(f._cache_size() for f in jitted)
-        self.state, logits, *prompt = step(self._leaves_for(batch_arrays[0]), self.state, batch_arrays, live,
-                                           requested, src, saves, *extra)
+        self.state, logits, *prompt = step(self._leaves_for(batch.tokens), self.state, batch, *extra)
         sampled = self._executables.get(("sample", logits.shape[0]), self._sample)(logits, sampling)
         self.num_compilations += sum(f._cache_size() for f in jitted) - before
         return (*sampled, *prompt)
 
     def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False
                 ) -> StepResult:
-        """Runs one step plan (all-prefill or all-decode) and returns the sampled tokens per row.
+        """Runs one step plan (all-prefill, all-decode or mixed) and returns the sampled tokens per row.
 
-        `prompt_targets[i]` (prefill only): the prompt tokens at positions start+1, start+2, ... of row i to score
-        from this chunk's logits; when any row has some, the step also returns `StepResult.prompt`."""
+        `prompt_targets[i]` (prefill rows only): the prompt tokens at positions start+1, start+2, ... of row i to
+        score from this chunk's logits; when any row has some, the step also returns `StepResult.prompt`."""
+        if getattr(plan, "is_mixed", False):
+            return self._execute_mixed(plan, prompt_targets, full_rows)
+        return self._execute_one(plan, prompt_targets, full_rows)
+
+    def _execute_one(self, plan, prompt_targets, full_rows: bool) -> StepResult:
+        """An all-prefill or all-decode plan (or one sub-batch of a mixed plan): one step executable."""
         seqs = plan.seqs
         n = len(seqs)
         longest = max(len(s.token_ids) for s in seqs)
         if n > self.max_rows or longest > (self.max_chunk if plan.is_prefill else 1):
             raise ValueError(f"step plan of {n} rows x {longest} tokens exceeds the worker's shapes "
                              f"({self.max_rows} rows, {self.max_chunk if plan.is_prefill else 1} tokens per row)")
-        B, T = self.rows_bucket(n), self.tokens_bucket(longest, plan.is_prefill)
-        NB = self.max_blocks
+        B, T, NB = self.step_shape(n, longest, plan.is_prefill)
         tokens = np.zeros((B, T), np.int32)
         slot_mapping = np.zeros((B, T), np.int32)  # padding tokens write into block 0
         start = np.zeros(B, np.int32)
@@ -526,12 +533,12 @@ class Worker:
             if len(ops) != n:
                 raise ValueError("every scheduled row of a model with GDN layers needs a LinearStateCacheOp")
             validate_cache_ops(ops, self.memory.num_linear_slots, in_place=T == 1)
-        live, requested, src = ops_to_arrays(ops, B)
-        saves = self._save_arrays(getattr(plan, "saves", ()), B, T, lengths, live, src)
-        batch_arrays = (tokens, start, lengths, tables, slot_mapping)
+        restore = RestoreOps.from_ops(ops, B)
+        saves = self._save_arrays(getattr(plan, "saves", ()), B, T, lengths, restore)
+        batch = host_batch(tokens, start, lengths, tables, slot_mapping, restore, saves)
         sampling = SamplingMetadata.from_rows(seqs, B, self.history_width, self.cfg.vocab_size,
                                               self.cfg.eos_token_id, self.seed)
-        args = (batch_arrays, live, requested, src, saves, sampling)
+        args = (batch, sampling)
         if plan.is_prefill and prompt_targets and any(prompt_targets):
             targets = np.zeros((B, T), np.int32)
             for i, t in enumerate(prompt_targets):
@@ -543,3 +550,38 @@ class Worker:
                               PromptLogprobs(*(a[:n] for a in prompt[:4]), rows))
         toks, lp, top_ids, top_lp = jax.device_get(self._run(*args))
         return StepResult(toks[:n], lp[:n], top_ids[:n], top_lp[:n])
+
+    def _execute_mixed(self, plan, prompt_targets, full_rows: bool) -> StepResult:
+        """A mixed plan runs as its prefill sub-batch, then its decode sub-batch: the two executables of the
+        all-prefill and all-decode shapes, back to back on the same pools (so a mixed step compiles nothing new,
+        and each row's result is bit for bit that of the same row scheduled in a step of its own kind). No decode
+        row pads to the prefill length.
+
+        The rows of the two sub-batches touch disjoint slots, which is checked here for the whole step before
+        anything runs (fail closed): the linear-state ops of all rows together, no restore source that a decode row
+        advances (it would be read after its write) or that a row of the one-token sub-batch reads from a live slot,
+        and no checkpoint save into a slot a decode row reads or advances."""
+        n = plan.num_prefill_rows
+        ops = [s.linear_op for s in plan.seqs if s.linear_op is not None]
+        if self.cfg.linear_layer_ids and len(ops) == len(plan.seqs):
+            validate_cache_ops(ops, self.memory.num_linear_slots)
+            linear_state_ids = {op.linear_state_id for op in ops}
+            decode_linear_state_ids = {s.linear_op.linear_state_id for s in plan.decode_seqs}
+            decode_restore_src_slot_ids = {s.linear_op.restore_src_slot_id for s in plan.decode_seqs
+                                           if s.linear_op.is_warm_restore}
+            for i, s in enumerate(plan.seqs):
+                op = s.linear_op
+                if op.is_warm_restore and op.restore_src_slot_id in (
+                        linear_state_ids if i >= n else decode_linear_state_ids):
+                    raise ValueError(f"row {i}: restore_src_slot_id {op.restore_src_slot_id} is a live slot that a "
+                                     "decode row of this mixed step advances")
+            for sv in plan.saves:
+                if sv.slot in decode_linear_state_ids | decode_restore_src_slot_ids:
+                    raise ValueError(f"save into slot {sv.slot}: a decode row of this mixed step reads or advances it")
+        prefill = type(plan)(True, plan.prefill_seqs, plan.saves)
+        decode = type(plan)(False, plan.decode_seqs)
+        first = self._execute_one(prefill, prompt_targets[:n] if prompt_targets else None, full_rows)
+        second = self._execute_one(decode, None, False)
+        return StepResult(*(np.concatenate([a, b]) for a, b in zip(
+            (first.tokens, first.logprobs, first.top_ids, first.top_logprobs),
+            (second.tokens, second.logprobs, second.top_ids, second.top_logprobs))), prompt=first.prompt)

@@ -36,6 +36,10 @@ class SchedulerConfig:
     # Which boundaries a "scan" prefill row saves: "all" crossed, or only the "last" (deepest) one it reaches (fewer
     # slots and writes; a later prompt then reuses only from that depth, e.g. the next turn of a conversation).
     checkpoint_policy: str = "all"
+    # "scan" mode: a step schedules the running decodes (one token each) first and fills the rest of the token budget
+    # with prefill rows, so a long prompt no longer stalls the decodes while it prefills (vLLM v1's single budget).
+    # False, and always with "promote": a step is all-prefill or all-decode, prefill first (the original design).
+    mixed_steps: bool = True
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:

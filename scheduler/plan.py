@@ -73,10 +73,34 @@ class CheckpointSave:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step: all-prefill or all-decode rows, and the checkpoint saves of a "scan" prefill."""
+    """One step: its rows and the checkpoint saves of a "scan" prefill. A step is all-decode (`is_prefill` False),
+    all-prefill, or mixed: prefill rows first, then `num_decode_rows` one-token decode rows of running sequences
+    (`mixed_steps`). Save rows index the prefill rows."""
     is_prefill: bool
     seqs: list[ScheduledSequence]
     saves: list[CheckpointSave] = field(default_factory=list)
+    num_decode_rows: int = 0  # a prefill step's trailing decode rows (0 unless mixed)
+
+    def __post_init__(self):
+        if not 0 <= self.num_decode_rows <= (len(self.seqs) if self.is_prefill else 0):
+            raise ValueError(f"num_decode_rows={self.num_decode_rows} for a step of {len(self.seqs)} rows "
+                             f"(is_prefill={self.is_prefill})")
+
+    @property
+    def num_prefill_rows(self) -> int:
+        return len(self.seqs) - self.num_decode_rows if self.is_prefill else 0
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.is_prefill and self.num_decode_rows > 0
+
+    @property
+    def prefill_seqs(self) -> list[ScheduledSequence]:
+        return self.seqs[:self.num_prefill_rows]
+
+    @property
+    def decode_seqs(self) -> list[ScheduledSequence]:
+        return self.seqs[self.num_prefill_rows:]
 
     @property
     def num_tokens(self) -> int:

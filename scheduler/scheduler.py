@@ -1,6 +1,9 @@
 """Continuous batching with chunked prefill aligned to checkpoint boundaries.
 
-A step is either all-prefill or all-decode; prefill goes first whenever something can be
+With `mixed_steps` ("scan" mode, the default) a step first gives each running decode its one token, then fills
+the rest of `max_num_batched_tokens` with prefill rows (vLLM v1's single token budget), so decodes keep their pace
+while a long prompt prefills; the plan lists the prefill rows first, then the decode rows. Otherwise (and always
+with "promote") a step is either all-prefill or all-decode; prefill goes first whenever something can be
 prefilled. A prefill row ends at the end of the known tokens or, when the token budget cuts it, at a multiple of
 `chunk_stride`, so every row starts on a checkpoint boundary. With checkpoint_mode="scan" a row covers as many
 strides as the budget allows and the plan lists a save for each boundary it crosses (`StepPlan.saves`: the forward
@@ -106,9 +109,32 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         assert self.inflight is None, "postprocess the previous plan before scheduling again"
-        plan = self._schedule_prefill() or self._schedule_decode()
+        if self.config.mixed_steps and self.config.checkpoint_mode == "scan":
+            plan = self._schedule_mixed()
+        else:
+            plan = self._schedule_prefill() or self._schedule_decode()
         self.inflight = plan
         return plan
+
+    def _schedule_mixed(self) -> StepPlan | None:
+        """Forks first (a child's few tokens; its parent's live slot is read before anything advances it), then a
+        decode row, one token, for every running sequence with one token left to compute (but a parent whose children
+        fork in this step: it decodes next step), then prefill rows within what is left of the budget. Decode rows
+        are allocated (and may preempt) before any admission, and the saves are planned once every row of the step
+        has its slots."""
+        budget, forked = self.config.max_num_batched_tokens, []
+        pending = {pid: {c.seq_id for c in children} for pid, (_, children) in self.forks.items()}
+        if self.forks:
+            budget = self._schedule_forks(forked, budget)
+        skip = {r.seq_id for r in forked} | {pid for pid, ids in pending.items() if ids & {r.seq_id for r in forked}}
+        ready = [s for s in self.running
+                 if s.seq_id not in self.prefilling and s.seq_id not in self.forks and s.seq_id not in skip]
+        decode = self._decode_rows(ready[:budget], protect=skip)  # a fork's parent and child are never preempted
+        prefill = self._prefill_rows(budget - len(decode), forked)
+        if not prefill:
+            return StepPlan(is_prefill=False, seqs=decode) if decode else None
+        return StepPlan(is_prefill=True, seqs=prefill + decode, saves=self._plan_saves(prefill),
+                        num_decode_rows=len(decode))
 
     def _row_budget(self, rows: list[ScheduledSequence], budget: int) -> int:
         """Tokens one more prefill row may take. "scan" also bounds the padded batch: the worker pads every row to
@@ -170,10 +196,16 @@ class Scheduler:
         return budget
 
     def _schedule_prefill(self) -> StepPlan | None:
-        budget = self.config.max_num_batched_tokens
-        rows: list[ScheduledSequence] = []
-        if self.forks:
-            budget = self._schedule_forks(rows, budget)
+        rows = self._prefill_rows(self.config.max_num_batched_tokens)
+        return StepPlan(is_prefill=True, seqs=rows, saves=self._plan_saves(rows)) if rows else None
+
+    def _prefill_rows(self, budget: int, rows: list[ScheduledSequence] | None = None) -> list[ScheduledSequence]:
+        """Prefill rows within `budget` tokens: forks (unless `rows` holds the ones already scheduled), then prompts
+        being prefilled, then admissions."""
+        if rows is None:
+            rows = []
+            if self.forks:
+                budget = self._schedule_forks(rows, budget)
         # Sequences admitted earlier whose prompt is still being prefilled.
         for seq in self.prefilling.values():
             end = self._chunk_end(seq.num_computed_tokens, self._target(seq), self._row_budget(rows, budget))
@@ -201,7 +233,7 @@ class Scheduler:
             self.running.append(seq)
             budget -= end - m.reuse
             rows.append(self._row(seq, end, op))
-        return StepPlan(is_prefill=True, seqs=rows, saves=self._plan_saves(rows)) if rows else None
+        return rows
 
     def _plan_saves(self, rows: list[ScheduledSequence]) -> list[CheckpointSave]:
         """"scan" mode: a checkpoint slot for each boundary a row crosses (policy "all") or for the deepest one
@@ -226,9 +258,15 @@ class Scheduler:
         return saves
 
     def _schedule_decode(self) -> StepPlan | None:
+        rows = self._decode_rows(list(self.running))
+        return StepPlan(is_prefill=False, seqs=rows) if rows else None
+
+    def _decode_rows(self, seqs: list[Sequence], protect: set[int] = frozenset()) -> list[ScheduledSequence]:
+        """One-token rows for `seqs` (running, oldest first), preempting the newest running sequences neither
+        scheduled nor in `protect` when KV runs out."""
         rows: list[ScheduledSequence] = []
-        scheduled: set[int] = set()
-        for seq in list(self.running):
+        scheduled: set[int] = set(protect)
+        for seq in seqs:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             end = seq.num_computed_tokens + 1
@@ -237,7 +275,7 @@ class Scheduler:
             op = self._allocate(seq, end)
             rows.append(self._row(seq, end, op))
             scheduled.add(seq.seq_id)
-        return StepPlan(is_prefill=False, seqs=rows) if rows else None
+        return rows
 
     def _allocate(self, seq: Sequence, end: int) -> LinearStateCacheOp | None:
         """A running sequence's next step; a warm op here is the copy after a deferred save."""
@@ -282,13 +320,14 @@ class Scheduler:
         self.block_manager.finish_step(plan, completed=True)
         self._release_aborted_inflight()
         finished = []
-        for row, token in zip(plan.seqs, sampled_token_ids):
+        for i, (row, token) in enumerate(zip(plan.seqs, sampled_token_ids)):
             seq = self.seqs.get(row.seq_id)
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # aborted after it was scheduled
             seq.num_computed_tokens = row.start_pos + len(row.token_ids)
-            self.block_manager.on_computed(seq, saved_in_step=plan.is_prefill and self.config.checkpoint_mode == "scan")
-            if plan.is_prefill:
+            prefill_row = i < plan.num_prefill_rows
+            self.block_manager.on_computed(seq, saved_in_step=prefill_row and self.config.checkpoint_mode == "scan")
+            if prefill_row:
                 if seq.is_prefilling:
                     self.prefilling[seq.seq_id] = seq
                 else:

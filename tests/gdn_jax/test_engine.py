@@ -1,5 +1,7 @@
 """Engine behaviour: pressure (eviction, preemption), transformers' greedy, compile count, bad input."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -149,14 +151,19 @@ def _drain(engine, outs=None):
     return outs
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate"])
 @pytest.mark.parametrize("lose_state", [False, True], ids=["host-error", "device-state-lost"])
-def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_serving(engine, monkeypatch, lose_state):
+def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_serving(engine, monkeypatch, lose_state,
+                                                                                  mixed):
+    if not mixed:  # the scheduler reads its config at every step
+        monkeypatch.setattr(engine.scheduler, "config", dataclasses.replace(engine.scheduler.config, mixed_steps=False))
     rng = np.random.default_rng(3)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     survivor, victims, late = random_ids(rng, 30), [random_ids(rng, 20) for _ in range(3)], random_ids(rng, 30)
     expect = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False,
                  enable_prefix_caching=False).generate([survivor, late], greedy, use_tqdm=False)
     engine.add_request("survivor", survivor, greedy)
+    engine_ids = {"survivor": engine.seq_id_of("survivor")}
     assert engine.step()[0].request_id == "survivor"     # prefilled in one step, now decoding
     for i, p in enumerate(victims):
         engine.add_request(f"v{i}", p, greedy)
@@ -174,14 +181,18 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_servin
     monkeypatch.setattr(engine.worker, "execute", fail_once)
     with pytest.raises(EngineStepError, match="v0.*v1.*v2.*injected device failure") as err:
         engine.step()                                    # the prefill step of the three new requests
-    assert sorted(err.value.request_ids) == ["v0", "v1", "v2"] and len(calls[0].seqs) == 3
+    # a mixed step: the survivor's decode row is in the failing step and fails with it; separate steps: it survives
+    assert calls[0].is_mixed == mixed and [s.seq_id for s in calls[0].decode_seqs] == [engine_ids["survivor"]] * mixed
+    failed = ["survivor"] * mixed + ["v0", "v1", "v2"]
+    assert sorted(err.value.request_ids) == failed and len(calls[0].seqs) == len(failed)
     assert all(o.finished and o.outputs[0].finish_reason == "error" and "injected" in o.error
                for o in err.value.outputs)
     engine.scheduler.check_invariants()
     engine.add_request("late", late, greedy)
     outs = _drain(engine)
-    assert sorted(outs) == ["late", "survivor"]          # the failed ones never come back
-    assert outs["survivor"].outputs[0].token_ids == expect[0].outputs[0].token_ids
+    assert sorted(outs) == ["late"] + ["survivor"] * (not mixed)  # the failed ones never come back
+    if not mixed:
+        assert outs["survivor"].outputs[0].token_ids == expect[0].outputs[0].token_ids
     assert outs["late"].outputs[0].token_ids == expect[1].outputs[0].token_ids
     engine.scheduler.check_invariants()
     s = engine.cache_stats()

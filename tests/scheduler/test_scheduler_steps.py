@@ -39,8 +39,8 @@ def test_prefill_token_budget_and_max_num_seqs_bound_a_step():
     assert shape(sched.schedule()) == (True, [(0, 8, 2, True), (1, 8, 2, True)])
 
 
-def test_prefill_goes_before_decode_and_steps_never_mix():
-    cfg = small_config()
+def test_prefill_goes_before_decode_and_steps_never_mix_without_mixed_steps():
+    cfg = small_config(mixed_steps=False)
     sched, dev = Scheduler(cfg), FakeDevice(cfg)
     submit(sched, dev, make_seq(1, P[:5], max_tokens=3))
     plans = [sched.schedule()]
@@ -50,6 +50,27 @@ def test_prefill_goes_before_decode_and_steps_never_mix():
     assert [shape(p) for p in plans[:3]] == [
         (True, [(1, 0, 5, True)]), (True, [(2, 0, 5, True)]), (False, [(1, 5, 1, True), (2, 5, 1, True)])]
     assert plans[2].seqs[0].num_generated == 1
+
+
+@pytest.mark.own_mode
+def test_mixed_step_decodes_first_and_prefills_within_the_rest_of_the_budget():
+    """"scan" with mixed_steps: a running decode gets its token in the step that prefills a new prompt; the prefill
+    row takes what the decode rows leave of the budget (rounded down to the stride), and its saves index it."""
+    cfg = small_config(checkpoint_mode="scan", max_num_batched_tokens=16)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    submit(sched, dev, make_seq(1, P[:5], max_tokens=4))
+    plans = [sched.schedule()]
+    sched.postprocess(plans[0], dev.execute(plans[0]))
+    submit(sched, dev, make_seq(2, P[:24], max_tokens=2))
+    plans += run(sched, dev)
+    assert [(shape(p), p.num_decode_rows) for p in plans[:4]] == [
+        ((True, [(1, 0, 5, True)]), 0),
+        ((True, [(2, 0, 8, False), (1, 5, 1, True)]), 1),   # 15 tokens left: one stride of 8
+        ((True, [(2, 8, 8, False), (1, 6, 1, True)]), 1),
+        ((True, [(2, 16, 8, True), (1, 7, 1, True)]), 1)]   # the last 8 fit exactly
+    assert [p.prefill_seqs for p in plans[1:4]] == [p.seqs[:1] for p in plans[1:4]]
+    assert [[(s.row, s.boundary) for s in p.saves] for p in plans[1:3]] == [[(0, 8)], [(0, 16)]]
+    assert all(p.num_tokens <= 16 for p in plans)
 
 
 def test_stop_rules_eos_stop_token_and_max_tokens():

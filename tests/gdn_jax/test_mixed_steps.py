@@ -1,0 +1,94 @@
+"""Mixed steps (prefill rows and decode rows in one step, `mixed_steps`) give every request exactly the outputs of
+separate scheduling (all-prefill or all-decode steps): the same tokens, logprobs and prompt logprobs within float32
+summation order, with checkpoints saved from the scan and restored by a later request."""
+
+import numpy as np
+import pytest
+
+from gdn_jax import SamplingParams
+from gdn_jax.engine import LLMEngine
+from scheduler.plan import StepPlan
+from tests.gdn_jax.helpers import random_ids
+
+ENGINE_KW = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
+                 verbose=False)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """The same model with mixed steps and with separate (prefill-first) steps."""
+    return (LLMEngine("tiny-random", mixed_steps=True, **ENGINE_KW),
+            LLMEngine("tiny-random", mixed_steps=False, **ENGINE_KW))
+
+
+def _drive(engine, arrivals):
+    """arrivals: step index -> [(request id, prompt, params)]. Runs to the end; returns the outputs per request and,
+    per step, (prefill rows, decode rows) and the ids of the requests that got a decode token in it."""
+    finals, steps, i = {}, [], 0
+    while i <= max(arrivals) or engine.has_unfinished_requests():
+        for rid, prompt, params in arrivals.get(i, ()):
+            engine.add_request(rid, prompt, params)
+        outs = engine.step()
+        info = engine.last_step_info
+        steps.append(((info["rows"] - info["decode_rows"]) if info["is_prefill"] else 0, info["decode_rows"]))
+        finals.update({o.request_id: o for o in outs if o.finished})
+        i += 1
+    return finals, steps
+
+
+def _summary(out):
+    c = out.outputs[0]
+    lps = np.array([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    prompt = None if out.prompt_logprobs is None else [
+        None if d is None else sorted((t, x.logprob, x.rank) for t, x in d.items()) for d in out.prompt_logprobs]
+    return c.token_ids, lps, prompt, out.num_cached_tokens
+
+
+def test_a_decode_row_and_a_prefill_row_in_one_step_equal_separate_steps(engines):
+    rng = np.random.default_rng(11)
+    system = random_ids(rng, 70)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True)
+    scored = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1, prompt_logprobs=2, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=6, logprobs=1, ignore_eos=True)
+    arrivals = {0: [("a", random_ids(rng, 20), greedy), ("b", system + random_ids(rng, 5), sampled)],
+                2: [("c", random_ids(rng, 150), scored)],       # a long prompt while a and b decode
+                4: [("d", system + random_ids(rng, 40), greedy)]}  # restores b's checkpoint at 64 mid-decode
+    mixed, mixed_steps = _drive(engines[0], arrivals)
+    separate, separate_steps = _drive(engines[1], arrivals)
+    assert sorted(mixed) == sorted(separate) == ["a", "b", "c", "d"]
+    for rid in mixed:
+        tm, lm, pm, cm = _summary(mixed[rid])
+        ts, ls, ps, cs = _summary(separate[rid])
+        assert tm == ts, rid
+        # a decode row's batch differs between the two (its rows bucket), so float32 sums may differ in order
+        np.testing.assert_allclose(lm, ls, rtol=0, atol=1e-5, err_msg=rid)
+        assert cm == cs and (pm is None) == (ps is None), rid
+        for a, b in zip(pm or (), ps or ()):  # c's prompt logprobs: same tokens and ranks, same values
+            assert (a is None) == (b is None) and [x[::2] for x in a or ()] == [x[::2] for x in b or ()], rid
+            np.testing.assert_allclose([x[1] for x in a or ()], [x[1] for x in b or ()], rtol=0, atol=1e-5)
+    assert _summary(mixed["d"])[3] == 64 and mixed["c"].prompt_logprobs is not None
+    # the mixed engine really mixed (c's chunks beside a's decode tokens), the other never did
+    assert sum(1 for p, d in mixed_steps if p and d) >= 3
+    assert not any(p and d for p, d in separate_steps)
+
+
+def test_mixed_plan_with_a_save_into_a_decode_rows_slot_fails_closed(engines):
+    """The whole step is checked before either sub-batch runs: nothing is dispatched, the pools are untouched."""
+    engine = engines[0]
+    assert not engine.has_unfinished_requests()
+    engine.add_request("x", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=4))
+    engine.step()  # prefill: x decodes next
+    engine.add_request("y", list(range(30, 100)), SamplingParams(temperature=0.0, max_tokens=1))
+    plan = engine.scheduler.schedule()
+    assert plan.is_mixed and plan.saves
+    live = plan.decode_seqs[0].linear_op.linear_state_id
+    bad = StepPlan(True, plan.seqs, [type(plan.saves[0])(0, plan.saves[0].offset, plan.saves[0].boundary, live)],
+                   num_decode_rows=plan.num_decode_rows)
+    before = np.asarray(engine.worker.state.ssm).copy()
+    with pytest.raises(ValueError, match="decode row"):
+        engine.worker.execute(bad)
+    np.testing.assert_array_equal(np.asarray(engine.worker.state.ssm), before)
+    engine.scheduler.fail_step(plan)
+    engine.abort_request("x")
+    engine.abort_request("y")
+    assert not engine.has_unfinished_requests()
