@@ -27,7 +27,7 @@ def _worker(checkpoint_mode: str) -> Worker:
 
 
 def _plan_shapes(checkpoint_mode: str, seed: int) -> set[tuple[int, int]]:
-    """(rows, tokens) buckets of every plan of a random workload: waves of prompts of 1-200 tokens (some sharing a
+    """(rows, tokens) buckets of every step shape a random workload's plans run: waves of prompts of 1-200 tokens (some sharing a
     prefix) arriving while earlier ones still prefill or decode."""
     cfg = SchedulerConfig(**GEOMETRY, num_kv_blocks=1024, num_linear_slots=64, checkpoint_mode=checkpoint_mode)
     sched, dev, rng, worker = Scheduler(cfg), FakeDevice(cfg), random.Random(seed), _worker(checkpoint_mode)
@@ -44,8 +44,11 @@ def _plan_shapes(checkpoint_mode: str, seed: int) -> set[tuple[int, int]]:
             if not sched.has_unfinished():
                 break
             plan = sched.schedule()
-            longest = max(len(r.token_ids) for r in plan.seqs)
-            shapes.add((worker.rows_bucket(len(plan.seqs)), worker.tokens_bucket(longest, plan.is_prefill)))
+            # the worker runs a mixed plan as its prefill and its decode sub-batch, one step shape each
+            for rows, prefill in ((plan.prefill_seqs, True), (plan.decode_seqs, False)):
+                if rows:
+                    longest = max(len(r.token_ids) for r in rows)
+                    shapes.add((worker.rows_bucket(len(rows)), worker.tokens_bucket(longest, prefill)))
             sched.postprocess(plan, dev.execute(plan))
     assert not sched.has_unfinished()
     return shapes
