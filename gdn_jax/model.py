@@ -180,26 +180,48 @@ def _identity(a):  # a branch of the switch that picks a layer's small parameter
     return a
 
 
-@partial(jax.jit, static_argnums=2)
-def _products(x, kernels: tuple, spec: str) -> tuple:
-    """x @ each kernel as `spec`, accumulated and returned in float32. Jitted so that the switch branches of
-    `LayerKernel` (one per layer, same shapes) reuse one trace."""
-    return tuple(jnp.einsum(spec, x, k, preferred_element_type=jnp.float32) for k in kernels)
+# On CPU, products of this many rows (first, last) put the weight on the left (`_product`), per activation dtype.
+WEIGHT_LHS_ROWS = {jnp.dtype(jnp.float32): (2, 64), jnp.dtype(jnp.bfloat16): (16, 64)}
 
 
-def dense(x, kernel, spec: str = "...d,dv->...v"):
-    """x [..., n_in] @ kernel [n_in, n_out] (or [n_out, n_in] with spec "...d,vd->...v") -> [..., n_out] float32,
-    accumulated in float32. `kernel` may be a `LayerKernel`: the matrix of the layer the loop is at.
+def _product(x, kernel):
+    """x [..., n_in] @ kernel[n_out, n_in].T -> [..., n_out], accumulated and returned in float32.
+
+    On XLA's CPU backend a product of a few rows (decode: one row per sequence) runs faster as W @ x.T, the weight
+    on the left, than as x @ W.T (measured with 2-64 rows of float32 on the development machine: 1.4-4x less CPU
+    time; bfloat16 from 16 rows on: 15-35% less; bfloat16 with 2-4 rows: no gain, so not used there). The
+    optimisation barrier keeps XLA from folding the transpose of the small [n_out, rows] result back into the dot
+    (which would turn it into x @ W.T again). One row is the backend's matrix-vector product, which streams the
+    weight at the memory bandwidth either way; many rows (prefill) amortise the library's repacking of the weight.
+    Elsewhere (GPU) the product is left alone."""
+    lead, m = x.shape[:-1], math.prod(x.shape[:-1])
+    lo, hi = WEIGHT_LHS_ROWS.get(jnp.dtype(x.dtype), (0, -1))
+    if lo <= m <= hi and jax.default_backend() == "cpu":
+        y = jnp.einsum("vd,md->vm", kernel, x.reshape(m, x.shape[-1]), preferred_element_type=jnp.float32)
+        return jax.lax.optimization_barrier(y).T.reshape(*lead, kernel.shape[0])
+    return jnp.einsum("...d,vd->...v", x, kernel, preferred_element_type=jnp.float32)
+
+
+@jax.jit
+def _products(x, kernels: tuple) -> tuple:
+    """_product(x, k) for each kernel. Jitted so that the switch branches of `LayerKernel` (one per layer, same
+    shapes) reuse one trace."""
+    return tuple(_product(x, k) for k in kernels)
+
+
+def dense(x, kernel):
+    """x [..., n_in] @ kernel.T, kernel [n_out, n_in] (the HF layout) -> [..., n_out] float32, accumulated in
+    float32. `kernel` may be a `LayerKernel`: the matrix of the layer the loop is at.
 
     On CPU a single bfloat16 row is duplicated into two: XLA's CPU backend has no bfloat16 matrix-vector kernel and
     multiplies one row by first converting the whole weight to float32, on every call (~10x the bandwidth bound on
     the development machine), while two or more rows take its library GEMM path, which reads the bfloat16 weight as
     it is. (The engine's single-row decode step goes further: see `Worker`'s float32_decode_weights.) Elsewhere
     (GPU, float32) the product is left alone."""
-    return dense_all(x, (kernel,), spec)[0]
+    return dense_all(x, (kernel,))[0]
 
 
-def dense_all(x, kernels, spec: str = "...d,dv->...v") -> list:
+def dense_all(x, kernels) -> list:
     """[dense(x, k) for k in kernels]; `LayerKernel`s (of one layer loop) are picked by one switch for all of them."""
     lead = x.shape[:-1]
     pair = (x.dtype == jnp.bfloat16 and all(k.dtype == jnp.bfloat16 for k in kernels) and math.prod(lead) == 1
@@ -207,31 +229,50 @@ def dense_all(x, kernels, spec: str = "...d,dv->...v") -> list:
     if pair:
         x = jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1]))
     if not isinstance(kernels[0], LayerKernel):
-        out = _products(x, tuple(kernels), spec)
+        out = _products(x, tuple(kernels))
     else:
         out = LayerKernel(tuple(zip(*(k.kernels for k in kernels))), kernels[0].layer).select(
-            lambda ks, x: _products(x, ks, spec), x)
+            lambda ks, x: _products(x, ks), x)
     return [y[:1].reshape(*lead, -1) for y in out] if pair else list(out)
 
 
-class Linear(nnx.Linear):
-    """Bias-free projection accumulating in float32 (the fast bfloat16 path on CPU AMX and GPU tensor cores),
-    returning the activation dtype."""
+class Linear(nnx.Module):
+    """Bias-free projection with its matrix in the HF layout, kernel [n_out, n_in], accumulating in float32 (the
+    fast bfloat16 path on CPU and GPU) and returning the activation dtype. `parts` names the HF projections a fused
+    matrix stacks along its rows, with their sizes (see `fused_parts`)."""
+
+    def __init__(self, n_in: int, n_out: int, dtype, std: float, rngs: nnx.Rngs, parts: tuple = ()):
+        self.kernel = nnx.Param(nnx.initializers.normal(std)(rngs.params(), (n_out, n_in), dtype))
+        self.dtype, self.parts = dtype, parts
 
     def __call__(self, x):
-        return project(x, self)[0]
+        y = dense(x.astype(self.dtype), self.kernel[...]).astype(self.dtype)
+        if not self.parts:
+            return y
+        return jnp.split(y, list(itertools.accumulate(n for _, n in self.parts[:-1])), axis=-1)
 
 
-def project(x, *linears: Linear) -> list:
-    """[linear(x) for linear in linears]: several projections of one input (under the layer loop, one switch picks
-    the layer's matrices of all of them, so the step traces fewer branches)."""
-    dtype = linears[0].dtype
-    return [y.astype(dtype) for y in dense_all(x.astype(dtype), [linear.kernel[...] for linear in linears])]
+def _linear(rngs, n_in, n_out, dtype, std, parts: tuple = ()):
+    return Linear(n_in, n_out, dtype, std, rngs, parts)
 
 
-def _linear(rngs, n_in, n_out, dtype, std):
-    return Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype, preferred_element_type=jnp.float32,
-                  kernel_init=nnx.initializers.normal(std), rngs=rngs)
+def fused_parts(cfg: ModelConfig) -> dict[str, dict[str, tuple[tuple[str, int], ...]]]:
+    """The fused projections: per submodule of a layer, fused matrix -> ((HF projection name, output rows), ...) in
+    the order its rows stack them. Projections of one input are one matrix, so a step runs one product per input
+    (a decode step reads the weights in fewer, larger passes); the loader (`weights.load_hf_weights`) stacks the HF
+    tensors, the writer splits them back."""
+    H, kvh, hd, nv = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.linear_num_value_heads
+    return {
+        "linear_attn": {"in_proj": (("in_proj_qkv", cfg.conv_dim), ("in_proj_z", cfg.linear_value_dim),
+                                    ("in_proj_b", nv), ("in_proj_a", nv))},
+        "self_attn": {"qkv_proj": (("q_proj", 2 * H * hd), ("k_proj", kvh * hd), ("v_proj", kvh * hd))},
+        "mlp": {"gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))},
+    }
+
+
+def _fused(rngs, cfg, module: str, name: str, dtype, std):
+    parts = fused_parts(cfg)[module][name]
+    return _linear(rngs, cfg.hidden_size, sum(n for _, n in parts), dtype, std, parts)
 
 
 def rms_norm(x, eps):
@@ -264,12 +305,11 @@ class GatedRMSNorm(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs, std):
-        self.gate_proj = _linear(rngs, cfg.hidden_size, cfg.intermediate_size, dtype, std)
-        self.up_proj = _linear(rngs, cfg.hidden_size, cfg.intermediate_size, dtype, std)
+        self.gate_up_proj = _fused(rngs, cfg, "mlp", "gate_up_proj", dtype, std)  # [gate | up]
         self.down_proj = _linear(rngs, cfg.intermediate_size, cfg.hidden_size, dtype, std)
 
     def __call__(self, x):
-        gate, up = project(x, self.gate_proj, self.up_proj)
+        gate, up = self.gate_up_proj(x)
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
@@ -277,10 +317,7 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs, std):
         self.cfg = cfg
         nv, K = cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim
-        self.in_proj_qkv = _linear(rngs, cfg.hidden_size, cfg.conv_dim, dtype, std)
-        self.in_proj_z = _linear(rngs, cfg.hidden_size, cfg.linear_value_dim, dtype, std)
-        self.in_proj_b = _linear(rngs, cfg.hidden_size, nv, dtype, std)
-        self.in_proj_a = _linear(rngs, cfg.hidden_size, nv, dtype, std)
+        self.in_proj = _fused(rngs, cfg, "linear_attn", "in_proj", dtype, std)  # [qkv | z | b | a]
         self.conv1d = nnx.Param(jax.random.normal(rngs.params(), (cfg.conv_dim, K), dtype) * 0.3)  # [C, K]
         self.dt_bias = nnx.Param(jnp.ones((nv,), jnp.float32))
         # Mild decay by default (exp(A_log) in [0.01, 0.3]) so the state carries information over many tokens.
@@ -301,7 +338,7 @@ class GatedDeltaNet(nnx.Module):
         B, T, _ = x.shape
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        mixed, z, b, a = self.in_proj(x)
         saved_conv = None
         if saves is not None:  # the K-1 conv inputs before each boundary, as causal_conv1d keeps them
             rows, offsets = saves
@@ -379,9 +416,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs, std):
         self.cfg = cfg
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = _linear(rngs, cfg.hidden_size, H * hd * 2, dtype, std)  # per head [query | gate]
-        self.k_proj = _linear(rngs, cfg.hidden_size, kvh * hd, dtype, std)
-        self.v_proj = _linear(rngs, cfg.hidden_size, kvh * hd, dtype, std)
+        self.qkv_proj = _fused(rngs, cfg, "self_attn", "qkv_proj", dtype, std)  # [q (per head query | gate) | k | v]
         self.o_proj = _linear(rngs, H * hd, cfg.hidden_size, dtype, std)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
@@ -392,7 +427,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        qg, k, v = self.qkv_proj(x)
         qg = qg.reshape(B, T, H, 2 * hd)
         q, gate = self.q_norm(qg[..., :hd]), qg[..., hd:].reshape(B, T, H * hd)
         k = self.k_norm(k.reshape(B, T, kvh, hd))
@@ -412,7 +447,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        qg, k, v = self.qkv_proj(x)
         qg = qg.reshape(B, T, H, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, H * hd)
         q = self.q_norm(q)
@@ -600,10 +635,7 @@ class Qwen35Model(nnx.Module):
             last = jnp.maximum(batch.lengths - 1, 0)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
         x = self.norm(x)
-        if cfg.tie_word_embeddings:
-            logits = dense(x, self.embed_tokens[...], "...d,vd->...v")
-        else:
-            logits = dense(x, self.lm_head.kernel[...])
+        logits = dense(x, self.embed_tokens[...] if cfg.tie_word_embeddings else self.lm_head.kernel[...])
         return logits, state
 
     def logits(self, x):
@@ -611,7 +643,7 @@ class Qwen35Model(nnx.Module):
         x = self.norm(x)
         if self.cfg.tie_word_embeddings:
             return jnp.einsum("...d,vd->...v", x, self.embed_tokens[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,vd->...v", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
 
 
 def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64,

@@ -9,34 +9,42 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdn_jax.config import LINEAR, ModelConfig, get_preset, PRESETS
-from gdn_jax.model import Qwen35Model, init_model
+from gdn_jax.model import Qwen35Model, fused_parts, init_model
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")
 
 
-def _hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, bool]]:
-    """HF tensor name (text layout) -> (param path in the NNX state, transpose?)."""
-    names = {"model.embed_tokens.weight": (("embed_tokens",), False), "model.norm.weight": (("norm", "weight"), False)}
+def _hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, slice | None]]:
+    """HF tensor name (text layout) -> (param path in the NNX state, rows): `rows` is the slice of a fused
+    projection's rows (`model.fused_parts`) the tensor fills, None for a tensor that is the whole param. Projection
+    matrices keep the HF layout [out, in]."""
+    names = {"model.embed_tokens.weight": (("embed_tokens",), None), "model.norm.weight": (("norm", "weight"), None)}
     if not cfg.tie_word_embeddings:
-        names["lm_head.weight"] = (("lm_head", "kernel"), True)
+        names["lm_head.weight"] = (("lm_head", "kernel"), None)
+    fused = fused_parts(cfg)
     for i, t in enumerate(cfg.layer_types):
         p = f"model.layers.{i}."
-        names[p + "input_layernorm.weight"] = (("layers", i, "input_layernorm", "weight"), False)
-        names[p + "post_attention_layernorm.weight"] = (("layers", i, "post_attention_layernorm", "weight"), False)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names[p + f"mlp.{proj}.weight"] = (("layers", i, "mlp", proj, "kernel"), True)
+        names[p + "input_layernorm.weight"] = (("layers", i, "input_layernorm", "weight"), None)
+        names[p + "post_attention_layernorm.weight"] = (("layers", i, "post_attention_layernorm", "weight"), None)
+        mixer = "linear_attn" if t == LINEAR else "self_attn"
+        plain = {"linear_attn": ("out_proj",), "self_attn": ("o_proj",), "mlp": ("down_proj",)}
+        for module in (mixer, "mlp"):
+            for proj in plain[module]:
+                names[p + f"{module}.{proj}.weight"] = (("layers", i, module, proj, "kernel"), None)
+            for name, parts in fused[module].items():
+                offset = 0
+                for proj, rows in parts:
+                    names[p + f"{module}.{proj}.weight"] = (("layers", i, module, name, "kernel"),
+                                                           slice(offset, offset + rows))
+                    offset += rows
         if t == LINEAR:
-            for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
-                names[p + f"linear_attn.{proj}.weight"] = (("layers", i, "linear_attn", proj, "kernel"), True)
             for leaf in ("conv1d", "dt_bias", "A_log"):
                 key = p + f"linear_attn.{leaf}" + (".weight" if leaf == "conv1d" else "")
-                names[key] = (("layers", i, "linear_attn", leaf), False)
-            names[p + "linear_attn.norm.weight"] = (("layers", i, "linear_attn", "norm", "weight"), False)
+                names[key] = (("layers", i, "linear_attn", leaf), None)
+            names[p + "linear_attn.norm.weight"] = (("layers", i, "linear_attn", "norm", "weight"), None)
         else:
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                names[p + f"self_attn.{proj}.weight"] = (("layers", i, "self_attn", proj, "kernel"), True)
             for norm in ("q_norm", "k_norm"):
-                names[p + f"self_attn.{norm}.weight"] = (("layers", i, "self_attn", norm, "weight"), False)
+                names[p + f"self_attn.{norm}.weight"] = (("layers", i, "self_attn", norm, "weight"), None)
     return names
 
 
@@ -77,49 +85,54 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     graphdef, abstract = abstract_model(cfg, dtype)
     flat = dict(nnx.to_flat_state(abstract))
     expected = _hf_names(cfg)
-    loaded = {}
+    loaded = {}  # param path -> {rows start (0 for a whole param): array}
     for name, arr in _open_tensors(folder):
         name = _canonical(name)
         if name not in expected:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
             raise ValueError(f"unexpected tensor {name!r} in {folder} (not part of the {cfg.name} layout)")
-        path, transpose = expected[name]
+        path, rows = expected[name]
         if name.endswith("conv1d.weight") and arr.ndim == 3:
             arr = arr[:, 0, :]  # [C, 1, K] -> [C, K]
-        if transpose:
-            arr = arr.T
-        want = flat[path].get_value().shape
+        param = flat[path].get_value()
+        want = param.shape if rows is None else (rows.stop - rows.start, *param.shape[1:])
         if tuple(arr.shape) != tuple(want):
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want)}")
-        param_dtype = flat[path].get_value().dtype
-        loaded[path] = jnp.asarray(arr, dtype=param_dtype)
-    missing = [n for n, (p, _) in expected.items() if p not in loaded]
+        loaded.setdefault(path, {})[0 if rows is None else rows.start] = jnp.asarray(arr, dtype=param.dtype)
+    missing = [n for n, (p, rows) in expected.items() if (0 if rows is None else rows.start) not in loaded.get(p, {})]
     if missing:
         raise ValueError(f"missing tensor(s) in {folder}: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
-    for path, arr in loaded.items():
-        flat[path] = flat[path].replace(arr)
+    for path, parts in loaded.items():  # a fused projection's parts stacked in row order
+        flat[path] = flat[path].replace(parts[0] if len(parts) == 1 else
+                                        jnp.concatenate([parts[k] for k in sorted(parts)], axis=0))
     params = nnx.from_flat_state(flat)
     return cfg, graphdef, params
 
 
+def hf_tensors(cfg: ModelConfig, params) -> dict:
+    """The params as HF tensors (text layout, numpy): name -> array, fused projections split back into theirs."""
+    import numpy as np
+
+    flat = dict(nnx.to_flat_state(params))
+    tensors = {}
+    for name, (path, rows) in _hf_names(cfg).items():
+        arr = np.asarray(flat[path].get_value())
+        if rows is not None:
+            arr = arr[rows]
+        if name.endswith("conv1d.weight"):
+            arr = arr[:, None, :]  # [C, K] -> HF [C, 1, K]
+        tensors[name] = np.ascontiguousarray(arr)
+    return tensors
+
+
 def save_hf_weights(folder: str | Path, cfg: ModelConfig, params) -> None:
     """Writes a HF folder (`config.json` + `model.safetensors`, text layout) that `load_hf_weights` reads back."""
-    import numpy as np
     from safetensors.numpy import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    flat = dict(nnx.to_flat_state(params))
-    tensors = {}
-    for name, (path, transpose) in _hf_names(cfg).items():
-        arr = np.asarray(flat[path].get_value())
-        if transpose:
-            arr = arr.T
-        if name.endswith("conv1d.weight"):
-            arr = arr[:, None, :]  # [C, K] -> HF [C, 1, K]
-        tensors[name] = np.ascontiguousarray(arr)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_tensors(cfg, params), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
 
 

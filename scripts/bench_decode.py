@@ -11,8 +11,8 @@ untimed steps (compilation, the deferred checkpoint save at the prompt's end) `-
 
 Per configuration it reports:
 - `step`: wall time of `engine.step()` (scheduler + worker + postprocess), min and median over the timed steps;
-- `host`: the step's wall time minus the time the host waits for the device (from the return of the asynchronous
-  jitted call to its outputs being ready): scheduling, padding, argument handling, dispatch, postprocess (median);
+- `host`: the step's wall time minus the time the host waits for the device (from the return of each asynchronous
+  jitted call, the step's and sampling's, to its outputs being ready): scheduling, padding, argument handling, dispatch, postprocess (median);
 - `bound`: the bytes a decode step must move (every weight except the embedding table, of which only the batch's
   rows are read; the KV of the real context; the GDN conv + SSM state, read and written) in the model's dtype,
   divided by the read bandwidth: `--bandwidth` GB/s if given, else the larger of 16 GB/s (the development
@@ -39,7 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import gdn_jax.worker as worker_module
 from gdn_jax import LLMEngine, SamplingParams
+
+_SAMPLE = worker_module._sample
 
 
 def measure_read_bandwidth(mib: int = 512, repeats: int = 7) -> dict:
@@ -136,6 +139,8 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
                        chunk_stride=args.chunk_stride, max_model_len=args.prompt + 256, verbose=True)
     module = f"jit_{engine.worker._fn.__name__}"  # the step executable's name in the profile
     timer = engine.worker._fn = _BlockTimer(engine.worker._fn)
+    # sampling is its own executable for the steps that do not fold it into the forward: its wait is device time too
+    sampler = worker_module._sample = _BlockTimer(_SAMPLE)
     vocab = engine.cfg.vocab_size
     rng = np.random.default_rng(0)
     rows = []
@@ -153,10 +158,11 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
         steps, host = [], []
         for _ in range(args.steps):
             timer.blocked.clear()
+            sampler.blocked.clear()
             t0 = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - t0)
-            host.append(steps[-1] - sum(timer.blocked))
+            host.append(steps[-1] - sum(timer.blocked) - sum(sampler.blocked))
             assert engine.last_step_info["rows"] == batch and not engine.last_step_info["is_prefill"]
         prof = profile_steps(engine, args.profile_steps, module)
         context = args.prompt + 3 + args.steps // 2

@@ -19,10 +19,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from gdn_jax.config import LINEAR, get_preset
+from gdn_jax.config import get_preset
 from gdn_jax.model import Batch, forward, init_model, init_state
+from gdn_jax.weights import hf_tensors
 
 
 def _batch(tokens, block_size):
@@ -70,31 +70,7 @@ def time_transformers(cfg, tokens, params, repeats):
         max_position_embeddings=cfg.max_position_embeddings)
     hf_cfg._attn_implementation = "eager"
     model = Qwen3_5ForCausalLM(hf_cfg).eval()
-    pure = nnx.to_pure_dict(params)
-    sd = {}
-    sd["model.embed_tokens.weight"] = pure["embed_tokens"]
-    sd["model.norm.weight"] = pure["norm"]["weight"]
-    if not cfg.tie_word_embeddings:
-        sd["lm_head.weight"] = np.asarray(pure["lm_head"]["kernel"]).T
-    for i, t in enumerate(cfg.layer_types):
-        layer, p = pure["layers"][i], f"model.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            sd[p + norm + ".weight"] = layer[norm]["weight"]
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            sd[p + f"mlp.{proj}.weight"] = np.asarray(layer["mlp"][proj]["kernel"]).T
-        if t == LINEAR:
-            la = layer["linear_attn"]
-            for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
-                sd[p + f"linear_attn.{proj}.weight"] = np.asarray(la[proj]["kernel"]).T
-            sd[p + "linear_attn.conv1d.weight"] = np.asarray(la["conv1d"])[:, None, :]
-            sd[p + "linear_attn.dt_bias"], sd[p + "linear_attn.A_log"] = la["dt_bias"], la["A_log"]
-            sd[p + "linear_attn.norm.weight"] = la["norm"]["weight"]
-        else:
-            sa = layer["self_attn"]
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                sd[p + f"self_attn.{proj}.weight"] = np.asarray(sa[proj]["kernel"]).T
-            for norm in ("q_norm", "k_norm"):
-                sd[p + f"self_attn.{norm}.weight"] = sa[norm]["weight"]
+    sd = hf_tensors(cfg, params)
     model.load_state_dict({k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}, strict=True)
     ids = torch.tensor([tokens])
     times = []

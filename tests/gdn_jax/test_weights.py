@@ -37,6 +37,28 @@ def test_missing_tensor_is_named(tmp_path):
         load_hf_weights(folder)
 
 
+def test_missing_part_of_a_fused_projection_is_named(tmp_path):
+    """in_proj_z is one of the four HF tensors stacked into the GDN layer's fused in_proj: loading without it names
+    it, rather than leaving its rows of the fused matrix unset."""
+    name = "model.layers.0.linear_attn.in_proj_z.weight"
+    folder = _copy_with(tmp_path, edit_tensors=lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=f"missing tensor.*{name}"):
+        load_hf_weights(folder)
+
+
+def test_fused_projections_stack_the_hf_tensors_in_order():
+    """The fused matrices hold the HF tensors, in the HF layout [out, in], stacked in the order of `fused_parts`."""
+    cfg, _, params = load_hf_weights(FIXTURE)
+    tensors = load_file(FIXTURE / "model.safetensors")
+    pure = nnx.to_pure_dict(params)
+    gdn = np.asarray(pure["layers"][0]["linear_attn"]["in_proj"]["kernel"], np.float32)
+    want = np.concatenate([tensors[f"model.layers.0.linear_attn.in_proj_{p}.weight"] for p in ("qkv", "z", "b", "a")])
+    np.testing.assert_array_equal(gdn, want.astype(np.float32))
+    mlp = np.asarray(pure["layers"][3]["mlp"]["gate_up_proj"]["kernel"], np.float32)
+    want = np.concatenate([tensors[f"model.layers.3.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    np.testing.assert_array_equal(mlp, want.astype(np.float32))
+
+
 def test_misshaped_tensor_is_named(tmp_path):
     name = "model.layers.3.self_attn.k_proj.weight"
     folder = _copy_with(tmp_path, edit_tensors=lambda t: t.__setitem__(name, t[name][:-1]))
