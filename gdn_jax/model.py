@@ -30,7 +30,7 @@ from gdn_jax.gated_delta import causal_conv1d, chunk_gated_delta_rule, l2norm, r
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=[
-    "tokens", "start_pos", "lengths", "block_tables", "slot_mapping", "linear_ids", "has_initial_state",
+    "tokens", "start_pos", "lengths", "block_tables", "slot_mapping", "linear_state_ids", "has_initial_state",
     "initial_state_ids", "save_rows", "save_offsets", "save_slots",
 ], meta_fields=[])
 @dataclasses.dataclass
@@ -40,10 +40,11 @@ class Batch:
     lengths: jax.Array            # [B] int32, real tokens per row (0 for a padding row)
     block_tables: jax.Array       # [B, NB] int32 KV block ids (0 = padding block)
     slot_mapping: jax.Array       # [B, T] int32 flat KV slot per token (padding tokens -> block 0)
-    linear_ids: jax.Array         # [B] int32 live linear-state slot per row (0 = padding slot)
+    linear_state_ids: jax.Array   # [B] int32 live linear-state slot per row (0 = padding slot)
     has_initial_state: jax.Array  # [B] bool, False: the GDN state starts from zeros whatever the slot holds
     # [B] int32 slot each row's initial GDN state is read from: a restore's source, or the live slot itself
-    # (None: linear_ids). The new state is always written to linear_ids, so a restore is a copy, never a move.
+    # (None: linear_state_ids). The new state is always written to linear_state_ids, so a restore is a copy,
+    # never a move.
     initial_state_ids: jax.Array | None = None
     # Checkpoints the step writes (checkpoint_mode "scan"), [S] int32 each: the GDN state of row save_rows[s] after
     # save_offsets[s] of its tokens (a multiple of the chunked rule's chunk size) goes to slot save_slots[s], in every
@@ -599,7 +600,7 @@ class Qwen35Model(nnx.Module):
         cfg = self.cfg
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
         warm = batch.has_initial_state
-        ids = batch.linear_ids
+        ids = batch.linear_state_ids
         src = ids if batch.initial_state_ids is None else batch.initial_state_ids
 
         def linear(layer, j, carry):

@@ -145,7 +145,7 @@ def host_batch(tokens, start_pos, lengths, block_tables, slot_mapping, ops: Rest
     the source slot, written to the live slot (a copy: the source is never written). `saves`: (rows, offsets, slots)
     of the checkpoints the step writes, or None."""
     initial_state_ids, has_initial_state = ops.sources()
-    return Batch(tokens, start_pos, lengths, block_tables, slot_mapping, linear_ids=ops.linear_state_ids,
+    return Batch(tokens, start_pos, lengths, block_tables, slot_mapping, linear_state_ids=ops.linear_state_ids,
                  has_initial_state=has_initial_state, initial_state_ids=initial_state_ids,
                  **dict(zip(("save_rows", "save_offsets", "save_slots"), saves or (None,) * 3)))
 

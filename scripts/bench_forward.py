@@ -31,7 +31,7 @@ def _batch(tokens, block_size):
     return Batch(tokens=jnp.asarray(tokens, jnp.int32)[None], start_pos=jnp.zeros(1, jnp.int32),
                  lengths=jnp.asarray([T], jnp.int32), block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
                  slot_mapping=jnp.asarray(np.arange(T) + block_size, jnp.int32)[None],
-                 linear_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool)), nb
+                 linear_state_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool)), nb
 
 
 def time_jax(cfg, tokens, dtype, repeats, seed=0):

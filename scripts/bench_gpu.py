@@ -192,7 +192,7 @@ def main():
         batch = Batch(tokens=jnp.asarray(words(T), jnp.int32)[None], start_pos=jnp.zeros(1, jnp.int32),
                       lengths=jnp.asarray([T], jnp.int32), block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
                       slot_mapping=jnp.asarray(np.arange(T) + bs, jnp.int32)[None],
-                      linear_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool))
+                      linear_state_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool))
         state = init_state(cfg, nb + 1, bs, 2, dtype)
         fn = jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,))
         g, p = engine.worker.graphdef, engine.worker.params

@@ -52,7 +52,7 @@ def make_step(graphdef, variant: str):
             ids = None
         else:
             ids, warm = restore_sources(live, requested, src)
-        batch = Batch(*batch_arrays, linear_ids=live, has_initial_state=warm, initial_state_ids=ids)
+        batch = Batch(*batch_arrays, linear_state_ids=live, has_initial_state=warm, initial_state_ids=ids)
         return forward(graphdef, params, batch, state)
 
     return jax.jit(step, donate_argnums=(1,))

@@ -119,7 +119,7 @@ def prefill(args) -> dict:
     state = init_state(worker.cfg, nb + 1, 16, 2, worker.dtype)
     batch = Batch(tokens=jnp.zeros((1, T), jnp.int32) + 5, start_pos=jnp.zeros(1, jnp.int32),
                   lengths=jnp.full(1, T, jnp.int32), block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
-                  slot_mapping=jnp.arange(16, T + 16, dtype=jnp.int32)[None], linear_ids=jnp.ones(1, jnp.int32),
+                  slot_mapping=jnp.arange(16, T + 16, dtype=jnp.int32)[None], linear_state_ids=jnp.ones(1, jnp.int32),
                   has_initial_state=jnp.zeros(1, bool))
     fwd_times = []
     for _ in range(args.rounds + 1):

@@ -26,6 +26,6 @@ def single_row_batch(tokens, start: int, num_blocks: int, slot: int = 1, warm: b
         lengths=jnp.asarray([len(tokens)], jnp.int32),
         block_tables=jnp.arange(1, num_blocks + 1, dtype=jnp.int32)[None],
         slot_mapping=jnp.asarray(pos + BLOCK_SIZE, jnp.int32)[None],
-        linear_ids=jnp.asarray([slot], jnp.int32),
+        linear_state_ids=jnp.asarray([slot], jnp.int32),
         has_initial_state=jnp.asarray([start > 0 if warm is None else warm]),
     )

@@ -48,7 +48,7 @@ def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
                      np.take_along_axis(tables, np.minimum(pos // BS, NB - 1), 1) * BS + pos % BS, 0)
     batch = Batch(tokens=jnp.asarray(rng.integers(4, 500, (4, T)), jnp.int32), start_pos=jnp.asarray(start),
                   lengths=jnp.asarray(lengths), block_tables=jnp.asarray(tables),
-                  slot_mapping=jnp.asarray(slots, jnp.int32), linear_ids=jnp.asarray([1, 2, 3, 0], jnp.int32),
+                  slot_mapping=jnp.asarray(slots, jnp.int32), linear_state_ids=jnp.asarray([1, 2, 3, 0], jnp.int32),
                   has_initial_state=jnp.asarray([True, True, True, False]),
                   initial_state_ids=jnp.asarray([6, 2, 3, 0], jnp.int32))
     results = []
@@ -62,7 +62,7 @@ def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
     for a, b in zip(_per_layer(s1), _per_layer(s2)):
         np.testing.assert_allclose(a[1:], b[1:], atol=1e-5)  # slot / block 0 is the padding sink
     before = _random_state(cfg, 0)
-    copied, warm = restore_linear_state_slots(before, batch.linear_ids, jnp.asarray([True, False, False, True]),
+    copied, warm = restore_linear_state_slots(before, batch.linear_state_ids, jnp.asarray([True, False, False, True]),
                                               jnp.asarray([6, -1, -1, -1], jnp.int32))
     assert np.asarray(warm).tolist() == np.asarray(batch.has_initial_state).tolist()
     plain = dataclasses.replace(batch, initial_state_ids=None)  # reads the live slots, as before the fold

@@ -56,7 +56,7 @@ def test_padded_batch_rows_equal_single_rows(tiny, step):
     tables[1, :3] = [6, 7, 8]
     batch = Batch(tokens=jnp.asarray(tokens), start_pos=jnp.zeros(3, jnp.int32), lengths=jnp.asarray(lengths),
                   block_tables=jnp.asarray(tables), slot_mapping=jnp.asarray(slot_map),
-                  linear_ids=jnp.asarray([2, 3, 0], jnp.int32), has_initial_state=jnp.zeros(3, bool))
+                  linear_state_ids=jnp.asarray([2, 3, 0], jnp.int32), has_initial_state=jnp.zeros(3, bool))
     state = init_state(cfg, 9, BLOCK_SIZE, 4)
     logits, out = step(graphdef, params, batch, state, False)
     for row, (toks, slot) in enumerate([(a, 2), (b, 3)]):

@@ -116,7 +116,7 @@ def test_saves_land_in_their_layer_under_the_nested_layer_loops():
     batch = Batch(tokens=jnp.asarray(tokens), start_pos=jnp.zeros(2, jnp.int32),
                   lengths=jnp.asarray([len(r) for r in rows], jnp.int32),
                   block_tables=jnp.asarray(1 + np.arange(2 * nb, dtype=np.int32).reshape(2, nb)),
-                  slot_mapping=jnp.asarray(slot_mapping), linear_ids=jnp.asarray([1, 2], jnp.int32),
+                  slot_mapping=jnp.asarray(slot_mapping), linear_state_ids=jnp.asarray([1, 2], jnp.int32),
                   has_initial_state=jnp.zeros(2, bool),
                   **{f"save_{k}": jnp.asarray(v, jnp.int32) for k, v in zip(("rows", "offsets", "slots"), zip(*saves))})
     step = jax.jit(forward, static_argnums=(0, 4, 5))
