@@ -39,10 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import gdn_jax.worker as worker_module
 from gdn_jax import LLMEngine, SamplingParams
-
-_SAMPLE = worker_module._sample
 
 
 def measure_read_bandwidth(mib: int = 512, repeats: int = 7) -> dict:
@@ -137,10 +134,10 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(args.preset, dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches),
                        chunk_stride=args.chunk_stride, max_model_len=args.prompt + 256, verbose=True)
-    module = f"jit_{engine.worker._fn.__name__}"  # the step executable's name in the profile
-    timer = engine.worker._fn = _BlockTimer(engine.worker._fn)
-    # sampling is its own executable for the steps that do not fold it into the forward: its wait is device time too
-    sampler = worker_module._sample = _BlockTimer(_SAMPLE)
+    module = f"jit_{engine.worker._decode_fn.__name__}"  # the decode step executable's name in the profile
+    timer = engine.worker._decode_fn = _BlockTimer(engine.worker._decode_fn)
+    # sampling is its own executable: its wait is device time too
+    sampler = engine.worker._sample = _BlockTimer(engine.worker._sample)
     vocab = engine.cfg.vocab_size
     rng = np.random.default_rng(0)
     rows = []
