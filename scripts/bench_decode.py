@@ -144,9 +144,9 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     for batch in batches:
         for i in range(batch):
             engine.add_request(f"{batch}-{i}", rng.integers(4, vocab - 4, args.prompt).tolist(),
-                               SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile_steps + 8,
+                               SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile_steps + 8 + batch,
                                               ignore_eos=True))
-        while True:  # prefill every row
+        while True:  # prefill every row (with mixed steps the first rows decode meanwhile: + batch tokens above)
             engine.step()
             if not engine.last_step_info["is_prefill"]:
                 break
