@@ -97,18 +97,24 @@ class _BlockTimer:
         return getattr(self.fn, name)
 
 
-def profile_steps(engine: LLMEngine, n: int, module: str) -> dict:
-    """Traces `n` engine steps (Python tracer off) and returns the XLA op time of the step executable per step,
-    summed by kind (median over the steps), and the op counts."""
+def trace_events(fn, n: int) -> tuple[list[dict], float]:
+    """Runs fn() n times under the JAX profiler (Python tracer off): (the trace's events, wall seconds per call)."""
     opts = jax.profiler.ProfileOptions()
     opts.python_tracer_level = 0
     with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=opts):
+        with jax.profiler.trace(d, profiler_options=opts):
+            t0 = time.perf_counter()
             for _ in range(n):
-                engine.step()
-        trace = next(Path(d).rglob("*.trace.json.gz"))
-        events = json.loads(gzip.decompress(trace.read_bytes()))
-    events = events["traceEvents"] if isinstance(events, dict) else events
+                fn()
+            wall = (time.perf_counter() - t0) / n
+        events = json.loads(gzip.decompress(next(Path(d).rglob("*.trace.json.gz")).read_bytes()))
+    return (events["traceEvents"] if isinstance(events, dict) else events), wall
+
+
+def profile_steps(engine: LLMEngine, n: int, module: str) -> dict:
+    """Traces `n` engine steps and returns the XLA op time of the step executable per step, summed by kind (median
+    over the steps), and the op counts."""
+    events, _ = trace_events(engine.step, n)
     ms, count = collections.Counter(), collections.Counter()
     for e in events:
         a = e.get("args") or {}

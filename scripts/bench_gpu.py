@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import gzip
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -38,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import _op_kind, decode_bytes, measure_read_bandwidth  # noqa: E402
+from bench_decode import _op_kind, decode_bytes, measure_read_bandwidth, trace_events  # noqa: E402
 
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
 from gdn_jax.config import LINEAR, get_preset  # noqa: E402
@@ -78,15 +76,8 @@ def forward_flops(cfg, T: int, chunk: int = 64) -> dict:
 
 def trace_ops(fn, n: int) -> dict:
     """Runs fn() n times under the JAX profiler; per process of the trace (host, each device stream), the XLA op time
-    per call summed by kind, the busiest ops, and the span of the device's events (busy time vs wall time)."""
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            wall = (time.perf_counter() - t0) / n
-        events = json.loads(gzip.decompress(next(Path(d).rglob("*.trace.json.gz")).read_bytes()))
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    per call summed by kind, the busiest ops, and the wall time per call."""
+    events, wall = trace_events(fn, n)
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     kinds, ops = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
     for e in events:
