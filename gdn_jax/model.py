@@ -188,14 +188,21 @@ WEIGHT_LHS_ROWS = {jnp.dtype(jnp.float32): (2, 64), jnp.dtype(jnp.bfloat16): (16
 def _product(x, kernel):
     """x [..., n_in] @ kernel[n_out, n_in].T -> [..., n_out], accumulated and returned in float32.
 
-    On XLA's CPU backend a product of a few rows (decode: one row per sequence) runs faster as W @ x.T, the weight
-    on the left, than as x @ W.T (measured with 2-64 rows of float32 on the development machine: 1.4-4x less CPU
-    time; bfloat16 from 16 rows on: 15-35% less; bfloat16 with 2-4 rows: no gain, so not used there). The
-    optimisation barrier keeps XLA from folding the transpose of the small [n_out, rows] result back into the dot
-    (which would turn it into x @ W.T again). One row is the backend's matrix-vector product, which streams the
-    weight at the memory bandwidth either way; many rows (prefill) amortise the library's repacking of the weight.
-    Elsewhere (GPU) the product is left alone."""
+    On XLA's CPU backend the form of the product decides its speed at few rows (decode: one row per sequence):
+    - One row: `x @ kernel.T` written with the transpose, which XLA compiles to its own loop over the weight's rows
+      (a dot inside a loop fusion, split over the cores) that converts a bfloat16 weight in registers and streams
+      it at the memory bandwidth. The contraction written without the transpose goes to the library, which first
+      converts a whole bfloat16 weight to float32 in memory (measured on a 6144 x 1024 matrix on the development
+      machine: 0.42 against 1.37 ms in bfloat16; float32 0.52 against 0.60 ms).
+    - 2-64 rows (bfloat16: 16-64): W @ x.T, the weight on the left (float32 with 2-64 rows: 1.4-4x less CPU time
+      than x @ W.T; bfloat16 from 16 rows on: 15-35% less; with 2-4 rows no gain, so not used there). The
+      optimisation barrier keeps XLA from folding the transpose of the small [n_out, rows] result back into the dot
+      (which would turn it into x @ W.T again).
+    Many rows (prefill) amortise the library's packing of the weight either way. Elsewhere (GPU) the product is left
+    alone."""
     lead, m = x.shape[:-1], math.prod(x.shape[:-1])
+    if jax.default_backend() == "cpu" and m == 1:
+        return jnp.dot(x.reshape(1, x.shape[-1]), kernel.T, preferred_element_type=jnp.float32).reshape(*lead, -1)
     lo, hi = WEIGHT_LHS_ROWS.get(jnp.dtype(x.dtype), (0, -1))
     if lo <= m <= hi and jax.default_backend() == "cpu":
         y = jnp.einsum("vd,md->vm", kernel, x.reshape(m, x.shape[-1]), preferred_element_type=jnp.float32)
@@ -212,29 +219,17 @@ def _products(x, kernels: tuple) -> tuple:
 
 def dense(x, kernel):
     """x [..., n_in] @ kernel.T, kernel [n_out, n_in] (the HF layout) -> [..., n_out] float32, accumulated in
-    float32. `kernel` may be a `LayerKernel`: the matrix of the layer the loop is at.
-
-    On CPU a single bfloat16 row is duplicated into two: XLA's CPU backend has no bfloat16 matrix-vector kernel and
-    multiplies one row by first converting the whole weight to float32, on every call (~10x the bandwidth bound on
-    the development machine), while two or more rows take its library GEMM path, which reads the bfloat16 weight as
-    it is. (The engine's single-row decode step goes further: see `Worker`'s float32_decode_weights.) Elsewhere
-    (GPU, float32) the product is left alone."""
+    float32 (see `_product` for the forms it takes on CPU). `kernel` may be a `LayerKernel`: the matrix of the
+    layer the loop is at."""
     return dense_all(x, (kernel,))[0]
 
 
 def dense_all(x, kernels) -> list:
     """[dense(x, k) for k in kernels]; `LayerKernel`s (of one layer loop) are picked by one switch for all of them."""
-    lead = x.shape[:-1]
-    pair = (x.dtype == jnp.bfloat16 and all(k.dtype == jnp.bfloat16 for k in kernels) and math.prod(lead) == 1
-            and jax.default_backend() == "cpu")
-    if pair:
-        x = jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1]))
     if not isinstance(kernels[0], LayerKernel):
-        out = _products(x, tuple(kernels))
-    else:
-        out = LayerKernel(tuple(zip(*(k.kernels for k in kernels))), kernels[0].layer).select(
-            lambda ks, x: _products(x, ks), x)
-    return [y[:1].reshape(*lead, -1) for y in out] if pair else list(out)
+        return list(_products(x, tuple(kernels)))
+    return list(LayerKernel(tuple(zip(*(k.kernels for k in kernels))), kernels[0].layer).select(
+        lambda ks, x: _products(x, ks), x))
 
 
 class Linear(nnx.Module):

@@ -239,38 +239,13 @@ class StepResult:
     prompt: PromptLogprobs | None = None
 
 
-# Ceiling on the float32 copy of the decode weights that `Worker` keeps by default (see `float32_decode_weights`).
-FLOAT32_DECODE_WEIGHTS_MAX_BYTES = 2 << 30
-
-
-def _is_bf16_kernel(path, leaf) -> bool:
-    """A bfloat16 projection matrix (`kernel`): not the embedding, which fixes the activation dtype, nor norms."""
-    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-    return names[-1:] == ["kernel"] and leaf.dtype == jnp.bfloat16
-
-
-def float32_kernels(params) -> list:
-    """The flat parameter leaves with every bfloat16 projection matrix as float32, the rest as they are."""
-    return jax.tree.leaves(jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf.astype(jnp.float32) if _is_bf16_kernel(path, leaf) else leaf, params))
-
-
 class Worker:
     def __init__(self, cfg: ModelConfig, graphdef, params, memory: MemoryPlan, block_size: int, max_num_seqs: int,
                  max_model_len: int, chunk_stride: int, dtype, seed: int = 0,
-                 float32_decode_weights: bool | None = None, max_num_batched_tokens: int | None = None,
+                 max_num_batched_tokens: int | None = None,
                  checkpoint_mode: str = "promote", checkpoint_policy: str = "all", enable_prefix_caching: bool = True,
                  gdn_schedule: str = "auto"):
-        """`float32_decode_weights`: single-row decode steps multiply float32 copies of the bfloat16 projection
-        matrices. On XLA's CPU backend a one-row product of a bfloat16 weight either converts the whole weight to
-        float32 first (~10x the bandwidth bound) or, as two rows, goes through the library GEMM, which is
-        compute-bound there; the float32 matrix-vector product streams at the memory bandwidth (hybrid-1024,
-        batch 1: 26 ms against 38 ms). It costs float32 copies of the matrices: twice their bfloat16 bytes, kept
-        in memory beside them. Results are the same up to float32 summation order (bfloat16 products are exact in
-        float32, both accumulate in float32). None (default): on for bfloat16 on CPU while the copy is at most
-        FLOAT32_DECODE_WEIGHTS_MAX_BYTES; never on an accelerator, whose bfloat16 products are native.
-
-        `checkpoint_mode` "scan" (the scheduler's; see SchedulerConfig): a prefill row holds up to
+        """`checkpoint_mode` "scan" (the scheduler's; see SchedulerConfig): a prefill row holds up to
         `max_num_batched_tokens` tokens, and a step shape with room for a row to cross a boundary writes up to
         `num_saves(B, T)` checkpoints; "promote": a row holds at most `chunk_stride` tokens and no step writes a
         checkpoint. The chunked GDN rule runs with chunk size gcd(64, chunk_stride), so that every boundary is a
@@ -300,13 +275,6 @@ class Worker:
         self._param_leaves, params_def = jax.tree.flatten(params)
         self.abstract = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in self._param_leaves)
         self.state = self._new_state()
-        self._decode_leaves = self._param_leaves  # leaves of a single-row decode step
-        if float32_decode_weights is not False and jax.default_backend() == "cpu":
-            extra = sum(2 * leaf.size * leaf.dtype.itemsize for path, leaf in
-                        jax.tree_util.tree_flatten_with_path(params)[0] if _is_bf16_kernel(path, leaf))  # float32 copy
-            if extra and (float32_decode_weights or extra <= FLOAT32_DECODE_WEIGHTS_MAX_BYTES):
-                self._decode_leaves = (jax.eval_shape(float32_kernels, params) if self.abstract
-                                       else float32_kernels(params))
         self._fn = step_function(graphdef, params_def, self.chunk_size, gdn_schedule=gdn_schedule)
         self._decode_fn = step_function(graphdef, params_def, self.chunk_size, prefill=False, gdn_schedule=gdn_schedule)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
@@ -438,7 +406,7 @@ class Worker:
     def _key_args(self, B: int, T: int) -> tuple:
         """The step's arguments for one shape, as the executable store keys them."""
         batch = self._padding_args(B, T, self.max_blocks)[0]
-        return (self._leaves_for(batch.tokens), self.state, batch)
+        return (self._param_leaves, self.state, batch)
 
     def _sample_key_args(self, rows: int) -> tuple:
         return (jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32),
@@ -461,7 +429,7 @@ class Worker:
         """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
         state is not touched."""
         batch = self._padding_args(*shape)[0]
-        return self._fn_for(batch.tokens).lower(self._leaves_for(batch.tokens), self.state, batch)
+        return self._fn_for(batch.tokens).lower(self._param_leaves, self.state, batch)
 
     def lowered_prompt_step(self, shape: tuple[int, int, int]):
         """The prompt-logprobs forward (top-k, not whole rows) lowered for one prefill bucket."""
@@ -484,8 +452,6 @@ class Worker:
     def _fn_for(self, tokens):
         return self._decode_fn if tokens.shape[1] == 1 else self._fn
 
-    def _leaves_for(self, tokens) -> list:
-        return self._decode_leaves if tokens.shape == (1, 1) else self._param_leaves
 
     def _run(self, batch: Batch, sampling: SamplingMetadata, *extra, fn=None):
         """The step's forward (`fn`, with `extra` arguments), then sampling: (tokens, logprobs, top ids, top
@@ -493,7 +459,7 @@ class Worker:
         step = fn or self._executables.get(("step", *batch.tokens.shape)) or self._fn_for(batch.tokens)
         jitted = (self._fn, self._decode_fn, self._prompt_fn, self._sample)
         before = sum(f._cache_size() for f in jitted)
-        self.state, logits, *prompt = step(self._leaves_for(batch.tokens), self.state, batch, *extra)
+        self.state, logits, *prompt = step(self._param_leaves, self.state, batch, *extra)
         sampled = self._executables.get(("sample", logits.shape[0]), self._sample)(logits, sampling)
         self.num_compilations += sum(f._cache_size() for f in jitted) - before
         return (*sampled, *prompt)

@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
         for rows, tokens in shapes:
             shape = (rows, tokens, worker.max_blocks)
             args = step_args(worker, rows, tokens, 0 if tokens > 1 else a.context, rng)
-            lowered = worker._fn_for(args[0][0]).lower(worker._leaves_for(args[0][0]), worker.state, *args)
+            lowered = worker._fn_for(args[0][0]).lower(worker._param_leaves, worker.state, *args)
             compiled, rec = {}, {}
             for name, opts in OPTION_SETS.items():
                 t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
             for _ in range(a.repeats + 1):  # the first round warms up
                 for name, fn in compiled.items():
                     t0, c0 = time.perf_counter(), time.process_time()
-                    worker.state, logits = fn(worker._leaves_for(args[0][0]), worker.state, *args)
+                    worker.state, logits = fn(worker._param_leaves, worker.state, *args)
                     logits = np.asarray(jax.block_until_ready(logits), np.float32)
                     rec[name]["run_ms"].append(1e3 * (time.perf_counter() - t0))
                     rec[name]["cpu_ms"].append(1e3 * (time.process_time() - c0))
