@@ -10,7 +10,9 @@ that changes a compiled program (`ENVIRONMENT`, the default matmul precision) an
 dtypes of the arguments. A hit is `jax.experimental.serialize_executable`'s payload, loaded as a `jax.stages.Compiled`
 (its argument donation included). A corrupt or unreadable entry is a miss; a write that fails leaves no entry.
 
-The folder is `executables/` beside JAX's persistent cache (engine.enable_compilation_cache): off when that is off.
+The folder is `executables/<version>/` beside JAX's persistent cache (engine.enable_compilation_cache; off when that
+is off), one subfolder per source digest: every edit of the package writes a new set (~56 MB for Qwen3.5-9B's warm-up
+grid), so only the `KEEP_VERSIONS` most recently used sets are kept.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import functools
 import hashlib
 import os
 import pickle
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -42,10 +45,27 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def default_folder() -> str | None:
-    """`executables/` beside JAX's persistent compilation cache, or None when that cache is off."""
-    cache = jax.config.jax_compilation_cache_dir
-    return os.path.join(cache, "executables") if cache else None
+KEEP_VERSIONS = 3  # sets of executables (source versions) kept in the store
+
+
+def default_folder(cache: str | None = None) -> str | None:
+    """`executables/<source version>/` in `cache`, by default JAX's persistent compilation cache folder (None when
+    that cache is off). Marks this version as used now and deletes all but the KEEP_VERSIONS most recently used ones (and any entry of
+    the former flat layout)."""
+    cache = cache or jax.config.jax_compilation_cache_dir
+    if not cache:
+        return None
+    root = Path(cache, "executables")
+    folder = root / source_digest()[:16]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.utime(folder)
+        others = sorted((p for p in root.iterdir() if p != folder), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in [p for p in others if not p.is_dir()] + [p for p in others if p.is_dir()][KEEP_VERSIONS - 1:]:
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    except OSError:  # a read-only or vanished cache folder: the store misses and saving fails quietly
+        pass
+    return str(folder)
 
 
 def executable_key(kind: str, static, args, options: dict | None) -> str:

@@ -2,6 +2,9 @@
 generates exactly what the first did; a key changes with anything that changes the executable; a bad entry is a
 miss, never an error."""
 
+import os
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,3 +69,20 @@ def test_a_corrupt_or_missing_entry_is_a_miss(tmp_path):
     assert executables.load(str(tmp_path), "k") is None
     assert executables.load(str(tmp_path), "absent") is None and executables.load(None, "k") is None
     assert not executables.save(None, "k", compiled)
+
+
+def test_the_store_keeps_the_most_recently_used_source_versions(tmp_path):
+    """One subfolder per source version; opening the store deletes all but the KEEP_VERSIONS most recently used ones
+    and the entries of the former flat layout, and never the current version's."""
+    root = tmp_path / "executables"
+    root.mkdir()
+    for i, name in enumerate(["v0", "v1", "v2", "v3"]):  # v3 the most recent
+        (root / name).mkdir()
+        (root / name / "entry").write_bytes(b"x")
+        os.utime(root / name, (1000 + i, 1000 + i))
+    (root / "flat-entry").write_bytes(b"x")
+    folder = executables.default_folder(str(tmp_path))
+    assert folder == str(root / executables.source_digest()[:16])
+    kept = sorted(p.name for p in root.iterdir())
+    assert kept == sorted([Path(folder).name] + ["v3", "v2"][:executables.KEEP_VERSIONS - 1])
+    assert executables.default_folder(str(tmp_path)) == folder and Path(folder).is_dir()  # reopened: kept
