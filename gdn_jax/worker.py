@@ -18,6 +18,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -172,20 +173,48 @@ def _step_prompt_logprobs(graphdef, params, rule, state, batch: Batch, targets, 
     return state, last, prompt
 
 
-# XLA options of the prefill step executables on the CPU backend. XLA's CPU fusion emitters (MLIR, the default)
+# XLA options of the step and sampling executables on the CPU backend. XLA's CPU fusion emitters (MLIR, the default)
 # spend most of a step's compilation generating and optimizing the code of its elementwise fusions; the older LLVM IR
 # emitters compile a Qwen3.5-9B prefill shape about twice as fast, and the prefill runs as fast: its time is in the
-# matmuls, library calls either way. A decode step (and sampling) keeps XLA's defaults: with the older emitters a
-# 16-row decode step took 5% more CPU time in one measurement and 2-3x the wall time in another (hybrid-1024;
-# scripts/bench_compile_options.py, docs/design.md, "Compiling the step"). The options are part of the persistent
-# cache's key.
-PREFILL_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+# matmuls, library calls either way. Decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows and sampling compile
+# with them too (20-35% less CPU time each at Qwen3.5-9B's shapes), and run as fast (hybrid-1024, 1-8 rows, bfloat16
+# and float32: within 1%; sampling at Qwen3.5-9B's vocabulary: the same). A decode step of 16 rows keeps XLA's
+# defaults: with the older emitters it took 2-7% more CPU time (scripts/bench_compile_options.py; docs/design.md,
+# "Compiling the step"). The options are part of the persistent cache's key and of the executable store's.
+LLVM_IR_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+DECODE_DEFAULT_EMITTER_ROWS = 16
+
+
+def executable_kind(rows: int, tokens: int) -> str:
+    """The kind of a step shape's executable, as `compiler_options` and `step_function` tell them apart: "prefill",
+    "decode" (fewer than DECODE_DEFAULT_EMITTER_ROWS rows) or "decode_wide"."""
+    return "prefill" if tokens > 1 else "decode" if rows < DECODE_DEFAULT_EMITTER_ROWS else "decode_wide"
 
 
 @functools.cache
-def compiler_options(prefill: bool) -> dict | None:
-    """`PREFILL_CPU_COMPILER_OPTIONS` for a prefill step on the CPU backend; XLA's defaults otherwise."""
-    return dict(PREFILL_CPU_COMPILER_OPTIONS) if prefill and jax.default_backend() == "cpu" else None
+def compiler_options(kind: str) -> dict | None:
+    """`LLVM_IR_CPU_COMPILER_OPTIONS` for a "prefill" or "decode" step (`executable_kind`) or "sample" on the CPU
+    backend; XLA's defaults otherwise ("decode_wide", and every kind on an accelerator)."""
+    if kind not in ("prefill", "decode", "decode_wide", "sample"):
+        raise ValueError(f"kind must be 'prefill', 'decode', 'decode_wide' or 'sample', got {kind!r}")
+    llvm_ir = kind != "decode_wide" and jax.default_backend() == "cpu"
+    return dict(LLVM_IR_CPU_COMPILER_OPTIONS) if llvm_ir else None
+
+
+# Most threads `Worker.warm_up` compiles on (each compilation holds its own working memory).
+COMPILE_THREADS_MAX = 8
+
+
+def compile_threads_default() -> int:
+    """Threads `Worker.warm_up` compiles on: the environment's GDN_JAX_COMPILE_THREADS, or the CPU cores this
+    process may use, at most COMPILE_THREADS_MAX."""
+    env = os.environ.get("GDN_JAX_COMPILE_THREADS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"GDN_JAX_COMPILE_THREADS must be a positive integer, got {env!r}")
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, COMPILE_THREADS_MAX))
 
 
 # Sampling, compiled per (rows, vocabulary, history width) and shared by every step shape of that many rows: a
@@ -193,7 +222,7 @@ def compiler_options(prefill: bool) -> dict | None:
 # sampling (sort, top-k, penalties: 1-1.5 s of CPU at Qwen3.5-9B's vocabulary) once per shape.
 @functools.cache
 def sample_function():
-    return jax.jit(sample)
+    return jax.jit(sample, compiler_options=compiler_options("sample"))
 
 
 @dataclasses.dataclass
@@ -207,15 +236,15 @@ class PromptLogprobs:
 
 
 @functools.lru_cache(maxsize=None)
-def step_function(graphdef, params_def, chunk_size: int = 64, prefill: bool = True, gdn_schedule: str = "auto"):
+def step_function(graphdef, params_def, chunk_size: int = 64, kind: str = "prefill", gdn_schedule: str = "auto"):
     """The jitted step for one model structure: `(param_leaves, state, batch)`, the state donated. Cached per
-    (graphdef, params treedef, GDN chunk size and schedule, prefill or decode: their compile options differ), so
+    (graphdef, params treedef, GDN chunk size and schedule, `executable_kind`: their compile options differ), so
     workers of the same model share compiled executables, and the structure is hashed here, once, not per call."""
 
     def step(param_leaves, state, *args):
         return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule), state, *args)
 
-    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(prefill))
+    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind))
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,7 +256,7 @@ def prompt_step_function(graphdef, params_def, chunk_size: int = 64, gdn_schedul
                                      (chunk_size, gdn_schedule), state,
                                      *args)
 
-    return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options(True))
+    return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options("prefill"))
 
 
 @dataclasses.dataclass
@@ -276,7 +305,8 @@ class Worker:
         self.abstract = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in self._param_leaves)
         self.state = self._new_state()
         self._fn = step_function(graphdef, params_def, self.chunk_size, gdn_schedule=gdn_schedule)
-        self._decode_fn = step_function(graphdef, params_def, self.chunk_size, prefill=False, gdn_schedule=gdn_schedule)
+        self._decode_fn = step_function(graphdef, params_def, self.chunk_size, "decode", gdn_schedule)
+        self._decode_wide_fn = step_function(graphdef, params_def, self.chunk_size, "decode_wide", gdn_schedule)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
         self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size, gdn_schedule)
         self.gdn_schedule = gdn_schedule
@@ -358,7 +388,7 @@ class Worker:
                            self._save_arrays([], B, T, None, ops))
         return batch, SamplingMetadata.padding(B, self.history_width)
 
-    def warm_up(self, prompt_logprobs: bool = False) -> int:
+    def warm_up(self, prompt_logprobs: bool = False, compile_threads: int | None = None) -> int:
         """Compiles the step for every shape bucket (and sampling for every rows bucket), then runs each step shape
         once on an all-padding batch. Afterwards no workload compiles again. Returns the number of step shapes.
         `prompt_logprobs` also compiles the prompt-logprobs variant (top-k, not whole rows) of every prefill shape,
@@ -366,23 +396,29 @@ class Worker:
 
         Each step and sampling executable is first looked up in the executable store (`gdn_jax.executables`, keyed
         without tracing; `executable_dir`, None: off): a second process start loads them without lowering. The
-        others: the main thread lowers (traces, in Python) each executable while a background thread compiles the
-        one before, or loads it from JAX's persistent compilation cache (XLA releases the GIL); they are then
-        stored. The worker calls these executables (`_executables`) directly; shapes outside the grid, and the
-        prompt-logprobs variant, go through the jitted functions. `warm_up_stats`: how many were loaded, compiled."""
+        others: the main thread lowers (traces, in Python) each executable while `compile_threads` background
+        threads (default `compile_threads_default()`) compile the ones before, or load them from JAX's persistent
+        compilation cache: XLA compiles one executable on one core and releases the GIL, so on a machine of n cores
+        n compilations run at once. They are then stored. The worker calls these executables (`_executables`)
+        directly; shapes outside the grid, and the prompt-logprobs variant, go through the jitted functions.
+        `warm_up_stats`: how many were loaded, compiled."""
+        threads = compile_threads_default() if compile_threads is None else compile_threads
+        if threads < 1:
+            raise ValueError(f"compile_threads must be at least 1, got {compile_threads}")
         shapes = self.shape_buckets()
         extra = [(B, T, NB) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
         folder, static = self.executable_dir, (repr(self.cfg), self.chunk_size, self.gdn_schedule)
-        jobs = ([(("step", B, T), self._key_args(B, T), compiler_options(T > 1),
+        jobs = ([(("step", B, T), self._key_args(B, T), compiler_options(executable_kind(B, T)),
                   functools.partial(self.lowered_step, (B, T, NB))) for B, T, NB in shapes]
-                + [(("sample", B), self._sample_key_args(B), None, functools.partial(self.lowered_sample, B))
+                + [(("sample", B), self._sample_key_args(B), compiler_options("sample"),
+                    functools.partial(self.lowered_sample, B))
                    for B in self.sample_buckets()])
         keys = [executables.executable_key(name[0], static, args, options) if folder else None
                 for name, args, options, _ in jobs]
         with concurrent.futures.ThreadPoolExecutor(2) as loaders:  # deserializing releases the GIL
             found = list(loaders.map(functools.partial(executables.load, folder), keys))
         loaded, pending = 0, []
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             for (name, _, _, lower), key, compiled in zip(jobs, keys, found):
                 if compiled is not None:
                     self._executables[name], loaded = compiled, loaded + 1
@@ -450,14 +486,15 @@ class Worker:
         return self.lowered_step(shape).compile()
 
     def _fn_for(self, tokens):
-        return self._decode_fn if tokens.shape[1] == 1 else self._fn
+        kind = executable_kind(*tokens.shape)
+        return self._fn if kind == "prefill" else self._decode_fn if kind == "decode" else self._decode_wide_fn
 
 
     def _run(self, batch: Batch, sampling: SamplingMetadata, *extra, fn=None):
         """The step's forward (`fn`, with `extra` arguments), then sampling: (tokens, logprobs, top ids, top
         logprobs[, prompt logprobs])."""
         step = fn or self._executables.get(("step", *batch.tokens.shape)) or self._fn_for(batch.tokens)
-        jitted = (self._fn, self._decode_fn, self._prompt_fn, self._sample)
+        jitted = (self._fn, self._decode_fn, self._decode_wide_fn, self._prompt_fn, self._sample)
         before = sum(f._cache_size() for f in jitted)
         self.state, logits, *prompt = step(self._param_leaves, self.state, batch, *extra)
         sampled = self._executables.get(("sample", logits.shape[0]), self._sample)(logits, sampling)

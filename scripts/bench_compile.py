@@ -4,7 +4,8 @@ allocated, so the Qwen3.5-9B preset compiles on a machine that could not hold it
     python scripts/bench_compile.py --preset qwen3.5-9b [--dtype bfloat16] [--max-num-seqs 16] [--max-model-len 4096]
         [--block-size 16] [--chunk-stride 64] [--max-num-batched-tokens 2048] [--checkpoint-mode scan|promote]
         [--checkpoint-policy all|last] [--shapes 16x64x256,16x1x256 | --limit N] [--prompt-logprobs]
-        [--warm-up] [--cache-dir off|DIR] [--second-start] [--out results/bench_compile_<preset>.json]
+        [--warm-up [--compile-threads N]] [--cache-dir off|DIR] [--second-start]
+        [--out results/bench_compile_<preset>.json]
 
 The worker is built as the engine builds it (same memory plan, same shape buckets, `Worker.shape_buckets()`), but on
 `weights.abstract_model` parameters, so its pools are `jax.ShapeDtypeStruct`s too. For each shape (rows, tokens per
@@ -23,9 +24,11 @@ figure of a first start). `--cache-dir DIR` turns it on in DIR (every compilatio
 `--second-start` measures what a second process start costs: it runs this script twice in fresh processes on one
 new cache folder (the first fills it, the second reads it) and reports both, with each process's wall time (imports,
 model setup and every shape). `--warm-up` times `Worker.warm_up()` as a whole instead (the engine's own warm-up,
-which lowers one executable while the previous compiles, and first looks each up in the executable store beside the
-cache, `gdn_jax.executables`): with `--second-start`, the second start of the engine. Timing shape by shape (without
-`--warm-up`) fills JAX's persistent cache but not the executable store.
+which lowers one executable while `--compile-threads` threads, by default one per core, compile the ones before, and
+first looks each up in the executable store beside the cache, `gdn_jax.executables`): with `--second-start`, the
+second start of the engine. Timing shape by shape (without `--warm-up`) fills JAX's persistent cache but not the
+executable store; it times one compilation at a time, so its `total_s` is the sum over shapes, not a warm-up's wall
+time on a machine of several cores.
 
 Timings on a shared machine are noisy: repeat a run and read the minimum. `cpu s` (the process's CPU time over all
 its threads, `time.process_time`) moves less with the load of other processes than the wall time does.
@@ -49,7 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from gdn_jax.config import get_preset  # noqa: E402
 from gdn_jax.weights import abstract_model  # noqa: E402
-from gdn_jax.worker import Worker, default_memory_budget, plan_memory  # noqa: E402
+from gdn_jax.worker import Worker, compile_threads_default, default_memory_budget, plan_memory  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -121,16 +124,18 @@ def measure(a) -> dict:
           f"cache {a.cache_dir}; checkpoint_mode {a.checkpoint_mode}; setup {setup_s:.1f} s")
     if a.warm_up:
         t0, c0 = time.perf_counter(), time.process_time()
-        worker.warm_up(prompt_logprobs=a.prompt_logprobs)
+        worker.warm_up(prompt_logprobs=a.prompt_logprobs, compile_threads=a.compile_threads)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = getattr(worker, "warm_up_stats", None)  # executables loaded from the store / compiled
-        print(f"Worker.warm_up: {wall:.1f} s ({cpu:.1f} s process CPU time) for {len(grid)} step shapes"
+        threads = compile_threads_default() if a.compile_threads is None else a.compile_threads
+        print(f"Worker.warm_up ({threads} compile threads): {wall:.1f} s ({cpu:.1f} s process CPU time) for "
+              f"{len(grid)} step shapes"
               + (f" + {len(worker.sample_buckets())} sampling shapes" if hasattr(worker, "sample_buckets") else "")
               + (f"; {stats['loaded']} loaded from the executable store, {stats['compiled']} compiled" if stats else ""))
         return {"mode": "warm_up", "preset": a.preset, "dtype": a.dtype, "cache_dir": a.cache_dir, "setup_s": setup_s,
                 "num_shapes": len(grid), "grid": [list(s) for s in grid], "per_shape_s": [], "total_s": wall,
-                "cpu_s": cpu, "total_extrapolated": False, "process_s": time.perf_counter() - T_START,
-                "warm_up_stats": stats}
+                "cpu_s": cpu, "compile_threads": threads, "total_extrapolated": False,
+                "process_s": time.perf_counter() - T_START, "warm_up_stats": stats}
     print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'saves':>5} {'lower s':>8} {'compile s':>9} {'total s':>8} {'cpu s':>7}")
     # sampling: its own executable per rows bucket, shared by the step shapes with that many rows
     # (a worker that samples inside its step, as before the split, has none)
@@ -234,6 +239,8 @@ def main(argv=None):
                    "shape (as warm_up(prompt_logprobs=True)); its time counts in the shape's total")
     p.add_argument("--warm-up", action="store_true", help="time Worker.warm_up() as a whole (lowering overlapped "
                    "with compilation, as the engine warms up) instead of shape by shape")
+    p.add_argument("--compile-threads", type=int, default=None, help="with --warm-up: threads compiling at once "
+                   "(default: Worker.warm_up's, the cores this process may use)")
     p.add_argument("--cache-dir", default="off", help="persistent compilation cache folder, or 'off' (default)")
     p.add_argument("--second-start", action="store_true", help="run twice in fresh processes on one new cache "
                    "folder (or --cache-dir) and report the second start")

@@ -3,7 +3,7 @@
     python scripts/bench_compile_options.py [--preset hybrid-1024] [--dtypes bfloat16,float32] [--repeats 5]
         [--shapes 1x2048,16x1,16x64] [--context 1024] [--out results/bench_compile_options.json]
 
-Each option set (`OPTION_SETS`: XLA's defaults, the engine's prefill options `worker.PREFILL_CPU_COMPILER_OPTIONS`,
+Each option set (`OPTION_SETS`: XLA's defaults, the engine's options `worker.LLVM_IR_CPU_COMPILER_OPTIONS`,
 and one more) compiles
 the engine's step (`Worker.lowered_step(...).compile(compiler_options=...)`) for each shape on real (random) weights;
 then the executables run in turn, A B C A B C ..., `--repeats` times each, so that the load of other processes falls
@@ -24,7 +24,9 @@ import jax
 import numpy as np
 
 from gdn_jax.engine import LLMEngine
-from gdn_jax.restore import ops_to_arrays
+from gdn_jax.model import Batch
+from gdn_jax.restore import RestoreOps
+from gdn_jax.worker import host_batch
 
 # each set overrides the jitted step's own options (worker.compiler_options), so every option is spelled out
 OPTION_SETS = {
@@ -34,22 +36,22 @@ OPTION_SETS = {
 }
 
 
-def step_args(worker, rows: int, tokens: int, context: int, rng) -> tuple:
-    """Arguments after (params, state) of a step of `rows` full rows of `tokens` tokens after `context` tokens each
-    (their KV in distinct blocks; live slots 1..rows, cold)."""
+def step_args(worker, rows: int, tokens: int, context: int, rng) -> Batch:
+    """The `Batch` of a step of `rows` full rows of `tokens` tokens after `context` tokens each (their KV in
+    distinct blocks; live slots 1..rows, cold)."""
     bs, NB = worker.block_size, worker.max_blocks
     per_row = -(-(context + tokens) // bs)
     tables = np.zeros((rows, NB), np.int32)
     for b in range(rows):
         tables[b, :per_row] = 1 + b * per_row + np.arange(per_row)
     positions = context + np.arange(tokens)
-    slot_mapping = tables[:, positions // bs] * bs + positions % bs
-    batch = (rng.integers(0, worker.cfg.vocab_size, (rows, tokens), dtype=np.int32), np.full(rows, context, np.int32),
-             np.full(rows, tokens, np.int32), tables, slot_mapping.astype(np.int32))
-    live, requested, src = ops_to_arrays([], rows)
-    live[:] = 1 + np.arange(rows)
-    saves = worker._save_arrays([], rows, tokens, batch[2], live, src)
-    return batch, live, requested, src, saves
+    slot_mapping = (tables[:, positions // bs] * bs + positions % bs).astype(np.int32)
+    lengths = np.full(rows, tokens, np.int32)
+    ops = RestoreOps.from_ops([], rows)
+    ops.linear_state_ids[:] = 1 + np.arange(rows)
+    saves = worker._save_arrays([], rows, tokens, lengths, ops)
+    return host_batch(rng.integers(0, worker.cfg.vocab_size, (rows, tokens), dtype=np.int32),
+                      np.full(rows, context, np.int32), lengths, tables, slot_mapping, ops, saves)
 
 
 def main(argv=None) -> dict:
@@ -72,8 +74,9 @@ def main(argv=None) -> dict:
         worker = engine.worker
         for rows, tokens in shapes:
             shape = (rows, tokens, worker.max_blocks)
-            args = step_args(worker, rows, tokens, 0 if tokens > 1 else a.context, rng)
-            lowered = worker._fn_for(args[0][0]).lower(worker._param_leaves, worker.state, *args)
+            batch = step_args(worker, rows, tokens, 0 if tokens > 1 else a.context, rng)
+            leaves = worker._param_leaves
+            lowered = worker._fn_for(batch.tokens).lower(leaves, worker.state, batch)
             compiled, rec = {}, {}
             for name, opts in OPTION_SETS.items():
                 t0 = time.perf_counter()
@@ -83,7 +86,7 @@ def main(argv=None) -> dict:
             for _ in range(a.repeats + 1):  # the first round warms up
                 for name, fn in compiled.items():
                     t0, c0 = time.perf_counter(), time.process_time()
-                    worker.state, logits = fn(worker._param_leaves, worker.state, *args)
+                    worker.state, logits = fn(leaves, worker.state, batch)
                     logits = np.asarray(jax.block_until_ready(logits), np.float32)
                     rec[name]["run_ms"].append(1e3 * (time.perf_counter() - t0))
                     rec[name]["cpu_ms"].append(1e3 * (time.process_time() - c0))

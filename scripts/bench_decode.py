@@ -83,8 +83,8 @@ class _BlockTimer:
     """Wraps the worker's jitted step: after each (asynchronous) call returns, waits for its outputs and records how
     long the host was blocked on the device."""
 
-    def __init__(self, fn):
-        self.fn, self.blocked = fn, []
+    def __init__(self, fn, blocked: list | None = None):
+        self.fn, self.blocked = fn, [] if blocked is None else blocked
 
     def __call__(self, *args):
         out = self.fn(*args)
@@ -142,6 +142,8 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
                        chunk_stride=args.chunk_stride, max_model_len=args.prompt + 256, verbose=True)
     module = f"jit_{engine.worker._decode_fn.__name__}"  # the decode step executable's name in the profile
     timer = engine.worker._decode_fn = _BlockTimer(engine.worker._decode_fn)
+    # decode steps of many rows are their own jitted function (other compile options): one record for both
+    engine.worker._decode_wide_fn = _BlockTimer(engine.worker._decode_wide_fn, timer.blocked)
     # sampling is its own executable: its wait is device time too
     sampler = engine.worker._sample = _BlockTimer(engine.worker._sample)
     vocab = engine.cfg.vocab_size

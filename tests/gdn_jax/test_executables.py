@@ -86,3 +86,31 @@ def test_the_store_keeps_the_most_recently_used_source_versions(tmp_path):
     kept = sorted(p.name for p in root.iterdir())
     assert kept == sorted([Path(folder).name] + ["v3", "v2"][:executables.KEEP_VERSIONS - 1])
     assert executables.default_folder(str(tmp_path)) == folder and Path(folder).is_dir()  # reopened: kept
+
+
+def test_compile_threads_and_executable_kinds(monkeypatch):
+    from gdn_jax import worker as w
+
+    monkeypatch.setenv("GDN_JAX_COMPILE_THREADS", "3")
+    assert w.compile_threads_default() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("GDN_JAX_COMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match="GDN_JAX_COMPILE_THREADS"):
+            w.compile_threads_default()
+    monkeypatch.delenv("GDN_JAX_COMPILE_THREADS")
+    assert 1 <= w.compile_threads_default() <= w.COMPILE_THREADS_MAX
+    wide = w.DECODE_DEFAULT_EMITTER_ROWS
+    assert [w.executable_kind(B, T) for B, T in ((1, 16), (wide, 64), (1, 1), (wide - 1, 1), (wide, 1), (64, 1))] == \
+        ["prefill", "prefill", "decode", "decode", "decode_wide", "decode_wide"]
+    # on the CPU backend: the LLVM IR emitters everywhere but wide decode steps, which keep XLA's defaults
+    assert w.compiler_options("decode_wide") is None
+    assert all(w.compiler_options(k) == w.LLVM_IR_CPU_COMPILER_OPTIONS for k in ("prefill", "decode", "sample"))
+    with pytest.raises(ValueError, match="kind"):
+        w.compiler_options("prompt")
+
+
+def test_warm_up_rejects_no_compile_threads():
+    llm = LLM("tiny-random", **KW)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="compile_threads"):
+            llm.engine.worker.warm_up(compile_threads=bad)
