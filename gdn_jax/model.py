@@ -518,7 +518,10 @@ class Attention(nnx.Module):
             qt, pt, n = a
             return jax.lax.map(lambda r: attend(*r, n), (qt, tables, pt), batch_size=rows)
 
-        out = jax.lax.map(tile, (qh, qpos, tile_chunks))  # [nq, B, kvh, g * Tq, hd]
+        if nq == 1:  # a decode step, a short chunk: no loop over tiles
+            out = tile((qh[0], qpos[0], tile_chunks[0]))[None]
+        else:
+            out = jax.lax.map(tile, (qh, qpos, tile_chunks))  # [nq, B, kvh, g * Tq, hd]
         out = out.astype(x.dtype).reshape(nq, B, kvh, g, Tq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H * hd)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(out), k_cache, v_cache
