@@ -133,6 +133,17 @@ def write_rows(pool, ids: tuple, rows, axis: int = 0):
 # hold, whatever the width of the block tables, so a wide table costs nothing and one width serves every step.
 KV_CHUNK_KEYS = 256
 
+def query_tiles(T: int, keys_per_chunk: int) -> int:
+    """How many tiles of queries the attention of a T-token chunk runs one after the other: the most tiles of at least
+    `keys_per_chunk` queries that divide T (1 for a decode step). A tile reads only the key chunks up to its own last
+    query, so a long prefill skips most of the upper (masked) triangle of its scores: at 2048 tokens and 256 keys per
+    chunk, 36 of the 64 (tile, chunk) pairs."""
+    n = max(1, T // keys_per_chunk)
+    while T % n:
+        n -= 1
+    return n
+
+
 # Working set of one iteration of the loops over a batch's rows that run on CPU (`rows_per_iteration`).
 CPU_ROWS_BYTES = {"attention": 4 << 20, "gdn_decode": 2 << 20}
 
@@ -438,6 +449,7 @@ class Attention(nnx.Module):
 
         Each row attends to its keys in chunks of `KV_CHUNK_KEYS` (an online softmax), as many chunks as the
         longest row of the batch needs (start + length): the block tables' width (padding blocks) costs nothing.
+        A long chunk's queries go in tiles (`query_tiles`), each over the key chunks up to its last query only.
         The caches are head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv
         head) in front: the products read them as they are gathered, with no transposed copy."""
         cfg = self.cfg
@@ -459,23 +471,29 @@ class Attention(nnx.Module):
         at = (layer_ids(layer, flat), flat // bs, flat % bs)  # (layer, block, offset) per token
         k_cache = write_rows(k_cache, at, k.reshape(B * T, kvh, hd), axis=1)
         v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd), axis=1)
-        g = H // kvh  # per (row, kv head) one matmul over its g * T queries
-        qh = q.reshape(B, T, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(B, kvh, g * T, hd)
-        qpos = jnp.tile(positions, (1, g))  # [B, g*T]
-
+        g = H // kvh  # per (row, kv head) one matmul over its g * Tq queries
         NB = batch.block_tables.shape[1]
         cb = max(1, min(NB, KV_CHUNK_KEYS // bs))  # blocks per chunk
+        keys_per_chunk = cb * bs
+        nq = query_tiles(T, keys_per_chunk)
+        Tq = T // nq
+        # [B, T, kvh, g, hd] -> [nq, B, kvh, g * Tq, hd]: a tile's queries of one kv head in one matrix
+        qh = q.reshape(B, nq, Tq, kvh, g, hd).transpose(1, 0, 3, 4, 2, 5).reshape(nq, B, kvh, g * Tq, hd)
+        qpos = jnp.tile(positions.reshape(B, nq, Tq).transpose(1, 0, 2), (1, 1, g))  # [nq, B, g * Tq]
         tables = jnp.pad(batch.block_tables, ((0, 0), (0, -NB % cb)))  # whole chunks (padding block 0)
-        chunks = jnp.clip(-(-jnp.max(batch.start_pos + batch.lengths) // (cb * bs)), 1, tables.shape[1] // cb)
+        chunks = jnp.clip(-(-jnp.max(batch.start_pos + batch.lengths) // keys_per_chunk), 1, tables.shape[1] // cb)
+        # the chunks query tile i reaches: its last query is at most at max(start) + (i + 1) * Tq - 1
+        reach = -(-(jnp.max(batch.start_pos) + Tq * jnp.arange(1, nq + 1)) // keys_per_chunk)
+        tile_chunks = jnp.clip(reach, 1, chunks)  # [nq]
 
-        def attend(qh, table, qpos):  # one row: [kvh, gT, hd], [NB], [gT] -> [kvh, gT, hd] float32
+        def attend(qh, table, qpos, n):  # one row: [kvh, gTq, hd], [NB], [gTq], n chunks -> [kvh, gTq, hd] float32
             def chunk(c, carry):  # keys [c * cb * bs, (c + 1) * cb * bs)
-                top, total, acc = carry  # running max [kvh, gT], sum of exp [kvh, gT], output [kvh, gT, hd]
+                top, total, acc = carry  # running max [kvh, gTq], sum of exp [kvh, gTq], output [kvh, gTq, hd]
                 blocks = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
                 keys = from_pool(k_cache[:, layer, blocks], x.dtype).reshape(kvh, cb * bs, hd)
                 values = from_pool(v_cache[:, layer, blocks], x.dtype).reshape(kvh, cb * bs, hd)
                 scores = jnp.einsum("kqd,ksd->kqs", qh, keys, preferred_element_type=jnp.float32) * hd**-0.5
-                causal = c * cb * bs + jnp.arange(cb * bs)[None, :] <= qpos[:, None]  # [gT, cb * bs]
+                causal = c * cb * bs + jnp.arange(cb * bs)[None, :] <= qpos[:, None]  # [gTq, cb * bs]
                 scores = jnp.where(causal[None], scores, -jnp.inf)
                 new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # finite: key 0 is in every query's reach
                 p = jnp.exp(scores - new_top[..., None])
@@ -485,13 +503,21 @@ class Attention(nnx.Module):
 
             init = (jnp.full(qh.shape[:2], -jnp.inf, jnp.float32), jnp.zeros(qh.shape[:2], jnp.float32),
                     jnp.zeros(qh.shape, jnp.float32))
-            _, total, acc = jax.lax.fori_loop(0, chunks, chunk, init)
+            _, total, acc = jax.lax.fori_loop(0, n, chunk, init)
             return acc / total[..., None]
 
         per_row = 2 * kvh * cb * bs * hd * jnp.dtype(x.dtype).itemsize  # the keys + values of one chunk
-        out = jax.lax.map(lambda a: attend(*a), (qh, tables, qpos),
-                          batch_size=rows_per_iteration(B, per_row, "attention"))
-        out = out.astype(x.dtype).reshape(B, kvh, g, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
+        rows = rows_per_iteration(B, per_row, "attention")
+
+        def tile(a):  # one query tile of every row; its chunk count is the same for all rows (a loop, not a mask)
+            qt, pt, n = a
+            return jax.lax.map(lambda r: attend(*r, n), (qt, tables, pt), batch_size=rows)
+
+        if nq == 1:  # a decode step, a short chunk: no loop over tiles
+            out = tile((qh[0], qpos[0], tile_chunks[0]))[None]
+        else:
+            out = jax.lax.map(tile, (qh, qpos, tile_chunks))  # [nq, B, kvh, g * Tq, hd]
+        out = out.astype(x.dtype).reshape(nq, B, kvh, g, Tq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H * hd)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(out), k_cache, v_cache
 

@@ -2,10 +2,16 @@
 
     python scripts/bench_forward.py [--tokens 2048] [--preset hybrid-1024] [--out results/bench_forward.json]
 
-The JAX side runs the engine's forward (paged KV, GDN slots) jitted; transformers (torch==2.13.0, float32, eager
+The JAX side runs the engine's forward (paged KV, GDN slots) jitted, with the engine's prefill compile options;
+transformers (torch==2.13.0, float32, eager
 attention) runs `Qwen3_5ForCausalLM` built from the same config with the same weights. Both return logits for the
 last position only (what a prefill needs). Prints a table and writes JSON. transformers is optional: without it
 only the JAX rows are reported.
+
+Beside the times: the forward's matmul work counted from the config (`bench_gpu.forward_flops`: projections and LM
+head, attention over the causal triangle, the chunked GDN rule), the achieved matmul GFLOP/s (work / forward time),
+and the measured matmul peak of each dtype on the forward's own projection shapes (`matmul_peak`: bare jitted dots,
+weights stored [in, out], the FLOP-weighted rate of the forward's mix), with the fraction of it the forward reaches.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,8 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.config import get_preset
-from gdn_jax.model import Batch, forward, init_model, init_state
+from gdn_jax.model import Batch, forward, fused_parts, init_model, init_state
 from gdn_jax.weights import hf_tensors
+from gdn_jax.worker import compiler_options
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import forward_flops  # noqa: E402
 
 
 def _batch(tokens, block_size):
@@ -34,11 +45,18 @@ def _batch(tokens, block_size):
                  linear_state_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool)), nb
 
 
+def forward_jit(options: dict | None = None):
+    """The jitted forward, with the XLA options of the engine's prefill step (`worker.compiler_options`) unless
+    `options` are given."""
+    return jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,),
+                   compiler_options=compiler_options(True) if options is None else options)
+
+
 def time_jax(cfg, tokens, dtype, repeats, seed=0):
     graphdef, params = init_model(cfg, seed=seed, dtype=dtype)
     batch, nb = _batch(tokens, 16)
     state = init_state(cfg, nb + 1, 16, 2, dtype)
-    fn = jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,))
+    fn = forward_jit()
     t0 = time.perf_counter()
     logits, state = fn(graphdef, params, batch, state, False)
     logits.block_until_ready()
@@ -50,6 +68,40 @@ def time_jax(cfg, tokens, dtype, repeats, seed=0):
         logits.block_until_ready()
         times.append(time.perf_counter() - t0)
     return compile_s, times, graphdef, params, np.asarray(logits[0], np.float32)
+
+
+def projection_shapes(cfg) -> list[tuple[int, int, int]]:
+    """(n_in, n_out, layers) of each projection matmul of the forward (the fused matrices, as the engine runs them)."""
+    parts = fused_parts(cfg)
+    width = {name: sum(n for _, n in p) for sub in parts.values() for name, p in sub.items()}
+    n_full, n_lin = len(cfg.full_layer_ids), len(cfg.linear_layer_ids)
+    D = cfg.hidden_size
+    shapes = [(D, width["gate_up_proj"], cfg.num_hidden_layers), (cfg.intermediate_size, D, cfg.num_hidden_layers),
+              (D, width["in_proj"], n_lin), (cfg.linear_value_dim, D, n_lin),
+              (D, width["qkv_proj"], n_full), (cfg.num_attention_heads * cfg.head_dim, D, n_full)]
+    return [s for s in shapes if s[2]]
+
+
+def matmul_peak(cfg, T: int, dtype, repeats: int = 5) -> dict:
+    """The measured matmul peak on the forward's own projection shapes: a bare jitted x [T, n_in] @ w [n_in, n_out]
+    (the weight stored [in, out], XLA's fast layout for bfloat16 on CPU), accumulated in float32, per shape (best
+    of `repeats`), and the FLOP-weighted rate of the forward's mix (its projection FLOPs / the sum of their times)."""
+    rng = np.random.default_rng(0)
+    fn = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+    per_shape, flops, seconds = [], 0.0, 0.0
+    for n_in, n_out, layers in projection_shapes(cfg):
+        x = jnp.asarray(rng.standard_normal((T, n_in)), dtype)
+        w = jnp.asarray(rng.standard_normal((n_in, n_out)), dtype)
+        fn(x, w).block_until_ready()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(x, w).block_until_ready()
+            best = min(best, time.perf_counter() - t0)
+        fl = 2.0 * T * n_in * n_out
+        per_shape.append({"n_in": n_in, "n_out": n_out, "layers": layers, "s": best, "gflops": fl / best / 1e9})
+        flops, seconds = flops + layers * fl, seconds + layers * best
+    return {"gflops": flops / seconds / 1e9, "per_shape": per_shape}
 
 
 def time_transformers(cfg, tokens, params, repeats):
@@ -96,12 +148,20 @@ def main():
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()
     rows, result = [], {"preset": args.preset, "tokens": args.tokens, "backend": jax.default_backend(),
                         "cpu_count": os.cpu_count()}
+    work = forward_flops(cfg, args.tokens)  # FLOPs: the projections (+ LM head), attention (causal), the GDN rule
+    result["matmul_gflop"] = {k: v / 1e9 for k, v in work.items()}
+    peaks = {}
+    for name, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+        peaks[name] = matmul_peak(cfg, args.tokens, dtype)
+    result["matmul_peak"] = peaks
     compile32, t32, graphdef, params, logits_jax = time_jax(cfg, tokens, jnp.float32, args.repeats)
     rows.append(("gdn_jax float32", compile32, min(t32)))
     compile16, t16, *_ = time_jax(cfg, tokens, jnp.bfloat16, args.repeats)
     rows.append(("gdn_jax bfloat16", compile16, min(t16)))
-    result["jax_float32"] = {"compile_s": compile32, "times_s": t32}
-    result["jax_bfloat16"] = {"compile_s": compile16, "times_s": t16}
+    for name, comp, t in (("float32", compile32, t32), ("bfloat16", compile16, t16)):
+        rate = work["total"] / min(t) / 1e9
+        result[f"jax_{name}"] = {"compile_s": comp, "times_s": t, "matmul_gflops": rate,
+                                 "peak_fraction": rate / peaks[name]["gflops"]}
     hf_best = None
     if not args.no_transformers:
         try:
@@ -116,11 +176,19 @@ def main():
 
     print(f"\nforward of {args.tokens} tokens, preset {args.preset} ({cfg.num_hidden_layers} layers, "
           f"{len(cfg.linear_layer_ids)} GDN + {len(cfg.full_layer_ids)} full), backend {jax.default_backend()}")
-    print(f"{'implementation':<36}{'compile s':>10}{'forward s':>11}{'tok/s':>10}{'vs transformers':>17}")
+    print(f"matmul work {work['total'] / 1e9:.1f} GFLOP (projections + LM head {work['dense'] / 1e9:.1f}, attention "
+          f"{work['attention'] / 1e9:.1f}, GDN rule {work['gdn'] / 1e9:.1f}); measured matmul peak on the projection "
+          f"shapes at {args.tokens} rows: float32 {peaks['float32']['gflops']:.0f}, bfloat16 "
+          f"{peaks['bfloat16']['gflops']:.0f} GFLOP/s")
+    print(f"{'implementation':<36}{'compile s':>10}{'forward s':>11}{'tok/s':>10}{'vs transformers':>17}"
+          f"{'GFLOP/s':>9}{'of peak':>9}")
     for name, comp, best in rows:
         ratio = f"{hf_best / best:.2f}x" if hf_best else "-"
         comp_s = f"{comp:.1f}" if comp is not None else "-"
-        print(f"{name:<36}{comp_s:>10}{best:>11.3f}{args.tokens / best:>10.0f}{ratio:>17}")
+        dt = next((d for d in peaks if name.endswith(d)), None) if name.startswith("gdn_jax") else None
+        rate = work["total"] / best / 1e9
+        frac = f"{100 * rate / peaks[dt]['gflops']:.0f}%" if dt else "-"
+        print(f"{name:<36}{comp_s:>10}{best:>11.3f}{args.tokens / best:>10.0f}{ratio:>17}{rate:>9.0f}{frac:>9}")
     if "transformers_float32" in result:
         print(f"max |logit difference| jax vs transformers (float32): "
               f"{result['transformers_float32']['max_abs_logit_diff']:.2e}")

@@ -133,10 +133,11 @@ def test_step_traces_one_layer_of_each_kind_whatever_the_depth():
     assert small.count("stablehlo.exponential") == deep.count("stablehlo.exponential") > 0
 
 
-@pytest.mark.parametrize("T", [1, 40])
+@pytest.mark.parametrize("T", [1, 40, 64])
 def test_attention_in_chunks_equals_attention_in_one_chunk(monkeypatch, tiny, T):
     """Keys a block at a time (an online softmax over 10 chunks) give the logits and pools of one chunk of 256 keys,
-    for a prefill chunk and a decode step after a 150-token prefix."""
+    for a prefill chunk and a decode step after a 150-token prefix. With a block per chunk the 40- and 64-token
+    chunks run their queries in 2 and 4 tiles, each over the key chunks up to its own last query."""
     cfg, graphdef, params = tiny
     toks = np.random.default_rng(4).integers(4, 500, 150 + T)
     results = []
