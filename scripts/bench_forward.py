@@ -49,7 +49,7 @@ def forward_jit(options: dict | None = None):
     """The jitted forward, with the XLA options of the engine's prefill step (`worker.compiler_options`) unless
     `options` are given."""
     return jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,),
-                   compiler_options=compiler_options(True) if options is None else options)
+                   compiler_options=compiler_options("prefill") if options is None else options)
 
 
 def time_jax(cfg, tokens, dtype, repeats, seed=0):
