@@ -104,3 +104,13 @@ def test_bench_serving_reports_server_and_offline_rows(tmp_path):
         assert r["requests"] == 2 and r["compilations_during_measurement"] == 0, name
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["itl_p50_ms"] > 0 and r["output_tok_per_s"] > 0, name
     assert set(result["overhead"]) == {"cache on, 1 clients", "cache off, 1 clients"}
+
+
+def test_bench_host_times_the_stubbed_decode_steps(tmp_path):
+    out = tmp_path / "host.json"
+    _script("bench_host").main(["--preset", "tiny-random", "--prompt", "40", "--batches", "1,3", "--steps", "20",
+                                "--chunk-stride", "16", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [(r["batch"], r["steps"]) for r in result["rows"]] == [(1, 20), (3, 20)]
+    for r in result["rows"]:
+        assert 0 < r["host_ms_min"] <= r["host_ms_median"] and r["first_tenth_ms_median"] > 0
