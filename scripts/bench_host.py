@@ -79,7 +79,8 @@ def run(args, batch: int) -> dict:
     tenth = max(1, len(times) // 10)
     ms = [1e3 * t for t in times]
     return {"batch": batch, "steps": len(ms), "host_ms_min": min(ms), "host_ms_median": statistics.median(ms),
-            "first_tenth_ms_median": statistics.median(ms[:tenth]), "last_tenth_ms_median": statistics.median(ms[-tenth:])}
+            "first_tenth_ms_median": statistics.median(ms[:tenth]),
+            "last_tenth_ms_median": statistics.median(ms[-tenth:])}
 
 
 def main(argv=None):
