@@ -31,7 +31,7 @@ GROUP_B := tests/gdn_jax/test_donation.py tests/gdn_jax/test_engine.py tests/gdn
 GROUP_C := tests/gdn_jax/test_decode_path.py tests/gdn_jax/test_model.py tests/gdn_jax/test_model_vs_hf.py tests/gdn_jax/test_prompt_logprobs.py \
            tests/gdn_jax/test_restore.py tests/gdn_jax/test_sampling.py tests/gdn_jax/test_sampling_engine.py
 GROUP_D := tests/gdn_jax/test_tiny_model.py tests/gdn_jax/test_train.py tests/gdn_jax/test_weights.py tests/gdn_jax/test_shape_buckets.py \
-           tests/gdn_jax/test_executables.py
+           tests/gdn_jax/test_executables.py tests/gdn_jax/test_text_stream.py
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(GROUP_A)
 	$(PY) -m pytest -q $(GROUP_B)
@@ -39,6 +39,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q $(GROUP_D)
 	$(PY) -m pytest -q tests/gdn_jax/test_server.py
 	$(PY) -m pytest -q tests/test_studies.py tests/test_notebooks.py  # the accuracy notebook reuses the study's steps
+	$(PY) -m pytest -q tests/test_bench_scripts.py
 
 # The comparison with transformers needs torch and transformers (the reference extra, CPU torch): a venv of its own,
 # so that `make test` never installs them.

@@ -16,7 +16,7 @@ import numpy as np
 
 from gdn_jax.config import ModelConfig
 from gdn_jax.weights import load_model, model_folder
-from gdn_jax.tokenizer import get_tokenizer
+from gdn_jax.tokenizer import TextStream, get_tokenizer
 from gdn_jax.worker import GPU_MEMORY_UTILIZATION, PromptLogprobs, Worker, default_memory_budget, plan_memory
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 from scheduler.sampling_params import SEED_BOUND
@@ -120,6 +120,8 @@ class _Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     texts: list[str] = dataclasses.field(default_factory=list)                # per sample, cut before a stop string
     stop_reasons: list[str | None] = dataclasses.field(default_factory=list)  # per sample
+    streams: list = dataclasses.field(default_factory=list)  # per sample: the tokenizer's incremental text decoder
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)  # shared by every output of the request
 
     @property
     def seq(self) -> Sequence:
@@ -286,7 +288,8 @@ class LLMEngine:
         req = _Request(request_id, text, seqs, RequestMetrics(arrival_time or time.perf_counter()),
                        [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs),
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
-                       texts=[""] * len(seqs), stop_reasons=[None] * len(seqs))
+                       texts=[""] * len(seqs), stop_reasons=[None] * len(seqs),
+                       streams=[self._text_stream() for _ in seqs], prompt_token_ids=list(ids))
         self._requests[request_id] = req
         for seq in seqs:
             self._by_seq[seq.seq_id] = req
@@ -427,10 +430,16 @@ class LLMEngine:
                                             prompt.top_ids[row, t, :k], prompt.top_logprobs[row, t, :k])
             req.prompt_logprobs[start + 1 + t] = entry
 
+    def _text_stream(self):
+        """An incremental decoder of a sample's output (a tokenizer without `stream` decodes it whole each step)."""
+        make = getattr(self.tokenizer, "stream", None)
+        return make() if make is not None else TextStream(self.tokenizer.decode)
+
     def _update_text(self, req: _Request, index: int, now: float) -> None:
-        """Decodes sample `index`; the first stop string found ends that sample, and its text is cut before it."""
-        seq = req.seqs[index]
-        req.texts[index] = self.tokenizer.decode(seq.output_token_ids)
+        """Decodes sample `index` (its new tokens only: the stream keeps the rest); the first stop string found ends
+        that sample, and its text is cut before it."""
+        seq, stream = req.seqs[index], req.streams[index]
+        req.texts[index] = stream.add(seq.token_ids[seq.num_prompt_tokens + stream.num_ids:])
         stops = seq.sampling_params.stop
         if not stops or seq.finish_reason == "abort":
             return
@@ -456,13 +465,12 @@ class LLMEngine:
     def _output(self, req: _Request) -> RequestOutput:
         completions = []
         for i, seq in enumerate(req.seqs):
-            ids = list(seq.output_token_ids)
+            ids = seq.output_token_ids  # a fresh list (a slice)
             lps = req.logprobs[i]
             completions.append(CompletionOutput(i, self._visible_text(req, i), ids, req.cumulative_logprob[i],
                                                 list(lps) if lps is not None else None, seq.finish_reason,
                                                 req.stop_reasons[i]))
-        seq = req.seq
-        return RequestOutput(req.request_id, req.prompt, seq.token_ids[:seq.num_prompt_tokens], completions,
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
                              req.is_finished, req.metrics.num_cached_tokens, req.metrics,
                              prompt_logprobs=req.prompt_logprobs, error=req.error)
 

@@ -10,6 +10,7 @@ The semantics of each knob are documented on `SamplingParams`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -62,30 +63,64 @@ class SamplingMetadata:
     def from_rows(cls, rows, num_rows: int, width: int, vocab_size: int, eos_token_id: int | None,
                   default_seed: int) -> "SamplingMetadata":
         """Host-side build from `ScheduledSequence`s. A request without a seed draws from
-        `(default_seed * 1_000_003 + seq_id) mod 2**32`."""
-        md = cls.padding(num_rows, width)
+        `(default_seed * 1_000_003 + seq_id) mod 2**32`.
+
+        Built once per step, so it is kept cheap: each [B] field is one array from a Python list, and the [B, W]
+        history and the [B, BAN_WIDTH] bans are, when no row of the step needs them (no penalty, no `min_tokens` ban),
+        shared all -1 device arrays (`_unused_rows`) rather than fresh host arrays copied to the device every step."""
+        pad = num_rows - len(rows)
+        temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, positions = (
+            [] for _ in range(9))
+        history = banned = prompt_lens = None
         for i, r in enumerate(rows):
             sp = r.sampling_params
-            md.temperature[i] = 0.0 if sp.is_greedy else sp.temperature
-            md.top_k[i] = min(sp.top_k, vocab_size) if sp.top_k > 0 else 0
-            md.top_p[i], md.min_p[i] = sp.top_p, sp.min_p
-            md.presence_penalty[i], md.frequency_penalty[i] = sp.presence_penalty, sp.frequency_penalty
-            md.repetition_penalty[i] = sp.repetition_penalty
-            md.seeds[i] = sp.seed if sp.seed is not None else (default_seed * 1_000_003 + r.seq_id) & 0xFFFFFFFF
-            md.positions[i] = r.num_generated
+            temperature.append(0.0 if sp.is_greedy else sp.temperature)
+            top_k.append(min(sp.top_k, vocab_size) if sp.top_k > 0 else 0)
+            top_p.append(sp.top_p)
+            min_p.append(sp.min_p)
+            presence.append(sp.presence_penalty)
+            frequency.append(sp.frequency_penalty)
+            repetition.append(sp.repetition_penalty)
+            seeds.append(sp.seed if sp.seed is not None else (default_seed * 1_000_003 + r.seq_id) & 0xFFFFFFFF)
+            positions.append(r.num_generated)
             if not r.sample:
                 continue
             if r.history is not None:
                 if len(r.history) > width:
                     raise ValueError(f"row {i}: {len(r.history)} history tokens exceed the step's width {width}")
-                md.history[i, :len(r.history)] = r.history
-                md.prompt_lens[i] = r.num_prompt_tokens
+                if history is None:
+                    history, prompt_lens = np.full((num_rows, width), -1, np.int32), np.zeros(num_rows, np.int32)
+                history[i, :len(r.history)] = r.history
+                prompt_lens[i] = r.num_prompt_tokens
             if r.num_generated < sp.min_tokens:
                 ban = list(sp.stop_token_ids or ())
                 if eos_token_id is not None and not sp.ignore_eos:
                     ban.append(eos_token_id)
-                md.banned[i, :len(ban)] = ban
-        return md
+                if ban:
+                    if banned is None:
+                        banned = np.full((num_rows, BAN_WIDTH), -1, np.int32)
+                    banned[i, :len(ban)] = ban
+
+        def col(values, fill, dtype):
+            return np.array(values + [fill] * pad, dtype)
+
+        unused = _unused_rows(num_rows, width)
+        return cls(temperature=col(temperature, 0.0, np.float32), top_k=col(top_k, 0, np.int32),
+                   top_p=col(top_p, 1.0, np.float32), min_p=col(min_p, 0.0, np.float32),
+                   presence_penalty=col(presence, 0.0, np.float32), frequency_penalty=col(frequency, 0.0, np.float32),
+                   repetition_penalty=col(repetition, 1.0, np.float32), seeds=col(seeds, 0, np.uint32),
+                   positions=col(positions, 0, np.int32),
+                   history=unused[0] if history is None else history,
+                   prompt_lens=unused[1] if prompt_lens is None else prompt_lens,
+                   banned=unused[2] if banned is None else banned)
+
+
+@functools.lru_cache(maxsize=64)
+def _unused_rows(rows: int, width: int) -> tuple:
+    """(history [rows, width] of -1, prompt_lens [rows] of 0, banned [rows, BAN_WIDTH] of -1) as device arrays: the
+    values of a step in which no row uses penalties or a ban, made once per rows bucket and passed as they are."""
+    return (jnp.full((rows, width), -1, jnp.int32), jnp.zeros(rows, jnp.int32),
+            jnp.full((rows, BAN_WIDTH), -1, jnp.int32))
 
 
 def _keys(seeds, positions):

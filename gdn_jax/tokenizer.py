@@ -2,7 +2,42 @@
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
+
+
+class TextStream:
+    """The text of a growing token sequence, `tokenizer.decode(all ids so far)`, fed a few ids at a time. This generic
+    one decodes every id again on each `add` (exact for any tokenizer); `ByteTextStream` only decodes the new ones."""
+
+    def __init__(self, decode):
+        self._decode, self.ids = decode, []
+
+    @property
+    def num_ids(self) -> int:
+        return len(self.ids)
+
+    def add(self, ids) -> str:
+        self.ids.extend(ids)
+        return self._decode(self.ids)
+
+
+class ByteTextStream:
+    """`ByteTokenizer.decode` of a growing sequence in time proportional to the new ids: the bytes go through Python's
+    incremental UTF-8 decoder (errors "replace"), which holds back an incomplete trailing character; that held-back
+    tail is rendered as the one-shot decode renders it (one replacement character), so every `add` returns exactly
+    `decode(all ids so far)`, and a decode step's detokenisation no longer grows with the output length."""
+
+    def __init__(self, offset: int):
+        self._offset, self._text, self.num_ids = offset, "", 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, ids) -> str:
+        lo, hi = self._offset, 256 + self._offset
+        self.num_ids += len(ids)
+        self._text += self._utf8.decode(bytes(i - lo for i in ids if lo <= i < hi))
+        pending = self._utf8.getstate()[0]
+        return self._text + pending.decode("utf-8", errors="replace") if pending else self._text
 
 
 class ByteTokenizer:
@@ -24,6 +59,9 @@ class ByteTokenizer:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
+    def stream(self) -> ByteTextStream:
+        return ByteTextStream(self.OFFSET)
+
 
 class HFTokenizer:
     """Wraps a `tokenizer.json` with the `tokenizers` library (optional dependency)."""
@@ -42,6 +80,11 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def stream(self) -> TextStream:
+        # a subword decoder may rewrite the start of a piece (Metaspace's leading space) or merge bytes across
+        # pieces, so a piecewise decode is not exact in general: decode the whole sequence again
+        return TextStream(self.decode)
 
 
 def get_tokenizer(folder: str | None, vocab_size: int, eos_token_id: int | None):

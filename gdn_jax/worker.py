@@ -222,7 +222,21 @@ def compile_threads_default() -> int:
 # sampling (sort, top-k, penalties: 1-1.5 s of CPU at Qwen3.5-9B's vocabulary) once per shape.
 @functools.cache
 def sample_function():
-    return jax.jit(sample, compiler_options=compiler_options("sample"))
+    return jax.jit(sample_packed, compiler_options=compiler_options("sample"))
+
+
+def sample_packed(logits, md: SamplingMetadata):
+    """`sample`'s four outputs as one int32 [B, 2 + 2 * MAX_LOGPROBS] array (tokens, the chosen logprob's bits, top
+    ids, the top logprobs' bits): the step's result comes back to the host in one transfer, not four."""
+    tokens, chosen, top_ids, top_lp = sample(logits, md)
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([tokens[:, None], bits(chosen)[:, None], top_ids, bits(top_lp)], axis=1)
+
+
+def unpack_sampled(packed: np.ndarray) -> tuple:
+    """`sample_packed`'s host array -> (tokens [B], chosen logprobs [B], top ids [B, K], top logprobs [B, K])."""
+    k = (packed.shape[1] - 2) // 2
+    return packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2:2 + k], packed[:, 2 + k:].view(np.float32)
 
 
 @dataclasses.dataclass
@@ -491,15 +505,15 @@ class Worker:
 
 
     def _run(self, batch: Batch, sampling: SamplingMetadata, *extra, fn=None):
-        """The step's forward (`fn`, with `extra` arguments), then sampling: (tokens, logprobs, top ids, top
-        logprobs[, prompt logprobs])."""
+        """The step's forward (`fn`, with `extra` arguments), then sampling: (the packed samples (`unpack_sampled`)[,
+        prompt logprobs]), on the device."""
         step = fn or self._executables.get(("step", *batch.tokens.shape)) or self._fn_for(batch.tokens)
         jitted = (self._fn, self._decode_fn, self._decode_wide_fn, self._prompt_fn, self._sample)
         before = sum(f._cache_size() for f in jitted)
         self.state, logits, *prompt = step(self._param_leaves, self.state, batch, *extra)
         sampled = self._executables.get(("sample", logits.shape[0]), self._sample)(logits, sampling)
         self.num_compilations += sum(f._cache_size() for f in jitted) - before
-        return (*sampled, *prompt)
+        return (sampled, *prompt)
 
     def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False
                 ) -> StepResult:
@@ -546,12 +560,12 @@ class Worker:
             targets = np.zeros((B, T), np.int32)
             for i, t in enumerate(prompt_targets):
                 targets[i, :len(t or ())] = t or ()
-            toks, lp, top_ids, top_lp, prompt = jax.device_get(self._run(*args, targets, full_rows,
-                                                                         fn=self._prompt_fn))
+            packed, prompt = jax.device_get(self._run(*args, targets, full_rows, fn=self._prompt_fn))
+            toks, lp, top_ids, top_lp = unpack_sampled(packed)
             rows = prompt[4][:n] if full_rows else None
             return StepResult(toks[:n], lp[:n], top_ids[:n], top_lp[:n],
                               PromptLogprobs(*(a[:n] for a in prompt[:4]), rows))
-        toks, lp, top_ids, top_lp = jax.device_get(self._run(*args))
+        toks, lp, top_ids, top_lp = unpack_sampled(jax.device_get(self._run(*args)[0]))
         return StepResult(toks[:n], lp[:n], top_ids[:n], top_lp[:n])
 
     def _execute_mixed(self, plan, prompt_targets, full_rows: bool) -> StepResult:

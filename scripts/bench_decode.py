@@ -1,7 +1,7 @@
 """Decode step time and tokens/s through `LLMEngine.step`, beside the memory-bandwidth bound of each step.
 
     python scripts/bench_decode.py [--preset hybrid-1024] [--prompt 512] [--batches 1,4,16,64]
-                                   [--dtypes float32,bfloat16] [--steps 12] [--bandwidth GBPS]
+                                   [--dtypes float32,bfloat16] [--steps 12] [--bandwidth GBPS] [--probe-mib 512]
                                    [--out results/bench_decode.json]
 
 For each dtype one engine (`--max-num-seqs` 64 and the default memory budget, so the state pools are as large as a
@@ -190,7 +190,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     return rows
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="hybrid-1024", help="model preset (default: %(default)s)")
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per request (default: %(default)s)")
@@ -202,11 +202,13 @@ def main():
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="read bandwidth (GB/s) of the bound (default: the larger of 16 and the measured float32 "
                          "matrix-vector read rate)")
+    ap.add_argument("--probe-mib", type=int, default=512,
+                    help="MiB of float32 the bandwidth probe reads (default: %(default)s)")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps traced for host / device time and op kinds")
     ap.add_argument("--out", default="results/bench_decode.json", help="JSON output (default: %(default)s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    bw = measure_read_bandwidth()
+    bw = measure_read_bandwidth(args.probe_mib)
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(16e9, bw["gemv"])
     print(f"read bandwidth measured now: sum {bw['sum'] / 1e9:.1f} GB/s, matrix-vector {bw['gemv'] / 1e9:.1f} GB/s; "
           f"the bound uses {bandwidth / 1e9:.1f} GB/s")

@@ -63,7 +63,7 @@ def one_pass(engine, args, rng) -> dict:
             "compilations": engine.cache_stats()["compilations"] - before}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(prog="bench_itl.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="preset or HF folder (default: %(default)s)")
@@ -81,7 +81,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3, help="measured passes per mode (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_itl.json", help="JSON output (default: %(default)s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from gdn_jax import LLMEngine
     report = {"config": vars(args), "modes": {}}

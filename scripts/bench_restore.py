@@ -58,7 +58,7 @@ def make_step(graphdef, variant: str):
     return jax.jit(step, donate_argnums=(1,))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=16, help="decode rows per step (default: %(default)s)")
     ap.add_argument("--gdn-layers", type=int, default=2, help="GDN layers of 9B's state shape (default: %(default)s)")
@@ -67,7 +67,7 @@ def main():
     ap.add_argument("--dtype", default="float32", help="parameter and activation dtype (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=25, help="timed steps per variant (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_restore.json", help="JSON output (default: %(default)s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     B, dtype = args.rows, jnp.dtype(args.dtype)
     if args.slots < 1 + 2 * B:

@@ -66,7 +66,7 @@ def run(num_seqs: int, steps: int, warmup: int, prefix_len: int, suffix_len: int
     return out
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(prog="bench_scheduler.py", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--seqs", type=int, nargs="+", default=[8, 64, 256], help="concurrent sequences, one run each")
@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--suffix-len", type=int, default=64, help="tokens of each request's own suffix")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--out", default="results/bench_scheduler.json", help="JSON output")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     results = [run(n, args.steps, args.warmup, args.prefix_len, args.suffix_len, args.seed)
                for n in args.seqs]

@@ -194,7 +194,7 @@ def summarize(results: list[dict], wall: float) -> dict:
             "raw_ttft_ms": [1e3 * t for t in ttft]}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(prog="bench_serving.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="preset or HF folder (default: %(default)s)")
@@ -211,7 +211,7 @@ def main():
     ap.add_argument("--no-offline", action="store_true", help="skip the offline-engine comparison")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_serving.json", help="JSON output (default: %(default)s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from gdn_jax.config import ModelConfig, get_preset
     from gdn_jax.weights import model_folder

@@ -1,10 +1,13 @@
 """Cache on == cache off: identical greedy tokens and logprobs, serial and concurrent, with real reuse."""
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
 
+import gdn_jax.model as model_mod
+import gdn_jax.worker as worker_mod
 from gdn_jax import LLM, SamplingParams
 from gdn_jax.config import FULL, LINEAR, get_preset
 from tests.gdn_jax.helpers import random_ids
@@ -159,3 +162,25 @@ def test_single_kind_models_cache_exactly(layer_types):
 def test_unknown_gdn_schedule_is_refused():
     with pytest.raises(ValueError, match="gdn_schedule"):
         LLM("tiny-random", gdn_schedule="chunked", **ENGINE_KW)
+
+
+@pytest.mark.parametrize("schedule", ["parallel", "fused"])
+def test_gdn_schedule_reaches_the_chunked_rule(schedule, monkeypatch):
+    """The engine's `gdn_schedule` is the `impl` the chunked GDN rule is traced with in a prefill step (so the
+    "scan-parallel" equivalence above really compares two schedules). The step functions get a fresh cache here, so
+    this engine's step is traced anew, not taken from an engine built earlier in the process."""
+    seen = []
+    rule = model_mod.chunk_gated_delta_rule
+
+    def spy(*args, impl="auto", **kwargs):
+        seen.append(impl)
+        return rule(*args, impl=impl, **kwargs)
+
+    monkeypatch.setattr(model_mod, "chunk_gated_delta_rule", spy)
+    for name in ("step_function", "prompt_step_function"):
+        monkeypatch.setattr(worker_mod, name, functools.lru_cache(maxsize=None)(getattr(worker_mod, name).__wrapped__))
+    llm = LLM("tiny-random", gdn_schedule=schedule, **ENGINE_KW)
+    prompt = random_ids(np.random.default_rng(3), 2 * STRIDE + 5)  # crosses two boundaries: the saving path too
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert llm.engine.cfg.linear_layer_ids and seen and set(seen) == {schedule}  # (the layers trace it once)

@@ -1,0 +1,108 @@
+"""The host's Python work per decode step, with the device left out: `LLMEngine.step` with the worker's jitted forward
+and sampling replaced by stubs that return at once (fixed-shape placeholders), so the time is the scheduler, the
+worker's argument building, the sampled tokens' postprocessing and the outputs, and nothing the device does.
+
+    python scripts/bench_host.py [--preset hybrid-1024] [--batches 1,16] [--prompt 512] [--steps 600]
+                                 [--out results/bench_host.json]
+
+Per batch size: `--batches` requests of `--prompt` random tokens are prefilled (through the stubs), then `--steps`
+greedy decode steps are timed. Per-step work that grows with the output length shows as a difference between the
+first and the last tenth of the steps. The stubbed sampler draws random tokens (never EOS, `ignore_eos`), so the
+outputs' text changes every step. `bench_decode.py`'s `host` column is this plus the dispatch of the two executables
+and the copy of the result. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gdn_jax import LLMEngine, SamplingParams
+from scheduler.sampling_params import MAX_LOGPROBS
+
+
+class _Stub:
+    """Stands in for a jitted function (`_cache_size` is what the worker asks it besides calling it)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def _cache_size(self) -> int:
+        return 0
+
+
+def stub_device(engine: LLMEngine, rng: np.random.Generator) -> None:
+    """Replaces the worker's step and sampling executables with host stubs of the same output structure."""
+    w = engine.worker
+    vocab = engine.cfg.vocab_size
+
+    def step(leaves, state, batch, *extra):
+        return state, np.zeros((batch.tokens.shape[0], 1), np.float32)
+
+    def sample(logits, md):
+        out = np.zeros((logits.shape[0], 2 + 2 * min(MAX_LOGPROBS, vocab)), np.int32)
+        out[:, 0] = rng.integers(4, min(vocab, 260), logits.shape[0])  # byte ids of the byte tokenizer (text changes)
+        return out
+
+    w._fn = w._decode_fn = _Stub(step)
+    w._sample = _Stub(sample)
+    w._executables = {}
+
+
+def run(args, batch: int) -> dict:
+    engine = LLMEngine(args.preset, max_num_seqs=max(batch, 2), chunk_stride=args.chunk_stride,
+                       max_model_len=args.prompt + args.steps + 8 + batch, verbose=False)
+    rng = np.random.default_rng(0)
+    stub_device(engine, rng)
+    for i in range(batch):
+        engine.add_request(str(i), rng.integers(4, engine.cfg.vocab_size, args.prompt).tolist(),
+                           SamplingParams(temperature=0.0, max_tokens=args.steps + 4 + batch, ignore_eos=True))
+    while True:
+        engine.step()
+        if not engine.last_step_info["is_prefill"]:
+            break
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        info = engine.last_step_info
+        assert info["rows"] == batch and not info["is_prefill"], info
+    tenth = max(1, len(times) // 10)
+    ms = [1e3 * t for t in times]
+    return {"batch": batch, "steps": len(ms), "host_ms_min": min(ms), "host_ms_median": statistics.median(ms),
+            "first_tenth_ms_median": statistics.median(ms[:tenth]),
+            "last_tenth_ms_median": statistics.median(ms[-tenth:])}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="hybrid-1024", help="model preset (default: %(default)s)")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per request (default: %(default)s)")
+    ap.add_argument("--batches", default="1,16", help="decode batch sizes, comma-separated (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=600, help="timed decode steps (default: %(default)s)")
+    ap.add_argument("--chunk-stride", type=int, default=256, help="tokens between checkpoints (default: %(default)s)")
+    ap.add_argument("--out", default="results/bench_host.json", help="JSON output (default: %(default)s)")
+    args = ap.parse_args(argv)
+    rows = [run(args, int(b)) for b in args.batches.split(",")]
+    print(f"{args.preset}, {args.prompt}-token prompts, {args.steps} decode steps, device calls stubbed")
+    print(f"{'batch':>5} {'min ms':>7} {'median':>7} {'first 10%':>10} {'last 10%':>9}")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['host_ms_min']:7.3f} {r['host_ms_median']:7.3f} {r['first_tenth_ms_median']:10.3f} "
+              f"{r['last_tenth_ms_median']:9.3f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"preset": args.preset, "prompt": args.prompt, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

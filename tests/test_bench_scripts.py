@@ -1,0 +1,117 @@
+"""Smoke tests of the benchmark scripts: each `main` runs with its smallest flags on a tiny model and writes the JSON
+its docstring describes, with one row per configuration and positive times. (No timing is asserted.)"""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script(name):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
+@pytest.mark.slow  # ~40 s: two engines compile their prefill and decode steps
+def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
+    out = tmp_path / "decode.json"
+    _script("bench_decode").main(["--preset", "tiny-random", "--prompt", "16", "--batches", "1,2", "--dtypes",
+                                  "float32,bfloat16", "--steps", "2", "--profile-steps", "1", "--chunk-stride", "16",
+                                  "--max-num-seqs", "2", "--probe-mib", "4", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["preset"] == "tiny-random" and result["prompt"] == 16 and result["bound_bandwidth_bytes_per_s"] > 0
+    assert [(r["dtype"], r["batch"]) for r in result["rows"]] == [
+        ("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
+    for r in result["rows"]:
+        assert 0 < r["step_ms_min"] <= r["step_ms_median"]
+        assert 0 < r["host_ms_min"] <= r["host_ms_median"] < r["step_ms_median"]
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / (r["step_ms_median"] / 1e3))
+        need = r["bytes_per_step"]
+        assert need["total"] == need["weights"] + need["kv"] + need["linear_state"] and need["kv"] > 0
+        assert r["bound_ms"] > 0 and r["x_bound"] > 0
+        assert r["profile"]["op_ms"] and all(v >= 0 for v in r["profile"]["op_ms"].values())
+    one, two = result["rows"][:2]  # more rows read more KV and state, the same weights (bar the embedding rows)
+    assert two["bytes_per_step"]["kv"] == 2 * one["bytes_per_step"]["kv"]
+
+
+def test_bench_scheduler_reports_each_concurrency(tmp_path):
+    out = tmp_path / "scheduler.json"
+    _script("bench_scheduler").main(["--seqs", "2", "4", "--steps", "40", "--warmup", "10", "--prefix-len", "32",
+                                     "--suffix-len", "8", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["num_seqs"] for r in result["results"]] == [2, 4]
+    for r in result["results"]:
+        assert r["decode"]["steps"] + r["prefill"]["steps"] == 40 and r["decode"]["steps"] > 0
+        assert r["decode"]["p50_ms"] > 0 and 0 <= r["hit_rate"] <= 1
+
+
+def test_bench_sampling_reports_each_cell(tmp_path):
+    out = tmp_path / "sampling.json"
+    _script("bench_sampling").main(["--vocab", "512", "--rows", "1", "2", "--width", "32", "--repeats", "2",
+                                    "--out", str(out)])
+    result = json.loads(out.read_text())["results"]
+    assert [(r["rows"], r["penalties"]) for r in result] == [(1, False), (1, True), (2, False), (2, True)]
+    for r in result:
+        assert all(t > 0 for t in r["host_build_ms"] + r["device_ms"])
+        assert (r["dense_host_counts_ms"] is not None) == r["penalties"]
+
+
+@pytest.mark.slow
+def test_bench_restore_reports_every_variant(tmp_path):
+    out = tmp_path / "restore.json"
+    _script("bench_restore").main(["--rows", "2", "--gdn-layers", "1", "--slots", "5", "--hidden", "64",
+                                   "--repeats", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["rows"] == 2 and result["slot_mib"] > 0
+    assert [r["variant"] for r in result["results"]] == ["no restore", "compiled out", "restore all",
+                                                          "copy, then step"]
+    assert all(0 < r["min_ms"] <= r["median_ms"] for r in result["results"])
+
+
+@pytest.mark.slow
+def test_bench_itl_reports_both_modes(tmp_path):
+    out = tmp_path / "itl.json"
+    _script("bench_itl").main(["--model", "tiny-random", "--decoders", "2", "--short", "8", "--prompt", "64",
+                               "--lead", "2", "--max-tokens", "6", "--chunk-stride", "16",
+                               "--max-num-batched-tokens", "32", "--max-model-len", "128", "--runs", "1",
+                               "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"separate", "mixed"}
+    for mode in result["modes"].values():
+        (run,) = mode["runs"]
+        assert 0 < run["p50_itl_ms"] <= run["max_itl_ms"] and run["long_ttft_ms"] > 0 and run["gaps"] > 0
+        assert run["compilations"] == 0  # the first (untimed) pass compiled the shapes
+    runs = {mode: r["runs"][0] for mode, r in result["modes"].items()}
+    assert runs["mixed"]["mixed_steps"] > 0 and runs["separate"]["mixed_steps"] == 0
+
+
+@pytest.mark.slow
+def test_bench_serving_reports_server_and_offline_rows(tmp_path):
+    out = tmp_path / "serving.json"
+    _script("bench_serving").main(["--model", "tiny-random", "--concurrency", "1", "--requests", "2", "--system",
+                                   "16", "--question", "4", "--max-tokens", "2", "--chunk-stride", "16",
+                                   "--max-model-len", "64", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["rows"]) == {f"{kind}, cache {c}" for kind in ("server", "offline") for c in ("on", "off")}
+    for name, by_clients in result["rows"].items():
+        r = by_clients["1"]
+        assert r["requests"] == 2 and r["compilations_during_measurement"] == 0, name
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["itl_p50_ms"] > 0 and r["output_tok_per_s"] > 0, name
+    assert set(result["overhead"]) == {"cache on, 1 clients", "cache off, 1 clients"}
+
+
+def test_bench_host_times_the_stubbed_decode_steps(tmp_path):
+    out = tmp_path / "host.json"
+    _script("bench_host").main(["--preset", "tiny-random", "--prompt", "40", "--batches", "1,3", "--steps", "20",
+                                "--chunk-stride", "16", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [(r["batch"], r["steps"]) for r in result["rows"]] == [(1, 20), (3, 20)]
+    for r in result["rows"]:
+        assert 0 < r["host_ms_min"] <= r["host_ms_median"] and r["first_tenth_ms_median"] > 0
