@@ -7,8 +7,8 @@ Through `LLM.generate`, bfloat16, prefix caching on, random token ids (no tokeni
 - hit: one fixed `shared`-token prefix followed by `suffix` fresh tokens, median of `--n` after two warm-up prompts
   (the first caches the prefix, the second compiles the hit's step shape: the engine compiles per shape, which a
   serving engine does once at start, `LLMEngine.warm_up`); the tokens reused in each timed round are reported;
-- decode: `(time of 65 new tokens - time of 1) / 64` for a batch of 1 and of 16 512-token prompts, after one
-  warm-up round each.
+- decode: `(time of 65 new tokens - time of 1) / 64` for a batch of 1 and of 16 `--decode-prompt`-token prompts
+  (512), after one warm-up round each.
 `--vllm FILE`: lines `RESULT {...}` printed by vLLM's side (its TTFT and decode runs on the same folder), to print
 the ratio table. Writes JSON (`--out`).
 """
@@ -49,7 +49,7 @@ def measure(args) -> dict:
 
     def decode_step(B: int) -> float:
         def timed(n: int) -> float:
-            prompts = [rng.integers(0, V, 512).tolist() for _ in range(B)]
+            prompts = [rng.integers(0, V, args.decode_prompt).tolist() for _ in range(B)]
             t = time.perf_counter()
             llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
             return time.perf_counter() - t
@@ -75,7 +75,7 @@ def read_vllm(path: str) -> dict:
     return merged
 
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="bench_vs_vllm.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF folder (or preset name)")
@@ -85,7 +85,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="(default: %(default)s)")
     ap.add_argument("--vllm", help="file with vLLM's RESULT lines for the same folder and shapes")
     ap.add_argument("--out", default="results/bench_vs_vllm.json", help="JSON output (default: %(default)s)")
-    args = ap.parse_args()
+    ap.add_argument("--decode-prompt", type=int, default=512, help="prompt tokens of the decode rounds (default: %(default)s)")
+    args = ap.parse_args(argv)
     ours = measure(args)
     peer = read_vllm(args.vllm) if args.vllm else {}
     rows = [("cold TTFT, shared + suffix tokens", "cold_s", "cold"), ("hit TTFT, shared cached + suffix new", "hit_s", "hit"),
@@ -102,8 +103,10 @@ def main():
         print(f"{label:40s}{mine:12.1f}{theirs if theirs else float('nan'):10.1f}{ratio if ratio else float('nan'):8.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gdn_jax": ours, "vllm": peer, "table": table}, indent=2))
+    result = {"gdn_jax": ours, "vllm": peer, "table": table}
+    out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
+    return result
 
 
 if __name__ == "__main__":

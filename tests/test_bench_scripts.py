@@ -115,3 +115,20 @@ def test_bench_host_times_the_stubbed_decode_steps(tmp_path):
     assert [(r["batch"], r["steps"]) for r in result["rows"]] == [(1, 20), (3, 20)]
     for r in result["rows"]:
         assert 0 < r["host_ms_min"] <= r["host_ms_median"] and r["first_tenth_ms_median"] > 0
+
+
+def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
+    peer = tmp_path / "vllm.txt"
+    peer.write_text('log line\nRESULT {"shared": 32, "suffix": 16, "apc_on": {"cold": 0.5, "hit": 0.25, "cached": [32]}}\n'
+                    'RESULT {"decode_step_s_B1": 0.02, "decode_step_s_B16": 0.04}\n')
+    out = tmp_path / "vs.json"
+    result = _script("bench_vs_vllm").main(["--model", "tiny-random", "--shared", "64", "--suffix", "16", "--n", "1",
+                                            "--decode-prompt", "16", "--vllm", str(peer), "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    ours = result["gdn_jax"]
+    assert ours["cached"] == [64]  # the hit rounds reused the whole prefix (the default chunk_stride, 64)
+    assert all(ours[k] > 0 for k in ("cold_s", "hit_s", "decode_step_s_B1", "decode_step_s_B16"))
+    assert result["vllm"] == {"shared": 32, "suffix": 16, "cold": 0.5, "hit": 0.25, "cached": [32],
+                              "decode_step_s_B1": 0.02, "decode_step_s_B16": 0.04}
+    cold = result["table"][0]
+    assert cold["vllm_ms"] == 500 and cold["ratio"] == pytest.approx(cold["gdn_jax_ms"] / 500)
