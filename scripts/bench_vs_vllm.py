@@ -8,7 +8,8 @@ Through `LLM.generate`, bfloat16, prefix caching on, random token ids (no tokeni
   (the first caches the prefix, the second compiles the hit's step shape: the engine compiles per shape, which a
   serving engine does once at start, `LLMEngine.warm_up`); the tokens reused in each timed round are reported;
 - decode: `(time of 65 new tokens - time of 1) / 64` for a batch of 1 and of 16 `--decode-prompt`-token prompts
-  (512), after one warm-up round each.
+  (512), after one warm-up round of each length. With mixed steps the rows that finish their prefill first decode
+  while the others prefill, so this figure is below the engine's decode step time (scripts/bench_decode.py).
 `--vllm FILE`: lines `RESULT {...}` printed by vLLM's side (its TTFT and decode runs on the same folder), to print
 the ratio table. Writes JSON (`--out`).
 """
@@ -54,7 +55,7 @@ def measure(args) -> dict:
             llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
             return time.perf_counter() - t
 
-        timed(65)
+        timed(65), timed(1)  # both compile their step shapes here (a one-token request ends with its prefill)
         return (timed(65) - timed(1)) / 64
 
     return {"shared": L, "suffix": S, "dtype": args.dtype, "chunk_stride": llm.engine.worker.stride,
