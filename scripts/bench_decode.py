@@ -128,7 +128,8 @@ def profile_steps(engine: LLMEngine, n: int, module: str) -> dict:
 def _op_kind(hlo_op: str) -> str:
     """The kind of an XLA op from its HLO name (copy.12, dot.3, wrapped_convert.1, ynn_fusion, add_fusion.4...)."""
     s = hlo_op.lower()
-    for key, kind in (("copy", "copy"), ("convert", "convert"), ("dot", "dot"), ("ynn", "dot"), ("xnn", "dot"),
+    # "dot" first: a one-row product is a dot inside a loop fusion XLA names e.g. copy_dot_fusion
+    for key, kind in (("dot", "dot"), ("ynn", "dot"), ("xnn", "dot"), ("copy", "copy"), ("convert", "convert"),
                       ("scatter", "scatter"), ("dynamic-update-slice", "scatter"), ("gather", "gather"),
                       ("sort", "sort"), ("while", "loop"), ("call", "loop"), ("fusion", "fusion")):
         if key in s:
