@@ -50,8 +50,8 @@ KEEP_VERSIONS = 3  # sets of executables (source versions) kept in the store
 
 def default_folder(cache: str | None = None) -> str | None:
     """`executables/<source version>/` in `cache`, by default JAX's persistent compilation cache folder (None when
-    that cache is off). Marks this version as used now and deletes all but the KEEP_VERSIONS most recently used ones (and any entry of
-    the former flat layout)."""
+    that cache is off). Marks this version as used now and deletes all but the KEEP_VERSIONS most recently used
+    ones (and any entry of the former flat layout)."""
     cache = cache or jax.config.jax_compilation_cache_dir
     if not cache:
         return None

@@ -133,6 +133,7 @@ def write_rows(pool, ids: tuple, rows, axis: int = 0):
 # hold, whatever the width of the block tables, so a wide table costs nothing and one width serves every step.
 KV_CHUNK_KEYS = 256
 
+
 def query_tiles(T: int, keys_per_chunk: int) -> int:
     """How many tiles of queries the attention of a T-token chunk runs one after the other: the most tiles of at least
     `keys_per_chunk` queries that divide T (1 for a decode step). A tile reads only the key chunks up to its own last
@@ -211,11 +212,11 @@ def _product(x, kernel):
       (which would turn it into x @ W.T again).
     Many rows (prefill) amortise the library's packing of the weight either way. Elsewhere (GPU) the product is left
     alone."""
-    lead, m = x.shape[:-1], math.prod(x.shape[:-1])
-    if jax.default_backend() == "cpu" and m == 1:
+    lead, m, cpu = x.shape[:-1], math.prod(x.shape[:-1]), jax.default_backend() == "cpu"
+    if cpu and m == 1:
         return jnp.dot(x.reshape(1, x.shape[-1]), kernel.T, preferred_element_type=jnp.float32).reshape(*lead, -1)
     lo, hi = WEIGHT_LHS_ROWS.get(jnp.dtype(x.dtype), (0, -1))
-    if lo <= m <= hi and jax.default_backend() == "cpu":
+    if cpu and lo <= m <= hi:
         y = jnp.einsum("vd,md->vm", kernel, x.reshape(m, x.shape[-1]), preferred_element_type=jnp.float32)
         return jax.lax.optimization_barrier(y).T.reshape(*lead, kernel.shape[0])
     return jnp.einsum("...d,vd->...v", x, kernel, preferred_element_type=jnp.float32)

@@ -42,6 +42,17 @@ from flax import nnx
 from gdn_jax import LLMEngine, SamplingParams
 
 
+def best_time(fn, *args, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of fn(*args) (waited for), after one untimed call."""
+    fn(*args).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*args).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_read_bandwidth(mib: int = 512, repeats: int = 7) -> dict:
     """Read bandwidth (bytes/s) of two streaming kernels over `mib` MiB of float32: a column sum, and a
     matrix-vector product (the access pattern of a decode step)."""
@@ -52,13 +63,7 @@ def measure_read_bandwidth(mib: int = 512, repeats: int = 7) -> dict:
     out = {}
     for name, fn in probes.items():
         args = (x,) if name == "sum" else (x, v)
-        fn(*args).block_until_ready()
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn(*args).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
-        out[name] = x.nbytes / best
+        out[name] = x.nbytes / best_time(fn, *args, repeats=repeats)
     return out
 
 

@@ -11,7 +11,7 @@ only the JAX rows are reported.
 Beside the times: the forward's matmul work counted from the config (`bench_gpu.forward_flops`: projections and LM
 head, attention over the causal triangle, the chunked GDN rule), the achieved matmul GFLOP/s (work / forward time),
 and the measured matmul peak of each dtype on the forward's own projection shapes (`matmul_peak`: bare jitted dots,
-weights stored [in, out], the FLOP-weighted rate of the forward's mix), with the fraction of it the forward reaches.
+plain contractions, the FLOP-weighted rate of the forward's mix), with the fraction of it the forward reaches.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from gdn_jax.weights import hf_tensors
 from gdn_jax.worker import compiler_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import best_time  # noqa: E402
 from bench_gpu import forward_flops  # noqa: E402
 
 
@@ -84,20 +85,16 @@ def projection_shapes(cfg) -> list[tuple[int, int, int]]:
 
 def matmul_peak(cfg, T: int, dtype, repeats: int = 5) -> dict:
     """The measured matmul peak on the forward's own projection shapes: a bare jitted x [T, n_in] @ w [n_in, n_out]
-    (the weight stored [in, out], XLA's fast layout for bfloat16 on CPU), accumulated in float32, per shape (best
-    of `repeats`), and the FLOP-weighted rate of the forward's mix (its projection FLOPs / the sum of their times)."""
+    (the plain contraction, which XLA's CPU backend gives its matmul library at any row count above one),
+    accumulated in float32, per shape (best of `repeats`), and the FLOP-weighted rate of the forward's mix (its
+    projection FLOPs / the sum of their times)."""
     rng = np.random.default_rng(0)
     fn = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
     per_shape, flops, seconds = [], 0.0, 0.0
     for n_in, n_out, layers in projection_shapes(cfg):
         x = jnp.asarray(rng.standard_normal((T, n_in)), dtype)
         w = jnp.asarray(rng.standard_normal((n_in, n_out)), dtype)
-        fn(x, w).block_until_ready()
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn(x, w).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
+        best = best_time(fn, x, w, repeats=repeats)
         fl = 2.0 * T * n_in * n_out
         per_shape.append({"n_in": n_in, "n_out": n_out, "layers": layers, "s": best, "gflops": fl / best / 1e9})
         flops, seconds = flops + layers * fl, seconds + layers * best

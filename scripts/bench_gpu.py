@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import _op_kind, decode_bytes, measure_read_bandwidth, trace_events  # noqa: E402
+from bench_decode import _op_kind, best_time, decode_bytes, measure_read_bandwidth, trace_events  # noqa: E402
 
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
 from gdn_jax.config import LINEAR, get_preset  # noqa: E402
@@ -48,13 +48,7 @@ def matmul_peak(n: int, dtype, repeats: int = 10) -> float:
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     fn = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype))
-    fn(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return 2 * n**3 / best_time(fn, a, b, repeats=repeats)
 
 
 def forward_flops(cfg, T: int, chunk: int = 64) -> dict:
