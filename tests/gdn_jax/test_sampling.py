@@ -15,7 +15,7 @@ import pytest
 from scipy import stats
 
 from gdn_jax import LLM, SamplingParams
-from gdn_jax.sampling import MAX_LOGPROBS, SamplingMetadata, process_logits, sample
+from gdn_jax.sampling import MAX_LOGPROBS, SamplingMetadata, _keys, first_argmax, process_logits, sample
 from gdn_jax.tokenizer import ByteTokenizer
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
@@ -203,6 +203,35 @@ def test_greedy_top_k_one_tiny_top_p_and_tiny_temperature_all_pick_the_argmax():
                    dict(temperature=1e-6), dict(temperature=1.0, min_p=1.0)):
         toks, *_ = sample_jit(logits, metadata(6, **fields))
         assert np.asarray(toks).tolist() == argmax, fields
+
+
+def test_first_argmax_is_jnp_argmax_with_ties_infinities_and_nans():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((9, 300)).astype(np.float32)
+    x[0, [17, 5, 250]] = 9.0                     # ties: the first index wins
+    x[1, [40, 41]] = np.nan                      # NaN counts as the largest, first NaN wins
+    x[2] = -np.inf                               # all -inf: index 0
+    x[3, 299] = np.inf
+    x[4, [0, 299]] = 7.0
+    x[5] = 0.0                                   # all equal
+    x[6, 123] = np.nan
+    x[6, 12] = np.inf
+    got = np.asarray(jax.jit(first_argmax)(x))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got.dtype == np.int32 and got[:7].tolist() == [5, 40, 0, 299, 0, 0, 123]
+
+
+def test_draws_are_jax_random_categorical_token_for_token():
+    """The draw's Gumbel-max form keeps the tokens of `jax.random.categorical` with the same keys: a seeded request
+    samples what it sampled before the form changed."""
+    rng = np.random.default_rng(4)
+    logits = (rng.standard_normal((64, 257)) * 3).astype(np.float32)
+    md = metadata(64, temperature=0.8, seeds=rng.integers(0, 2**31, 64), positions=rng.integers(0, 500, 64))
+    toks = np.asarray(sample_jit(jnp.asarray(logits), md)[0])
+    keys = _keys(jnp.asarray(md.seeds), jnp.asarray(md.positions))
+    want = np.asarray(jax.vmap(jax.random.categorical)(keys, jnp.asarray(logits) / 0.8))
+    np.testing.assert_array_equal(toks, want)
+    assert len(set(toks.tolist())) > 20            # real draws, not one token
 
 
 def test_top_k_above_the_vocabulary_is_off():
