@@ -18,7 +18,10 @@ Per configuration it reports:
   divided by the read bandwidth: `--bandwidth` GB/s if given, else the larger of 16 GB/s (the development
   machine's figure) and the matrix-vector probe measured at the start (on a quiet machine ~24 GB/s; a busy one
   reads low). `x bound` = median step / bound;
-- the XLA op time of a traced step summed by kind (copy, dot, convert, fusion, scatter, sort, ...).
+- the XLA op self time of a traced step (an op's time less that of the ops nested in it: loop and conditional
+  bodies) summed by kind (copy, dot, convert, fusion, scatter, sort, ...) and by part of the model (projections,
+  gdn_rule, conv, attention, norms_elementwise, logits, other: scripts/op_profile.py). On two cores the ops of
+  both threads add up to more than the step's wall time.
 
 Prints a table and writes JSON. Timings on a shared machine are noisy: read the minimum beside the median.
 """
@@ -27,10 +30,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
@@ -40,6 +42,9 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax import LLMEngine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from op_profile import compiled_text, op_kind, op_parts, self_times, trace_events  # noqa: E402
 
 
 def best_time(fn, *args, repeats: int) -> float:
@@ -88,10 +93,12 @@ class _BlockTimer:
     """Wraps the worker's jitted step: after each (asynchronous) call returns, waits for its outputs and records how
     long the host was blocked on the device."""
 
-    def __init__(self, fn, blocked: list | None = None):
+    def __init__(self, fn, blocked: list | None = None, last: list | None = None):
         self.fn, self.blocked = fn, [] if blocked is None else blocked
+        self.last = [None] if last is None else last  # [(fn, args)] of the last call (shareable, like blocked)
 
     def __call__(self, *args):
+        self.last[0] = (self.fn, args)
         out = self.fn(*args)
         t0 = time.perf_counter()
         jax.block_until_ready(out)
@@ -102,44 +109,21 @@ class _BlockTimer:
         return getattr(self.fn, name)
 
 
-def trace_events(fn, n: int) -> tuple[list[dict], float]:
-    """Runs fn() n times under the JAX profiler (Python tracer off): (the trace's events, wall seconds per call)."""
-    opts = jax.profiler.ProfileOptions()
-    opts.python_tracer_level = 0
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, profiler_options=opts):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            wall = (time.perf_counter() - t0) / n
-        events = json.loads(gzip.decompress(next(Path(d).rglob("*.trace.json.gz")).read_bytes()))
-    return (events["traceEvents"] if isinstance(events, dict) else events), wall
-
-
-def profile_steps(engine: LLMEngine, n: int, module: str) -> dict:
-    """Traces `n` engine steps and returns the XLA op time of the step executable per step, summed by kind (median
-    over the steps), and the op counts."""
+def profile_steps(engine: LLMEngine, n: int, module: str, hlo_text: str) -> dict:
+    """Traces `n` engine steps: the XLA self time of the step executable `module` per step, summed by op kind
+    (`op_kind`, with the op counts) and by part of the model (`op_profile.op_parts` on the executable's compiled
+    text; "unattributed": ops the text does not name)."""
     events, _ = trace_events(engine.step, n)
-    ms, count = collections.Counter(), collections.Counter()
-    for e in events:
-        a = e.get("args") or {}
-        if e.get("ph") == "X" and a.get("hlo_module") == module and "hlo_op" in a:
-            kind = _op_kind(a["hlo_op"])
-            ms[kind] += e["dur"] / 1e3 / n
-            count[kind] += 1 / n
-    return {"op_ms": dict(ms), "op_count": dict(count)}
-
-
-def _op_kind(hlo_op: str) -> str:
-    """The kind of an XLA op from its HLO name (copy.12, dot.3, wrapped_convert.1, ynn_fusion, add_fusion.4...)."""
-    s = hlo_op.lower()
-    # "dot" first: a one-row product is a dot inside a loop fusion XLA names e.g. copy_dot_fusion
-    for key, kind in (("dot", "dot"), ("ynn", "dot"), ("xnn", "dot"), ("copy", "copy"), ("convert", "convert"),
-                      ("scatter", "scatter"), ("dynamic-update-slice", "scatter"), ("gather", "gather"),
-                      ("sort", "sort"), ("while", "loop"), ("call", "loop"), ("fusion", "fusion")):
-        if key in s:
-            return kind
-    return "other"
+    ms = self_times(events, module, n)
+    calls = collections.Counter(e["args"]["hlo_op"] for e in events
+                                if e.get("ph") == "X" and (e.get("args") or {}).get("hlo_module") == module)
+    parts = op_parts(hlo_text)[0]
+    kind_ms, count, part_ms = collections.Counter(), collections.Counter(), collections.Counter()
+    for op, t in ms.items():
+        kind_ms[op_kind(op)] += t
+        count[op_kind(op)] += calls[op] / n
+        part_ms[parts.get(op, "unattributed")] += t
+    return {"op_ms": dict(kind_ms), "op_count": dict(count), "part_ms": dict(part_ms)}
 
 
 def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
@@ -149,7 +133,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     module = f"jit_{engine.worker._decode_fn.__name__}"  # the decode step executable's name in the profile
     timer = engine.worker._decode_fn = _BlockTimer(engine.worker._decode_fn)
     # decode steps of many rows are their own jitted function (other compile options): one record for both
-    engine.worker._decode_wide_fn = _BlockTimer(engine.worker._decode_wide_fn, timer.blocked)
+    engine.worker._decode_wide_fn = _BlockTimer(engine.worker._decode_wide_fn, timer.blocked, timer.last)
     # sampling is its own executable: its wait is device time too
     sampler = engine.worker._sample = _BlockTimer(engine.worker._sample)
     vocab = engine.cfg.vocab_size
@@ -175,7 +159,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             steps.append(time.perf_counter() - t0)
             host.append(steps[-1] - sum(timer.blocked) - sum(sampler.blocked))
             assert engine.last_step_info["rows"] == batch and not engine.last_step_info["is_prefill"]
-        prof = profile_steps(engine, args.profile_steps, module)
+        prof = profile_steps(engine, args.profile_steps, module, compiled_text(*timer.last[0]))
         context = args.prompt + 3 + args.steps // 2
         need = decode_bytes(engine, batch, context)
         bound = need["total"] / bandwidth
@@ -189,8 +173,10 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
               f" | host {row['host_ms_median']:5.2f} ms | {row['tokens_per_s']:7.1f} tok/s"
               f" | bound {row['bound_ms']:5.1f} ms ({need['total'] / 1e6:.0f} MB) x{row['x_bound']:.2f}", flush=True)
         kinds = sorted(prof["op_ms"].items(), key=lambda kv: -kv[1])
-        print("    op time per step (ms, count): "
+        print("    op self time per step by kind (ms, count): "
               + ", ".join(f"{k} {v:.1f} ({prof['op_count'][k]:.0f})" for k, v in kinds))
+        print("    by part (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(prof["part_ms"].items(),
+                                                                               key=lambda kv: -kv[1])))
         for i in range(batch):
             engine.abort_request(f"{batch}-{i}")
     return rows

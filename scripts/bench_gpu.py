@@ -36,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import _op_kind, best_time, decode_bytes, measure_read_bandwidth, trace_events  # noqa: E402
+from bench_decode import best_time, decode_bytes, measure_read_bandwidth  # noqa: E402
+from op_profile import op_kind, trace_events  # noqa: E402
 
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
-from gdn_jax.config import LINEAR, get_preset  # noqa: E402
+from gdn_jax.config import get_preset  # noqa: E402
 from gdn_jax.model import Batch, forward, init_state  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def trace_ops(fn, n: int) -> dict:
         a = e.get("args") or {}
         if e.get("ph") == "X" and "hlo_op" in a:
             where = names.get(e["pid"], str(e["pid"]))
-            kinds[where][_op_kind(a["hlo_op"])] += e["dur"] / 1e3 / n
+            kinds[where][op_kind(a["hlo_op"])] += e["dur"] / 1e3 / n
             ops[where][a["hlo_op"]] += e["dur"] / 1e3 / n
     return {"wall_ms": 1e3 * wall,
             "by_process": {w: {"op_ms_total": sum(k.values()), "op_ms_by_kind": dict(k.most_common()),

@@ -5,15 +5,8 @@
 
 The forward is `bench_forward`'s (the engine's `forward`, last position's logits, paged KV and GDN slots). It is
 traced `--runs` times with the JAX profiler; every op of the compiled forward is attributed to a part of the model by
-the source line XLA's metadata names for it (the function that line is in):
-
-- `projections`: the layers' projection and MLP matmuls (`_product` in gdn_jax/model.py);
-- `gdn_rule`: the chunked gated delta rule (gdn_jax/gated_delta.py, except the conv);
-- `conv`: the causal depthwise conv of the GDN layers (`causal_conv1d`);
-- `attention`: the full-attention layers' scores, softmax and values, the KV cache writes and reads, RoPE;
-- `norms_elementwise`: RMS norms, gates, activations, residual adds, the GDN input gates, dtype conversions;
-- `logits`: the final norm and LM head;
-- `other`: everything else (embedding gather, GDN state reads and writes, layer-loop bookkeeping).
+the call stack XLA's metadata keeps for it (scripts/op_profile.py: projections, gdn_rule, conv, gdn_state,
+attention, norms_elementwise, logits, other).
 
 Loops (the layer loop, the attention and GDN scans) are not counted themselves: their bodies' ops are. The sum of
 op times is less than the wall time by the runtime's dispatch and by the time ops wait for the other core. Prints a
@@ -25,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -34,107 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import trace_events  # noqa: E402
+from op_profile import PARTS, op_parts, trace_events  # noqa: E402
 from bench_forward import _batch, forward_jit  # noqa: E402
 
 from gdn_jax.config import get_preset  # noqa: E402
 from gdn_jax.model import init_model, init_state  # noqa: E402
-
-PARTS = ("projections", "gdn_rule", "conv", "attention", "norms_elementwise", "logits", "other")
-# innermost function of an op's call stack -> part (the first listed one met walking outwards); a projection matmul is
-# any op under `Linear.__call__`, the LM head any other op under `_product`
-FUNCTION_PARTS = {
-    "causal_conv1d": "conv",
-    "l2norm": "norms_elementwise",
-    "chunk_gated_delta_rule": "gdn_rule",
-    "recurrent_gated_delta_rule": "gdn_rule",
-    "rope": "attention",
-    "Attention.__call__": "attention",
-    "RMSNorm.__call__": "norms_elementwise",
-    "GatedRMSNorm.__call__": "norms_elementwise",
-    "MLP.__call__": "norms_elementwise",
-    "DecoderLayer.residual": "norms_elementwise",
-    "GatedDeltaNet.__call__": "norms_elementwise",
-}
-CONTAINERS = ("while", "conditional", "call")  # ops whose time is their bodies' ops
-
-
-def _section(text: str, name: str) -> list[str]:
-    m = re.search(r"^" + name + r"\n(.*?)(?:\n\n|\Z)", text, re.S | re.M)
-    return m.group(1).splitlines() if m else []
-
-
-def _stacks(hlo_text: str) -> dict[int, list[str]]:
-    """stack_frame_id -> the function names of its call stack, innermost first (the HLO text's StackFrames table;
-    a parent_frame_id there is the parent's id + 1, 0 for none)."""
-    fns = {int(line.split()[0]): line.split(" ", 1)[1].strip('"') for line in _section(hlo_text, "FunctionNames")}
-    locs = {int(line.split()[0]): fns[int(re.search(r"function_name_id=(\d+)", line).group(1))]
-            for line in _section(hlo_text, "FileLocations")}
-    frames = {}
-    for line in _section(hlo_text, "StackFrames"):
-        d = dict(re.findall(r"(\w+)=(\d+)", line))
-        frames[int(line.split()[0])] = (int(d["file_location_id"]), int(d["parent_frame_id"]) - 1)
-    out = {}
-    for fid in frames:
-        chain, i = [], fid
-        while i in frames and len(chain) < 200:
-            loc, parent = frames[i]
-            chain.append(locs[loc])
-            if parent <= 0 or parent == i:
-                break
-            i = parent
-        out[fid] = chain
-    return out
-
-
-def _part(chain: list[str]) -> str:
-    if "Linear.__call__" in chain:
-        return "projections"
-    if "_product" in chain:
-        return "logits"
-    for fn in chain:
-        if fn in FUNCTION_PARTS:
-            return FUNCTION_PARTS[fn]
-    return "other"
-
-
-def op_parts(hlo_text: str) -> tuple[dict[str, str], set[str]]:
-    """HLO instruction name -> part of the model (from the call stack XLA's metadata keeps for it); and the names of
-    the container ops (loops, conditionals, calls)."""
-    stacks = _stacks(hlo_text)
-    parts, containers, calls, where = {}, set(), {}, {}
-    by_computation = collections.defaultdict(collections.Counter)  # computation -> parts of its ops
-    inst = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? ([a-z\-]+)\(")
-    computation = None
-    for line in hlo_text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head:
-            computation = head.group(1)
-            continue
-        m = inst.match(line)
-        if not m:
-            continue
-        name, opcode = m.groups()
-        if opcode in CONTAINERS:
-            containers.add(name)
-        sf = re.search(r"stack_frame_id=(\d+)", line)
-        if sf:
-            parts[name] = _part(stacks.get(int(sf.group(1)), []))
-            by_computation[computation][parts[name]] += 1
-        else:
-            called = re.search(r"calls=%?([\w.\-]+)", line)
-            calls[name], where[name] = (called.group(1) if called else None), computation
-
-    def majority(computation):
-        counts = by_computation.get(computation)
-        return counts.most_common(1)[0][0] if counts else None
-
-    # an op without metadata (a library fusion, ynn_fusion, may lose it): its fused body's part if that has any,
-    # else the part most of its own computation's ops (a loop body) belong to
-    for name, called in calls.items():
-        parts[name] = majority(called) or majority(where[name]) or "other"
-    return parts, containers
-
 
 def profile(cfg, tokens, dtype, runs: int) -> dict:
     graphdef, params = init_model(cfg, seed=0, dtype=dtype)

@@ -36,9 +36,28 @@ def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
         need = r["bytes_per_step"]
         assert need["total"] == need["weights"] + need["kv"] + need["linear_state"] and need["kv"] > 0
         assert r["bound_ms"] > 0 and r["x_bound"] > 0
-        assert r["profile"]["op_ms"] and all(v >= 0 for v in r["profile"]["op_ms"].values())
+        prof = r["profile"]
+        assert prof["op_ms"] and all(v >= 0 for v in prof["op_ms"].values())
+        # the parts split the same self times; every op of the step is in the compiled text that names them
+        assert sum(prof["part_ms"].values()) == pytest.approx(sum(prof["op_ms"].values()))
+        assert "unattributed" not in prof["part_ms"]
+        assert all(prof["part_ms"].get(p, 0) > 0 for p in ("projections", "gdn_rule", "gdn_state", "attention", "logits"))
     one, two = result["rows"][:2]  # more rows read more KV and state, the same weights (bar the embedding rows)
     assert two["bytes_per_step"]["kv"] == 2 * one["bytes_per_step"]["kv"]
+
+
+def test_self_times_subtract_nested_spans():
+    profile = _script("op_profile")
+
+    def span(op, ts, dur, tid=1, module="jit_step"):
+        return {"ph": "X", "pid": 0, "tid": tid, "ts": ts, "dur": dur, "args": {"hlo_op": op, "hlo_module": module}}
+
+    # a loop [0, 100) holding a cond [10, 60) holding a dot [20, 50), then an add [70, 80); another thread's dot
+    # overlaps in time but is not nested; ops of another module are left out; two calls traced (n = 2)
+    events = [span("while", 0, 100), span("cond", 10, 50), span("dot", 20, 30), span("add", 70, 10),
+              span("dot", 30, 40, tid=2), span("copy", 0, 500, module="jit_other"), {"ph": "M", "pid": 0}]
+    ms = profile.self_times(events, "jit_step", 2)
+    assert dict(ms) == pytest.approx({"while": 0.02, "cond": 0.01, "dot": 0.035, "add": 0.005})
 
 
 def test_bench_scheduler_reports_each_concurrency(tmp_path):
