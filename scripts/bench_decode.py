@@ -89,7 +89,7 @@ def decode_bytes(engine: LLMEngine, batch: int, context: int) -> dict:
     return {"weights": weights, "kv": kv, "linear_state": state, "total": weights + kv + state}
 
 
-class _BlockTimer:
+class BlockTimer:
     """Wraps the worker's jitted step: after each (asynchronous) call returns, waits for its outputs and records how
     long the host was blocked on the device."""
 
@@ -131,11 +131,11 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     engine = LLMEngine(args.preset, dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches),
                        chunk_stride=args.chunk_stride, max_model_len=args.prompt + 256, verbose=True)
     module = f"jit_{engine.worker._decode_fn.__name__}"  # the decode step executable's name in the profile
-    timer = engine.worker._decode_fn = _BlockTimer(engine.worker._decode_fn)
+    timer = engine.worker._decode_fn = BlockTimer(engine.worker._decode_fn)
     # decode steps of many rows are their own jitted function (other compile options): one record for both
-    engine.worker._decode_wide_fn = _BlockTimer(engine.worker._decode_wide_fn, timer.blocked, timer.last)
+    engine.worker._decode_wide_fn = BlockTimer(engine.worker._decode_wide_fn, timer.blocked, timer.last)
     # sampling is its own executable: its wait is device time too
-    sampler = engine.worker._sample = _BlockTimer(engine.worker._sample)
+    sampler = engine.worker._sample = BlockTimer(engine.worker._sample)
     vocab = engine.cfg.vocab_size
     rng = np.random.default_rng(0)
     rows = []

@@ -60,6 +60,19 @@ def test_self_times_subtract_nested_spans():
     assert dict(ms) == pytest.approx({"while": 0.02, "cond": 0.01, "dot": 0.035, "add": 0.005})
 
 
+def test_profile_step_splits_a_prefill_step_by_part(tmp_path):
+    out = tmp_path / "step.json"
+    _script("profile_step").main(["--preset", "tiny-random", "--tokens", "32", "--rows", "2", "--dtypes", "float32",
+                                  "--steps", "2", "--runs", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert (result["tokens"], result["rows"]) == (32, 2)
+    (r,) = result["results"]
+    assert 0 < r["host_ms_median"] < r["wall_ms_median"]
+    assert sum(r["parts_ms"].values()) == pytest.approx(r["op_ms_total"])
+    assert sum(r["parts_share"].values()) == pytest.approx(1.0)
+    assert all(r["parts_ms"][p] > 0 for p in ("projections", "gdn_rule", "gdn_state", "attention", "sampling"))
+
+
 def test_bench_scheduler_reports_each_concurrency(tmp_path):
     out = tmp_path / "scheduler.json"
     _script("bench_scheduler").main(["--seqs", "2", "4", "--steps", "40", "--warmup", "10", "--prefix-len", "32",
