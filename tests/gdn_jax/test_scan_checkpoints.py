@@ -2,7 +2,7 @@
 prefill reaches at those boundaries, in every GDN layer; a long prompt prefills in one step; reuse stays exact."""
 
 import dataclasses
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +17,22 @@ from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
 
 
+COLD_TOKENS = 256  # every prefix the tests below check fits: one padded shape, one compiled forward per model
+
+
+@functools.cache
+def _cold_forward(graphdef):
+    return jax.jit(lambda params, batch, state: forward(graphdef, params, batch, state))
+
+
 def cold_states(cfg, graphdef, params, dtype, tokens):
-    """Per GDN layer, (conv, ssm) after a cold prefill of `tokens` alone, through the plain forward."""
-    nb = math.ceil(len(tokens) / BLOCK_SIZE)
-    state = init_state(cfg, nb + 1, BLOCK_SIZE, 2, dtype)
-    _, state = forward(graphdef, params, single_row_batch(tokens, 0, nb), state)
+    """Per GDN layer, (conv, ssm) after a cold prefill of `tokens` alone, through the plain forward (jitted). The row
+    is padded to COLD_TOKENS, its length being len(tokens), so that every prefix runs one compiled shape instead of
+    compiling (or dispatching op by op) once per boundary."""
+    nb = COLD_TOKENS // BLOCK_SIZE
+    batch = single_row_batch(list(tokens) + [0] * (COLD_TOKENS - len(tokens)), 0, nb)
+    batch = dataclasses.replace(batch, lengths=jnp.asarray([len(tokens)], jnp.int32))
+    _, state = _cold_forward(graphdef)(params, batch, init_state(cfg, nb + 1, BLOCK_SIZE, 2, dtype))
     return [(np.asarray(c[1], np.float32), np.asarray(s[1])) for c, s in zip(state.conv, state.ssm)]
 
 
