@@ -12,6 +12,10 @@ from tests.gdn_jax.helpers import FIXTURE, random_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
 
+# The engines of this file (and of test_fork_engine, test_sampling and test_sampling_engine) share one geometry, so
+# that they share compiled step shapes: in this process, and through the persistent cache `make test` turns on.
+KW = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
+
 
 def _pressure_workload():
     rng = np.random.default_rng(5)
@@ -25,11 +29,10 @@ def _tokens(outs):
 
 def test_under_pressure_all_complete_identically_and_nothing_leaks():
     prompts = _pressure_workload()
-    kw = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
-    roomy = LLM("tiny-random", enable_prefix_caching=False, **kw)
+    roomy = LLM("tiny-random", enable_prefix_caching=False, **KW)
     # 9 usable KV blocks: one 128-token sequence needs 8, so four running sequences must preempt each other;
     # 7 slots: 4 live + 2 checkpoints, so checkpoints are evicted
-    tight = LLM("tiny-random", enable_prefix_caching=True, num_kv_blocks=10, num_linear_slots=7, **kw)
+    tight = LLM("tiny-random", enable_prefix_caching=True, num_kv_blocks=10, num_linear_slots=7, **KW)
     expect = _tokens(roomy.generate(prompts, GREEDY, use_tqdm=False))
     serial = [tight.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[:4]]
     concurrent = tight.generate(prompts, GREEDY, use_tqdm=False)
@@ -56,7 +59,7 @@ def test_engine_greedy_equals_transformers_generate():
 
 
 def test_no_recompilation_after_warm_up():
-    llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
+    llm = LLM("tiny-random", **KW)
     # rows {1,2,4} x tokens {1,16,32,64,128} ("scan": a prefill row holds up to max_model_len) x blocks {8}
     assert llm.engine.warm_up() == 3 * 5 * 1
     warm = llm.cache_stats()["compilations"]  # shapes another engine in this process compiled are shared
@@ -77,7 +80,7 @@ def test_no_recompilation_after_warm_up():
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False)
+    return LLMEngine("tiny-random", **KW)
 
 
 @pytest.mark.parametrize("prompt, params, message", [
@@ -87,7 +90,7 @@ def engine():
     ([5, -1], None, "token id -1 outside the vocabulary"),
     ([5, 2.0], None, "token id 2.0 outside the vocabulary"),
     ([5, True], None, "token id True outside the vocabulary"),
-    (list(range(4, 101)), None, "longer than max_model_len"),
+    (list(range(4, 133)), None, "longer than max_model_len"),
     ([5, 6], "max_tokens=0", "max_tokens"),
     ([5, 6], "temperature=-1", "temperature"),
     ([5, 6], "top_p=0", "top_p"),
@@ -160,8 +163,7 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_servin
     rng = np.random.default_rng(3)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     survivor, victims, late = random_ids(rng, 30), [random_ids(rng, 20) for _ in range(3)], random_ids(rng, 30)
-    expect = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=96, verbose=False,
-                 enable_prefix_caching=False).generate([survivor, late], greedy, use_tqdm=False)
+    expect = LLM("tiny-random", enable_prefix_caching=False, **KW).generate([survivor, late], greedy, use_tqdm=False)
     engine.add_request("survivor", survivor, greedy)
     engine_ids = {"survivor": engine.seq_id_of("survivor")}
     assert engine.step()[0].request_id == "survivor"     # prefilled in one step, now decoding
@@ -207,18 +209,17 @@ def test_unsafe_reuse_warns_and_drifts_while_the_exact_cache_does_not():
     shared = random_ids(rng, 60)   # checkpoints every 32: a later prompt shares 60 tokens, KV matches 48, reach 32
     prompts = [shared + random_ids(rng, 10), shared + random_ids(rng, 12)]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True)
-    kw = dict(block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=96, verbose=False)
 
     def top(o):  # the first generated position's top-5 as {token: logprob}
         return {t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
 
-    ref = top(LLM("tiny-random", enable_prefix_caching=False, **kw).generate(prompts[1], params, use_tqdm=False)[0])
+    ref = top(LLM("tiny-random", enable_prefix_caching=False, **KW).generate(prompts[1], params, use_tqdm=False)[0])
     for mode, reuse in ((None, 32), ("cold", 48), ("stale", 48)):
         if mode is None:
-            llm = LLM("tiny-random", **kw)
+            llm = LLM("tiny-random", **KW)
         else:
             with pytest.warns(UserWarning, match=f"unsafe_reuse='{mode}'"):
-                llm = LLM("tiny-random", unsafe_reuse=mode, **kw)
+                llm = LLM("tiny-random", unsafe_reuse=mode, **KW)
         second = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts][1]
         assert second.num_cached_tokens == reuse and second.metrics.restored == (mode != "cold")
         got = top(second)
