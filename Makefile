@@ -32,6 +32,9 @@ GROUP_C := tests/gdn_jax/test_decode_path.py tests/gdn_jax/test_model.py tests/g
            tests/gdn_jax/test_restore.py tests/gdn_jax/test_sampling.py tests/gdn_jax/test_sampling_engine.py
 GROUP_D := tests/gdn_jax/test_tiny_model.py tests/gdn_jax/test_train.py tests/gdn_jax/test_weights.py tests/gdn_jax/test_shape_buckets.py \
            tests/gdn_jax/test_executables.py tests/gdn_jax/test_text_stream.py
+# The groups share compiled executables through the persistent compilation cache in .cache/jax (tests/conftest.py):
+# most engines of the suite have one of a few geometries, so a later group loads what an earlier one compiled.
+test: export GDN_JAX_TEST_COMPILE_CACHE = 1
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(GROUP_A)
 	$(PY) -m pytest -q $(GROUP_B)

@@ -1,9 +1,11 @@
-"""Test-wide settings: CPU, no persistent compilation cache unless asked for, and a deterministic hypothesis profile
+"""Test-wide settings: CPU, the persistent compilation cache when asked for, and a deterministic hypothesis profile
 (CI cannot flake; `make soak` runs the randomized long profile).
 
-The suite runs in one process, where compiled steps are shared in memory anyway; writing each executable to JAX's
-persistent cache buys nothing in a fresh CI clone. `GDN_JAX_TEST_COMPILE_CACHE=1` turns it on (folder .cache/jax)
-for repeated local runs."""
+`make test` runs the suite as several pytest processes that build engines of the same model and geometry, so it
+sets `GDN_JAX_TEST_COMPILE_CACHE=1`: JAX's persistent compilation cache (folder .cache/jax of the clone) and the
+engine's executable store beside it (gdn_jax.executables), so that a process loads the step shapes an earlier one
+compiled, in a fresh clone too; a second run loads nearly everything. The variable may also name a folder. Unset,
+the cache stays off (for the tests' engines and the subprocesses they start alike)."""
 
 import os
 from pathlib import Path
@@ -13,9 +15,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-if os.environ.get("GDN_JAX_TEST_COMPILE_CACHE") == "1":
-    jax.config.update("jax_compilation_cache_dir", str(Path(__file__).resolve().parent.parent / ".cache" / "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+_cache = os.environ.get("GDN_JAX_TEST_COMPILE_CACHE", "")
+if _cache and _cache != "0":
+    _folder = Path(__file__).resolve().parent.parent / ".cache" / "jax" if _cache == "1" else Path(_cache)
+    jax.config.update("jax_compilation_cache_dir", str(_folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the engine's setting too
+    os.environ["GDN_JAX_CACHE_DIR"] = str(_folder)  # servers, notebook kernels and CLIs the tests start share it
 else:
     os.environ["GDN_JAX_CACHE_DIR"] = "off"  # engines built by the tests leave the cache off too
 
