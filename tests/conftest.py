@@ -2,27 +2,35 @@
 (CI cannot flake; `make soak` runs the randomized long profile).
 
 `make test` runs the suite as several pytest processes that build engines of the same model and geometry, so it
-sets `GDN_JAX_TEST_COMPILE_CACHE=1`: JAX's persistent compilation cache (folder .cache/jax of the clone) and the
-engine's executable store beside it (gdn_jax.executables), so that a process loads the step shapes an earlier one
-compiled, in a fresh clone too; a second run loads nearly everything. The variable may also name a folder. Unset,
-the cache stays off (for the tests' engines and the subprocesses they start alike)."""
+sets `GDN_JAX_TEST_COMPILE_CACHE=1`: JAX's persistent compilation cache (folder .cache/jax of the clone, every
+executable kept), so that a process loads the step shapes an earlier one compiled, in a fresh clone too, and a
+re-traced identical program (a fresh jit of the same function) loads instead of compiling. The variable may also
+name a folder. Unset, the cache stays off.
+
+Either way the engine's executable store (gdn_jax.executables) stays off unless a test names its folder, and the
+subprocesses the tests start (servers, CLIs) run without any cache: an executable that JAX loaded from its cache
+cannot be serialized again on the CPU (the copy fails at dispatch, "Function ... not found"), and the store saves
+what warm-up compiled, which with the cache on may be such a load."""
 
 import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["GDN_JAX_CACHE_DIR"] = "off"  # engines enable no cache of their own, here and in subprocesses
 
 import jax  # noqa: E402
 from hypothesis import settings  # noqa: E402
+
+from gdn_jax import executables  # noqa: E402
 
 _cache = os.environ.get("GDN_JAX_TEST_COMPILE_CACHE", "")
 if _cache and _cache != "0":
     _folder = Path(__file__).resolve().parent.parent / ".cache" / "jax" if _cache == "1" else Path(_cache)
     jax.config.update("jax_compilation_cache_dir", str(_folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the engine's setting too
-    os.environ["GDN_JAX_CACHE_DIR"] = str(_folder)  # servers, notebook kernels and CLIs the tests start share it
-else:
-    os.environ["GDN_JAX_CACHE_DIR"] = "off"  # engines built by the tests leave the cache off too
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+_default_folder = executables.default_folder
+executables.default_folder = lambda cache=None: _default_folder(cache) if cache else None  # store: named folders only
 
 # "ci" (the default): derandomized, fixed example counts, no deadline. "soak": random seeds, many more examples.
 settings.register_profile("ci", derandomize=True, max_examples=200, deadline=None, print_blob=True)

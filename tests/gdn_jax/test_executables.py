@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from gdn_jax import LLM, SamplingParams, executables
 from tests.gdn_jax.helpers import random_ids
@@ -19,6 +20,19 @@ KW = dict(block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=64, verb
 def _generate(llm, prompts):
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(autouse=True)
+def without_persistent_cache():
+    """JAX's persistent compilation cache off in this file (`make test` turns it on, tests/conftest.py): what the
+    tests save must have been compiled, not loaded from that cache (on the CPU such a load cannot be serialized
+    again: the copy fails at dispatch)."""
+    folder = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", folder)
+    compilation_cache.reset_cache()
 
 
 @pytest.mark.slow  # compiles the tiny grid once (~30 s on a quiet machine)
