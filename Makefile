@@ -32,13 +32,23 @@ GROUP_C := tests/gdn_jax/test_decode_path.py tests/gdn_jax/test_model.py tests/g
            tests/gdn_jax/test_restore.py tests/gdn_jax/test_sampling.py tests/gdn_jax/test_sampling_engine.py
 GROUP_D := tests/gdn_jax/test_tiny_model.py tests/gdn_jax/test_train.py tests/gdn_jax/test_weights.py tests/gdn_jax/test_shape_buckets.py \
            tests/gdn_jax/test_executables.py tests/gdn_jax/test_text_stream.py
-# The groups share compiled executables through the persistent compilation cache in .cache/jax (tests/conftest.py):
-# most engines of the suite have one of a few geometries, so a later group loads what an earlier one compiled.
-test: export GDN_JAX_TEST_COMPILE_CACHE = 1
+# `make test` runs the groups in two lanes at once (a step compiles on one core, and most of the suite's time is
+# compiling): B then C, which runs many steps B compiled; and the rest. Each lane's groups run in order; each
+# group's output is printed when it ends. A lane's groups share compiled executables through JAX's persistent
+# compilation cache (tests/conftest.py) in a folder of the lane's own under .cache/jax-test (two processes never
+# write and read one folder at once): most engines of the suite have one of a few geometries, so a group loads what
+# an earlier one compiled. `make test-serial` runs the same groups one after another.
+.PHONY: test-serial test-lane-engine test-lane-rest
+test-lane-engine: export GDN_JAX_TEST_COMPILE_CACHE = $(CURDIR)/.cache/jax-test/engine
+test-lane-rest: export GDN_JAX_TEST_COMPILE_CACHE = $(CURDIR)/.cache/jax-test/rest
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(GROUP_A)
+	$(MAKE) --no-print-directory -j2 --output-sync=line test-lane-engine test-lane-rest
+test-serial: test-lane-engine test-lane-rest
+test-lane-engine: $(VENV)/.installed
 	$(PY) -m pytest -q $(GROUP_B)
 	$(PY) -m pytest -q $(GROUP_C)
+test-lane-rest: $(VENV)/.installed
+	$(PY) -m pytest -q $(GROUP_A)
 	$(PY) -m pytest -q $(GROUP_D)
 	$(PY) -m pytest -q tests/gdn_jax/test_server.py
 	$(PY) -m pytest -q tests/test_studies.py tests/test_notebooks.py  # the accuracy notebook reuses the study's steps

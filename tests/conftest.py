@@ -2,10 +2,10 @@
 (CI cannot flake; `make soak` runs the randomized long profile).
 
 `make test` runs the suite as several pytest processes that build engines of the same model and geometry, so it
-sets `GDN_JAX_TEST_COMPILE_CACHE=1`: JAX's persistent compilation cache (folder .cache/jax of the clone, every
-executable kept), so that a process loads the step shapes an earlier one compiled, in a fresh clone too, and a
-re-traced identical program (a fresh jit of the same function) loads instead of compiling. The variable may also
-name a folder. Unset, the cache stays off.
+sets `GDN_JAX_TEST_COMPILE_CACHE` to a folder (one per lane of processes; "1" means .cache/jax of the clone): JAX's
+persistent compilation cache, every executable kept, so that a process loads the step shapes an earlier one
+compiled, in a fresh clone too, and a re-traced identical program (a fresh jit of the same function) loads instead
+of compiling. Unset, the cache stays off.
 
 Either way the engine's executable store (gdn_jax.executables) stays off unless a test names its folder, and the
 subprocesses the tests start (servers, CLIs) run without any cache: an executable that JAX loaded from its cache
