@@ -17,6 +17,7 @@ grid), so only the `KEEP_VERSIONS` most recently used sets are kept.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -90,6 +91,21 @@ def load(folder: str | None, key: str):
         return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
     except Exception:  # noqa: BLE001 - a stale or corrupt entry is a miss: the caller compiles
         return None
+
+
+@contextlib.contextmanager
+def fresh_compilation():
+    """JAX's persistent compilation cache off inside (and as it was after): for compilations whose executables the
+    store saves. On the CPU an executable JAX loaded from that cache cannot be serialized again (the copy loads, then
+    fails at its first call: "Function ... not found"), and that cache's key leaves out what the store's key holds
+    (the source digest): after an edit that leaves the compiled program as it was, warm-up would load it from JAX's
+    cache and store a copy that fails on the next start."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def save(folder: str | None, key: str, compiled) -> bool:

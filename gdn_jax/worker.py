@@ -15,6 +15,7 @@ travel as a flat list of arrays (flattened by the C++ dispatch path, not by NNX'
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import math
@@ -411,9 +412,9 @@ class Worker:
         Each step and sampling executable is first looked up in the executable store (`gdn_jax.executables`, keyed
         without tracing; `executable_dir`, None: off): a second process start loads them without lowering. The
         others: the main thread lowers (traces, in Python) each executable while `compile_threads` background
-        threads (default `compile_threads_default()`) compile the ones before, or load them from JAX's persistent
-        compilation cache: XLA compiles one executable on one core and releases the GIL, so on a machine of n cores
-        n compilations run at once. They are then stored. The worker calls these executables (`_executables`)
+        threads (default `compile_threads_default()`) compile the ones before (with the store on, afresh: not loaded
+        from JAX's persistent cache, `executables.fresh_compilation`): XLA compiles one executable on one core and
+        releases the GIL, so on a machine of n cores n compilations run at once. They are then stored. The worker calls these executables (`_executables`)
         directly; shapes outside the grid, and the prompt-logprobs variant, go through the jitted functions.
         `warm_up_stats`: how many were loaded, compiled."""
         threads = compile_threads_default() if compile_threads is None else compile_threads
@@ -432,7 +433,8 @@ class Worker:
         with concurrent.futures.ThreadPoolExecutor(2) as loaders:  # deserializing releases the GIL
             found = list(loaders.map(functools.partial(executables.load, folder), keys))
         loaded, pending = 0, []
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        fresh = executables.fresh_compilation() if folder else contextlib.nullcontext()  # what the store saves
+        with fresh, concurrent.futures.ThreadPoolExecutor(threads) as pool:
             for (name, _, _, lower), key, compiled in zip(jobs, keys, found):
                 if compiled is not None:
                     self._executables[name], loaded = compiled, loaded + 1

@@ -58,6 +58,37 @@ def test_a_second_start_loads_every_warm_up_executable_and_generates_the_same(tm
     assert second.cache_stats()["compilations"] == warm  # every step ran a loaded executable
 
 
+@pytest.mark.slow  # compiles the tiny grid twice
+def test_an_executable_stored_while_jax_cache_holds_its_program_runs_on_the_next_start(tmp_path):
+    """The store misses after any source edit (its key holds the source digest), JAX's persistent cache does not when
+    the compiled program is unchanged; what warm-up then stores must still run: it is compiled afresh, not the
+    cache's load (which on the CPU cannot be serialized again: the copy fails at its first call)."""
+    rng = np.random.default_rng(5)
+    prompts = [random_ids(rng, n) for n in (7, 30)]
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+    compilation_cache.reset_cache()
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        plain = LLM("tiny-random", **KW)  # store off: fills JAX's cache with every program of the grid
+        plain.engine.warm_up()
+        want = _generate(plain, prompts)
+        assert any((tmp_path / "jax").iterdir())
+        jax.clear_caches()  # as in a new process: what is not in JAX's persistent cache compiles again
+        edited = LLM("tiny-random", **KW)  # as after an edit: a store without these keys
+        edited.engine.worker.executable_dir = str(tmp_path / "store")
+        edited.engine.warm_up()
+        assert edited.engine.worker.warm_up_stats["loaded"] == 0
+        assert jax.config.jax_enable_compilation_cache  # back on after warm-up
+        restarted = LLM("tiny-random", **KW)
+        restarted.engine.worker.executable_dir = str(tmp_path / "store")
+        restarted.engine.warm_up()
+        assert restarted.engine.worker.warm_up_stats["compiled"] == 0
+        assert _generate(restarted, prompts) == want
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+
+
 def test_the_key_follows_shapes_dtypes_structure_options_and_context(monkeypatch):
     args = (jnp.zeros((2, 3)), {"a": np.zeros(4, np.int32)})
     key = executables.executable_key("step", ("cfg", 64), args, {"o": False})
