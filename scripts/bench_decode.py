@@ -20,7 +20,7 @@ Per configuration it reports:
   reads low). `x bound` = median step / bound;
 - the XLA op self time of a traced step (an op's time less that of the ops nested in it: loop and conditional
   bodies) summed by kind (copy, dot, convert, fusion, scatter, sort, ...) and by part of the model (projections,
-  gdn_rule, conv, attention, norms_elementwise, logits, other: scripts/op_profile.py). On two cores the ops of
+  gdn_rule, conv, gdn_state, attention, norms_elementwise, logits, other: scripts/op_profile.py). On two cores the ops of
   both threads add up to more than the step's wall time.
 
 Prints a table and writes JSON. Timings on a shared machine are noisy: read the minimum beside the median.
