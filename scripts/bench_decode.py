@@ -120,8 +120,9 @@ def profile_steps(engine: LLMEngine, n: int, module: str, hlo_text: str) -> dict
     parts = op_parts(hlo_text)[0]
     kind_ms, count, part_ms = collections.Counter(), collections.Counter(), collections.Counter()
     for op, t in ms.items():
-        kind_ms[op_kind(op)] += t
-        count[op_kind(op)] += calls[op] / n
+        kind = op_kind(op)
+        kind_ms[kind] += t
+        count[kind] += calls[op] / n
         part_ms[parts.get(op, "unattributed")] += t
     return {"op_ms": dict(kind_ms), "op_count": dict(count), "part_ms": dict(part_ms)}
 

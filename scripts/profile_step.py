@@ -84,8 +84,7 @@ def profile_dtype(args, dtype: str) -> dict:
     parts = op_parts(compiled_text(*timer.last[0]))[0]
     by_part = dict.fromkeys(PARTS, 0.0)
     for op, t in step_ms.items():
-        part = parts.get(op, "other")
-        by_part[part] = by_part.get(part, 0.0) + t
+        by_part[parts.get(op, "other")] += t
     by_part["sampling"] = sampling
     total = sum(by_part.values())
     return {"dtype": dtype, "wall_ms_median": 1e3 * statistics.median(walls), "wall_ms_min": 1e3 * min(walls),
