@@ -8,7 +8,7 @@ from pathlib import Path
 
 class TextStream:
     """The text of a growing token sequence, `tokenizer.decode(all ids so far)`, fed a few ids at a time. This generic
-    one decodes every id again on each `add` (exact for any tokenizer); `ByteTextStream` only decodes the new ones."""
+    one decodes every id again on each `add` (exact for any tokenizer); `Utf8TextStream` only decodes the new ones."""
 
     def __init__(self, decode):
         self._decode, self.ids = decode, []
@@ -22,22 +22,32 @@ class TextStream:
         return self._decode(self.ids)
 
 
-class ByteTextStream:
-    """`ByteTokenizer.decode` of a growing sequence in time proportional to the new ids: the bytes go through Python's
-    incremental UTF-8 decoder (errors "replace"), which holds back an incomplete trailing character; that held-back
-    tail is rendered as the one-shot decode renders it (one replacement character), so every `add` returns exactly
-    `decode(all ids so far)`, and a decode step's detokenisation no longer grows with the output length."""
+class Utf8TextStream:
+    """The text of a growing sequence of ids that decode to bytes, each id to its own (`to_bytes`: ids -> their bytes
+    joined), the whole read as UTF-8 with errors replaced, in time proportional to the new ids: the bytes go through
+    Python's incremental UTF-8 decoder (errors "replace"), which holds back an incomplete trailing character; that
+    held-back tail is rendered as a one-shot decode renders it (one replacement character), so every `add` returns
+    exactly the one-shot decode of all ids so far, and a decode step's detokenisation does not grow with the output
+    length."""
 
-    def __init__(self, offset: int):
-        self._offset, self._text, self.num_ids = offset, "", 0
+    def __init__(self, to_bytes):
+        self._to_bytes, self._text, self.num_ids = to_bytes, "", 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def add(self, ids) -> str:
-        lo, hi = self._offset, 256 + self._offset
         self.num_ids += len(ids)
-        self._text += self._utf8.decode(bytes(i - lo for i in ids if lo <= i < hi))
+        self._text += self._utf8.decode(self._to_bytes(ids))
         pending = self._utf8.getstate()[0]
         return self._text + pending.decode("utf-8", errors="replace") if pending else self._text
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's, used by Qwen's tokenizers): character -> the byte it stands for. The
+    printable bytes ('!'-'~', '¡'-'¬', '®'-'ÿ') stand for themselves; the other 68, in increasing order, are
+    U+0100, U+0101, ..."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
 
 
 class ByteTokenizer:
@@ -59,8 +69,9 @@ class ByteTokenizer:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
-    def stream(self) -> ByteTextStream:
-        return ByteTextStream(self.OFFSET)
+    def stream(self) -> Utf8TextStream:
+        lo, hi = self.OFFSET, 256 + self.OFFSET
+        return Utf8TextStream(lambda ids: bytes(i - lo for i in ids if lo <= i < hi))
 
 
 class HFTokenizer:
@@ -74,6 +85,7 @@ class HFTokenizer:
         self._tok = Tokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_token_id = eos_token_id
+        self._token_bytes = self._byte_level_table()  # per id its bytes, for a byte-level decoder (`stream`)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -81,10 +93,39 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def stream(self) -> TextStream:
-        # a subword decoder may rewrite the start of a piece (Metaspace's leading space) or merge bytes across
-        # pieces, so a piecewise decode is not exact in general: decode the whole sequence again
-        return TextStream(self.decode)
+    def stream(self) -> Utf8TextStream | TextStream:
+        """An incremental decoder of an output. With a byte-level decoder (Qwen's tokenizers) `decode` is the UTF-8
+        reading (errors replaced) of the ids' bytes joined, each id's bytes its own: a `Utf8TextStream` over a table
+        of them, in time proportional to the new ids. Any other decoder may rewrite the start of a piece (Metaspace's
+        leading space) or merge pieces, so a piecewise decode is not exact in general: the sequence is decoded whole
+        again on every step."""
+        if self._token_bytes is None:
+            return TextStream(self.decode)
+        table = self._token_bytes
+        return Utf8TextStream(lambda ids: b"".join(table.get(i, b"") for i in ids))
+
+    def _byte_level_table(self) -> dict[int, bytes] | None:
+        """id -> the bytes `decode` makes of it, when the decoder is byte-level alone (else None), as the library
+        decodes: a special token is skipped, an id outside the vocabulary too; a token whose characters are all of
+        the byte-level alphabet stands for their bytes, any other (an added token with a space or a character past
+        U+00FF, say) for its own UTF-8."""
+        from tokenizers import decoders
+
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            return None
+        alphabet = byte_level_alphabet()
+
+        def token_bytes(token: str) -> bytes:
+            chars = [alphabet.get(c) for c in token]
+            return token.encode("utf-8") if None in chars else bytes(chars)
+
+        added = self._tok.get_added_tokens_decoder()  # id -> AddedToken (an added token may share a model token's text)
+        table = {i: token_bytes(token) for token, i in self._tok.get_vocab(with_added_tokens=False).items()}
+        for i, token in added.items():
+            table.pop(i, None)
+            if not token.special:
+                table[i] = token_bytes(token.content)
+        return table
 
 
 def get_tokenizer(folder: str | None, vocab_size: int, eos_token_id: int | None):

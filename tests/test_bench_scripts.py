@@ -149,6 +149,37 @@ def test_bench_host_times_the_stubbed_decode_steps(tmp_path):
         assert 0 < r["host_ms_min"] <= r["host_ms_median"] and r["first_tenth_ms_median"] > 0
 
 
+def test_bench_host_stubs_every_step_executable():
+    """Each step executable the worker may call for a decode step is a stub (a 16-row decode step has its own)."""
+    import numpy as np
+
+    from gdn_jax import LLMEngine
+
+    bench = _script("bench_host")
+    engine = LLMEngine("tiny-random", max_num_seqs=2, max_model_len=64, verbose=False)
+    bench.stub_device(engine, np.random.default_rng(0))
+    left = [k for k, v in vars(engine.worker).items() if callable(v) and hasattr(v, "lower") and k != "_prompt_fn"]
+    assert left == []
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_bench_host_detokenises_with_a_tokenizer_json(tmp_path, whole):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["the cache restores the state"] * 5,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = tmp_path / "host.json"
+    _script("bench_host").main(["--preset", "tiny-random", "--prompt", "40", "--batches", "2", "--steps", "10",
+                                "--chunk-stride", "16", "--tokenizer", str(tmp_path / "tokenizer.json"),
+                                *(["--whole-decode"] if whole else []), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["whole_decode"] is whole and result["tokenizer"].endswith("tokenizer.json")
+    assert [(r["batch"], r["steps"]) for r in result["rows"]] == [(2, 10)]
+
+
 def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
     peer = tmp_path / "vllm.txt"
     peer.write_text('log line\nRESULT {"shared": 32, "suffix": 16, "apc_on": {"cold": 0.5, "hit": 0.25, "cached": [32]}}\n'

@@ -34,3 +34,65 @@ def test_generic_stream_decodes_everything_it_was_fed():
     stream = TextStream(tok.decode)
     ids = [b + tok.OFFSET for b in "a€b".encode()]
     assert [stream.add([i]) for i in ids][-1] == "a€b" and stream.num_ids == len(ids)
+
+
+def _byte_level_tokenizer(tmp_path, decoder="byte_level"):
+    """A small byte-level BPE tokenizer.json (Qwen's kind) with added tokens of every sort: in the byte-level
+    alphabet ("Ġplain", "naïve": 'ï' stands for the byte 0xEF there), outside it (a space, CJK), and special ones."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel() if decoder == "byte_level" else decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"])
+    t.train_from_iterator(["héllo wörld € 😀 the cache restores the state of a ψ layer"] * 20, trainer)
+    t.add_tokens([AddedToken("<think>"), AddedToken("naïve"), AddedToken("Ġplain"), AddedToken("two words"),
+                  AddedToken("你好")])
+    t.add_special_tokens(["<|im_end|>"])
+    t.save(str(tmp_path / "tokenizer.json"))
+    from gdn_jax.tokenizer import HFTokenizer
+    return HFTokenizer(tmp_path / "tokenizer.json", None)
+
+
+def _random_pieces(tok, rng, n):
+    """n ids: mostly the vocabulary's (single bytes among them, which make partial UTF-8), some past its end."""
+    top = max(tok._tok.get_vocab().values())
+    return [int(rng.integers(0, top + 1)) if rng.random() < 0.95 else int(rng.integers(top + 1, top + 50))
+            for _ in range(n)]
+
+
+def test_byte_level_hf_stream_matches_the_library_decode_after_every_piece(tmp_path):
+    tok, rng = _byte_level_tokenizer(tmp_path), np.random.default_rng(1)
+    for _ in range(300):
+        ids = _random_pieces(tok, rng, int(rng.integers(1, 30)))
+        stream, seen = tok.stream(), 0
+        while seen < len(ids):
+            k = int(rng.integers(1, 4))
+            text = stream.add(ids[seen:seen + k])
+            seen = min(len(ids), seen + k)
+            assert text == tok.decode(ids[:seen]), ids[:seen]
+            assert stream.num_ids == seen
+
+
+def test_byte_level_hf_stream_decodes_only_the_new_ids(tmp_path, monkeypatch):
+    """The stream never asks the library to decode (its table has every id's bytes): a step's detokenisation
+    does not grow with the output."""
+    tok = _byte_level_tokenizer(tmp_path)
+    ids = tok.encode("the cache restores <think>naïve 你好 state") + [max(tok._tok.get_vocab().values())]
+    want = [tok.decode(ids[:i + 1]) for i in range(len(ids))]
+    monkeypatch.setattr(tok, "decode", lambda ids: (_ for _ in ()).throw(AssertionError("whole decode")))
+    stream = tok.stream()
+    assert [stream.add([i]) for i in ids] == want
+    assert want[-1] == "the cache restores <think>na\ufffdve 你好 state"  # the special token is skipped
+
+
+def test_other_hf_decoders_decode_the_whole_sequence(tmp_path):
+    """A decoder other than byte-level (here Metaspace) may rewrite a piece's start: the stream decodes all ids
+    again, and stays exact."""
+    tok, rng = _byte_level_tokenizer(tmp_path, decoder="metaspace"), np.random.default_rng(2)
+    for _ in range(50):
+        ids = _random_pieces(tok, rng, int(rng.integers(1, 20)))
+        stream = tok.stream()
+        assert isinstance(stream, TextStream)
+        assert [stream.add([i]) for i in ids] == [tok.decode(ids[:i + 1]) for i in range(len(ids))]
