@@ -2,7 +2,7 @@
 
     python scripts/bench_decode.py [--preset hybrid-1024] [--prompt 512] [--batches 1,4,16,64]
                                    [--dtypes float32,bfloat16] [--steps 12] [--bandwidth GBPS] [--probe-mib 512]
-                                   [--out results/bench_decode.json]
+                                   [--peak float32=GFLOPS,bfloat16=GFLOPS] [--out results/bench_decode.json]
 
 For each dtype one engine (`--max-num-seqs` 64 and the default memory budget, so the state pools are as large as a
 serving engine's) prefills `batch` random `--prompt`-token prompts, then runs greedy decode steps; after two
@@ -18,6 +18,11 @@ Per configuration it reports:
   divided by the read bandwidth: `--bandwidth` GB/s if given, else the larger of 16 GB/s (the development
   machine's figure) and the matrix-vector probe measured at the start (on a quiet machine ~24 GB/s; a busy one
   reads low). `x bound` = median step / bound;
+- `compute`: the step's multiply-adds (every matrix, the LM head included, times the batch's rows; attention over
+  the real context; the GDN rule) divided by the machine's matmul rate in the model's dtype, measured at the start
+  on one of the model's projections at 512 rows (`--peak` GFLOP/s per dtype overrides it): a floor of its own where
+  the rows are many, or the hardware multiplies slowly (16 rows of bfloat16 on a CPU without matrix units do about
+  16 multiply-adds per weight byte). `x compute` = median step / compute;
 - the XLA op self time of a traced step (an op's time less that of the ops nested in it: loop and conditional
   bodies) summed by kind (copy, dot, convert, fusion, scatter, sort, ...) and by part of the model (projections,
   gdn_rule, conv, gdn_state, attention, norms_elementwise, logits, other: scripts/op_profile.py). On two cores the ops of
@@ -89,6 +94,31 @@ def decode_bytes(engine: LLMEngine, batch: int, context: int) -> dict:
     return {"weights": weights, "kv": kv, "linear_state": state, "total": weights + kv + state}
 
 
+def decode_flops(engine: LLMEngine, batch: int, context: int) -> float:
+    """Floating-point operations (2 per multiply-add) of one decode step of `batch` rows at `context` tokens: every
+    matrix (the conv taps included, and the embedding table only where it is the LM head), attention's scores and
+    values over the context, and the GDN rule's products on each state (decay, two reads, one rank-1 write)."""
+    cfg = engine.cfg
+    pure = nnx.to_pure_dict(engine.worker.params)
+    matrices = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(pure) if p.ndim == 2)
+    if not cfg.tie_word_embeddings:
+        matrices -= cfg.vocab_size * cfg.hidden_size
+    attention = 2 * 2 * len(cfg.full_layer_ids) * context * cfg.num_attention_heads * cfg.head_dim
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    gdn = 2 * 4 * len(cfg.linear_layer_ids) * state
+    return float(batch * (2 * matrices + attention + gdn))
+
+
+def measure_matmul_peak(engine: LLMEngine, dtype, rows: int = 512, repeats: int = 7) -> float:
+    """FLOP/s of a product of `rows` rows by the model's MLP up-projection shape ([hidden] -> [intermediate]), in
+    `dtype` with float32 accumulation (as the model multiplies)."""
+    cfg = engine.cfg
+    x = jnp.ones((rows, cfg.hidden_size), dtype)
+    w = jnp.ones((cfg.intermediate_size, cfg.hidden_size), dtype)
+    fn = jax.jit(lambda a, b: jnp.einsum("md,vd->mv", a, b, preferred_element_type=jnp.float32))
+    return 2 * rows * cfg.hidden_size * cfg.intermediate_size / best_time(fn, x, w, repeats=repeats)
+
+
 class BlockTimer:
     """Wraps the worker's jitted step: after each (asynchronous) call returns, waits for its outputs and records how
     long the host was blocked on the device."""
@@ -131,6 +161,8 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(args.preset, dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches),
                        chunk_stride=args.chunk_stride, max_model_len=args.prompt + 256, verbose=True)
+    peak = args.peak.get(dtype) or measure_matmul_peak(engine, jnp.dtype(dtype))
+    print(f"  {dtype} matmul rate: {peak / 1e9:.0f} GFLOP/s ({'given' if args.peak.get(dtype) else 'measured now'})")
     module = f"jit_{engine.worker._decode_fn.__name__}"  # the decode step executable's name in the profile
     timer = engine.worker._decode_fn = BlockTimer(engine.worker._decode_fn)
     # decode steps of many rows are their own jitted function (other compile options): one record for both
@@ -164,15 +196,19 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
         context = args.prompt + 3 + args.steps // 2
         need = decode_bytes(engine, batch, context)
         bound = need["total"] / bandwidth
+        flops = decode_flops(engine, batch, context)
         med = statistics.median(steps)
         row = {"dtype": dtype, "batch": batch, "step_ms_min": 1e3 * min(steps), "step_ms_median": 1e3 * med,
                "host_ms_median": 1e3 * statistics.median(host), "host_ms_min": 1e3 * min(host),
                "tokens_per_s": batch / med, "bytes_per_step": need,
-               "bound_ms": 1e3 * bound, "x_bound": med / bound, "profile": prof}
+               "bound_ms": 1e3 * bound, "x_bound": med / bound, "flops_per_step": flops,
+               "matmul_flops_per_s": peak, "compute_ms": 1e3 * flops / peak, "x_compute": med * peak / flops,
+               "profile": prof}
         rows.append(row)
         print(f"  {dtype:9s} batch {batch:3d}: step {row['step_ms_min']:7.1f} min {row['step_ms_median']:7.1f} med ms"
               f" | host {row['host_ms_median']:5.2f} ms | {row['tokens_per_s']:7.1f} tok/s"
-              f" | bound {row['bound_ms']:5.1f} ms ({need['total'] / 1e6:.0f} MB) x{row['x_bound']:.2f}", flush=True)
+              f" | bound {row['bound_ms']:5.1f} ms ({need['total'] / 1e6:.0f} MB) x{row['x_bound']:.2f}"
+              f" | compute {row['compute_ms']:5.1f} ms ({flops / 1e9:.2f} GFLOP) x{row['x_compute']:.2f}", flush=True)
         kinds = sorted(prof["op_ms"].items(), key=lambda kv: -kv[1])
         print("    op self time per step by kind (ms, count): "
               + ", ".join(f"{k} {v:.1f} ({prof['op_count'][k]:.0f})" for k, v in kinds))
@@ -197,6 +233,10 @@ def main(argv=None):
                          "matrix-vector read rate)")
     ap.add_argument("--probe-mib", type=int, default=512,
                     help="MiB of float32 the bandwidth probe reads (default: %(default)s)")
+    ap.add_argument("--peak", default="", type=lambda text: {k: 1e9 * float(v) for k, v in
+                                                            (item.split("=") for item in text.split(",") if item)},
+                    help="matmul rate (GFLOP/s) per dtype for the compute floor, e.g. float32=186,bfloat16=367 "
+                         "(default: measured at the start of each dtype)")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps traced for host / device time and op kinds")
     ap.add_argument("--out", default="results/bench_decode.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
@@ -210,11 +250,11 @@ def main(argv=None):
         rows += run_dtype(args, dtype, bandwidth)
 
     print(f"\n{'dtype':9s} {'batch':>5s} {'step min':>9s} {'step med':>9s} {'host':>6s} {'tok/s':>8s} "
-          f"{'MB/step':>8s} {'bound':>6s} {'x bound':>7s}")
+          f"{'MB/step':>8s} {'bound':>6s} {'x bound':>7s} {'compute':>7s} {'x compute':>9s}")
     for r in rows:
         print(f"{r['dtype']:9s} {r['batch']:5d} {r['step_ms_min']:8.1f}m {r['step_ms_median']:8.1f}m "
               f"{r['host_ms_median']:5.2f}m {r['tokens_per_s']:8.1f} {r['bytes_per_step']['total'] / 1e6:8.0f} "
-              f"{r['bound_ms']:5.1f}m {r['x_bound']:7.2f}")
+              f"{r['bound_ms']:5.1f}m {r['x_bound']:7.2f} {r['compute_ms']:6.1f}m {r['x_compute']:9.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"preset": args.preset, "prompt": args.prompt, "measured_bandwidth": bw,

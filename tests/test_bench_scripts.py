@@ -24,7 +24,7 @@ def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
     out = tmp_path / "decode.json"
     _script("bench_decode").main(["--preset", "tiny-random", "--prompt", "16", "--batches", "1,2", "--dtypes",
                                   "float32,bfloat16", "--steps", "2", "--profile-steps", "1", "--chunk-stride", "16",
-                                  "--max-num-seqs", "2", "--probe-mib", "4", "--out", str(out)])
+                                  "--max-num-seqs", "2", "--probe-mib", "4", "--peak", "float32=100", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["preset"] == "tiny-random" and result["prompt"] == 16 and result["bound_bandwidth_bytes_per_s"] > 0
     assert [(r["dtype"], r["batch"]) for r in result["rows"]] == [
@@ -42,8 +42,33 @@ def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
         assert sum(prof["part_ms"].values()) == pytest.approx(sum(prof["op_ms"].values()))
         assert "unattributed" not in prof["part_ms"]
         assert all(prof["part_ms"].get(p, 0) > 0 for p in ("projections", "gdn_rule", "gdn_state", "attention", "logits"))
+        # the compute floor: the given float32 rate, a measured bfloat16 one
+        assert r["matmul_flops_per_s"] == 1e11 if r["dtype"] == "float32" else r["matmul_flops_per_s"] > 0
+        assert r["compute_ms"] == pytest.approx(1e3 * r["flops_per_step"] / r["matmul_flops_per_s"])
+        assert r["x_compute"] == pytest.approx(r["step_ms_median"] / r["compute_ms"])
     one, two = result["rows"][:2]  # more rows read more KV and state, the same weights (bar the embedding rows)
     assert two["bytes_per_step"]["kv"] == 2 * one["bytes_per_step"]["kv"]
+    assert two["flops_per_step"] == 2 * one["flops_per_step"]  # and do twice the arithmetic
+
+
+def test_decode_flops_counts_every_matrix_once_per_row():
+    """At no context a step's arithmetic is 2 x rows x the matrices' entries (the model's parameters less its 1-D
+    ones, norms and gates, and less the embedding table, gathered and not multiplied, when it is not the LM head),
+    plus the GDN rule's 4 products per state entry."""
+    import jax
+    from flax import nnx
+
+    from gdn_jax import LLMEngine
+
+    engine = LLMEngine("tiny-random", max_num_seqs=2, max_model_len=64, verbose=False)
+    leaves = jax.tree.leaves(nnx.to_pure_dict(engine.worker.params))
+    cfg = engine.cfg
+    matrices = sum(x.size for x in leaves if x.ndim > 1)
+    assert matrices == sum(x.size for x in leaves) - sum(x.size for x in leaves if x.ndim == 1)
+    table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    want = 2 * 3 * (matrices - table) + 3 * 2 * 4 * len(cfg.linear_layer_ids) * state
+    assert _script("bench_decode").decode_flops(engine, 3, 0) == want
 
 
 def test_self_times_subtract_nested_spans():
