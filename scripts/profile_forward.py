@@ -8,8 +8,9 @@ traced `--runs` times with the JAX profiler; every op of the compiled forward is
 the call stack XLA's metadata keeps for it (scripts/op_profile.py: projections, gdn_rule, conv, gdn_state,
 attention, norms_elementwise, logits, other).
 
-Loops (the layer loop, the attention and GDN scans) are not counted themselves: their bodies' ops are. The sum of
-op times is less than the wall time by the runtime's dispatch and by the time ops wait for the other core. Prints a
+Each op counts its self time (`op_profile.self_times`): a loop (the layer loop, the attention and GDN scans) or a
+conditional counts its span less its body's ops, which count for their parts. On two cores the ops of both threads
+add up to more than the wall time; dispatch and waits for the other core are in the wall time only. Prints a
 table per dtype and writes JSON (per part: ms per forward, share, its busiest ops; the 15 busiest ops).
 """
 
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from op_profile import PARTS, op_parts, trace_events  # noqa: E402
+from op_profile import PARTS, compiled_text, op_parts, self_times, trace_events  # noqa: E402
 from bench_forward import _batch, forward_jit  # noqa: E402
 
 from gdn_jax.config import get_preset  # noqa: E402
@@ -37,8 +38,7 @@ def profile(cfg, tokens, dtype, runs: int) -> dict:
     batch, nb = _batch(tokens, 16)
     state = init_state(cfg, nb + 1, 16, 2, dtype)
     fn = forward_jit()
-    compiled = fn.lower(graphdef, params, batch, state, False).compile()
-    parts, containers = op_parts(compiled.as_text())
+    parts = op_parts(compiled_text(fn, (graphdef, params, batch, state, False)))[0]
     box = {"state": state}
 
     def call():
@@ -48,18 +48,12 @@ def profile(cfg, tokens, dtype, runs: int) -> dict:
     call()
     call()
     events, wall = trace_events(call, runs)
-    module = None
-    by_part, by_op = collections.Counter(), collections.Counter()
-    for e in events:
-        a = e.get("args") or {}
-        if e.get("ph") != "X" or "hlo_op" not in a or not str(a.get("hlo_module", "")).startswith("jit_forward"):
-            continue
-        module = a["hlo_module"]
-        op = a["hlo_op"]
-        if op in containers:
-            continue
-        by_part[parts.get(op, "other")] += e["dur"] / 1e3 / runs
-        by_op[op] += e["dur"] / 1e3 / runs
+    module = next(e["args"]["hlo_module"] for e in events if e.get("ph") == "X"
+                  and str((e.get("args") or {}).get("hlo_module", "")).startswith("jit_forward"))
+    by_op = self_times(events, module, runs)
+    by_part = collections.Counter()
+    for op, ms in by_op.items():
+        by_part[parts.get(op, "other")] += ms
     total = sum(by_part.values())
     return {"module": module, "wall_ms": 1e3 * wall, "op_ms_total": total,
             "parts_ms": {p: by_part.get(p, 0.0) for p in PARTS},
@@ -69,7 +63,7 @@ def profile(cfg, tokens, dtype, runs: int) -> dict:
                                    for p in PARTS}}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(prog="profile_forward.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="hybrid-1024", help="model preset (default: %(default)s)")
@@ -77,7 +71,7 @@ def main():
     ap.add_argument("--dtypes", default="float32,bfloat16", help="activation dtypes, comma-separated (default: %(default)s)")
     ap.add_argument("--runs", type=int, default=3, help="traced forwards per dtype (default: %(default)s)")
     ap.add_argument("--out", default="results/profile_forward.json", help="JSON output (default: %(default)s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cfg = get_preset(args.preset)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()
     result = {"preset": args.preset, "tokens": args.tokens, "backend": jax.default_backend(), "runs": args.runs}
@@ -93,6 +87,7 @@ def main():
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
+    return result
 
 
 if __name__ == "__main__":

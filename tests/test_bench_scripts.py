@@ -71,6 +71,17 @@ def test_decode_flops_counts_every_matrix_once_per_row():
     assert _script("bench_decode").decode_flops(engine, 3, 0) == want
 
 
+def test_profile_forward_splits_the_op_time_by_part(tmp_path):
+    out = tmp_path / "pf.json"
+    result = _script("profile_forward").main(["--preset", "tiny-random", "--tokens", "32", "--dtypes", "float32",
+                                              "--runs", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    r = result["float32"]
+    assert sum(r["parts_ms"].values()) == pytest.approx(r["op_ms_total"])
+    assert sum(r["parts_share"].values()) == pytest.approx(1.0)
+    assert all(r["parts_ms"][p] > 0 for p in ("projections", "gdn_rule", "conv", "attention", "logits"))
+
+
 def test_self_times_subtract_nested_spans():
     profile = _script("op_profile")
 
