@@ -75,6 +75,24 @@ def test_byte_level_hf_stream_matches_the_library_decode_after_every_piece(tmp_p
             assert stream.num_ids == seen
 
 
+def test_byte_level_hf_stream_reads_broken_utf8_as_the_library_does(tmp_path):
+    """Single-byte tokens in the mixes of partial, overlong, surrogate and stray UTF-8 sequences that the byte
+    tokenizer's test uses: Python's replacement of invalid bytes agrees with the library's, piece by piece."""
+    from gdn_jax.tokenizer import byte_level_alphabet
+
+    tok, rng = _byte_level_tokenizer(tmp_path), np.random.default_rng(3)
+    vocab, char = tok._tok.get_vocab(), {b: c for c, b in byte_level_alphabet().items()}
+    byte_id = {b: vocab[char[b]] for b in _BYTES}
+    for _ in range(400):
+        ids = [byte_id[int(b)] for b in rng.choice(_BYTES, int(rng.integers(1, 40)))]
+        stream, seen = tok.stream(), 0
+        while seen < len(ids):
+            k = int(rng.integers(1, 4))
+            text = stream.add(ids[seen:seen + k])
+            seen = min(len(ids), seen + k)
+            assert text == tok.decode(ids[:seen]), [tok._tok.id_to_token(i) for i in ids[:seen]]
+
+
 def test_byte_level_hf_stream_decodes_only_the_new_ids(tmp_path, monkeypatch):
     """The stream never asks the library to decode (its table has every id's bytes): a step's detokenisation
     does not grow with the output."""
