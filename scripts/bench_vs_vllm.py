@@ -8,8 +8,10 @@ Through `LLM.generate`, bfloat16, prefix caching on, random token ids (no tokeni
   (the first caches the prefix, the second compiles the hit's step shape: the engine compiles per shape, which a
   serving engine does once at start, `LLMEngine.warm_up`); the tokens reused in each timed round are reported;
 - decode: `(time of 65 new tokens - time of 1) / 64` for a batch of 1 and of 16 `--decode-prompt`-token prompts
-  (512), after one warm-up round of each length. With mixed steps the rows that finish their prefill first decode
-  while the others prefill, so this figure is below the engine's decode step time (scripts/bench_decode.py).
+  (512), after one warm-up round of each length. It is not the engine's decode step time (scripts/bench_decode.py):
+  with mixed steps the rows that finish their prefill first decode while the others prefill, and the decode tokens
+  take part of each step's token budget, so the 65-token round's prefill takes longer than the 1-token round's (at
+  16 rows x 512 tokens: one more, padded prefill step), which this difference counts as decoding.
 `--vllm FILE`: lines `RESULT {...}` printed by vLLM's side (its TTFT and decode runs on the same folder), to print
 the ratio table. Writes JSON (`--out`).
 """
