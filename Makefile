@@ -37,11 +37,14 @@ GROUP_D := tests/gdn_jax/test_tiny_model.py tests/gdn_jax/test_train.py tests/gd
 # group's output is printed when it ends. A lane's groups share compiled executables through JAX's persistent
 # compilation cache (tests/conftest.py) in a folder of the lane's own under .cache/jax-test (two processes never
 # write and read one folder at once): most engines of the suite have one of a few geometries, so a group loads what
-# an earlier one compiled. `make test-serial` runs the same groups one after another.
+# an earlier one compiled. `make test-serial` runs the same groups one after another. Every edit of the package
+# adds entries to those folders and none are read back after a later edit, so `make test` first deletes the entries
+# written more than a week ago (one still in use is compiled again once).
 .PHONY: test-serial test-lane-engine test-lane-rest
 test-lane-engine: export GDN_JAX_TEST_COMPILE_CACHE = $(CURDIR)/.cache/jax-test/engine
 test-lane-rest: export GDN_JAX_TEST_COMPILE_CACHE = $(CURDIR)/.cache/jax-test/rest
 test: $(VENV)/.installed
+	@if [ -d .cache/jax-test ]; then find .cache/jax-test -type f -mtime +7 -delete; fi
 	$(MAKE) --no-print-directory -j2 --output-sync=line test-lane-engine test-lane-rest
 test-serial: test-lane-engine test-lane-rest
 test-lane-engine: $(VENV)/.installed
