@@ -219,6 +219,18 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     return rows
 
 
+def parse_peaks(text: str) -> dict[str, float]:
+    """`--peak`: "float32=186,bfloat16=367" -> {dtype: FLOP/s}."""
+    peaks = {}
+    for item in filter(None, text.split(",")):
+        dtype, _, value = item.partition("=")
+        try:
+            peaks[dtype] = 1e9 * float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected DTYPE=GFLOPS, e.g. float32=186") from None
+    return peaks
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="hybrid-1024", help="model preset (default: %(default)s)")
@@ -233,8 +245,7 @@ def main(argv=None):
                          "matrix-vector read rate)")
     ap.add_argument("--probe-mib", type=int, default=512,
                     help="MiB of float32 the bandwidth probe reads (default: %(default)s)")
-    ap.add_argument("--peak", default="", type=lambda text: {k: 1e9 * float(v) for k, v in
-                                                            (item.split("=") for item in text.split(",") if item)},
+    ap.add_argument("--peak", default="", type=parse_peaks,
                     help="matmul rate (GFLOP/s) per dtype for the compute floor, e.g. float32=186,bfloat16=367 "
                          "(default: measured at the start of each dtype)")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps traced for host / device time and op kinds")

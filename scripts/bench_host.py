@@ -107,6 +107,10 @@ def main(argv=None):
                     help="with --tokenizer: decode each output whole on every step (the generic stream)")
     ap.add_argument("--out", default="results/bench_host.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
+    if args.whole_decode and not args.tokenizer:
+        ap.error("--whole-decode applies to an HF tokenizer: give --tokenizer")
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        ap.error(f"--tokenizer {args.tokenizer}: no such file")
     rows = [run(args, int(b)) for b in args.batches.split(",")]
     tokenizer = f", {args.tokenizer}{' decoded whole' if args.whole_decode else ''}" if args.tokenizer else ""
     print(f"{args.preset}, {args.prompt}-token prompts, {args.steps} decode steps, device calls stubbed{tokenizer}")
