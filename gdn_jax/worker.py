@@ -414,8 +414,9 @@ class Worker:
         others: the main thread lowers (traces, in Python) each executable while `compile_threads` background
         threads (default `compile_threads_default()`) compile the ones before (with the store on, afresh: not loaded
         from JAX's persistent cache, `executables.fresh_compilation`): XLA compiles one executable on one core and
-        releases the GIL, so on a machine of n cores n compilations run at once. They are then stored. The worker calls these executables (`_executables`)
-        directly; shapes outside the grid, and the prompt-logprobs variant, go through the jitted functions.
+        releases the GIL, so on a machine of n cores n compilations run at once. They are then stored. The worker
+        calls these executables (`_executables`) directly; shapes outside the grid, and the prompt-logprobs variant,
+        go through the jitted functions.
         `warm_up_stats`: how many were loaded, compiled."""
         threads = compile_threads_default() if compile_threads is None else compile_threads
         if threads < 1:

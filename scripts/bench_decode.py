@@ -20,7 +20,8 @@ Per configuration it reports:
   reads low). `x bound` = median step / bound;
 - `compute`: the step's multiply-adds (every matrix, the LM head included, times the batch's rows; attention over
   the real context; the GDN rule) divided by the machine's matmul rate in the model's dtype, measured at the start
-  on one of the model's projections at 512 rows (`--peak` GFLOP/s per dtype overrides it): a floor of its own where
+  on the model's projection shapes at 512 rows (`bench_forward.matmul_peak`; `--peak` GFLOP/s per dtype overrides
+  it): a floor of its own where
   the rows are many, or the hardware multiplies slowly (16 rows of bfloat16 on a CPU without matrix units do about
   16 multiply-adds per weight byte). `x compute` = median step / compute;
 - the XLA op self time of a traced step (an op's time less that of the ops nested in it: loop and conditional
@@ -49,7 +50,7 @@ from flax import nnx
 from gdn_jax import LLMEngine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from op_profile import compiled_text, op_kind, op_parts, self_times, trace_events  # noqa: E402
+from op_profile import compiled_text, op_kind, op_parts, part_times, self_times, trace_events  # noqa: E402
 
 
 def best_time(fn, *args, repeats: int) -> float:
@@ -109,16 +110,6 @@ def decode_flops(engine: LLMEngine, batch: int, context: int) -> float:
     return float(batch * (2 * matrices + attention + gdn))
 
 
-def measure_matmul_peak(engine: LLMEngine, dtype, rows: int = 512, repeats: int = 7) -> float:
-    """FLOP/s of a product of `rows` rows by the model's MLP up-projection shape ([hidden] -> [intermediate]), in
-    `dtype` with float32 accumulation (as the model multiplies)."""
-    cfg = engine.cfg
-    x = jnp.ones((rows, cfg.hidden_size), dtype)
-    w = jnp.ones((cfg.intermediate_size, cfg.hidden_size), dtype)
-    fn = jax.jit(lambda a, b: jnp.einsum("md,vd->mv", a, b, preferred_element_type=jnp.float32))
-    return 2 * rows * cfg.hidden_size * cfg.intermediate_size / best_time(fn, x, w, repeats=repeats)
-
-
 class BlockTimer:
     """Wraps the worker's jitted step: after each (asynchronous) call returns, waits for its outputs and records how
     long the host was blocked on the device."""
@@ -147,13 +138,12 @@ def profile_steps(engine: LLMEngine, n: int, module: str, hlo_text: str) -> dict
     ms = self_times(events, module, n)
     calls = collections.Counter(e["args"]["hlo_op"] for e in events
                                 if e.get("ph") == "X" and (e.get("args") or {}).get("hlo_module") == module)
-    parts = op_parts(hlo_text)[0]
-    kind_ms, count, part_ms = collections.Counter(), collections.Counter(), collections.Counter()
+    kind_ms, count = collections.Counter(), collections.Counter()
     for op, t in ms.items():
         kind = op_kind(op)
         kind_ms[kind] += t
         count[kind] += calls[op] / n
-        part_ms[parts.get(op, "unattributed")] += t
+    part_ms = part_times(ms, op_parts(hlo_text)[0], "unattributed")
     return {"op_ms": dict(kind_ms), "op_count": dict(count), "part_ms": dict(part_ms)}
 
 
@@ -161,7 +151,9 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(args.preset, dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches),
                        chunk_stride=args.chunk_stride, max_model_len=args.prompt + 256, verbose=True)
-    peak = args.peak.get(dtype) or measure_matmul_peak(engine, jnp.dtype(dtype))
+    from bench_forward import matmul_peak  # here: bench_forward imports this module
+
+    peak = args.peak.get(dtype) or 1e9 * matmul_peak(engine.cfg, 512, jnp.dtype(dtype))["gflops"]
     print(f"  {dtype} matmul rate: {peak / 1e9:.0f} GFLOP/s ({'given' if args.peak.get(dtype) else 'measured now'})")
     module = f"jit_{engine.worker._decode_fn.__name__}"  # the decode step executable's name in the profile
     timer = engine.worker._decode_fn = BlockTimer(engine.worker._decode_fn)

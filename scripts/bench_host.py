@@ -45,7 +45,7 @@ class _Stub:
 
 def stub_device(engine: LLMEngine, rng: np.random.Generator, token_ids: tuple[int, int] = (4, 260)) -> None:
     """Replaces the worker's step and sampling executables with host stubs of the same output structure; the
-    sampled ids are drawn from `token_ids` (low, high)."""
+    sampled ids are drawn from `token_ids` (low, high; by default the byte tokenizer's byte ids)."""
     w = engine.worker
     vocab = engine.cfg.vocab_size
     low, high = token_ids[0], min(vocab, token_ids[1])
@@ -67,13 +67,13 @@ def run(args, batch: int) -> dict:
     engine = LLMEngine(args.preset, max_num_seqs=max(batch, 2), chunk_stride=args.chunk_stride,
                        max_model_len=args.prompt + args.steps + 8 + batch, verbose=False)
     rng = np.random.default_rng(0)
-    token_ids = (4, 260)  # byte ids of the byte tokenizer
+    sampled = {}  # the ids the stub samples: by default the byte tokenizer's byte ids
     if args.tokenizer:
         engine.tokenizer = HFTokenizer(Path(args.tokenizer), None)
         if args.whole_decode:
             engine.tokenizer.stream = lambda: TextStream(engine.tokenizer.decode)
-        token_ids = (0, engine.tokenizer.vocab_size)
-    stub_device(engine, rng, token_ids)
+        sampled["token_ids"] = (0, engine.tokenizer.vocab_size)
+    stub_device(engine, rng, **sampled)
     for i in range(batch):
         engine.add_request(str(i), rng.integers(4, engine.cfg.vocab_size, args.prompt).tolist(),
                            SamplingParams(temperature=0.0, max_tokens=args.steps + 4 + batch, ignore_eos=True))

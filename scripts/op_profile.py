@@ -27,6 +27,8 @@ from pathlib import Path
 
 import jax
 
+from gdn_jax import executables
+
 
 def compiled_text(fn, args) -> str:
     """The compiled text of jitted fn for the shapes of `args` (donated arrays included: only shapes are read),
@@ -36,13 +38,9 @@ def compiled_text(fn, args) -> str:
     same program)."""
     def shape(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
-    cached = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    jax.clear_caches()
-    try:
+    with executables.fresh_compilation():
+        jax.clear_caches()
         return fn.lower(*jax.tree.map(shape, args)).compile().as_text()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cached)
 
 
 def trace_events(fn, n: int) -> tuple[list[dict], float]:
@@ -181,6 +179,14 @@ def op_parts(hlo_text: str) -> tuple[dict[str, str], set[str]]:
     for name, called in calls.items():
         parts[name] = majority(called) or majority(where[name]) or "other"
     return parts, containers
+
+
+def part_times(op_ms: dict, parts: dict[str, str], missing: str = "other") -> collections.Counter:
+    """Op times (`self_times`) summed by part (`op_parts`); an op the parts do not name counts as `missing`."""
+    out = collections.Counter()
+    for op, t in op_ms.items():
+        out[parts.get(op, missing)] += t
+    return out
 
 
 def op_kind(hlo_op: str) -> str:

@@ -17,7 +17,6 @@ table per dtype and writes JSON (per part: ms per forward, share, its busiest op
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from op_profile import PARTS, compiled_text, op_parts, self_times, trace_events  # noqa: E402
+from op_profile import PARTS, compiled_text, op_parts, part_times, self_times, trace_events  # noqa: E402
 from bench_forward import _batch, forward_jit  # noqa: E402
 
 from gdn_jax.config import get_preset  # noqa: E402
@@ -51,9 +50,7 @@ def profile(cfg, tokens, dtype, runs: int) -> dict:
     module = next(e["args"]["hlo_module"] for e in events if e.get("ph") == "X"
                   and str((e.get("args") or {}).get("hlo_module", "")).startswith("jit_forward"))
     by_op = self_times(events, module, runs)
-    by_part = collections.Counter()
-    for op, ms in by_op.items():
-        by_part[parts.get(op, "other")] += ms
+    by_part = part_times(by_op, parts)
     total = sum(by_part.values())
     return {"module": module, "wall_ms": 1e3 * wall, "op_ms_total": total,
             "parts_ms": {p: by_part.get(p, 0.0) for p in PARTS},

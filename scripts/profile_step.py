@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import BlockTimer  # noqa: E402
-from op_profile import PARTS, compiled_text, op_parts, self_times, trace_events  # noqa: E402
+from op_profile import PARTS, compiled_text, op_parts, part_times, self_times, trace_events  # noqa: E402
 
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
 
@@ -82,9 +82,7 @@ def profile_dtype(args, dtype: str) -> dict:
     sampling = sum(self_times(events, sample_module, args.runs).values())
     step_ms = self_times(events, "jit_step", args.runs)
     parts = op_parts(compiled_text(*timer.last[0]))[0]
-    by_part = dict.fromkeys(PARTS, 0.0)
-    for op, t in step_ms.items():
-        by_part[parts.get(op, "other")] += t
+    by_part = dict.fromkeys(PARTS, 0.0) | part_times(step_ms, parts)
     by_part["sampling"] = sampling
     total = sum(by_part.values())
     return {"dtype": dtype, "wall_ms_median": 1e3 * statistics.median(walls), "wall_ms_min": 1e3 * min(walls),
