@@ -184,7 +184,8 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             steps.append(time.perf_counter() - t0)
             host.append(steps[-1] - sum(timer.blocked) - sum(sampler.blocked))
             assert engine.last_step_info["rows"] == batch and not engine.last_step_info["is_prefill"]
-        prof = profile_steps(engine, args.profile_steps, module, compiled_text(*timer.last[0]))
+        prof = (profile_steps(engine, args.profile_steps, module, compiled_text(*timer.last[0]))
+                if args.profile_steps else {"op_ms": {}, "op_count": {}, "part_ms": {}})
         context = args.prompt + 3 + args.steps // 2
         need = decode_bytes(engine, batch, context)
         bound = need["total"] / bandwidth
@@ -197,17 +198,19 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
                "matmul_flops_per_s": peak, "compute_ms": 1e3 * flops / peak, "x_compute": med * peak / flops,
                "profile": prof}
         rows.append(row)
+        for i in range(batch):
+            engine.abort_request(f"{batch}-{i}")
         print(f"  {dtype:9s} batch {batch:3d}: step {row['step_ms_min']:7.1f} min {row['step_ms_median']:7.1f} med ms"
               f" | host {row['host_ms_median']:5.2f} ms | {row['tokens_per_s']:7.1f} tok/s"
               f" | bound {row['bound_ms']:5.1f} ms ({need['total'] / 1e6:.0f} MB) x{row['x_bound']:.2f}"
               f" | compute {row['compute_ms']:5.1f} ms ({flops / 1e9:.2f} GFLOP) x{row['x_compute']:.2f}", flush=True)
         kinds = sorted(prof["op_ms"].items(), key=lambda kv: -kv[1])
+        if not kinds:  # --profile-steps 0
+            continue
         print("    op self time per step by kind (ms, count): "
               + ", ".join(f"{k} {v:.1f} ({prof['op_count'][k]:.0f})" for k, v in kinds))
         print("    by part (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(prof["part_ms"].items(),
                                                                                key=lambda kv: -kv[1])))
-        for i in range(batch):
-            engine.abort_request(f"{batch}-{i}")
     return rows
 
 
@@ -221,6 +224,13 @@ def parse_peaks(text: str) -> dict[str, float]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{item!r}: expected DTYPE=GFLOPS, e.g. float32=186") from None
     return peaks
+
+
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: expected 0 or more")
+    return value
 
 
 def main(argv=None):
@@ -240,7 +250,8 @@ def main(argv=None):
     ap.add_argument("--peak", default="", type=parse_peaks,
                     help="matmul rate (GFLOP/s) per dtype for the compute floor, e.g. float32=186,bfloat16=367 "
                          "(default: measured at the start of each dtype)")
-    ap.add_argument("--profile-steps", type=int, default=3, help="steps traced for host / device time and op kinds")
+    ap.add_argument("--profile-steps", type=non_negative, default=3,
+                    help="steps traced for the op kinds and parts; 0: no trace (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_decode.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
 

@@ -231,3 +231,9 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
                               "decode_step_s_B1": 0.02, "decode_step_s_B16": 0.04}
     cold = result["table"][0]
     assert cold["vllm_ms"] == 500 and cold["ratio"] == pytest.approx(cold["gdn_jax_ms"] / 500)
+
+
+def test_bench_decode_rejects_a_negative_profile_step_count(capsys):
+    with pytest.raises(SystemExit):
+        _script("bench_decode").main(["--profile-steps", "-1"])
+    assert "--profile-steps: -1: expected 0 or more" in capsys.readouterr().err
