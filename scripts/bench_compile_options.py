@@ -3,14 +3,13 @@
     python scripts/bench_compile_options.py [--preset hybrid-1024] [--dtypes bfloat16,float32] [--repeats 5]
         [--shapes 1x2048,16x1,16x64] [--context 1024] [--out results/bench_compile_options.json]
 
-Each option set (`OPTION_SETS`: XLA's defaults, the engine's options `worker.LLVM_IR_CPU_COMPILER_OPTIONS`,
-and one more) compiles
-the engine's step (`Worker.lowered_step(...).compile(compiler_options=...)`) for each shape on real (random) weights;
-then the executables run in turn, A B C A B C ..., `--repeats` times each, so that the load of other processes falls
-on every set alike. A prefill shape runs full rows of `tokens` tokens from position 0; a decode shape runs rows that
-attend to `--context` cached tokens. Reports compile seconds and run milliseconds (wall min and median; process CPU
-median, which moves less with the load) per set and shape,
-and whether the logits are bitwise those of XLA's defaults (else the largest difference). Writes JSON.
+Each option set (`OPTION_SETS`: XLA's defaults, the engine's options `worker.LLVM_IR_CPU_COMPILER_OPTIONS`, and
+those with LLVM's O1 and O0 pipelines) compiles the engine's step (`Worker.lowered_step(...).compile(
+compiler_options=...)`) for each shape on real (random) weights; then the executables run in turn, A B C A B C ...,
+`--repeats` times each, so that the load of other processes falls on every set alike. A prefill shape runs full rows
+of `tokens` tokens from position 0; a decode shape runs rows that attend to `--context` cached tokens. Reports compile
+seconds and run milliseconds (wall min and median; process CPU median, which moves less with the load) per set and
+shape, and whether the logits are bitwise those of XLA's defaults (else the largest difference). Writes JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ OPTION_SETS = {
     "xla defaults": {"xla_cpu_use_fusion_emitters": True},
     "LLVM IR emitters": {"xla_cpu_use_fusion_emitters": False},  # the engine's prefill steps
     "LLVM IR emitters, LLVM O1": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
+    "LLVM IR emitters, LLVM O0": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0},
 }
 
 
