@@ -8,6 +8,7 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Iterable
 
 import jax
@@ -135,19 +136,61 @@ class _Request:
         return next(i for i, s in enumerate(self.seqs) if s.seq_id == seq_id)
 
 
+# Default bound of the persistent compilation cache folder (JAX's entries, not the executable store beside them,
+# which keeps its own three source versions): a step shape's entry is 70-250 KB, Qwen3.5-9B's whole warm-up grid
+# ~10 MB, so this holds about two hundred such grids before the least recently used entries go.
+CACHE_MAX_MB = 2048
+
+
+def compilation_cache_max_bytes() -> int:
+    """The persistent compilation cache's bound in bytes: `$GDN_JAX_CACHE_MAX_MB` MiB (default CACHE_MAX_MB; -1: no
+    bound, the folder only grows)."""
+    text = os.environ.get("GDN_JAX_CACHE_MAX_MB", "").strip()
+    if not text:
+        return CACHE_MAX_MB << 20
+    try:
+        mb = int(text)
+    except ValueError:
+        mb = 0
+    if mb < 1 and mb != -1:
+        raise ValueError(f"GDN_JAX_CACHE_MAX_MB must be a positive whole number of MiB, or -1 for no bound; "
+                         f"got {text!r}")
+    return -1 if mb == -1 else mb << 20
+
+
+def _stamp_entries(folder: str) -> None:
+    """Gives every entry of JAX's cache folder (`<key>-cache`) the access stamp its eviction reads (`<key>-atime`,
+    nanoseconds, little-endian) where it has none: entries written while eviction was off (by an older version, or
+    with the bound off) carry none, and JAX's eviction fails on them. The stamp is the entry's modification time, so
+    such entries go first."""
+    try:
+        for entry in Path(folder).glob("*-cache"):
+            stamp = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
+            if not stamp.exists():
+                stamp.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+    except OSError:  # a read-only or vanishing folder: JAX's own reads and writes will say so, or miss
+        pass
+
+
 def enable_compilation_cache() -> str | None:
     """Turns on JAX's persistent compilation cache, so a second process start reuses compiled steps. The folder is
     `$GDN_JAX_CACHE_DIR`, else `$XDG_CACHE_HOME/gdn_jax/jax`, else `~/.cache/gdn_jax/jax`; `GDN_JAX_CACHE_DIR=off`
-    disables it; a folder already configured (jax_compilation_cache_dir) is kept. Returns the folder in use."""
+    disables it; a folder already configured (jax_compilation_cache_dir) is kept. The folder is bounded
+    (`compilation_cache_max_bytes`): past the bound JAX deletes the least recently used entries. Returns the folder
+    in use."""
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
     folder = os.environ.get("GDN_JAX_CACHE_DIR")
     if folder == "off":
         return None
+    max_bytes = compilation_cache_max_bytes()
     if not folder:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         folder = os.path.join(base, "gdn_jax", "jax")
+    if max_bytes != -1:
+        _stamp_entries(folder)
+    jax.config.update("jax_compilation_cache_max_size", max_bytes)
     jax.config.update("jax_compilation_cache_dir", folder)
     # every executable is kept, the quick ones too: a second start then compiles nothing (a step shape's entry is a
     # few hundred KB; sampling's, ~60 KB)

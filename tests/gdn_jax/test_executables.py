@@ -160,3 +160,59 @@ def test_warm_up_rejects_no_compile_threads():
     for bad in (0, -1):
         with pytest.raises(ValueError, match="compile_threads"):
             llm.engine.worker.warm_up(compile_threads=bad)
+
+
+_CACHE_CHILD = """
+import os, sys
+from pathlib import Path
+import jax, jax.numpy as jnp
+from gdn_jax.engine import enable_compilation_cache
+folder = enable_compilation_cache()
+assert folder == os.environ["GDN_JAX_CACHE_DIR"], folder
+print("max_size", jax.config.jax_compilation_cache_max_size)
+x = jnp.arange(64.0)
+for n in range(1, int(sys.argv[1]) + 1):  # distinct programs (one entry each, named jit_program-...)
+    def program(x):
+        return jnp.sin(x) * n + jnp.cumsum(x) ** n
+    jax.jit(program)(x).block_until_ready()
+"""
+
+
+def _cache_child(folder, max_mb, programs):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, GDN_JAX_CACHE_DIR=str(folder), JAX_PLATFORMS="cpu")
+    env.pop("GDN_JAX_CACHE_MAX_MB", None)
+    if max_mb is not None:
+        env["GDN_JAX_CACHE_MAX_MB"] = max_mb
+    return subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(programs)], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_persistent_cache_is_bounded_and_evicts_the_least_recently_used_entries(tmp_path):
+    """An engine's cache folder stays under GDN_JAX_CACHE_MAX_MB: an entry written before, without the access stamp
+    JAX's eviction reads (an older version's), gets its modification time as its stamp and goes first."""
+    old = tmp_path / "jit_old-0123-cache"
+    old.write_bytes(os.urandom(1000 << 10))
+    os.utime(old, (1, 1))
+    done = _cache_child(tmp_path, "1", 6)
+    assert done.returncode == 0, done.stderr
+    assert "max_size 1048576" in done.stdout
+    entries = list(tmp_path.glob("*-cache"))
+    assert not old.exists() and not (tmp_path / "jit_old-0123-atime").exists()
+    assert len(list(tmp_path.glob("jit_program-*-cache"))) == 6 and sum(p.stat().st_size for p in entries) <= 1 << 20
+    assert all(p.with_name(p.name.removesuffix("-cache") + "-atime").exists() for p in entries)
+
+
+def test_the_cache_bound_can_be_lifted_and_a_bad_one_is_named(tmp_path):
+    old = tmp_path / "jit_old-0123-cache"
+    old.write_bytes(os.urandom(1000 << 10))
+    done = _cache_child(tmp_path, "-1", 2)  # no bound: nothing evicted, nothing stamped
+    assert done.returncode == 0, done.stderr
+    assert "max_size -1" in done.stdout and old.exists() and not list(tmp_path.glob("*-atime"))
+    assert len(list(tmp_path.glob("jit_program-*-cache"))) == 2
+    for bad in ("0", "lots", "1.5"):
+        done = _cache_child(tmp_path / bad, bad, 1)
+        assert done.returncode != 0 and f"GDN_JAX_CACHE_MAX_MB must be a positive whole number" in done.stderr
+        assert repr(bad) in done.stderr
