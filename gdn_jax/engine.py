@@ -176,8 +176,8 @@ def enable_compilation_cache() -> str | None:
     """Turns on JAX's persistent compilation cache, so a second process start reuses compiled steps. The folder is
     `$GDN_JAX_CACHE_DIR`, else `$XDG_CACHE_HOME/gdn_jax/jax`, else `~/.cache/gdn_jax/jax`; `GDN_JAX_CACHE_DIR=off`
     disables it; a folder already configured (jax_compilation_cache_dir) is kept. The folder is bounded
-    (`compilation_cache_max_bytes`): past the bound JAX deletes the least recently used entries. Returns the folder
-    in use."""
+    (`compilation_cache_max_bytes`): past the bound JAX deletes the least recently used entries (a folder this
+    process cannot write is read as it is, unbounded). Returns the folder in use."""
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
@@ -188,6 +188,9 @@ def enable_compilation_cache() -> str | None:
     if not folder:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         folder = os.path.join(base, "gdn_jax", "jax")
+    if max_bytes != -1 and os.path.isdir(folder) and not os.access(folder, os.W_OK):
+        max_bytes = -1  # a read-only (shared, prefilled) folder: eviction's lock file could not be written, every
+        # read would fail, and nothing is written there anyway
     if max_bytes != -1:
         _stamp_entries(folder)
     jax.config.update("jax_compilation_cache_max_size", max_bytes)

@@ -167,6 +167,8 @@ import os, sys
 from pathlib import Path
 import jax, jax.numpy as jnp
 from gdn_jax.engine import enable_compilation_cache
+if len(sys.argv) > 2:  # "read-only": the folder cannot be written
+    os.access = lambda path, mode: not mode & os.W_OK
 folder = enable_compilation_cache()
 assert folder == os.environ["GDN_JAX_CACHE_DIR"], folder
 print("max_size", jax.config.jax_compilation_cache_max_size)
@@ -178,7 +180,7 @@ for n in range(1, int(sys.argv[1]) + 1):  # distinct programs (one entry each, n
 """
 
 
-def _cache_child(folder, max_mb, programs):
+def _cache_child(folder, max_mb, programs, *flags):
     import subprocess
     import sys
 
@@ -186,7 +188,7 @@ def _cache_child(folder, max_mb, programs):
     env.pop("GDN_JAX_CACHE_MAX_MB", None)
     if max_mb is not None:
         env["GDN_JAX_CACHE_MAX_MB"] = max_mb
-    return subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(programs)], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(programs), *flags], env=env, capture_output=True, text=True,
                           timeout=300)
 
 
@@ -205,13 +207,16 @@ def test_the_persistent_cache_is_bounded_and_evicts_the_least_recently_used_entr
     assert all(p.with_name(p.name.removesuffix("-cache") + "-atime").exists() for p in entries)
 
 
-def test_the_cache_bound_can_be_lifted_and_a_bad_one_is_named(tmp_path):
+def test_the_cache_bound_can_be_lifted_is_off_on_a_read_only_folder_and_a_bad_one_is_named(tmp_path):
     old = tmp_path / "jit_old-0123-cache"
     old.write_bytes(os.urandom(1000 << 10))
     done = _cache_child(tmp_path, "-1", 2)  # no bound: nothing evicted, nothing stamped
     assert done.returncode == 0, done.stderr
     assert "max_size -1" in done.stdout and old.exists() and not list(tmp_path.glob("*-atime"))
     assert len(list(tmp_path.glob("jit_program-*-cache"))) == 2
+    done = _cache_child(tmp_path, "1", 1, "read-only")  # a folder it cannot write: read as it is, unbounded
+    assert done.returncode == 0, done.stderr
+    assert "max_size -1" in done.stdout and old.exists() and not list(tmp_path.glob("*-atime"))
     for bad in ("0", "lots", "1.5"):
         done = _cache_child(tmp_path / bad, bad, 1)
         assert done.returncode != 0 and f"GDN_JAX_CACHE_MAX_MB must be a positive whole number" in done.stderr
