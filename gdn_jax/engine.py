@@ -195,8 +195,7 @@ def enable_compilation_cache() -> str | None:
         _stamp_entries(folder)
     jax.config.update("jax_compilation_cache_max_size", max_bytes)
     jax.config.update("jax_compilation_cache_dir", folder)
-    # every executable is kept, the quick ones too: a second start then compiles nothing (a step shape's entry is a
-    # few hundred KB; sampling's, ~60 KB)
+    # every executable is kept, the quick ones too: a second start then compiles nothing
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return folder
 

@@ -164,7 +164,6 @@ def test_warm_up_rejects_no_compile_threads():
 
 _CACHE_CHILD = """
 import os, sys
-from pathlib import Path
 import jax, jax.numpy as jnp
 from gdn_jax.engine import enable_compilation_cache
 if len(sys.argv) > 2:  # "read-only": the folder cannot be written
@@ -184,12 +183,9 @@ def _cache_child(folder, max_mb, programs, *flags):
     import subprocess
     import sys
 
-    env = dict(os.environ, GDN_JAX_CACHE_DIR=str(folder), JAX_PLATFORMS="cpu")
-    env.pop("GDN_JAX_CACHE_MAX_MB", None)
-    if max_mb is not None:
-        env["GDN_JAX_CACHE_MAX_MB"] = max_mb
-    return subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(programs), *flags], env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = dict(os.environ, GDN_JAX_CACHE_DIR=str(folder), GDN_JAX_CACHE_MAX_MB=max_mb, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(programs), *flags], env=env, capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_the_persistent_cache_is_bounded_and_evicts_the_least_recently_used_entries(tmp_path):
@@ -219,5 +215,5 @@ def test_the_cache_bound_can_be_lifted_is_off_on_a_read_only_folder_and_a_bad_on
     assert "max_size -1" in done.stdout and old.exists() and not list(tmp_path.glob("*-atime"))
     for bad in ("0", "lots", "1.5"):
         done = _cache_child(tmp_path / bad, bad, 1)
-        assert done.returncode != 0 and f"GDN_JAX_CACHE_MAX_MB must be a positive whole number" in done.stderr
+        assert done.returncode != 0 and "GDN_JAX_CACHE_MAX_MB must be a positive whole number" in done.stderr
         assert repr(bad) in done.stderr
