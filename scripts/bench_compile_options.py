@@ -1,10 +1,11 @@
 """XLA compile options against the step's compile time and run time, in one process, interleaved.
 
     python scripts/bench_compile_options.py [--preset hybrid-1024] [--dtypes bfloat16,float32] [--repeats 5]
-        [--shapes 1x2048,16x1,16x64] [--context 1024] [--out results/bench_compile_options.json]
+        [--shapes 1x2048,16x1,16x64] [--context 1024] [--sets "NAME;NAME"] [--out results/bench_compile_options.json]
 
-Each option set (`OPTION_SETS`: XLA's defaults, the engine's options `worker.LLVM_IR_CPU_COMPILER_OPTIONS`, and
-those with LLVM's O1 and O0 pipelines) compiles the engine's step (`Worker.lowered_step(...).compile(
+Each option set (`OPTION_SETS`: XLA's defaults, the engine's options `worker.LLVM_IR_CPU_COMPILER_OPTIONS`, those
+with LLVM's O1 and O0 pipelines, and with 512-bit vectors: `worker.DECODE_CPU_COMPILER_OPTIONS`; `--sets` picks
+some) compiles the engine's step (`Worker.lowered_step(...).compile(
 compiler_options=...)`) for each shape on real (random) weights; then the executables run in turn, A B C A B C ...,
 `--repeats` times each, so that the load of other processes falls on every set alike. A prefill shape runs full rows
 of `tokens` tokens from position 0; a decode shape runs rows that attend to `--context` cached tokens. Reports compile
@@ -27,12 +28,19 @@ from gdn_jax.model import Batch
 from gdn_jax.restore import RestoreOps
 from gdn_jax.worker import host_batch
 
-# each set overrides the jitted step's own options (worker.compiler_options), so every option is spelled out
+# each set overrides the jitted step's own options (worker.compiler_options: JAX appends a set's options to those), so
+# every option is spelled out; 256 bits is XLA's preferred vector width
 OPTION_SETS = {
-    "xla defaults": {"xla_cpu_use_fusion_emitters": True},
-    "LLVM IR emitters": {"xla_cpu_use_fusion_emitters": False},  # the engine's prefill steps
-    "LLVM IR emitters, LLVM O1": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
-    "LLVM IR emitters, LLVM O0": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0},
+    "xla defaults": {"xla_cpu_use_fusion_emitters": True, "xla_cpu_prefer_vector_width": 256},
+    # the engine's prefill steps and sampling
+    "LLVM IR emitters": {"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": 256},
+    "LLVM IR emitters, LLVM O1": {"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": 256,
+                                  "xla_backend_optimization_level": 1},
+    "LLVM IR emitters, LLVM O0": {"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": 256,
+                                  "xla_backend_optimization_level": 0},
+    "xla defaults, 512-bit vectors": {"xla_cpu_use_fusion_emitters": True, "xla_cpu_prefer_vector_width": 512},
+    # the engine's decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows (worker.DECODE_CPU_COMPILER_OPTIONS)
+    "LLVM IR emitters, 512-bit vectors": {"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": 512},
 }
 
 
@@ -64,10 +72,16 @@ def main(argv=None) -> dict:
     p.add_argument("--context", type=int, default=1024, help="cached tokens before a decode row")
     p.add_argument("--repeats", type=int, default=5,
                   help='timed runs per option set and shape, after a warm-up round (default: %(default)s)')
+    p.add_argument("--sets", default="", help="names of the option sets to run, ';'-separated (default: all; "
+                  "XLA's defaults always run, as the reference of the logits)")
     p.add_argument("--out", default="results/bench_compile_options.json",
                   help='JSON output (default: %(default)s)')
     a = p.parse_args(argv)
     shapes = [tuple(int(n) for n in s.split("x")) for s in a.shapes.split(",")]
+    names = a.sets.split(";") if a.sets else list(OPTION_SETS)
+    if unknown := [n for n in names if n not in OPTION_SETS]:
+        p.error(f"unknown option sets {unknown}; the sets are {list(OPTION_SETS)}")
+    sets = {n: OPTION_SETS[n] for n in ["xla defaults"] + [n for n in names if n != "xla defaults"]}
     rng, results = np.random.default_rng(0), []
     for dtype in a.dtypes.split(","):
         engine = LLMEngine(a.preset, dtype=dtype, max_num_seqs=16, max_model_len=4096, verbose=False)
@@ -78,7 +92,7 @@ def main(argv=None) -> dict:
             leaves = worker._param_leaves
             lowered = worker._fn_for(batch.tokens).lower(leaves, worker.state, batch)
             compiled, rec = {}, {}
-            for name, opts in OPTION_SETS.items():
+            for name, opts in sets.items():
                 t0 = time.perf_counter()
                 compiled[name] = lowered.compile(compiler_options=dict(opts))
                 rec[name] = {"compile_s": time.perf_counter() - t0, "run_ms": [], "cpu_ms": []}
@@ -104,7 +118,7 @@ def main(argv=None) -> dict:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"preset": a.preset, "repeats": a.repeats, "context": a.context,
-                               "option_sets": OPTION_SETS, "results": results}, indent=1))
+                               "option_sets": sets, "results": results}, indent=1))
     print(f"wrote {out}")
     return {"results": results}
 

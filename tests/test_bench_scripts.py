@@ -237,3 +237,19 @@ def test_bench_decode_rejects_a_negative_profile_step_count(capsys):
     with pytest.raises(SystemExit):
         _script("bench_decode").main(["--profile-steps", "-1"])
     assert "--profile-steps: -1: expected 0 or more" in capsys.readouterr().err
+
+
+def test_bench_compile_options_runs_the_sets_asked_for_beside_xla_defaults(tmp_path, capsys):
+    bench = _script("bench_compile_options")
+    with pytest.raises(SystemExit):
+        bench.main(["--sets", "LLVM IR emitters;bogus"])
+    assert "unknown option sets ['bogus']" in capsys.readouterr().err
+    out = tmp_path / "options.json"
+    result = bench.main(["--preset", "tiny-random", "--dtypes", "float32", "--shapes", "1x1", "--repeats", "1",
+                         "--sets", "LLVM IR emitters, 512-bit vectors", "--out", str(out)])
+    assert [r["options"] for r in result["results"]] == ["xla defaults", "LLVM IR emitters, 512-bit vectors"]
+    assert result["results"][0]["max_abs_diff"] == 0.0  # the reference itself
+    assert result["results"][1]["max_abs_diff"] < 1e-3  # vectorised differently, the same step
+    written = json.loads(out.read_text())
+    assert written["option_sets"]["LLVM IR emitters, 512-bit vectors"]["xla_cpu_prefer_vector_width"] == 512
+    assert set(written["option_sets"]) == {"xla defaults", "LLVM IR emitters, 512-bit vectors"}

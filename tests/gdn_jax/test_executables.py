@@ -148,9 +148,11 @@ def test_compile_threads_and_executable_kinds(monkeypatch):
     wide = w.DECODE_DEFAULT_EMITTER_ROWS
     assert [w.executable_kind(B, T) for B, T in ((1, 16), (wide, 64), (1, 1), (wide - 1, 1), (wide, 1), (64, 1))] == \
         ["prefill", "prefill", "decode", "decode", "decode_wide", "decode_wide"]
-    # on the CPU backend: the LLVM IR emitters everywhere but wide decode steps, which keep XLA's defaults
+    # on the CPU backend: the LLVM IR emitters everywhere but wide decode steps, which keep XLA's defaults; narrow
+    # decode steps also vectorise with 512-bit registers
     assert w.compiler_options("decode_wide") is None
-    assert all(w.compiler_options(k) == w.LLVM_IR_CPU_COMPILER_OPTIONS for k in ("prefill", "decode", "sample"))
+    assert all(w.compiler_options(k) == {"xla_cpu_use_fusion_emitters": False} for k in ("prefill", "sample"))
+    assert w.compiler_options("decode") == {"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": 512}
     with pytest.raises(ValueError, match="kind"):
         w.compiler_options("prompt")
 
