@@ -186,7 +186,7 @@ LLVM_IR_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 DECODE_DEFAULT_EMITTER_ROWS = 16
 # Those decode steps also let LLVM vectorise with 512-bit registers where the CPU has them (XLA prefers 256 bits): a
 # one-row step's time is its matrix-vector products, loops that stream the weights, and with 512-bit registers they
-# run 11-14% faster on an AVX-512 Xeon (hybrid-1024, 1 row: bfloat16 15.8 -> 14.1 ms, float32 21.6 -> 18.8 ms,
+# run 11-15% faster on an AVX-512 Xeon (hybrid-1024, 1 row: bfloat16 16.0 -> 14.3 ms, float32 22.0 -> 18.8 ms,
 # median; 2-16 rows and prefill: the same within 1-2%, so only these steps take it). A CPU without AVX-512
 # vectorises as before. docs/design.md, "Compiling the step".
 DECODE_CPU_COMPILER_OPTIONS = LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_cpu_prefer_vector_width": 512}
