@@ -4,9 +4,9 @@
         [--shapes 1x2048,16x1,16x64] [--context 1024] [--sets "NAME;NAME"] [--out results/bench_compile_options.json]
 
 Each option set (`OPTION_SETS`: XLA's defaults, the engine's options `worker.LLVM_IR_CPU_COMPILER_OPTIONS`, those
-with LLVM's O1 and O0 pipelines, and with 512-bit vectors: `worker.DECODE_CPU_COMPILER_OPTIONS`; `--sets` picks
-some) compiles the engine's step (`Worker.lowered_step(...).compile(
-compiler_options=...)`) for each shape on real (random) weights; then the executables run in turn, A B C A B C ...,
+with LLVM's O1 and O0 pipelines, and with 512-bit vectors: `worker.DECODE_CPU_COMPILER_OPTIONS`; `--sets` picks some)
+compiles the engine's step (`Worker.lowered_step(...).compile(compiler_options=...)`, with JAX's persistent cache off)
+for each shape on real (random) weights; then the executables run in turn, A B C A B C ...,
 `--repeats` times each, so that the load of other processes falls on every set alike. A prefill shape runs full rows
 of `tokens` tokens from position 0; a decode shape runs rows that attend to `--context` cached tokens. Reports compile
 seconds and run milliseconds (wall min and median; process CPU median, which moves less with the load) per set and
@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from gdn_jax import executables
 from gdn_jax.engine import LLMEngine
 from gdn_jax.model import Batch
 from gdn_jax.restore import RestoreOps
@@ -94,7 +95,8 @@ def main(argv=None) -> dict:
             compiled, rec = {}, {}
             for name, opts in sets.items():
                 t0 = time.perf_counter()
-                compiled[name] = lowered.compile(compiler_options=dict(opts))
+                with executables.fresh_compilation():  # compile time, not a load from JAX's persistent cache
+                    compiled[name] = lowered.compile(compiler_options=dict(opts))
                 rec[name] = {"compile_s": time.perf_counter() - t0, "run_ms": [], "cpu_ms": []}
             reference = None
             for _ in range(a.repeats + 1):  # the first round warms up
