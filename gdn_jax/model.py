@@ -195,17 +195,44 @@ def _identity(a):  # a branch of the switch that picks a layer's small parameter
 
 # On CPU, products of this many rows (first, last) put the weight on the left (`_product`), per activation dtype.
 WEIGHT_LHS_ROWS = {jnp.dtype(jnp.float32): (2, 64), jnp.dtype(jnp.bfloat16): (16, 64)}
+# XLA's CPU backend fuses a matrix-vector product into a loop over the matrix only while the vector, in float32, is
+# under 16 KiB: one-row products of this many columns or more take another form (`_one_row`).
+FUSED_MATVEC_COLUMNS = 4096
+
+
+def _one_row(x, kernel):
+    """x [n_in] @ kernel[n_out, n_in].T -> [n_out] float32 on XLA's CPU backend: what `_product` does with one row.
+
+    Written with the transpose, the product compiles to XLA's own loop over the weight's rows (a dot inside a loop
+    fusion, split over the cores) that converts a bfloat16 weight in registers and streams it once; a bfloat16
+    weight is read there as two streams, its rows in the order 0, n/2, 1, n/2 + 1, ... (a transpose that the loop
+    folds into its indexing; the small result is put back in order), which the hardware prefetchers keep further
+    ahead of: 17.6 -> 20 GB/s on the development machine (float32 streams faster as it is).
+    XLA fuses that loop only while n_in < `FUSED_MATVEC_COLUMNS`. A wider product (a model 4096 wide) would compile
+    to a float32 transposed copy of the whole weight, then the product: 0.3-0.6 GB/s in bfloat16, 1.2 in float32.
+    There a float32 weight goes to the library as it lies (31 GB/s), and a bfloat16 one as a two-row product (the
+    row and a zero row), which the library multiplies in bfloat16 without converting the weight first (17 GB/s;
+    one row would go to a matrix-vector routine that converts it: 1.8). docs/design.md, "One-row products"."""
+    n, k = kernel.shape
+    x = x.reshape(1, k)
+    if k >= FUSED_MATVEC_COLUMNS:
+        if kernel.dtype != jnp.float32:
+            x = jnp.concatenate([x, jnp.zeros_like(x)])
+        return jnp.einsum("md,vd->mv", x, kernel, preferred_element_type=jnp.float32)[0]
+    if kernel.dtype == jnp.float32 or n % 2:
+        return jnp.dot(x, kernel.T, preferred_element_type=jnp.float32)[0]
+    y = jnp.dot(x, kernel.reshape(2, n // 2, k).transpose(1, 0, 2).reshape(n, k).T, preferred_element_type=jnp.float32)
+    return y.reshape(n // 2, 2).T.reshape(n)
 
 
 def _product(x, kernel):
     """x [..., n_in] @ kernel[n_out, n_in].T -> [..., n_out], accumulated and returned in float32.
 
     On XLA's CPU backend the form of the product decides its speed at few rows (decode: one row per sequence):
-    - One row: `x @ kernel.T` written with the transpose, which XLA compiles to its own loop over the weight's rows
-      (a dot inside a loop fusion, split over the cores) that converts a bfloat16 weight in registers and streams
-      it at the memory bandwidth. The contraction written without the transpose goes to the library, which first
-      converts a whole bfloat16 weight to float32 in memory (measured on a 6144 x 1024 matrix on the development
-      machine: 0.42 against 1.37 ms in bfloat16; float32 0.52 against 0.60 ms).
+    - One row: `_one_row`, mostly XLA's own loop over the weight's rows, which streams it once. The contraction
+      written without the transpose goes to the library's matrix-vector routine, which first converts a whole
+      bfloat16 weight to float32 in memory (measured on a 6144 x 1024 matrix on the development machine: 0.42
+      against 1.37 ms in bfloat16; float32 0.52 against 0.60 ms).
     - 2-64 rows (bfloat16: 16-64): W @ x.T, the weight on the left (float32 with 2-64 rows: 1.4-4x less CPU time
       than x @ W.T; bfloat16 from 16 rows on: 15-35% less; with 2-4 rows no gain, so not used there). The
       optimisation barrier keeps XLA from folding the transpose of the small [n_out, rows] result back into the dot
@@ -214,7 +241,7 @@ def _product(x, kernel):
     alone."""
     lead, m, cpu = x.shape[:-1], math.prod(x.shape[:-1]), jax.default_backend() == "cpu"
     if cpu and m == 1:
-        return jnp.dot(x.reshape(1, x.shape[-1]), kernel.T, preferred_element_type=jnp.float32).reshape(*lead, -1)
+        return _one_row(x.reshape(x.shape[-1]), kernel).reshape(*lead, -1)
     lo, hi = WEIGHT_LHS_ROWS.get(jnp.dtype(x.dtype), (0, -1))
     if cpu and lo <= m <= hi:
         y = jnp.einsum("vd,md->vm", kernel, x.reshape(m, x.shape[-1]), preferred_element_type=jnp.float32)
@@ -657,16 +684,12 @@ class Qwen35Model(nnx.Module):
         if not all_logits:  # hidden state of each row's last real token
             last = jnp.maximum(batch.lengths - 1, 0)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
-        x = self.norm(x)
-        logits = dense(x, self.embed_tokens[...] if cfg.tie_word_embeddings else self.lm_head.kernel[...])
-        return logits, state
+        return self.logits(x), state
 
     def logits(self, x):
         """Final norm and LM head (tied or not): hidden [..., D] -> float32 logits [..., V]."""
-        x = self.norm(x)
-        if self.cfg.tie_word_embeddings:
-            return jnp.einsum("...d,vd->...v", x, self.embed_tokens[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,vd->...v", x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head.kernel
+        return dense(self.norm(x), head[...])
 
 
 def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64,

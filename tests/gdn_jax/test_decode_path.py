@@ -123,3 +123,25 @@ def test_single_row_bfloat16_decode_reads_the_weights_as_they_are():
     pair = w.execute(StepPlan(False, [row([7], len(prompt), False) for row in rows]))
     assert one.tokens[0] == pair.tokens[0] == pair.tokens[1]
     np.testing.assert_allclose(one.top_logprobs[0], pair.top_logprobs[0], atol=2e-2)  # bf16 activations either way
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n, k", [(64, 1024), (33, 1024), (64, 4096), (40, 6144)])
+def test_one_row_product_streams_the_weight_at_any_width(dtype, n, k):
+    """The one-row product (decode at batch 1) equals the float64 product and writes no float32 copy of the weight:
+    XLA fuses the product into a loop over the weight only while it is under 4096 wide, and from there on would
+    compile a transposed float32 copy of the whole matrix first (what a 4096-wide model's decode did: 20-50x slower)."""
+    kx, kw = jax.random.split(jax.random.PRNGKey(n + k))
+    x = jax.random.normal(kx, (1, 1, k), dtype)
+    w = jax.random.normal(kw, (n, k), dtype)
+    step = jax.jit(model._product)
+    y = np.asarray(step(x, w))
+    ref = np.asarray(x, np.float64).reshape(k) @ np.asarray(w, np.float64).T
+    assert y.shape == (1, 1, n) and y.dtype == np.float32
+    np.testing.assert_allclose(y.reshape(n), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    written = _materialised_shapes(step.lower(x, w).compile().as_text())
+    assert not [s for d, s in written if d == "f32" and np.prod(s) >= n * k], written
+    # the product written as it was (x @ w.T) does copy the weight from 4096 columns on: the check can fail
+    plain = jax.jit(lambda x, w: jnp.dot(x[0], w.T, preferred_element_type=jnp.float32))
+    copies = [s for d, s in _materialised_shapes(plain.lower(x, w).compile().as_text()) if np.prod(s) == n * k]
+    assert bool(copies) == (k >= model.FUSED_MATVEC_COLUMNS)
