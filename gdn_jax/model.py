@@ -204,20 +204,21 @@ def _one_row(x, kernel):
     """x [n_in] @ kernel[n_out, n_in].T -> [n_out] float32 on XLA's CPU backend: what `_product` does with one row.
 
     Written with the transpose, the product compiles to XLA's own loop over the weight's rows (a dot inside a loop
-    fusion, split over the cores) that converts a bfloat16 weight in registers and streams it once; a bfloat16
+    fusion, split over the cores) that converts a bfloat16 weight in registers and streams it once. A bfloat16
     weight is read there as two streams, its rows in the order 0, n/2, 1, n/2 + 1, ... (a transpose that the loop
     folds into its indexing; the small result is put back in order), which the hardware prefetchers keep further
-    ahead of: 17.6 -> 20 GB/s on the development machine (float32 streams faster as it is).
+    ahead of: 17.6 -> 20 GB/s on the development machine (float32 streams faster as it is). Putting the result back
+    after the switch over the layers instead (one op per call, not per layer) was slower: XLA fused the reordering
+    into the consumers.
     XLA fuses that loop only while n_in < `FUSED_MATVEC_COLUMNS`. A wider product (a model 4096 wide) would compile
     to a float32 transposed copy of the whole weight, then the product: 0.3-0.6 GB/s in bfloat16, 1.2 in float32.
-    There a float32 weight goes to the library as it lies (31 GB/s), and a bfloat16 one as a two-row product (the
-    row and a zero row), which the library multiplies in bfloat16 without converting the weight first (17 GB/s;
-    one row would go to a matrix-vector routine that converts it: 1.8). docs/design.md, "One-row products"."""
+    There a float32 weight goes to the library as it lies (31 GB/s); a bfloat16 one is multiplied as two rows
+    (`dense_all` adds a zero row, outside the switch), which the library multiplies in bfloat16 without converting
+    the weight first (17 GB/s; one row would go to a matrix-vector routine that converts it: 1.8). docs/design.md,
+    "One-row products"."""
     n, k = kernel.shape
     x = x.reshape(1, k)
     if k >= FUSED_MATVEC_COLUMNS:
-        if kernel.dtype != jnp.float32:
-            x = jnp.concatenate([x, jnp.zeros_like(x)])
         return jnp.einsum("md,vd->mv", x, kernel, preferred_element_type=jnp.float32)[0]
     if kernel.dtype == jnp.float32 or n % 2:
         return jnp.dot(x, kernel.T, preferred_element_type=jnp.float32)[0]
@@ -263,8 +264,18 @@ def dense(x, kernel):
     return dense_all(x, (kernel,))[0]
 
 
+def _as_two_rows(x, kernel) -> bool:
+    """Whether a one-row product is multiplied as two rows, the row and a zero row (see `_one_row`): on CPU, a
+    weight narrower than float32 and an input too wide for XLA's fused loop."""
+    return (jax.default_backend() == "cpu" and math.prod(x.shape[:-1]) == 1 and kernel.dtype != jnp.float32
+            and x.shape[-1] >= FUSED_MATVEC_COLUMNS)
+
+
 def dense_all(x, kernels) -> list:
     """[dense(x, k) for k in kernels]; `LayerKernel`s (of one layer loop) are picked by one switch for all of them."""
+    if _as_two_rows(x, kernels[0]):  # padded outside the switch: one pad and one slice per call, not per layer
+        lead, x = x.shape[:-1], x.reshape(1, x.shape[-1])
+        return [y[0].reshape(*lead, -1) for y in dense_all(jnp.concatenate([x, jnp.zeros_like(x)]), kernels)]
     if not isinstance(kernels[0], LayerKernel):
         return list(_products(x, tuple(kernels)))
     return list(LayerKernel(tuple(zip(*(k.kernels for k in kernels))), kernels[0].layer).select(

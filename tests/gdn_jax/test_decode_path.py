@@ -134,7 +134,7 @@ def test_one_row_product_streams_the_weight_at_any_width(dtype, n, k):
     kx, kw = jax.random.split(jax.random.PRNGKey(n + k))
     x = jax.random.normal(kx, (1, 1, k), dtype)
     w = jax.random.normal(kw, (n, k), dtype)
-    step = jax.jit(model._product)
+    step = jax.jit(model.dense)
     y = np.asarray(step(x, w))
     ref = np.asarray(x, np.float64).reshape(k) @ np.asarray(w, np.float64).T
     assert y.shape == (1, 1, n) and y.dtype == np.float32
