@@ -1,6 +1,6 @@
 """Decode step time and tokens/s through `LLMEngine.step`, beside the memory-bandwidth bound of each step.
 
-    python scripts/bench_decode.py [--preset hybrid-1024] [--prompt 512] [--batches 1,4,16,64]
+    python scripts/bench_decode.py [--preset hybrid-1024] [--layers N] [--vocab-size V] [--prompt 512] [--batches 1,4,16,64]
                                    [--dtypes float32,bfloat16] [--steps 12] [--bandwidth GBPS] [--probe-mib 512]
                                    [--peak float32=GFLOPS,bfloat16=GFLOPS] [--out results/bench_decode.json]
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import statistics
 import sys
@@ -48,6 +49,7 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax import LLMEngine, SamplingParams
+from gdn_jax.config import ModelConfig, get_preset, hybrid_layer_types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from op_profile import compiled_text, op_kind, op_parts, part_times, self_times, trace_events  # noqa: E402
@@ -147,9 +149,20 @@ def profile_steps(engine: LLMEngine, n: int, module: str, hlo_text: str) -> dict
     return {"op_ms": dict(kind_ms), "op_count": dict(count), "part_ms": dict(part_ms)}
 
 
+def model_config(args) -> ModelConfig:
+    """The preset, with `--layers` (the Qwen3.5 layout: every fourth layer full attention) and `--vocab-size` if
+    given: a wide model's step at a depth and vocabulary this machine holds."""
+    cfg = get_preset(args.preset)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, layer_types=hybrid_layer_types(args.layers))
+    if args.vocab_size:
+        cfg = dataclasses.replace(cfg, vocab_size=args.vocab_size)
+    return cfg
+
+
 def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine(args.preset, dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches),
+    engine = LLMEngine(model_config(args), dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches),
                        chunk_stride=args.chunk_stride, max_model_len=args.prompt + 256, verbose=True)
     from bench_forward import matmul_peak  # here: bench_forward imports this module
 
@@ -191,7 +204,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
         bound = need["total"] / bandwidth
         flops = decode_flops(engine, batch, context)
         med = statistics.median(steps)
-        row = {"dtype": dtype, "batch": batch, "step_ms_min": 1e3 * min(steps), "step_ms_median": 1e3 * med,
+        row = {"dtype": dtype, "batch": batch, "layers": engine.cfg.num_hidden_layers, "vocab_size": engine.cfg.vocab_size, "step_ms_min": 1e3 * min(steps), "step_ms_median": 1e3 * med,
                "host_ms_median": 1e3 * statistics.median(host), "host_ms_min": 1e3 * min(host),
                "tokens_per_s": batch / med, "bytes_per_step": need,
                "bound_ms": 1e3 * bound, "x_bound": med / bound, "flops_per_step": flops,
@@ -236,6 +249,9 @@ def non_negative(text: str) -> int:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="hybrid-1024", help="model preset (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="decoder layers instead of the preset's, in the Qwen3.5 layout (default: the preset's)")
+    ap.add_argument("--vocab-size", type=int, default=0, help="vocabulary instead of the preset's")
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per request (default: %(default)s)")
     ap.add_argument("--batches", default="1,4,16,64", help="decode batch sizes, comma-separated (default: %(default)s)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes, comma-separated (default: %(default)s)")

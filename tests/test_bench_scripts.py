@@ -24,11 +24,12 @@ def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
     out = tmp_path / "decode.json"
     _script("bench_decode").main(["--preset", "tiny-random", "--prompt", "16", "--batches", "1,2", "--dtypes",
                                   "float32,bfloat16", "--steps", "2", "--profile-steps", "1", "--chunk-stride", "16",
-                                  "--max-num-seqs", "2", "--probe-mib", "4", "--peak", "float32=100", "--out", str(out)])
+                                  "--max-num-seqs", "2", "--probe-mib", "4", "--peak", "float32=100", "--out", str(out),
+                                  "--layers", "5", "--vocab-size", "300"])
     result = json.loads(out.read_text())
     assert result["preset"] == "tiny-random" and result["prompt"] == 16 and result["bound_bandwidth_bytes_per_s"] > 0
-    assert [(r["dtype"], r["batch"]) for r in result["rows"]] == [
-        ("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
+    assert [(r["dtype"], r["batch"], r["layers"], r["vocab_size"]) for r in result["rows"]] == [
+        ("float32", 1, 5, 300), ("float32", 2, 5, 300), ("bfloat16", 1, 5, 300), ("bfloat16", 2, 5, 300)]
     for r in result["rows"]:
         assert 0 < r["step_ms_min"] <= r["step_ms_median"]
         assert 0 < r["host_ms_min"] <= r["host_ms_median"] < r["step_ms_median"]
