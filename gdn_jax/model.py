@@ -657,7 +657,6 @@ class Qwen35Model(nnx.Module):
         """`gdn_schedule`: the chunked GDN rule's schedule ("auto", "fused", "parallel"; same maths).
         `chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
         boundary is a chunk boundary of a row's scan)."""
-        cfg = self.cfg
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
         warm = batch.has_initial_state
         ids = batch.linear_state_ids

@@ -1,8 +1,9 @@
 """Decode step time and tokens/s through `LLMEngine.step`, beside the memory-bandwidth bound of each step.
 
-    python scripts/bench_decode.py [--preset hybrid-1024] [--layers N] [--vocab-size V] [--prompt 512] [--batches 1,4,16,64]
-                                   [--dtypes float32,bfloat16] [--steps 12] [--bandwidth GBPS] [--probe-mib 512]
-                                   [--peak float32=GFLOPS,bfloat16=GFLOPS] [--out results/bench_decode.json]
+    python scripts/bench_decode.py [--preset hybrid-1024] [--layers N] [--vocab-size V] [--prompt 512]
+                                   [--batches 1,4,16,64] [--dtypes float32,bfloat16] [--steps 12] [--bandwidth GBPS]
+                                   [--probe-mib 512] [--peak float32=GFLOPS,bfloat16=GFLOPS]
+                                   [--out results/bench_decode.json]
 
 For each dtype one engine (`--max-num-seqs` 64 and the default memory budget, so the state pools are as large as a
 serving engine's) prefills `batch` random `--prompt`-token prompts, then runs greedy decode steps; after two
@@ -204,7 +205,8 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
         bound = need["total"] / bandwidth
         flops = decode_flops(engine, batch, context)
         med = statistics.median(steps)
-        row = {"dtype": dtype, "batch": batch, "layers": engine.cfg.num_hidden_layers, "vocab_size": engine.cfg.vocab_size, "step_ms_min": 1e3 * min(steps), "step_ms_median": 1e3 * med,
+        row = {"dtype": dtype, "batch": batch, "layers": engine.cfg.num_hidden_layers,
+               "vocab_size": engine.cfg.vocab_size, "step_ms_min": 1e3 * min(steps), "step_ms_median": 1e3 * med,
                "host_ms_median": 1e3 * statistics.median(host), "host_ms_min": 1e3 * min(host),
                "tokens_per_s": batch / med, "bytes_per_step": need,
                "bound_ms": 1e3 * bound, "x_bound": med / bound, "flops_per_step": flops,
