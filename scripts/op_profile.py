@@ -84,8 +84,10 @@ def self_times(events: list[dict], module: str, n: int) -> collections.Counter:
 
 PARTS = ("projections", "gdn_rule", "conv", "gdn_state", "attention", "norms_elementwise", "logits", "other")
 # innermost function of an op's call stack -> part (the first listed one met walking outwards); a projection matmul is
-# any op under `Linear.__call__`, the LM head any other op under `_product`
+# any op under `Linear.__call__`, the LM head any other op under `_product` (and the rest of the head's product, such
+# as the padding of a wide one-row product to two rows, under `Qwen35Model.logits`)
 FUNCTION_PARTS = {
+    "Qwen35Model.logits": "logits",
     "causal_conv1d": "conv",
     "l2norm": "norms_elementwise",
     "chunk_gated_delta_rule": "gdn_rule",
