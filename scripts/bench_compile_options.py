@@ -27,21 +27,19 @@ from gdn_jax import executables
 from gdn_jax.engine import LLMEngine
 from gdn_jax.model import Batch
 from gdn_jax.restore import RestoreOps
-from gdn_jax.worker import host_batch
+from gdn_jax.worker import DECODE_CPU_COMPILER_OPTIONS, LLVM_IR_CPU_COMPILER_OPTIONS, host_batch
 
 # each set overrides the jitted step's own options (worker.compiler_options: JAX appends a set's options to those), so
 # every option is spelled out; 256 bits is XLA's preferred vector width
+WIDTH_256 = {"xla_cpu_prefer_vector_width": 256}
 OPTION_SETS = {
-    "xla defaults": {"xla_cpu_use_fusion_emitters": True, "xla_cpu_prefer_vector_width": 256},
-    # the engine's prefill steps and sampling
-    "LLVM IR emitters": {"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": 256},
-    "LLVM IR emitters, LLVM O1": {"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": 256,
-                                  "xla_backend_optimization_level": 1},
-    "LLVM IR emitters, LLVM O0": {"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": 256,
-                                  "xla_backend_optimization_level": 0},
+    "xla defaults": {"xla_cpu_use_fusion_emitters": True} | WIDTH_256,
+    "LLVM IR emitters": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256,  # the engine's prefill steps and sampling
+    "LLVM IR emitters, LLVM O1": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | {"xla_backend_optimization_level": 1},
+    "LLVM IR emitters, LLVM O0": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | {"xla_backend_optimization_level": 0},
     "xla defaults, 512-bit vectors": {"xla_cpu_use_fusion_emitters": True, "xla_cpu_prefer_vector_width": 512},
-    # the engine's decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows (worker.DECODE_CPU_COMPILER_OPTIONS)
-    "LLVM IR emitters, 512-bit vectors": {"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": 512},
+    # the engine's decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows
+    "LLVM IR emitters, 512-bit vectors": DECODE_CPU_COMPILER_OPTIONS,
 }
 
 
