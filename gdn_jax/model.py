@@ -195,6 +195,10 @@ def _identity(a):  # a branch of the switch that picks a layer's small parameter
 
 # On CPU, products of this many rows (first, last) put the weight on the left (`_product`), per activation dtype.
 WEIGHT_LHS_ROWS = {jnp.dtype(jnp.float32): (2, 64), jnp.dtype(jnp.bfloat16): (16, 64)}
+# On CPU, products of a 16-bit float weight with at least this many rows are multiplied in float32 (`_product`),
+# when the weight's float32 copy (a temporary of the step) takes at most UPCAST_MAX_BYTES.
+UPCAST_ROWS = 256
+UPCAST_MAX_BYTES = 1 << 30
 # XLA's CPU backend fuses a matrix-vector product into a loop over the matrix only while the vector, in float32, is
 # under 16 KiB: one-row products of this many columns or more take another form (`_one_row`).
 FUSED_MATVEC_COLUMNS = 4096
@@ -238,6 +242,14 @@ def _product(x, kernel):
       than x @ W.T; bfloat16 from 16 rows on: 15-35% less; with 2-4 rows no gain, so not used there). The
       optimisation barrier keeps XLA from folding the transpose of the small [n_out, rows] result back into the dot
       (which would turn it into x @ W.T again).
+    - `UPCAST_ROWS` rows or more (prefill) of a bfloat16 weight (`dense_all`, which picks the layer's weight out of
+      the layer switch first): both operands converted to float32, then the library's float32 product. Its bfloat16 routine (float32 accumulation) is the slower of the two on a CPU
+      without matrix units: on the development machine's AVX-512 Xeon 149 against 231 GFLOP/s at 2048 rows of a
+      1024 x 6144 weight, conversion included (256 rows: 152 against 172). Same values: the products of bfloat16
+      numbers are exact in float32, and both accumulate in float32. Below ~200 rows converting the weight on every
+      call costs more than it saves. The float32 copy is a temporary of the step (Qwen3.5-9B's largest projection:
+      400 MB); a weight whose copy would pass `UPCAST_MAX_BYTES` (the 9B's 248k-token LM head: 4 GB, multiplied
+      for many rows only by prompt logprobs) is multiplied as it is.
     Many rows (prefill) amortise the library's packing of the weight either way. Elsewhere (GPU) the product is left
     alone."""
     lead, m, cpu = x.shape[:-1], math.prod(x.shape[:-1]), jax.default_backend() == "cpu"
@@ -271,8 +283,23 @@ def _as_two_rows(x, kernel) -> bool:
             and x.shape[-1] >= FUSED_MATVEC_COLUMNS)
 
 
+def _upcast(x, kernel) -> bool:
+    """Whether a product is multiplied in float32 (see `_product`): on CPU, `UPCAST_ROWS` rows or more of a weight
+    narrower than float32 whose float32 copy takes at most `UPCAST_MAX_BYTES`."""
+    w = kernel.kernels[0] if isinstance(kernel, LayerKernel) else kernel
+    return (jax.default_backend() == "cpu" and math.prod(x.shape[:-1]) >= UPCAST_ROWS and w.dtype != jnp.float32
+            and 4 * w.size <= UPCAST_MAX_BYTES)
+
+
 def dense_all(x, kernels) -> list:
     """[dense(x, k) for k in kernels]; `LayerKernel`s (of one layer loop) are picked by one switch for all of them."""
+    if _upcast(x, kernels[0]):
+        # The switch only copies the layer's matrices out (a copy, no generated code), so that the step compiles one
+        # conversion per call site and not one per layer and call site (~1 s more per 9B prefill shape).
+        if isinstance(kernels[0], LayerKernel):
+            kernels = LayerKernel(tuple(zip(*(k.kernels for k in kernels))), kernels[0].layer).select(_identity)
+        xf = x.astype(jnp.float32)
+        return [jnp.einsum("...d,vd->...v", xf, k.astype(jnp.float32)) for k in kernels]
     if _as_two_rows(x, kernels[0]):  # padded outside the switch: one pad and one slice per call, not per layer
         lead, x = x.shape[:-1], x.reshape(1, x.shape[-1])
         return [y[0].reshape(*lead, -1) for y in dense_all(jnp.concatenate([x, jnp.zeros_like(x)]), kernels)]

@@ -11,7 +11,8 @@ only the JAX rows are reported.
 Beside the times: the forward's matmul work counted from the config (`bench_gpu.forward_flops`: projections and LM
 head, attention over the causal triangle, the chunked GDN rule), the achieved matmul GFLOP/s (work / forward time),
 and the measured matmul peak of each dtype on the forward's own projection shapes (`matmul_peak`: bare jitted dots,
-plain contractions, the FLOP-weighted rate of the forward's mix), with the fraction of it the forward reaches.
+plain contractions or, for a 16-bit dtype, the operands converted to float32 if that is faster; the FLOP-weighted
+rate of the forward's mix), with the fraction of it the forward reaches.
 """
 
 from __future__ import annotations
@@ -87,16 +88,21 @@ def matmul_peak(cfg, T: int, dtype, repeats: int = 5) -> dict:
     """The measured matmul peak on the forward's own projection shapes: a bare jitted x [T, n_in] @ w [n_in, n_out]
     (the plain contraction, which XLA's CPU backend gives its matmul library at any row count above one),
     accumulated in float32, per shape (best of `repeats`), and the FLOP-weighted rate of the forward's mix (its
-    projection FLOPs / the sum of their times)."""
+    projection FLOPs / the sum of their times). A 16-bit dtype's product is also timed with both operands converted
+    to float32 first (conversion included; what `model._product` does with many rows on CPU), and the faster form
+    counts (`form` per shape)."""
     rng = np.random.default_rng(0)
-    fn = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+    forms = {"direct": jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))}
+    if jnp.dtype(dtype).itemsize < 4:
+        forms["upcast"] = jax.jit(lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32)))
     per_shape, flops, seconds = [], 0.0, 0.0
     for n_in, n_out, layers in projection_shapes(cfg):
         x = jnp.asarray(rng.standard_normal((T, n_in)), dtype)
         w = jnp.asarray(rng.standard_normal((n_in, n_out)), dtype)
-        best = best_time(fn, x, w, repeats=repeats)
+        best, form = min((best_time(fn, x, w, repeats=repeats), name) for name, fn in forms.items())
         fl = 2.0 * T * n_in * n_out
-        per_shape.append({"n_in": n_in, "n_out": n_out, "layers": layers, "s": best, "gflops": fl / best / 1e9})
+        per_shape.append({"n_in": n_in, "n_out": n_out, "layers": layers, "s": best, "gflops": fl / best / 1e9,
+                          "form": form})
         flops, seconds = flops + layers * fl, seconds + layers * best
     return {"gflops": flops / seconds / 1e9, "per_shape": per_shape}
 

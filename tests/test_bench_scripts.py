@@ -72,6 +72,24 @@ def test_decode_flops_counts_every_matrix_once_per_row():
     assert _script("bench_decode").decode_flops(engine, 3, 0) == want
 
 
+@pytest.mark.parametrize("dtype, forms", [("float32", {"direct"}), ("bfloat16", {"direct", "upcast"})])
+def test_matmul_peak_times_each_projection_shape_in_every_form_of_its_dtype(dtype, forms):
+    """The peak is the FLOP-weighted rate of the projection shapes, each timed in the faster of its dtype's forms
+    (a 16-bit product also with its operands converted to float32, what prefill does on CPU)."""
+    import jax.numpy as jnp
+
+    from gdn_jax.config import get_preset
+
+    bench = _script("bench_forward")
+    cfg = get_preset("tiny-random")
+    peak = bench.matmul_peak(cfg, 8, jnp.dtype(dtype), repeats=1)
+    shapes = peak["per_shape"]
+    assert [(s["n_in"], s["n_out"], s["layers"]) for s in shapes] == list(bench.projection_shapes(cfg))
+    assert {s["form"] for s in shapes} <= forms and all(s["s"] > 0 for s in shapes)
+    flops = sum(2.0 * 8 * s["n_in"] * s["n_out"] * s["layers"] for s in shapes)
+    assert peak["gflops"] == pytest.approx(flops / sum(s["s"] * s["layers"] for s in shapes) / 1e9)
+
+
 def test_profile_forward_splits_the_op_time_by_part(tmp_path):
     out = tmp_path / "pf.json"
     result = _script("profile_forward").main(["--preset", "tiny-random", "--tokens", "32", "--dtypes", "float32",

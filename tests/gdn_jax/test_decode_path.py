@@ -93,6 +93,28 @@ def _materialised_shapes(hlo: str) -> set[tuple[str, tuple[int, ...]]]:
     return found
 
 
+@pytest.mark.parametrize("rows, k, cap", [(model.UPCAST_ROWS - 1, 256, None), (model.UPCAST_ROWS, 256, None),
+                                          (model.UPCAST_ROWS, 320, 96 * 320 * 4 - 1)])
+def test_many_row_bfloat16_products_multiply_in_float32(monkeypatch, rows, k, cap):
+    """From `UPCAST_ROWS` rows on (prefill) a bfloat16 product converts its operands to float32 and multiplies in
+    float32 (the faster routine on a CPU without matrix units); with fewer rows, or a weight whose float32 copy would
+    pass `UPCAST_MAX_BYTES`, the weight is multiplied as it is. Either way the result equals the float64 product to
+    float32 accuracy."""
+    if cap is not None:  # (a width of its own: `_products` keeps its trace per shape)
+        monkeypatch.setattr(model, "UPCAST_MAX_BYTES", cap)
+    n = 96
+    kx, kw = jax.random.split(jax.random.PRNGKey(rows))
+    x = jax.random.normal(kx, (1, rows, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (n, k), jnp.bfloat16)
+    step = jax.jit(model.dense)
+    y = np.asarray(step(x, w))
+    ref = np.asarray(x, np.float64)[0] @ np.asarray(w, np.float64).T
+    assert y.shape == (1, rows, n) and y.dtype == np.float32
+    np.testing.assert_allclose(y[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    written = _materialised_shapes(step.lower(x, w).compile().as_text())
+    assert (("f32", (n, k)) in written) == (rows >= model.UPCAST_ROWS and cap is None), written
+
+
 @pytest.mark.parametrize("width", [64, 4096])
 def test_single_row_bfloat16_decode_reads_the_weights_as_they_are(width):
     """A one-row bfloat16 decode step multiplies every projection matrix without converting it: no float32 copy of

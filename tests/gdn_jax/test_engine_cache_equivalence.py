@@ -140,6 +140,31 @@ def test_bfloat16_engine_cached_equals_uncached():
     assert [o.num_cached_tokens for o in a] == [0, 64, 64]
 
 
+def test_bfloat16_long_prefill_cached_equals_uncached():
+    """A prefill step of `UPCAST_ROWS` tokens or more multiplies bfloat16 weights in float32 on CPU (`_product`);
+    after a cache hit the prompt's rest runs in a smaller step, on the bfloat16 weights as they are. Both engines
+    still agree token for token."""
+    kw = dict(ENGINE_KW, dtype="bfloat16", max_model_len=512)
+    on, off = LLM("tiny-random", enable_prefix_caching=True, **kw), LLM("tiny-random", enable_prefix_caching=False, **kw)
+    steps = []  # tokens of each prefill step of the cached engine
+    execute = on.engine.worker.execute
+
+    def spy(plan, *args, **kwargs):
+        if plan.is_prefill:
+            steps.append(sum(len(s.token_ids) for s in plan.seqs))
+        return execute(plan, *args, **kwargs)
+
+    on.engine.worker.execute = spy
+    rng = np.random.default_rng(7)
+    system = random_ids(rng, 300)
+    prompts = [system + random_ids(rng, 9), system + random_ids(rng, 30)]
+    a = [on.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    b = [off.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert [o.num_cached_tokens for o in a] == [0, 288]
+    assert max(steps) >= model_mod.UPCAST_ROWS > min(steps), steps  # both product forms ran
+
+
 @pytest.mark.parametrize("layer_types", [(FULL, FULL), (LINEAR, LINEAR)], ids=["attention-only", "gdn-only"])
 def test_single_kind_models_cache_exactly(layer_types):
     """A model without GDN layers takes the plain KV path (reuse = KV match, no ops); a model without attention
