@@ -195,8 +195,8 @@ def _identity(a):  # a branch of the switch that picks a layer's small parameter
 
 # On CPU, products of this many rows (first, last) put the weight on the left (`_product`), per activation dtype.
 WEIGHT_LHS_ROWS = {jnp.dtype(jnp.float32): (2, 64), jnp.dtype(jnp.bfloat16): (16, 64)}
-# On CPU, products of a 16-bit float weight with at least this many rows are multiplied in float32 (`_product`),
-# when the weight's float32 copy (a temporary of the step) takes at most UPCAST_MAX_BYTES.
+# On CPU, products of a 16-bit float weight with at least this many rows are multiplied in float32 (`_product`,
+# `dense_all`), when the weight's float32 copy (a temporary of the step) takes at most UPCAST_MAX_BYTES.
 UPCAST_ROWS = 256
 UPCAST_MAX_BYTES = 1 << 30
 # XLA's CPU backend fuses a matrix-vector product into a loop over the matrix only while the vector, in float32, is
@@ -243,10 +243,11 @@ def _product(x, kernel):
       optimisation barrier keeps XLA from folding the transpose of the small [n_out, rows] result back into the dot
       (which would turn it into x @ W.T again).
     - `UPCAST_ROWS` rows or more (prefill) of a bfloat16 weight (`dense_all`, which picks the layer's weight out of
-      the layer switch first): both operands converted to float32, then the library's float32 product. Its bfloat16 routine (float32 accumulation) is the slower of the two on a CPU
-      without matrix units: on the development machine's AVX-512 Xeon 149 against 231 GFLOP/s at 2048 rows of a
-      1024 x 6144 weight, conversion included (256 rows: 152 against 172). Same values: the products of bfloat16
-      numbers are exact in float32, and both accumulate in float32. Below ~200 rows converting the weight on every
+      the layer switch first): both operands converted to float32, then the library's float32 product. Its
+      bfloat16 routine (float32 accumulation) is the slower of the two on a CPU without matrix units: on the
+      development machine's AVX-512 Xeon 149 against 231 GFLOP/s at 2048 rows of a 1024 x 6144 weight, conversion
+      included (256 rows: 152 against 172). Same values: the products of bfloat16 numbers are exact in float32,
+      and both accumulate in float32. Below ~200 rows converting the weight on every
       call costs more than it saves. The float32 copy is a temporary of the step (Qwen3.5-9B's largest projection:
       400 MB); a weight whose copy would pass `UPCAST_MAX_BYTES` (the 9B's 248k-token LM head: 4 GB, multiplied
       for many rows only by prompt logprobs) is multiplied as it is.
