@@ -136,9 +136,10 @@ class _Request:
         return next(i for i, s in enumerate(self.seqs) if s.seq_id == seq_id)
 
 
-# Default bound of the persistent compilation cache folder (JAX's entries, not the executable store beside them,
-# which keeps its own three source versions): a step shape's entry is 70-250 KB, Qwen3.5-9B's whole warm-up grid
-# ~10 MB, so this holds about two hundred such grids before the least recently used entries go.
+# Default bound of the persistent compilation cache folder: a step shape's entry is 70-250 KB, Qwen3.5-9B's whole
+# warm-up grid ~10 MB, so this holds about two hundred such grids before the least recently used entries go. The
+# executable store beside JAX's entries (gdn_jax/executables.py; ~56 MB per 9B grid) is held to the same bound on
+# its own, so the folder takes at most twice this.
 CACHE_MAX_MB = 2048
 
 

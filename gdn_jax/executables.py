@@ -12,7 +12,9 @@ dtypes of the arguments. A hit is `jax.experimental.serialize_executable`'s payl
 
 The folder is `executables/<version>/` beside JAX's persistent cache (engine.enable_compilation_cache; off when that
 is off), one subfolder per source digest: every edit of the package writes a new set (~56 MB for Qwen3.5-9B's warm-up
-grid), so only the `KEEP_VERSIONS` most recently used sets are kept.
+grid), so only the `KEEP_VERSIONS` most recently used sets are kept. Within them the store is bounded like JAX's cache
+(the same `jax_compilation_cache_max_size`, engine.compilation_cache_max_bytes): every model geometry adds a set of
+entries, and past the bound a save deletes the least recently used ones (a load marks an entry used).
 """
 
 from __future__ import annotations
@@ -83,14 +85,47 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
 
 
 def load(folder: str | None, key: str):
-    """The `jax.stages.Compiled` stored under `key`, or None (no folder, no entry, or one that does not load)."""
+    """The `jax.stages.Compiled` stored under `key`, or None (no folder, no entry, or one that does not load). A hit
+    is marked used (its modification time: what `evict` orders by)."""
     path = Path(folder, key) if folder else None
     if path is None or not path.is_file():
         return None
     try:
-        return serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+        compiled = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
     except Exception:  # noqa: BLE001 - a stale or corrupt entry is a miss: the caller compiles
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)
+    return compiled
+
+
+def _entries(folder: str) -> list[Path]:
+    """The store's entries that share `folder`'s bound: those of every source version when `folder` is a version
+    folder of the store (`executables/<version>`), else those of `folder` alone (partial writes excluded)."""
+    root = Path(folder)
+    dirs = [d for d in root.parent.iterdir() if d.is_dir()] if root.parent.name == "executables" else [root]
+    return [p for d in dirs for p in d.iterdir() if p.is_file() and not p.name.endswith(".tmp")]
+
+
+def evict(folder: str, max_bytes: int, keep: str | None = None) -> int:
+    """Deletes the least recently used entries (`_entries`) until they take at most `max_bytes` (-1: no bound),
+    never the entry `keep`. Returns how many were deleted."""
+    if max_bytes == -1:
+        return 0
+    try:
+        sized = [(p.stat().st_mtime_ns, p.stat().st_size, p) for p in _entries(folder)]
+    except OSError:  # a vanishing folder or entry (another process evicting): the next save tries again
+        return 0
+    total, deleted = sum(size for _, size, _ in sized), 0
+    for _, size, path in sorted(sized, key=lambda e: e[0]):
+        if total <= max_bytes:
+            break
+        if keep is not None and path == Path(folder, keep):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            total, deleted = total - size, deleted + 1
+    return deleted
 
 
 @contextlib.contextmanager
@@ -108,8 +143,9 @@ def fresh_compilation():
         jax.config.update("jax_enable_compilation_cache", enabled)
 
 
-def save(folder: str | None, key: str, compiled) -> bool:
-    """Stores `compiled` under `key` (atomically: a concurrent reader sees the whole entry or none)."""
+def save(folder: str | None, key: str, compiled, max_bytes: int | None = None) -> bool:
+    """Stores `compiled` under `key` (atomically: a concurrent reader sees the whole entry or none), then keeps the
+    store within `max_bytes` (`evict`; default: JAX's cache bound, `jax_compilation_cache_max_size`)."""
     if not folder:
         return False
     try:
@@ -118,6 +154,7 @@ def save(folder: str | None, key: str, compiled) -> bool:
         with tempfile.NamedTemporaryFile(dir=folder, delete=False, suffix=".tmp") as f:
             f.write(payload)
         os.replace(f.name, os.path.join(folder, key))
-        return True
     except (OSError, ValueError, TypeError, pickle.PicklingError):
         return False
+    evict(folder, jax.config.jax_compilation_cache_max_size if max_bytes is None else max_bytes, keep=key)
+    return True

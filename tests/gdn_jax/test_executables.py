@@ -134,6 +134,30 @@ def test_the_store_keeps_the_most_recently_used_source_versions(tmp_path):
     assert executables.default_folder(str(tmp_path)) == folder and Path(folder).is_dir()  # reopened: kept
 
 
+def test_the_store_is_bounded_and_deletes_the_least_recently_used_entries(tmp_path):
+    """Past the bound a save deletes the least recently used entries of every source version (a load marks an entry
+    used), never the one it wrote; without a bound nothing goes; a folder outside the store is bounded alone."""
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
+    root = tmp_path / "executables"
+    old, new = root / "v-old", root / "v-new"
+    assert executables.save(str(old), "a", compiled, max_bytes=-1)
+    size = (old / "a").stat().st_size
+    for key in ["b", "c"]:
+        assert executables.save(str(new), key, compiled, max_bytes=-1)
+    for i, path in enumerate([old / "a", new / "b", new / "c"]):  # a, b, c from oldest to newest
+        os.utime(path, (1000 + i, 1000 + i))
+    assert executables.load(str(new), "b") is not None  # b used now: the most recent
+    assert executables.save(str(new), "d", compiled, max_bytes=int(2.5 * size))
+    assert sorted(p.name for p in new.iterdir()) == ["b", "d"] and not list(old.iterdir())  # a, then c went
+    assert executables.save(str(new), "e", compiled, max_bytes=size // 2)  # below one entry: only the new one stays
+    assert [p.name for p in new.iterdir()] == ["e"]
+    assert executables.evict(str(new), -1) == 0 and executables.load(str(new), "e") is not None
+    outside = tmp_path / "elsewhere"
+    (tmp_path / "bystander").write_bytes(b"x" * (4 * size))
+    assert executables.save(str(outside), "f", compiled, max_bytes=size)
+    assert (tmp_path / "bystander").exists() and [p.name for p in outside.iterdir()] == ["f"]
+
+
 def test_compile_threads_and_executable_kinds(monkeypatch):
     from gdn_jax import worker as w
 
