@@ -113,11 +113,12 @@ def evict(folder: str, max_bytes: int, keep: str | None = None) -> int:
     if max_bytes == -1:
         return 0
     try:
-        sized = [(p.stat().st_mtime_ns, p.stat().st_size, p) for p in _entries(folder)]
+        stats = [(p.stat(), p) for p in _entries(folder)]
     except OSError:  # a vanishing folder or entry (another process evicting): the next save tries again
         return 0
-    total, deleted = sum(size for _, size, _ in sized), 0
-    for _, size, path in sorted(sized, key=lambda e: e[0]):
+    total, deleted = sum(st.st_size for st, _ in stats), 0
+    for st, path in sorted(stats, key=lambda e: e[0].st_mtime_ns):
+        size = st.st_size
         if total <= max_bytes:
             break
         if keep is not None and path == Path(folder, keep):

@@ -247,10 +247,10 @@ def _product(x, kernel):
       bfloat16 routine (float32 accumulation) is the slower of the two on a CPU without matrix units: on the
       development machine's AVX-512 Xeon 149 against 231 GFLOP/s at 2048 rows of a 1024 x 6144 weight, conversion
       included (256 rows: 152 against 172). Same values: the products of bfloat16 numbers are exact in float32,
-      and both accumulate in float32. Below ~200 rows converting the weight on every
-      call costs more than it saves. The float32 copy is a temporary of the step (Qwen3.5-9B's largest projection:
-      400 MB); a weight whose copy would pass `UPCAST_MAX_BYTES` (the 9B's 248k-token LM head: 4 GB, multiplied
-      for many rows only by prompt logprobs) is multiplied as it is.
+      and both accumulate in float32. Below ~200 rows converting the weight on every call costs more than it
+      saves. The float32 copy is a temporary of the step (Qwen3.5-9B's largest projection: 400 MB); a weight whose
+      copy would pass `UPCAST_MAX_BYTES` (the 9B's 248k-token LM head: 4 GB, multiplied at many rows mainly for
+      prompt logprobs) is multiplied as it is.
     Many rows (prefill) amortise the library's packing of the weight either way. Elsewhere (GPU) the product is left
     alone."""
     lead, m, cpu = x.shape[:-1], math.prod(x.shape[:-1]), jax.default_backend() == "cpu"
@@ -292,13 +292,18 @@ def _upcast(x, kernel) -> bool:
             and 4 * w.size <= UPCAST_MAX_BYTES)
 
 
+def _together(kernels) -> LayerKernel:
+    """`LayerKernel`s of one layer loop as one, whose matrix per layer is the tuple of theirs: one switch picks all."""
+    return LayerKernel(tuple(zip(*(k.kernels for k in kernels))), kernels[0].layer)
+
+
 def dense_all(x, kernels) -> list:
     """[dense(x, k) for k in kernels]; `LayerKernel`s (of one layer loop) are picked by one switch for all of them."""
     if _upcast(x, kernels[0]):
         # The switch only copies the layer's matrices out (a copy, no generated code), so that the step compiles one
         # conversion per call site and not one per layer and call site (~1 s more per 9B prefill shape).
         if isinstance(kernels[0], LayerKernel):
-            kernels = LayerKernel(tuple(zip(*(k.kernels for k in kernels))), kernels[0].layer).select(_identity)
+            kernels = _together(kernels).select(_identity)
         xf = x.astype(jnp.float32)
         return [jnp.einsum("...d,vd->...v", xf, k.astype(jnp.float32)) for k in kernels]
     if _as_two_rows(x, kernels[0]):  # padded outside the switch: one pad and one slice per call, not per layer
@@ -306,8 +311,7 @@ def dense_all(x, kernels) -> list:
         return [y[0].reshape(*lead, -1) for y in dense_all(jnp.concatenate([x, jnp.zeros_like(x)]), kernels)]
     if not isinstance(kernels[0], LayerKernel):
         return list(_products(x, tuple(kernels)))
-    return list(LayerKernel(tuple(zip(*(k.kernels for k in kernels))), kernels[0].layer).select(
-        lambda ks, x: _products(x, ks), x))
+    return list(_together(kernels).select(lambda ks, x: _products(x, ks), x))
 
 
 class Linear(nnx.Module):
