@@ -17,7 +17,7 @@ import numpy as np
 
 from gdn_jax.config import ModelConfig
 from gdn_jax.weights import load_model, model_folder
-from gdn_jax.tokenizer import TextStream, get_tokenizer
+from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker import GPU_MEMORY_UTILIZATION, PromptLogprobs, Worker, default_memory_budget, plan_memory
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 from scheduler.sampling_params import SEED_BOUND
@@ -80,7 +80,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
-    stop_reason: str | None = None  # the stop string that ended the text, if one did
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended the text, if one did
 
 
 @dataclasses.dataclass
@@ -120,7 +120,7 @@ class _Request:
     error: str | None = None                           # what the failed step raised, if one did
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     texts: list[str] = dataclasses.field(default_factory=list)                # per sample, cut before a stop string
-    stop_reasons: list[str | None] = dataclasses.field(default_factory=list)  # per sample
+    stop_reasons: list[str | int | None] = dataclasses.field(default_factory=list)  # per sample
     streams: list = dataclasses.field(default_factory=list)  # per sample: the tokenizer's incremental text decoder
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)  # shared by every output of the request
 
@@ -335,7 +335,7 @@ class LLMEngine:
                        [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs),
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
                        texts=[""] * len(seqs), stop_reasons=[None] * len(seqs),
-                       streams=[self._text_stream() for _ in seqs], prompt_token_ids=list(ids))
+                       streams=[text_stream(self.tokenizer) for _ in seqs], prompt_token_ids=list(ids))
         self._requests[request_id] = req
         for seq in seqs:
             self._by_seq[seq.seq_id] = req
@@ -476,16 +476,17 @@ class LLMEngine:
                                             prompt.top_ids[row, t, :k], prompt.top_logprobs[row, t, :k])
             req.prompt_logprobs[start + 1 + t] = entry
 
-    def _text_stream(self):
-        """An incremental decoder of a sample's output (a tokenizer without `stream` decodes it whole each step)."""
-        make = getattr(self.tokenizer, "stream", None)
-        return make() if make is not None else TextStream(self.tokenizer.decode)
-
     def _update_text(self, req: _Request, index: int, now: float) -> None:
-        """Decodes sample `index` (its new tokens only: the stream keeps the rest); the first stop string found ends
-        that sample, and its text is cut before it."""
+        """Decodes sample `index` (its new tokens only: the stream keeps the rest). A sample that a stop token ended
+        (EOS, or one of `stop_token_ids`: its `stop_reason`) leaves that token's text out, as vLLM does; the first
+        stop string found ends the sample, and its text is cut before it."""
         seq, stream = req.seqs[index], req.streams[index]
-        req.texts[index] = stream.add(seq.token_ids[seq.num_prompt_tokens + stream.num_ids:])
+        new = seq.token_ids[seq.num_prompt_tokens + stream.num_ids:]
+        if new and seq.finish_reason == "stop" and not isinstance(req.stop_reasons[index], str):
+            new, token = new[:-1], seq.token_ids[-1]  # the scheduler ends a sample on the token that stops it
+            if seq.sampling_params.ignore_eos or token != self.cfg.eos_token_id:
+                req.stop_reasons[index] = token
+        req.texts[index] = stream.add(new)
         stops = seq.sampling_params.stop
         if not stops or seq.finish_reason == "abort":
             return

@@ -11,7 +11,15 @@ in constant time; /health and /metrics stay open (bind to loopback, the default,
 
 `echo` with `logprobs` scores the prompt from prompt logprobs. Positions served from the prefix cache have no logits,
 so such a request is admitted with `skip_reading_prefix_cache`: it computes its whole prompt (reporting
-`cached_tokens = 0`), while what it computes still populates the cache for other requests.
+`cached_tokens = 0`), while what it computes still populates the cache for other requests. With `max_tokens` 0 it
+scores the prompt alone (the legacy API's scoring call): nothing generated, `completion_tokens` 0.
+
+Logprobs (completions' `logprobs`, chat's `logprobs` / `top_logprobs`) cover the tokens whose text the choice shows:
+not a stop string's tokens nor a stop token, and in a stream a token's entry goes out with the chunk that shows the
+start of its text. `text_offset` counts characters of the choice's text (a token that ends inside a multi-byte
+character puts the next one at that character's start). OpenAI fields the server does not implement (`logit_bias`,
+`best_of` > 1, `suffix`, tools, `response_format` other than text) are refused with a 400 naming the field; other
+unknown fields are ignored, as vLLM does.
 
 A client that disconnects has its request aborted (its slots and blocks are freed at once). If an engine step raises,
 the requests of that step get an error (HTTP 500, or an error event on a stream) and the loop goes on serving.
@@ -20,6 +28,7 @@ the requests of that step get an error (HTTP 500, or an error event on a stream)
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import hmac
 import itertools
@@ -38,8 +47,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, CONTENT_TYPE_LATEST
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gdn_jax.engine import EngineStepError, LLMEngine, RequestOutput
+from gdn_jax.tokenizer import TextOffsets, text_offsets
 from scheduler import SamplingParams
 
 ENGINE_THREAD_STACK_BYTES = 64 << 20
@@ -74,8 +85,24 @@ def _error(status: int, message: str, param: str | None = None, kind: str | None
 
 # ---- request bodies ----------------------------------------------------------------------------------------------
 class _Body(BaseModel):
-    # strict: a string is not silently taken as a number, nor a number as a string. Unknown fields are ignored.
+    # strict: a string is not silently taken as a number, nor a number as a string. Unknown fields are ignored (as
+    # vLLM does), except the OpenAI fields this server does not implement (`UNSUPPORTED`), which are refused when set.
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# OpenAI request fields that would change the result and that this server does not implement, with the values that
+# mean "off" (accepted). Any other value is a 400 naming the field: ignoring it would return something else than asked.
+UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+               "functions": (None, []), "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+               "response_format": (None, {"type": "text"})}
+
+
+def refuse_unsupported(req: BaseModel) -> None:
+    for name, off in UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if not any(value == v and type(value) is type(v) for v in off):
+            raise BadRequest(f"{name} is not supported by this server (got {json.dumps(value, default=str)[:80]})",
+                             name)
 
 
 class StreamOptions(_Body):
@@ -100,22 +127,54 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None   # the rest are vLLM's extra sampling parameters
     min_p: float | None = None
     min_tokens: int | None = None
+    logit_bias: Any = None  # UNSUPPORTED
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
+    best_of: Any = None  # UNSUPPORTED (the next three too)
+    suffix: Any = None
 
 
 class ChatMessage(_Body):
     role: str
-    content: str | None = None
+    content: Any = None  # a string, or a list of text parts ({"type": "text", "text": ...})
+    name: str | None = None
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def chat_message(i: int, m: ChatMessage) -> dict:
+    """A message as the chat template reads it: a known role and text content (text parts joined by newlines)."""
+    if m.role not in CHAT_ROLES:
+        raise BadRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (tools are not supported), "
+                         f"got {m.role!r}", "messages")
+    content = m.content
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise BadRequest(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                             f"supported", "messages")
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise BadRequest(f"messages[{i}].content must be a string or a list of text parts, got "
+                         f"{json.dumps(content, default=str)[:80]}", "messages")
+    return {"role": m.role, "content": content, **({"name": m.name} if m.name is not None else {})}
 
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
@@ -381,8 +440,13 @@ class _Server:
                 raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
         return bytes(body)
 
-    def sampling_params(self, req: _Sampling, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None, num_prompt_tokens: int) -> SamplingParams:
+    def sampling_params(self, req: _Sampling, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None, num_prompt_tokens: int, score_only: bool = False
+                        ) -> SamplingParams:
+        """The engine's parameters for a request. `score_only` (a completions request with `echo`, `logprobs` and
+        `max_tokens` 0: the prompt scored, nothing generated) lets `max_tokens` be 0; the engine then samples one
+        token, which the response leaves out."""
+        refuse_unsupported(req)
         if req.n not in (None, 1):
             raise BadRequest(f"n must be 1 (got {req.n})", "n")
         for name in ("presence_penalty", "frequency_penalty"):  # the OpenAI API's range
@@ -390,9 +454,9 @@ class _Server:
                 raise BadRequest(f"{name} must be in [-2, 2], got {getattr(req, name)}", name)
         if req.seed is not None and not 0 <= req.seed < 2**32:
             raise BadRequest(f"seed must be in [0, 2**32), got {req.seed}", "seed")
-        max_tokens = 16 if max_tokens is None else max_tokens
-        if not 1 <= max_tokens <= self.config.max_tokens_limit:
-            raise BadRequest(f"max_tokens must be in [1, {self.config.max_tokens_limit}], got {max_tokens}",
+        if not int(not score_only) <= max_tokens <= self.config.max_tokens_limit:
+            raise BadRequest(f"max_tokens must be in [1, {self.config.max_tokens_limit}], got {max_tokens}"
+                             + ("" if max_tokens else " (0 only with echo and logprobs: the prompt scored alone)"),
                              "max_tokens")
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise BadRequest(f"this model's maximum context length is {self.max_model_len} tokens; the request "
@@ -406,14 +470,15 @@ class _Server:
             return SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
-                max_tokens=max_tokens, seed=req.seed, stop=req.stop or None, stop_token_ids=req.stop_token_ids,
+                max_tokens=max(1, max_tokens), seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0,
                 skip_reading_prefix_cache=prompt_logprobs is not None)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
+        except ValueError as e:  # the message begins with the field's name
+            field = str(e).split(" ", 1)[0]
+            raise BadRequest(str(e), field if field in SamplingParams.__dataclass_fields__ else None) from None
 
     def validate_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         try:
@@ -456,9 +521,9 @@ class _Server:
             for i in pending:
                 self.loop.abort(rids[i])
 
-    def usage(self, finals: list[RequestOutput]) -> dict:
+    def usage(self, finals: list[RequestOutput], score_only: bool = False) -> dict:
         p = sum(len(o.prompt_token_ids) for o in finals)
-        c = sum(len(o.outputs[0].token_ids) for o in finals)
+        c = 0 if score_only else sum(len(o.outputs[0].token_ids) for o in finals)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
@@ -473,15 +538,13 @@ class _Server:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}", "prompt")
         return prompts
 
-    def logprobs_block(self, ids: list[int], entries: list, offset: int) -> dict:
-        """The completions API's logprobs object for `ids` (entries: per token a {id: Logprob} dict, or None)."""
+    def logprobs_block(self, ids: list[int], entries: list, offsets: list[int]) -> dict:
+        """The completions API's logprobs object for `ids` (entries: per token a {id: Logprob} dict, or None;
+        offsets: where each token's text begins in the choice's text, `TextOffsets`)."""
         dec = self.engine.tokenizer.decode
-        tokens, lps, tops, offsets = [], [], [], []
+        tokens, lps, tops = [], [], []
         for t, entry in zip(ids, entries):
-            s = dec([t])
-            tokens.append(s)
-            offsets.append(offset)
-            offset += len(s)
+            tokens.append(dec([t]))
             if entry is None:
                 lps.append(None)
                 tops.append(None)
@@ -489,7 +552,18 @@ class _Server:
                 lps.append(entry[t].logprob)
                 tops.append({lp.decoded_token if lp.decoded_token is not None else dec([k]): lp.logprob
                              for k, lp in entry.items()})
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": list(offsets)}
+
+    def chat_logprobs(self, ids: list[int], entries: list, k: int) -> dict:
+        """The chat API's logprobs object for `ids`: per token its text, logprob and bytes, and the `k` likeliest."""
+        tok = self.engine.tokenizer
+
+        def item(t, lp) -> dict:
+            return {"token": tok.decode([t]), "logprob": lp.logprob, "bytes": list(tok.token_bytes(t))}
+
+        return {"content": [{**item(t, entry[t]), "top_logprobs": [
+            item(u, lp) for u, lp in sorted(entry.items(), key=lambda e: e[1].rank) if lp.rank <= k]}
+            for t, entry in zip(ids, entries)]}
 
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -497,75 +571,86 @@ class _Server:
         req = _parse(CompletionRequest, await self.read_body(request))
         raw = self.completion_prompts(req)
         echo_lp = bool(req.echo) and req.logprobs is not None
+        score_only = echo_lp and req.max_tokens == 0  # the legacy way to score a prompt: nothing generated
         prompts, params = [], None
         for prompt in raw:
             text, ids = self.validate_prompt(prompt, SamplingParams())
-            params = self.sampling_params(req, req.max_tokens, req.logprobs, req.logprobs if echo_lp else None,
-                                          len(ids))
+            params = self.sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
+                                          req.logprobs if echo_lp else None, len(ids), score_only)
             prompts.append((text if text is not None else self.engine.tokenizer.decode(ids), ids))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "object": "text_completion", "created": created, "model": self.config.model_name}
         if req.stream:
-            return self._stream(request, prompts, params, arrival, head, self._completion_chunks(req, prompts),
-                                req.stream_options)
+            return self._stream(request, prompts, params, arrival, head, self._completion_chunks(req, prompts,
+                                                                                                score_only),
+                                req.stream_options, score_only)
         finals: dict[int, RequestOutput] = {}
         async for i, out in self.run(request, prompts, params, arrival):
             if out.finished:
                 finals[i] = out
         if len(finals) < len(prompts):
             return Response(status_code=499)  # client gone
-        choices = []
+        tok, choices = self.engine.tokenizer, []
         for i in range(len(prompts)):
             out, comp = finals[i], finals[i].outputs[0]
-            text, lp = comp.text, None
             prompt_text, ids = prompts[i]
-            if req.echo:
-                text = prompt_text + text
+            base = len(prompt_text) if req.echo else 0
+            text, lp = "" if score_only else comp.text, None
             if req.logprobs is not None:
-                lp = self.logprobs_block(comp.token_ids, comp.logprobs, len(prompt_text) if req.echo else 0)
+                offsets = text_offsets(tok, comp.token_ids, base)
+                n = 0 if score_only else shown_tokens(offsets, base + len(text), comp.finish_reason != "stop")
+                lp = self.logprobs_block(comp.token_ids[:n], comp.logprobs[:n], offsets[:n])
                 if req.echo:
-                    pre = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids), 0)
+                    pre = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids), text_offsets(tok, ids))
                     lp = {k: pre[k] + lp[k] for k in lp}
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason,
-                            "stop_reason": comp.stop_reason})
-        return JSONResponse({**head, "choices": choices, "usage": self.usage([finals[i] for i in sorted(finals)])})
+            choices.append({"index": i, "text": prompt_text + text if req.echo else text, "logprobs": lp,
+                            "finish_reason": "length" if score_only else comp.finish_reason,
+                            "stop_reason": None if score_only else comp.stop_reason})
+        return JSONResponse({**head, "choices": choices,
+                             "usage": self.usage([finals[i] for i in sorted(finals)], score_only)})
 
-    def _completion_chunks(self, req: CompletionRequest, prompts):
-        """Per prompt index, turns successive outputs into streamed choice deltas."""
+    def _completion_chunks(self, req: CompletionRequest, prompts, score_only: bool):
+        """Per prompt index, turns successive outputs into streamed choice deltas. A token's logprobs go out with
+        the chunk that shows the start of its text (text held back, and a stop string or stop token, hold them)."""
         sent_text: dict[int, str] = {}
         sent_tokens: dict[int, int] = {}
-        offsets: dict[int, int] = {}
+        shown: dict[int, int] = {}
+        offsets: dict[int, TextOffsets] = {}
+        tok = self.engine.tokenizer
 
         def delta(i: int, out: RequestOutput) -> dict | None:
             comp = out.outputs[0]
             prompt_text, ids = prompts[i]
+            base = len(prompt_text) if req.echo else 0
             prefix, lp = "", None
             if i not in sent_text:  # first chunk of this prompt: the echoed prompt rides along
-                sent_text[i], sent_tokens[i] = "", 0
-                offsets[i] = len(prompt_text) if req.echo else 0
+                sent_text[i], sent_tokens[i], shown[i], offsets[i] = "", 0, 0, TextOffsets(tok, base)
                 if req.echo:
                     prefix = prompt_text
                     if req.logprobs is not None:
-                        lp = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids), 0)
-            text = comp.text
+                        lp = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids), text_offsets(tok, ids))
+            text = "" if score_only else comp.text
             new = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else ""
             sent_text[i] = text if text.startswith(sent_text[i]) else sent_text[i]
             if req.logprobs is not None:
-                n0 = sent_tokens[i]
-                block = self.logprobs_block(comp.token_ids[n0:], comp.logprobs[n0:], offsets[i])
-                offsets[i] += sum(len(t) for t in block["tokens"])
+                at = offsets[i].add(comp.token_ids[len(offsets[i].offsets):])
+                n = 0 if score_only else max(shown[i], shown_tokens(
+                    at, base + len(sent_text[i]), out.finished and comp.finish_reason != "stop"))
+                block = self.logprobs_block(comp.token_ids[shown[i]:n], comp.logprobs[shown[i]:n], at[shown[i]:n])
+                shown[i] = n
                 lp = block if lp is None else {k: lp[k] + block[k] for k in lp}
             fresh = len(comp.token_ids) > sent_tokens[i]
             sent_tokens[i] = len(comp.token_ids)
             if not (prefix or new or fresh or out.finished):  # a chunk per new token, even when its text is held
                 return None
             return {"index": i, "text": prefix + new, "logprobs": lp,
-                    "finish_reason": comp.finish_reason if out.finished else None,
-                    "stop_reason": comp.stop_reason if out.finished else None}
+                    "finish_reason": ("length" if score_only else comp.finish_reason) if out.finished else None,
+                    "stop_reason": comp.stop_reason if out.finished and not score_only else None}
 
         return delta
 
-    def _stream(self, request: Request, prompts, params, arrival, head: dict, delta, stream_options) -> Response:
+    def _stream(self, request: Request, prompts, params, arrival, head: dict, delta, stream_options,
+                score_only: bool = False) -> Response:
         include_usage = bool(stream_options and stream_options.include_usage)
 
         async def events():
@@ -582,7 +667,7 @@ class _Server:
                 yield "data: [DONE]\n\n"
                 return
             if include_usage and len(finals) == len(prompts):
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': self.usage(finals)})}\n\n"
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': self.usage(finals, score_only)})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -599,27 +684,42 @@ class _Server:
         req = _parse(ChatRequest, body)
         if not req.messages:
             raise BadRequest("messages must not be empty", "messages")
+        messages = [chat_message(i, m) for i, m in enumerate(req.messages)]
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        k = (req.top_logprobs or 0) if req.logprobs else None
         try:
-            text = self._chat.render(messages=[m.model_dump() for m in req.messages], add_generation_prompt=True,
-                                     bos_token="", eos_token="")
+            text = self._chat.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
         except Exception as e:  # noqa: BLE001 - a template error is the request's (or the template's) problem
             raise BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
         text, ids = self.validate_prompt(text, SamplingParams())
-        params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, None, None, len(ids))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:  # as the OpenAI API: as long as the context allows (here also the server's limit)
+            max_tokens = max(1, min(self.config.max_tokens_limit, self.max_model_len - len(ids)))
+        params = self.sampling_params(req, max_tokens, k, None, len(ids))
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
+        tok = self.engine.tokenizer
         if req.stream:
-            sent = {"text": None}
+            sent = {"text": None, "shown": 0}
+            offsets = TextOffsets(tok)
 
             def delta(i: int, out: RequestOutput) -> dict | None:
                 comp = out.outputs[0]
-                d = {}
+                d, lp = {}, None
                 if sent["text"] is None:
                     d["role"], sent["text"] = "assistant", ""
                 if comp.text.startswith(sent["text"]) and len(comp.text) > len(sent["text"]):
                     d["content"], sent["text"] = comp.text[len(sent["text"]):], comp.text
-                if not d and not out.finished:
+                if k is not None:
+                    at = offsets.add(comp.token_ids[len(offsets.offsets):])
+                    n = max(sent["shown"], shown_tokens(at, len(sent["text"]),
+                                                        out.finished and comp.finish_reason != "stop"))
+                    if n > sent["shown"]:
+                        lp = self.chat_logprobs(comp.token_ids[sent["shown"]:n], comp.logprobs[sent["shown"]:n], k)
+                    sent["shown"] = n
+                if not d and lp is None and not out.finished:
                     return None
-                return {"index": 0, "delta": d, "logprobs": None,
+                return {"index": 0, "delta": d, "logprobs": lp,
                         "finish_reason": comp.finish_reason if out.finished else None}
 
             return self._stream(request, [(text, ids)], params, arrival, {**head, "object": "chat.completion.chunk"},
@@ -629,10 +729,20 @@ class _Server:
             final = out if out.finished else final
         if final is None:
             return Response(status_code=499)
-        comp = final.outputs[0]
+        comp, lp = final.outputs[0], None
+        if k is not None:
+            n = shown_tokens(text_offsets(tok, comp.token_ids), len(comp.text), comp.finish_reason != "stop")
+            lp = self.chat_logprobs(comp.token_ids[:n], comp.logprobs[:n], k)
         return JSONResponse({**head, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": comp.text}, "logprobs": None,
+            "index": 0, "message": {"role": "assistant", "content": comp.text}, "logprobs": lp,
             "finish_reason": comp.finish_reason}], "usage": self.usage([final])})
+
+
+def shown_tokens(offsets: list[int], end: int, all_: bool) -> int:
+    """How many of a completion's tokens (their text offsets `offsets`) a response shows: those whose text begins
+    before `end`, the end of the text shown; all of them if `all_` (it ended neither on a stop string nor a stop
+    token, and nothing is held back)."""
+    return len(offsets) if all_ else bisect.bisect_left(offsets, end)
 
 
 def create_app(loop: EngineLoop, config: ServerConfig | None = None) -> FastAPI:
@@ -649,6 +759,10 @@ def create_app(loop: EngineLoop, config: ServerConfig | None = None) -> FastAPI:
     @app.exception_handler(EngineError)
     async def _engine_failed(_: Request, e: EngineError):
         return _error(500, str(e))
+
+    @app.exception_handler(StarletteHTTPException)  # an unknown path or method: the same error shape as the rest
+    async def _http(request: Request, e: StarletteHTTPException):
+        return _error(e.status_code, f"{e.detail} ({request.method} {request.url.path})")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -11,15 +11,22 @@ class TextStream:
     one decodes every id again on each `add` (exact for any tokenizer); `Utf8TextStream` only decodes the new ones."""
 
     def __init__(self, decode):
-        self._decode, self.ids = decode, []
+        self._decode, self.ids, self._text = decode, [], ""
 
     @property
     def num_ids(self) -> int:
         return len(self.ids)
 
+    @property
+    def num_chars(self) -> int:
+        """Characters of the text so far that later ids cannot change, as far as a whole decode tells: all but
+        trailing replacement characters (an incomplete multi-byte character)."""
+        return len(self._text.rstrip("\ufffd"))
+
     def add(self, ids) -> str:
         self.ids.extend(ids)
-        return self._decode(self.ids)
+        self._text = self._decode(self.ids)
+        return self._text
 
 
 class Utf8TextStream:
@@ -34,11 +41,44 @@ class Utf8TextStream:
         self._to_bytes, self._text, self.num_ids = to_bytes, "", 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
+    @property
+    def num_chars(self) -> int:
+        """Characters of the text so far that later ids cannot change: the whole characters decoded (an incomplete
+        trailing one is not counted)."""
+        return len(self._text)
+
     def add(self, ids) -> str:
         self.num_ids += len(ids)
         self._text += self._utf8.decode(self._to_bytes(ids))
         pending = self._utf8.getstate()[0]
         return self._text + pending.decode("utf-8", errors="replace") if pending else self._text
+
+
+def text_stream(tokenizer) -> Utf8TextStream | TextStream:
+    """An incremental decoder of a growing sequence: the tokenizer's own (`stream`), else the generic one."""
+    make = getattr(tokenizer, "stream", None)
+    return make() if make is not None else TextStream(tokenizer.decode)
+
+
+class TextOffsets:
+    """Where each id of a growing sequence begins in the sequence's decoded text, in characters from `start`: the
+    whole characters the ids before it decode to. An id that ends inside a multi-byte character leaves the next id at
+    that character's start, so the offsets never decrease and never pass the text's length."""
+
+    def __init__(self, tokenizer, start: int = 0):
+        self._stream, self._start, self.offsets = text_stream(tokenizer), start, []
+
+    def add(self, ids) -> list[int]:
+        """Appends `ids`; returns the offsets of all ids so far."""
+        for i in ids:
+            self.offsets.append(self._start + self._stream.num_chars)
+            self._stream.add([i])
+        return self.offsets
+
+
+def text_offsets(tokenizer, ids, start: int = 0) -> list[int]:
+    """`TextOffsets` of `ids` at once."""
+    return TextOffsets(tokenizer, start).add(ids)
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -69,6 +109,10 @@ class ByteTokenizer:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes id `i` stands for (b"" for a special id)."""
+        return bytes([i - self.OFFSET]) if self.OFFSET <= i < 256 + self.OFFSET else b""
+
     def stream(self) -> Utf8TextStream:
         lo, hi = self.OFFSET, 256 + self.OFFSET
         return Utf8TextStream(lambda ids: bytes(i - lo for i in ids if lo <= i < hi))
@@ -92,6 +136,13 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes id `i` decodes to: its byte-level bytes (which may be part of a character), else the UTF-8 of
+        its decode."""
+        if self._token_bytes is not None:
+            return self._token_bytes.get(i, b"")
+        return self.decode([i]).encode("utf-8")
 
     def stream(self) -> Utf8TextStream | TextStream:
         """An incremental decoder of an output. With a byte-level decoder (Qwen's tokenizers) `decode` is the UTF-8

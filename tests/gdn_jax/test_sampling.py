@@ -268,6 +268,8 @@ def test_engine_logprobs_max_tokens_and_stop_tokens(llm):
     again = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=[stop],
                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert again.token_ids == out.token_ids[:3] and again.finish_reason == "stop"
+    # the stop token's text is left out (vLLM's way) and it is the stop_reason; its logprob stays in `logprobs`
+    assert again.text == llm.engine.tokenizer.decode(out.token_ids[:2]) and again.stop_reason == stop
 
 
 def test_byte_tokenizer_round_trips_text_and_engine_accepts_text(llm):

@@ -249,6 +249,11 @@ BAD = [
     ({"prompt": "hi", "n": 2}, 400, "n must be 1"),
     ({"prompt": "hi", "seed": -1}, 400, "seed"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"prompt": "hi", "stop": ""}, 400, "stop"),
+    ({"prompt": "hi", "max_tokens": 0, "echo": True}, 400, "0 only with echo and logprobs"),
+    ({"prompt": "hi", "logit_bias": {"36": 100}}, 400, "logit_bias is not supported"),
+    ({"prompt": "hi", "best_of": 3}, 400, "best_of is not supported"),
+    ({"prompt": "hi", "suffix": "x"}, 400, "suffix is not supported"),
     ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
     ({"prompt": [[5, 6], [-1]]}, 400, "outside the vocabulary"),
     ({"prompt": "hi", "stop_token_ids": [100000]}, 400, "stop_token_ids"),
@@ -364,3 +369,133 @@ def test_load_200_requests_from_16_clients_no_error_no_leak(server):
     m = _assert_no_leak(server)
     finished = sum(v for k, v in m.items() if k.startswith("gdn_jax_requests_finished_total"))
     assert finished - sum(v for k, v in before.items() if k.startswith("gdn_jax_requests_finished_total")) == 200
+
+
+def _post(server, body: dict, path: str = "/v1/completions", url: str | None = None) -> httpx.Response:
+    return httpx.post((url or server.url) + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                      json={"model": "tiny", **body})
+
+
+def _streamed(server, body: dict, path: str = "/v1/completions", url: str | None = None) -> list[dict]:
+    """The choices of a streamed response, in order."""
+    with httpx.stream("POST", (url or server.url) + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                      json={"model": "tiny", "stream": True, **body}) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [c for line in lines for c in json.loads(line)["choices"]]
+
+
+def _joined(choices: list[dict], key: str) -> list:
+    return [x for c in choices if c["logprobs"] for x in c["logprobs"][key]]
+
+
+def test_off_values_of_unimplemented_fields_and_fields_without_effect_are_accepted(server):
+    for extra in ({"logit_bias": {}}, {"best_of": 1}, {"suffix": ""}, {"user": "someone"}):
+        r = _post(server, {"prompt": "hi", "max_tokens": 2, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    for extra, field in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"logit_bias": {"36": 5}}, "logit_bias")):
+        r = _post(server, {"messages": [{"role": "user", "content": "hi"}], **extra}, "/v1/chat/completions",
+                  server.chat_url)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.get(server.url + "/v1/nope")  # an unknown path: the API's error shape too
+    assert r.status_code == 404 and "/v1/nope" in r.json()["error"]["message"]
+
+
+def test_max_tokens_0_with_echo_and_logprobs_scores_the_prompt_alone(server):
+    """The legacy scoring call: the prompt's logprobs, nothing generated; also for a prompt that fills the context
+    (which max_tokens 1 cannot extend)."""
+    prompt = _text(20, 21)
+    n = len(prompt.encode())
+    one = _post(server, {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 2}).json()["choices"][0]
+    r = _post(server, {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}).json()
+    got = r["choices"][0]
+    assert got["text"] == prompt and got["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 0
+    assert r["usage"]["prompt_tokens"] == n and len(got["logprobs"]["tokens"]) == n
+    for key in ("tokens", "text_offset", "top_logprobs"):
+        assert got["logprobs"][key] == one["logprobs"][key][:n], key
+    assert got["logprobs"]["token_logprobs"][0] is None
+    np.testing.assert_allclose(got["logprobs"]["token_logprobs"][1:], one["logprobs"]["token_logprobs"][1:n],
+                               atol=1e-5, rtol=0)
+    chunks = _streamed(server, {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2})
+    assert "".join(c["text"] for c in chunks) == prompt and _joined(chunks, "tokens") == got["logprobs"]["tokens"]
+    assert chunks[-1]["finish_reason"] == "length"
+    full = [5 + i % 200 for i in range(ENGINE_KW["max_model_len"])]
+    assert _post(server, {"prompt": full, "max_tokens": 0, "echo": True, "logprobs": 1}).status_code == 200
+    assert _post(server, {"prompt": full, "max_tokens": 1, "echo": True, "logprobs": 1}).status_code == 400
+
+
+def test_text_offsets_count_characters_of_the_choice_text(server):
+    """Multi-byte characters: each byte is a token of this model; a byte inside a character starts at it."""
+    prompt = "café ü 日本 x"  # é and ü: 2 bytes, 日 and 本: 3
+    body = {"prompt": prompt, "max_tokens": 8, "echo": True, "logprobs": 1, "temperature": 0.0, "ignore_eos": True}
+    choice = _post(server, body).json()["choices"][0]
+    chunks = _streamed(server, body)
+    n = len(prompt.encode())
+    for text, tokens, offsets in ((choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]),
+                                  ("".join(c["text"] for c in chunks), _joined(chunks, "tokens"),
+                                   _joined(chunks, "text_offset"))):
+        assert text.startswith(prompt) and len(tokens) == len(offsets) == n + 8
+        assert offsets[:n] == [0, 1, 2, 3, 3, 4, 5, 5, 6, 7, 7, 7, 8, 8, 8, 9, 10]
+        assert offsets[n] == len(prompt) and offsets == sorted(offsets) and offsets[-1] <= len(text)
+        assert all(text[o:o + len(t)] == t for t, o in zip(tokens, offsets) if "\ufffd" not in t)
+    assert choice["text"] == "".join(c["text"] for c in chunks)
+
+
+def test_logprobs_cover_the_text_shown_not_a_stop_string_or_a_stop_token(server, offline):
+    prompt = "The cat"
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out = offline.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    ids, text = out.token_ids, out.text
+    body = {"prompt": prompt, "logprobs": 1, **greedy}
+    # a stop string: the first two characters after an ASCII start that do not occur earlier
+    k = next(k for k in range(1, 20) if text[:k + 2].isascii() and text.find(text[k:k + 2]) == k)
+    for got in (_post(server, {**body, "stop": text[k:k + 2]}).json()["choices"][0],
+                _streamed(server, {**body, "stop": text[k:k + 2]})):
+        shown = got["text"] if isinstance(got, dict) else "".join(c["text"] for c in got)
+        tokens = got["logprobs"]["tokens"] if isinstance(got, dict) else _joined(got, "tokens")
+        assert shown == text[:k] and "".join(tokens) == shown and len(tokens) == k  # one byte per ASCII character
+    # a stop token: its text is not in the output (as in vLLM), it is the stop_reason, and has no logprobs entry
+    j = next(j for j in range(2, 24) if ids[j] not in ids[:j] and 4 <= ids[j - 1] < 260)
+    r = _post(server, {**body, "stop_token_ids": [ids[j]]}).json()
+    got = r["choices"][0]
+    assert got["text"] == server.loop.engine.tokenizer.decode(ids[:j]) and r["usage"]["completion_tokens"] == j + 1
+    assert (got["finish_reason"], got["stop_reason"], len(got["logprobs"]["tokens"])) == ("stop", ids[j], j)
+    chunks = _streamed(server, {**body, "stop_token_ids": [ids[j]]})
+    assert "".join(c["text"] for c in chunks) == got["text"] and _joined(chunks, "tokens") == got["logprobs"]["tokens"]
+    assert chunks[-1]["stop_reason"] == ids[j]
+
+
+def test_chat_messages_are_checked_and_logprobs_returned(server):
+    url = server.chat_url
+    for messages, message in (([{"role": "user"}], "content must be a string"),
+                              ([{"role": "user", "content": None}], "content must be a string"),
+                              ([{"role": "wizard", "content": "hi"}], "role must be one of"),
+                              ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                               "only text parts")):
+        r = _post(server, {"messages": messages}, "/v1/chat/completions", url)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    r = _post(server, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "/v1/chat/completions", url)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    # text parts are joined by newlines, as the template then reads them
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "a slot?"}]
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2}
+    r = _post(server, body, "/v1/chat/completions", url).json()
+    assert r["usage"]["prompt_tokens"] == len("<|user|>What is\na slot?\n<|assistant|>".encode())
+    content, entries = r["choices"][0]["message"]["content"], r["choices"][0]["logprobs"]["content"]
+    assert len(entries) == r["usage"]["completion_tokens"] == 8
+    assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8", errors="replace") == content
+    for e in entries:  # greedy: the chosen token is the likeliest of the two listed
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+        assert e["logprob"] == pytest.approx(e["top_logprobs"][0]["logprob"], abs=1e-6)
+    chunks = _streamed(server, body, "/v1/chat/completions", url)
+    streamed = [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert [(e["token"], e["bytes"]) for e in streamed] == [(e["token"], e["bytes"]) for e in entries]
+    np.testing.assert_allclose([e["logprob"] for e in streamed], [e["logprob"] for e in entries], atol=1e-5, rtol=0)
+    assert "".join(c["delta"].get("content", "") for c in chunks) == content
+    # without max_tokens a chat completion may fill the context (the API's default), up to the server's limit
+    r = _post(server, {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}, "/v1/chat/completions",
+              url).json()
+    assert r["usage"]["total_tokens"] == ENGINE_KW["max_model_len"] and r["choices"][0]["finish_reason"] == "length"

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from gdn_jax.tokenizer import ByteTokenizer, TextStream
+from gdn_jax.tokenizer import ByteTokenizer, TextStream, text_offsets
 
 # bytes that make partial, complete, overlong, surrogate and stray UTF-8 sequences, plus ids outside the byte range
 _BYTES = [0x41, 0x20, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80, 0xFF, 0xC0, 0xED, 0xA0, 0xF4, 0x90, 0xBF]
@@ -114,3 +114,25 @@ def test_other_hf_decoders_decode_the_whole_sequence(tmp_path):
         stream = tok.stream()
         assert isinstance(stream, TextStream)
         assert [stream.add([i]) for i in ids] == [tok.decode(ids[:i + 1]) for i in range(len(ids))]
+
+
+def test_text_offsets_count_whole_characters_before_each_id(tmp_path):
+    """Where each id's text begins, in characters: a byte inside a character is at that character's start; offsets
+    never decrease and never pass the text's length (byte tokenizer, byte-level and other HF decoders)."""
+    tok = ByteTokenizer(300)
+    ids = tok.encode("aé日 x")  # 1 + 2 + 3 + 1 + 1 bytes
+    assert text_offsets(tok, ids) == [0, 1, 1, 2, 2, 2, 3, 4] and text_offsets(tok, ids, 5)[0] == 5
+    assert tok.token_bytes(ids[1]) + tok.token_bytes(ids[2]) == "é".encode() and tok.token_bytes(tok.EOS) == b""
+    rng = np.random.default_rng(3)
+    for decoder in ("byte_level", "metaspace"):
+        hf = _byte_level_tokenizer(tmp_path, decoder)
+        for _ in range(30):
+            ids = _random_pieces(hf, rng, int(rng.integers(1, 20)))
+            offsets, text = text_offsets(hf, ids), hf.decode(ids)
+            assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
+            for i, o in enumerate(offsets):  # what the ids before i decode to, but a trailing incomplete character
+                prefix = hf.decode(ids[:i])
+                if decoder == "byte_level":  # an incomplete character decodes to one replacement character
+                    assert o == len(prefix) or (o == len(prefix) - 1 and prefix.endswith("\ufffd"))
+                else:
+                    assert o == len(prefix.rstrip("\ufffd"))
