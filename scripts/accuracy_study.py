@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLM, SamplingParams
-from study_cli import figure, pools_of, save, study_parser, write_json
+from study_cli import (environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save, study_parser,
+                       write_json)
 
 MODES = {"no_cache": dict(enable_prefix_caching=False), "exact": dict(enable_prefix_caching=True),
          "unsafe_cold": dict(enable_prefix_caching=True, unsafe_reuse="cold"),
@@ -103,7 +104,17 @@ def compare(ref, mode):
             "kl_by_distance": {int(d): statistics.fmean(v) for d, v in sorted(by_distance.items())}}
 
 
-def make_engines(model: str, dtype: str, chunk_stride: int) -> dict[str, LLM]:
+def model_len(chunk_stride: int, turns: int, max_tokens: int) -> int:
+    """The engines' max_model_len: ENGINE's, or more if the workload's longest sequence needs it (`make_workload`'s
+    longest prefix and suffix, each later turn's reference answer and user line, the teacher-forced answer and the
+    one token sampled after it), in whole blocks; so that no prompt is refused and no answer cut short."""
+    longest = 3 * chunk_stride + 3 * chunk_stride // 4 + 24 + turns * (max_tokens + 12) + max_tokens + 1
+    block = ENGINE["block_size"]
+    return max(ENGINE["max_model_len"], -(-longest // block) * block)
+
+
+def make_engines(model: str, dtype: str, chunk_stride: int, max_model_len: int = ENGINE["max_model_len"]
+                 ) -> dict[str, LLM]:
     """One engine per mode on the same weights. All get the pools of the `exact` engine, so their steps have the same
     shapes and the first engine's compiled steps serve the other three."""
     engines = {}
@@ -111,8 +122,8 @@ def make_engines(model: str, dtype: str, chunk_stride: int) -> dict[str, LLM]:
         warnings.simplefilter("ignore", UserWarning)  # the unsafe modes warn by design
         for name in ("exact", "no_cache", "unsafe_cold", "unsafe_stale"):
             pools = pools_of(engines["exact"].engine) if engines else {}
-            engines[name] = LLM(model, dtype=dtype, chunk_stride=chunk_stride, verbose=False, **ENGINE, **pools,
-                                **MODES[name])
+            engines[name] = LLM(model, dtype=dtype, chunk_stride=chunk_stride, verbose=False,
+                                **{**ENGINE, "max_model_len": max_model_len}, **pools, **MODES[name])
     return {name: engines[name] for name in MODES}
 
 
@@ -165,15 +176,16 @@ def plot(summary, path: Path | None = None, ax=None):
 
 def main(argv=None) -> dict:
     ap = study_parser("accuracy_study.py", __doc__, "accuracy_study.json and accuracy_study.png", "a small workload")
-    ap.add_argument("--chunk-stride", type=int, default=64, help="tokens between checkpoints")
-    ap.add_argument("--max-tokens", type=int, default=SIZES["full"]["max_tokens"],
+    ap.add_argument("--chunk-stride", type=positive_int, default=64, help="tokens between checkpoints")
+    ap.add_argument("--max-tokens", type=positive_int, default=SIZES["full"]["max_tokens"],
                     help="reference continuation length (greedy; --quick caps it at 12)")
-    ap.add_argument("--seed", type=int, default=0, help="workload seed")
-    args = ap.parse_args(argv)
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
+    args = parse(ap, argv)
 
     sizes = dict(SIZES["quick" if args.quick else "full"])
     sizes["max_tokens"] = min(args.max_tokens, sizes["max_tokens"]) if args.quick else args.max_tokens
-    engines = make_engines(args.model, args.dtype, args.chunk_stride)
+    max_len = model_len(args.chunk_stride, sizes["turns"], sizes["max_tokens"])
+    engines = make_engines(args.model, args.dtype, args.chunk_stride, max_len)
     tok = engines["no_cache"].get_tokenizer()
     vocab = engines["no_cache"].engine.cfg.vocab_size
     items = make_workload(vocab, args.chunk_stride, sizes["groups"], sizes["per_group"], sizes["turns"],
@@ -182,9 +194,9 @@ def main(argv=None) -> dict:
     summary = {name: compare(ref, r) for name, r in runs.items()}
     print("\n" + table(summary))
     result = {"model": args.model, "dtype": args.dtype,
-              "config": {"chunk_stride": args.chunk_stride, **ENGINE, **sizes, "requests": num_requests(**sizes),
-                         "seed": args.seed, "quick": args.quick},
-              "modes": summary}
+              "config": {"chunk_stride": args.chunk_stride, **ENGINE, "max_model_len": max_len, **sizes,
+                         "requests": num_requests(**sizes), "seed": args.seed, "quick": args.quick},
+              "modes": summary, "environment": environment()}
     path = write_json(args.out, "accuracy_study.json", result)
     plot(summary, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
@@ -192,4 +204,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from study_cli import figure, pools_of, save, study_parser, write_json
+from study_cli import (environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save, study_parser,
+                       write_json)
 
 
 def run_request(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
@@ -61,7 +62,7 @@ def ab(args) -> dict:
     engines = {"cache on": LLMEngine(args.model, enable_prefix_caching=True, **kw),
                "cache off": LLMEngine(args.model, enable_prefix_caching=False, **kw)}
     vocab = engines["cache on"].cfg.vocab_size
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     results = {name: [] for name in engines}
     for rnd in range(args.rounds + 1):  # round 0 is the warm-up
         a = rng.integers(4, vocab, args.prompt).tolist()
@@ -79,7 +80,9 @@ def ab(args) -> dict:
     # cache it is B's last prefill step (same shape: 1 row, chunk_stride tokens, same block count), no restore.
     restore_step = statistics.median(r["steps"][0]["seconds"] for r in on)
     plain_step = statistics.median(r["steps"][-1]["seconds"] for r in off)
-    assert all(r["steps"][0]["warm_restores"] == 1 for r in on)
+    if not all(r["steps"][0]["warm_restores"] == 1 for r in on):
+        raise ValueError(f"request B's first step restored no checkpoint: --shared ({args.shared}) must reach a "
+                         f"checkpoint boundary (--chunk-stride {args.chunk_stride})")
     assert all(r["steps"][-1]["warm_restores"] == 0 for r in off)
     ratio = ttft_on / ttft_off
 
@@ -95,7 +98,7 @@ def ab(args) -> dict:
     out = {"args": vars(args), "backend": jax.default_backend(), "ttft_on_s": ttft_on, "ttft_off_s": ttft_off,
            "ttft_ratio": ratio, "restore_step_s": restore_step, "plain_step_s": plain_step,
            "restore_step_overhead": restore_step / plain_step - 1, "rounds": results,
-           "memory": {n: e.memory.describe() for n, e in engines.items()}}
+           "memory": {n: e.memory.describe() for n, e in engines.items()}, "environment": environment()}
     print(f"wrote {write_json(args.out, 'bench_ttft_ab.json', out)}")
     return out
 
@@ -129,7 +132,7 @@ def prefill(args) -> dict:
         fwd_times.append(time.perf_counter() - t0)
     forward_s = statistics.median(fwd_times[1:])
     vocab = worker.cfg.vocab_size
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     rows, rounds = {}, {name: [] for name in engines}
     for rnd in range(args.rounds + 1):  # round 0 compiles every shape the later rounds use
         a = rng.integers(4, vocab, args.prompt).tolist()
@@ -158,7 +161,7 @@ def prefill(args) -> dict:
         print(f"{name:<13}{1e3 * cold:>13.1f}{r['cold_over_forward']:>10.2f}{r['cold_steps']:>7}{1e3 * hit:>12.1f}"
               f"{r['hit_cached_tokens']:>8}{saves:>7}{saves * slot_mib:>10.1f}")
     out = {"args": vars(args), "backend": jax.default_backend(), "forward_s": forward_s, "forward_times_s": fwd_times,
-           "variants": rows, "rounds": rounds}
+           "variants": rows, "rounds": rounds, "environment": environment()}
     path = write_json(args.out, "bench_ttft_prefill.json", out)
     print(f"wrote {path}")
     return out
@@ -247,21 +250,21 @@ def study(args) -> dict:
     on = LLMEngine(args.model, enable_prefix_caching=True, **kw)
     engines = {"on": on, "off": LLMEngine(args.model, enable_prefix_caching=False, **kw, **pools_of(on))}
     tok = on.tokenizer
-    names = list(workloads(np.random.default_rng(0), tok, q))
+    names = list(workloads(np.random.default_rng(args.seed), tok, q))
     max_tokens, lengths = sizes["max_tokens"], sizes["prefix_lengths"]
     bar = tqdm(total=len(names) * 4 + len(lengths) * 2, desc="TTFT study", unit="run")
     rows = []
     for name in names:
         for mode in ("serial", "concurrent"):
             for cache, engine in engines.items():
-                s = measured(engine, lambda seed: workloads(np.random.default_rng(seed + 1), tok, q)[name],
+                s = measured(engine, lambda r: workloads(np.random.default_rng(1000 * args.seed + r + 1), tok, q)[name],
                              mode == "concurrent", max_tokens)
                 rows.append({"workload": name, "mode": mode, "cache": cache, **s})
                 bar.update(1)
     sweep = []  # serial TTFT against the shared-prefix length
     for n in lengths:
         def make(seed, n=n):
-            rng = np.random.default_rng(100 + seed)
+            rng = np.random.default_rng(1000 * args.seed + 100 + seed)
             system = _words(rng, tok, n)
             return [[system + _words(rng, tok, 24) for _ in range(3)]]
         for cache, engine in engines.items():
@@ -280,8 +283,10 @@ def study(args) -> dict:
     for n in lengths:
         print(f"{n:<15}" + "".join(f"{r['ttft_p50_ms']:>12.1f}" for r in sweep if r["shared_prefix"] == n))
     result = {"model": args.model, "dtype": args.dtype, "backend": jax.default_backend(),
-              "config": {"chunk_stride": args.chunk_stride, "quick": q, **sizes}, "rows": rows,
-              "prefix_sweep": sweep}
+              "config": {"chunk_stride": args.chunk_stride, "quick": q, "seed": args.seed, **sizes,
+                         "engine": {k: v for k, v in kw.items() if k not in ("dtype", "verbose")},
+                         "memory": on.memory.describe()}, "rows": rows,
+              "prefix_sweep": sweep, "environment": environment()}
     path = write_json(args.out, "bench_ttft.json", result)
     fig, ax = figure((6, 4))
     for cache in engines:
@@ -304,18 +309,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--ab", action="store_true", help="the A/B restore comparison instead of the study")
     ap.add_argument("--prefill", action="store_true",
                     help="cold and hit TTFT per checkpoint mode and policy against one jitted forward")
-    ap.add_argument("--prompt", type=int, default=2048, help="--ab / --prefill: tokens of each prompt")
-    ap.add_argument("--shared", type=int, default=1792,
+    ap.add_argument("--prompt", type=positive_int, default=2048, help="--ab / --prefill: tokens of each prompt")
+    ap.add_argument("--shared", type=positive_int, default=1792,
                     help="--ab / --prefill: tokens request B shares with request A")
-    ap.add_argument("--chunk-stride", type=int, default=None,
+    ap.add_argument("--chunk-stride", type=positive_int, default=None,
                     help="tokens between checkpoints (default: 64 for the study, 256 for --ab / --prefill)")
-    ap.add_argument("--rounds", type=int, default=3, help="--ab / --prefill: timed rounds after the warm-up round")
-    args = ap.parse_args(argv)
+    ap.add_argument("--rounds", type=positive_int, default=3,
+                    help="--ab / --prefill: timed rounds after the warm-up round")
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
+    args = parse(ap, argv)
     long = args.ab or args.prefill
+    if args.ab and args.prefill:
+        ap.error("--ab and --prefill are two different runs: pass one")
+    if long and args.quick:
+        ap.error("--quick shrinks the study only; --ab / --prefill take --prompt, --shared and --rounds")
+    if long and args.shared >= args.prompt:
+        ap.error(f"--shared ({args.shared}) must be below --prompt ({args.prompt}): request B adds tokens of its own")
     args.model = args.model or ("hybrid-1024" if long else "tiny")
     args.chunk_stride = args.chunk_stride or (256 if long else 64)
     return ab(args) if args.ab else prefill(args) if args.prefill else study(args)
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -5,9 +5,11 @@
 Concurrent conversations (a shared system prompt, then turns that each extend the previous prompt with its answer
 and a new user message) compete for checkpoint slots. The sweep crosses `chunk_stride` with the checkpoint capacity
 (checkpoint slots per live sequence, beyond each sequence's own live slot). Per configuration: the fraction of prompt
-tokens reused, the tokens lost to alignment (KV match minus reuse), the checkpoint memory, TTFT p50 after a warm-up
-round, and evictions. A finer stride loses fewer tokens to alignment but needs more slots to keep the deepest
-checkpoint of every conversation alive; the table and the heat map show where each effect wins.
+tokens reused, the tokens lost (KV match minus reuse: to the stride's alignment, and to checkpoints that were not
+kept), the checkpoint memory, TTFT p50 after a warm-up round, evictions, and saves skipped. A finer stride loses fewer
+tokens to alignment but needs more slots: a prefill step that crosses several boundaries saves them shallowest
+first, and when the slots run out the deeper boundaries, the ones a later turn would restore, are skipped (an
+eviction only takes a checkpoint no step is writing). The table and the heat map show where each effect wins.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from study_cli import figure, save, study_parser, write_json
+from study_cli import (environment, figure, nonnegative_int, parse, positive_int, run, save, study_parser,
+                       write_json)
 
 # Workload and engine sizes. --quick keeps the sweep 2 x 2 and makes it cheap to compile: each step shape compiles once
 # per pool size (per capacity), and compilation, not running, is where a quick sweep's time goes. 64-token blocks keep
@@ -131,13 +134,13 @@ def main(argv=None) -> dict:
     ap = study_parser("checkpoint_tradeoff.py", __doc__, "checkpoint_tradeoff.json and .png",
                       "a 2 x 2 sweep (strides 64, 128; 1 and 4 slots per sequence) on a small workload with 64-token "
                       "blocks; it ignores the workload flags")
-    ap.add_argument("--conversations", type=int, default=FULL["conversations"],
+    ap.add_argument("--conversations", type=positive_int, default=FULL["conversations"],
                     help="concurrent conversations (= max_num_seqs)")
-    ap.add_argument("--turns", type=int, default=FULL["turns"], help="turns per conversation")
-    ap.add_argument("--max-tokens", type=int, default=FULL["max_tokens"], help="tokens per answer (greedy)")
-    ap.add_argument("--block-size", type=int, default=FULL["block_size"], help="KV block size (tokens)")
-    ap.add_argument("--seed", type=int, default=0, help="workload seed")
-    args = ap.parse_args(argv)
+    ap.add_argument("--turns", type=positive_int, default=FULL["turns"], help="turns per conversation")
+    ap.add_argument("--max-tokens", type=positive_int, default=FULL["max_tokens"], help="tokens per answer (greedy)")
+    ap.add_argument("--block-size", type=positive_int, default=FULL["block_size"], help="KV block size (tokens)")
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
+    args = parse(ap, argv)
 
     strides, caps = ([64, 128], [1, 4]) if args.quick else ([64, 128, 256, 512], [1, 2, 4, 8])
     sizes = QUICK if args.quick else {**FULL, "conversations": args.conversations, "turns": args.turns,
@@ -146,16 +149,17 @@ def main(argv=None) -> dict:
     rows = [measure(args.model, args.dtype, s, c, sizes, args.seed)
             for s, c in tqdm([(s, c) for s in strides for c in caps], desc="checkpoint trade-off", unit="config")]
     print(f"\n{'stride':>7}{'slots/seq':>10}{'reused':>9}{'later':>8}{'lost tot':>10}{'lost/req':>10}"
-          f"{'ckpt MiB':>10}{'TTFT p50':>10}{'evict':>7}")
+          f"{'ckpt MiB':>10}{'TTFT p50':>10}{'evict':>7}{'skipped':>9}")
     for r in rows:
         print(f"{r['chunk_stride']:>7}{r['capacity_per_seq']:>10}{r['reused_fraction']:>9.1%}"
               f"{r['reused_fraction_later_turns']:>8.1%}{r['reuse_lost_total']:>10}{r['reuse_lost_per_request']:>10.1f}"
-              f"{r['checkpoint_bytes'] / 2**20:>10.2f}{r['ttft_p50_ms']:>9.1f}ms{r['evictions']:>7}")
+              f"{r['checkpoint_bytes'] / 2**20:>10.2f}{r['ttft_p50_ms']:>9.1f}ms{r['evictions']:>7}"
+              f"{r['saves_skipped']:>9}")
     text = conclusion(rows)
     print("\n" + text)
     result = {"model": args.model, "dtype": args.dtype,
               "config": {"strides": strides, "capacities": caps, **sizes, "seed": args.seed, "quick": args.quick},
-              "rows": rows, "conclusion": text}
+              "rows": rows, "conclusion": text, "environment": environment()}
     path = write_json(args.out, "checkpoint_tradeoff.json", result)
     plot(rows, strides, caps, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
@@ -163,4 +167,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 DEFAULT_MODEL = "tiny"  # the trained built-in model
@@ -36,6 +40,73 @@ def study_parser(prog: str, doc: str, outputs: str, quick: str, *, model_default
     ap.add_argument("--out", default="results", help=f"folder for {outputs}")
     ap.add_argument("--quick", action="store_true", help=f"{quick} (a test runs this)")
     return ap
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, lo: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < lo:
+        raise argparse.ArgumentTypeError(f"{value} is below {lo}")
+    return value
+
+
+def parse(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """`ap.parse_args(argv)`, then --out made ready before anything runs: a folder that cannot be written ends the
+    run now (an argparse error naming it), not after the study has run."""
+    args = ap.parse_args(argv)
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out {args.out}: {e.strerror or e}")
+    if not os.access(args.out, os.W_OK):
+        ap.error(f"--out {args.out}: the folder cannot be written")
+    return args
+
+
+def environment() -> dict:
+    """What a run needs beside its settings to be reproduced: the package, its git commit (when run from a
+    checkout), JAX and the backend it ran on, Python, the machine."""
+    import jax
+    from importlib import metadata
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        commit = dirty = None
+    try:
+        version = metadata.version("gdn-jax")
+    except metadata.PackageNotFoundError:
+        version = None
+    return {"gdn_jax": version, "git_commit": commit, "git_dirty": dirty, "jax": jax.__version__,
+            "jaxlib": metadata.version("jaxlib"), "backend": jax.default_backend(),
+            "devices": [d.device_kind for d in jax.devices()], "python": platform.python_version(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count()}
+
+
+def run(main) -> None:
+    """A study's command-line entry: a bad setting that the engine or the workload finds (a ValueError naming it)
+    ends the run with `error: ...` and exit status 2, not a traceback."""
+    try:
+        main()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def write_json(out: str | Path, name: str, result: dict) -> Path:

@@ -37,6 +37,7 @@ def test_accuracy_study_shows_exact_equals_no_cache_and_both_unsafe_modes_drift(
         assert m["kl_mean"] > 100 * max(exact["kl_mean"], 1e-9), name
         assert m["max_abs_logprob_diff"] > 1e-2, name
         assert m["mean_cached_tokens"] > exact["mean_cached_tokens"], name  # they reuse more, wrongly
+    assert result["config"]["max_model_len"] == 1024 and result["environment"]["jax"]
 
 
 @pytest.mark.slow
@@ -70,4 +71,44 @@ def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
     for stride in (64, 128):
         assert rows[(stride, 4)]["reused_fraction"] >= rows[(stride, 1)]["reused_fraction"]
         assert rows[(stride, 4)]["checkpoint_bytes"] == 4 * rows[(stride, 1)]["checkpoint_bytes"]
-    assert result["conclusion"]
+        # with one slot, a prefill step crossing several boundaries cannot save the deeper ones
+        assert rows[(stride, 1)]["saves_skipped"] > rows[(stride, 4)]["saves_skipped"]
+    assert result["conclusion"] and result["environment"]["backend"] == "cpu"
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("accuracy_study", ["--seed", "-1"], "argument --seed: -1 is below 0"),
+    ("checkpoint_tradeoff", ["--turns", "0"], "argument --turns: 0 is below 1"),
+    ("checkpoint_tradeoff", ["--conversations", "two"], "'two' is not an integer"),
+    ("bench_ttft", ["--ab", "--shared", "300", "--prompt", "256"], "--shared (300) must be below --prompt (256)"),
+    ("bench_ttft", ["--ab", "--prefill"], "pass one"),
+    ("bench_ttft", ["--prefill", "--quick"], "--quick shrinks the study only"),
+    ("bench_ttft", ["--rounds", "0"], "argument --rounds: 0 is below 1"),
+])
+def test_a_bad_option_is_an_error_naming_it_before_anything_runs(script, argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        _script(script).main([*argv, "--out", str(tmp_path)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_unwritable_out_folder_fails_at_once(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        _script("checkpoint_tradeoff").main(["--quick", "--out", str(tmp_path / "file" / "results")])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_the_engine_refusing_a_setting_ends_the_command_with_its_message(tmp_path):
+    """From the command line, a setting only the engine can judge (a stride off the block grid) gives one line."""
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "accuracy_study.py"), "--quick", "--model",
+                        "tiny-random", "--chunk-stride", "40", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "error: chunk_stride (40) must be a positive multiple of block_size (16)")
+
+
+def test_study_json_records_the_environment():
+    env = _script("study_cli").environment()
+    assert env["backend"] == "cpu" and env["jax"] and env["jaxlib"] and env["cpu_count"] >= 1
+    assert env["git_commit"] is None or len(env["git_commit"]) == 40
