@@ -63,7 +63,8 @@ def text_stream(tokenizer) -> Utf8TextStream | TextStream:
 class TextOffsets:
     """Where each id of a growing sequence begins in the sequence's decoded text, in characters from `start`: the
     whole characters the ids before it decode to. An id that ends inside a multi-byte character leaves the next id at
-    that character's start, so the offsets never decrease and never pass the text's length."""
+    that character's start, so the offsets never decrease and never pass the text's length. With a byte-level
+    tokenizer each id costs its own bytes; any other decodes the sequence whole per id (quadratic in its length)."""
 
     def __init__(self, tokenizer, start: int = 0):
         self._stream, self._start, self.offsets = text_stream(tokenizer), start, []
