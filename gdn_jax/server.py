@@ -17,9 +17,9 @@ scores the prompt alone (the legacy API's scoring call): nothing generated, `com
 Logprobs (completions' `logprobs`, chat's `logprobs` / `top_logprobs`) cover the tokens whose text the choice shows:
 not a stop string's tokens nor a stop token, and in a stream a token's entry goes out with the chunk that shows the
 start of its text. `text_offset` counts characters of the choice's text (a token that ends inside a multi-byte
-character puts the next one at that character's start). OpenAI fields the server does not implement (`logit_bias`,
-`best_of` > 1, `suffix`, tools, `response_format` other than text) are refused with a 400 naming the field; other
-unknown fields are ignored, as vLLM does.
+character puts the next one at that character's start). `n` samples per prompt are choices i * n + j. OpenAI fields
+the server does not implement (`logit_bias`, a `best_of` other than `n`, `suffix`, tools, `response_format` other
+than text) are refused with a 400 naming the field; other unknown fields are ignored, as vLLM does.
 
 A client that disconnects has its request aborted (its slots and blocks are freed at once). If an engine step raises,
 the requests of that step get an error (HTTP 500, or an error event on a stream) and the loop goes on serving.
@@ -92,7 +92,7 @@ class _Body(BaseModel):
 
 # OpenAI request fields that would change the result and that this server does not implement, with the values that
 # mean "off" (accepted). Any other value is a 400 naming the field: ignoring it would return something else than asked.
-UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+UNSUPPORTED = {"logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
                "functions": (None, []), "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
                "response_format": (None, {"type": "text"})}
 
@@ -322,11 +322,12 @@ class EngineLoop:
             self.ttft.observe(m.ttft)
         if out.finished:
             del self._sinks[out.request_id]
-            self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
+            for comp in out.outputs:
+                self.finished.labels(comp.finish_reason or "unknown").inc()
             self.latency.observe(time.perf_counter() - m.arrival_time)
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.cached_tokens.inc(out.num_cached_tokens)
-            self.generation_tokens.inc(len(out.outputs[0].token_ids))
+            self.generation_tokens.inc(sum(len(comp.token_ids) for comp in out.outputs))
         sink.put(out)
 
     def _fail_step(self, exc: Exception) -> None:
@@ -447,8 +448,10 @@ class _Server:
         `max_tokens` 0: the prompt scored, nothing generated) lets `max_tokens` be 0; the engine then samples one
         token, which the response leaves out."""
         refuse_unsupported(req)
-        if req.n not in (None, 1):
-            raise BadRequest(f"n must be 1 (got {req.n})", "n")
+        best_of = getattr(req, "best_of", None)
+        if best_of is not None and best_of not in (1, req.n or 1):  # more samples than returned: not implemented
+            raise BadRequest(f"best_of is not supported by this server beyond n (got best_of {best_of}, n "
+                             f"{req.n or 1})", "best_of")
         for name in ("presence_penalty", "frequency_penalty"):  # the OpenAI API's range
             if getattr(req, name) is not None and not -2.0 <= getattr(req, name) <= 2.0:
                 raise BadRequest(f"{name} must be in [-2, 2], got {getattr(req, name)}", name)
@@ -474,7 +477,7 @@ class _Server:
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0,
+                min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, n=1 if req.n is None else req.n,
                 skip_reading_prefix_cache=prompt_logprobs is not None)
         except ValueError as e:  # the message begins with the field's name
             field = str(e).split(" ", 1)[0]
@@ -523,7 +526,7 @@ class _Server:
 
     def usage(self, finals: list[RequestOutput], score_only: bool = False) -> dict:
         p = sum(len(o.prompt_token_ids) for o in finals)
-        c = 0 if score_only else sum(len(o.outputs[0].token_ids) for o in finals)
+        c = 0 if score_only else sum(len(comp.token_ids) for o in finals for comp in o.outputs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
@@ -591,61 +594,68 @@ class _Server:
         if len(finals) < len(prompts):
             return Response(status_code=499)  # client gone
         tok, choices = self.engine.tokenizer, []
-        for i in range(len(prompts)):
-            out, comp = finals[i], finals[i].outputs[0]
+        for i in range(len(prompts)):  # choice i * n + j: sample j of prompt i
+            out = finals[i]
             prompt_text, ids = prompts[i]
             base = len(prompt_text) if req.echo else 0
-            text, lp = "" if score_only else comp.text, None
-            if req.logprobs is not None:
-                offsets = text_offsets(tok, comp.token_ids, base)
-                n = 0 if score_only else shown_tokens(offsets, base + len(text), comp.finish_reason != "stop")
-                lp = self.logprobs_block(comp.token_ids[:n], comp.logprobs[:n], offsets[:n])
-                if req.echo:
-                    pre = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids), text_offsets(tok, ids))
-                    lp = {k: pre[k] + lp[k] for k in lp}
-            choices.append({"index": i, "text": prompt_text + text if req.echo else text, "logprobs": lp,
-                            "finish_reason": "length" if score_only else comp.finish_reason,
-                            "stop_reason": None if score_only else comp.stop_reason})
+            for comp in out.outputs:
+                text, lp = "" if score_only else comp.text, None
+                if req.logprobs is not None:
+                    offsets = text_offsets(tok, comp.token_ids, base)
+                    n = 0 if score_only else shown_tokens(offsets, base + len(text), comp.finish_reason != "stop")
+                    lp = self.logprobs_block(comp.token_ids[:n], comp.logprobs[:n], offsets[:n])
+                    if req.echo:
+                        pre = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids),
+                                                  text_offsets(tok, ids))
+                        lp = {k: pre[k] + lp[k] for k in lp}
+                choices.append({"index": len(choices), "text": prompt_text + text if req.echo else text,
+                                "logprobs": lp, "finish_reason": "length" if score_only else comp.finish_reason,
+                                "stop_reason": None if score_only else comp.stop_reason})
         return JSONResponse({**head, "choices": choices,
                              "usage": self.usage([finals[i] for i in sorted(finals)], score_only)})
 
     def _completion_chunks(self, req: CompletionRequest, prompts, score_only: bool):
-        """Per prompt index, turns successive outputs into streamed choice deltas. A token's logprobs go out with
-        the chunk that shows the start of its text (text held back, and a stop string or stop token, hold them)."""
-        sent_text: dict[int, str] = {}
-        sent_tokens: dict[int, int] = {}
-        shown: dict[int, int] = {}
-        offsets: dict[int, TextOffsets] = {}
+        """Turns successive outputs of prompt i into streamed choices (one per sample j with news, index i * n + j).
+        A token's logprobs go out with the chunk that shows the start of its text (text held back, and a stop
+        string or stop token, hold them)."""
+        sent_text: dict[tuple, str] = {}
+        sent_tokens: dict[tuple, int] = {}
+        shown: dict[tuple, int] = {}
+        offsets: dict[tuple, TextOffsets] = {}
         tok = self.engine.tokenizer
 
-        def delta(i: int, out: RequestOutput) -> dict | None:
-            comp = out.outputs[0]
+        def one(i: int, j: int, out: RequestOutput) -> dict | None:
+            comp, key = out.outputs[j], (i, j)
             prompt_text, ids = prompts[i]
             base = len(prompt_text) if req.echo else 0
             prefix, lp = "", None
-            if i not in sent_text:  # first chunk of this prompt: the echoed prompt rides along
-                sent_text[i], sent_tokens[i], shown[i], offsets[i] = "", 0, 0, TextOffsets(tok, base)
+            if key not in sent_text:  # first chunk of this sample: the echoed prompt rides along
+                sent_text[key], sent_tokens[key], shown[key], offsets[key] = "", 0, 0, TextOffsets(tok, base)
                 if req.echo:
                     prefix = prompt_text
                     if req.logprobs is not None:
                         lp = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids), text_offsets(tok, ids))
             text = "" if score_only else comp.text
-            new = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else ""
-            sent_text[i] = text if text.startswith(sent_text[i]) else sent_text[i]
+            new = text[len(sent_text[key]):] if text.startswith(sent_text[key]) else ""
+            sent_text[key] = text if text.startswith(sent_text[key]) else sent_text[key]
             if req.logprobs is not None:
-                at = offsets[i].add(comp.token_ids[len(offsets[i].offsets):])
-                n = 0 if score_only else max(shown[i], shown_tokens(
-                    at, base + len(sent_text[i]), out.finished and comp.finish_reason != "stop"))
-                block = self.logprobs_block(comp.token_ids[shown[i]:n], comp.logprobs[shown[i]:n], at[shown[i]:n])
-                shown[i] = n
+                at = offsets[key].add(comp.token_ids[len(offsets[key].offsets):])
+                n = 0 if score_only else max(shown[key], shown_tokens(
+                    at, base + len(sent_text[key]), out.finished and comp.finish_reason != "stop"))
+                block = self.logprobs_block(comp.token_ids[shown[key]:n], comp.logprobs[shown[key]:n],
+                                            at[shown[key]:n])
+                shown[key] = n
                 lp = block if lp is None else {k: lp[k] + block[k] for k in lp}
-            fresh = len(comp.token_ids) > sent_tokens[i]
-            sent_tokens[i] = len(comp.token_ids)
+            fresh = len(comp.token_ids) > sent_tokens[key]
+            sent_tokens[key] = len(comp.token_ids)
             if not (prefix or new or fresh or out.finished):  # a chunk per new token, even when its text is held
                 return None
-            return {"index": i, "text": prefix + new, "logprobs": lp,
+            return {"index": i * len(out.outputs) + j, "text": prefix + new, "logprobs": lp,
                     "finish_reason": ("length" if score_only else comp.finish_reason) if out.finished else None,
                     "stop_reason": comp.stop_reason if out.finished and not score_only else None}
+
+        def delta(i: int, out: RequestOutput) -> list[dict]:
+            return [c for j in range(len(out.outputs)) if (c := one(i, j, out)) is not None]
 
         return delta
 
@@ -657,10 +667,9 @@ class _Server:
             finals = []
             try:
                 async for i, out in self.run(request, prompts, params, arrival):
-                    choice = delta(i, out)
                     if out.finished:
                         finals.append(out)
-                    if choice is not None:
+                    for choice in delta(i, out):  # one event per choice, as the OpenAI API streams them
                         yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
             except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
                 yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'code': 500}})}\n\n"
@@ -700,27 +709,30 @@ class _Server:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
         tok = self.engine.tokenizer
         if req.stream:
-            sent = {"text": None, "shown": 0}
-            offsets = TextOffsets(tok)
+            sent: dict[int, dict] = {}
 
-            def delta(i: int, out: RequestOutput) -> dict | None:
-                comp = out.outputs[0]
+            def one(j: int, out: RequestOutput) -> dict | None:
+                comp = out.outputs[j]
                 d, lp = {}, None
-                if sent["text"] is None:
-                    d["role"], sent["text"] = "assistant", ""
-                if comp.text.startswith(sent["text"]) and len(comp.text) > len(sent["text"]):
-                    d["content"], sent["text"] = comp.text[len(sent["text"]):], comp.text
+                if j not in sent:
+                    d["role"], sent[j] = "assistant", {"text": "", "shown": 0, "offsets": TextOffsets(tok)}
+                st = sent[j]
+                if comp.text.startswith(st["text"]) and len(comp.text) > len(st["text"]):
+                    d["content"], st["text"] = comp.text[len(st["text"]):], comp.text
                 if k is not None:
-                    at = offsets.add(comp.token_ids[len(offsets.offsets):])
-                    n = max(sent["shown"], shown_tokens(at, len(sent["text"]),
-                                                        out.finished and comp.finish_reason != "stop"))
-                    if n > sent["shown"]:
-                        lp = self.chat_logprobs(comp.token_ids[sent["shown"]:n], comp.logprobs[sent["shown"]:n], k)
-                    sent["shown"] = n
+                    at = st["offsets"].add(comp.token_ids[len(st["offsets"].offsets):])
+                    n = max(st["shown"], shown_tokens(at, len(st["text"]),
+                                                      out.finished and comp.finish_reason != "stop"))
+                    if n > st["shown"]:
+                        lp = self.chat_logprobs(comp.token_ids[st["shown"]:n], comp.logprobs[st["shown"]:n], k)
+                    st["shown"] = n
                 if not d and lp is None and not out.finished:
                     return None
-                return {"index": 0, "delta": d, "logprobs": lp,
+                return {"index": j, "delta": d, "logprobs": lp,
                         "finish_reason": comp.finish_reason if out.finished else None}
+
+            def delta(i: int, out: RequestOutput) -> list[dict]:
+                return [c for j in range(len(out.outputs)) if (c := one(j, out)) is not None]
 
             return self._stream(request, [(text, ids)], params, arrival, {**head, "object": "chat.completion.chunk"},
                                 delta, req.stream_options)
@@ -729,13 +741,15 @@ class _Server:
             final = out if out.finished else final
         if final is None:
             return Response(status_code=499)
-        comp, lp = final.outputs[0], None
-        if k is not None:
-            n = shown_tokens(text_offsets(tok, comp.token_ids), len(comp.text), comp.finish_reason != "stop")
-            lp = self.chat_logprobs(comp.token_ids[:n], comp.logprobs[:n], k)
-        return JSONResponse({**head, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": comp.text}, "logprobs": lp,
-            "finish_reason": comp.finish_reason}], "usage": self.usage([final])})
+        choices = []
+        for j, comp in enumerate(final.outputs):
+            lp = None
+            if k is not None:
+                n = shown_tokens(text_offsets(tok, comp.token_ids), len(comp.text), comp.finish_reason != "stop")
+                lp = self.chat_logprobs(comp.token_ids[:n], comp.logprobs[:n], k)
+            choices.append({"index": j, "message": {"role": "assistant", "content": comp.text}, "logprobs": lp,
+                            "finish_reason": comp.finish_reason})
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": self.usage([final])})
 
 
 def shown_tokens(offsets: list[int], end: int, all_: bool) -> int:

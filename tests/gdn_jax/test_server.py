@@ -246,7 +246,8 @@ BAD = [
     ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
-    ({"prompt": "hi", "n": 2}, 400, "n must be 1"),
+    ({"prompt": "hi", "n": 0}, 400, "n must be"),
+    ({"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of is not supported"),
     ({"prompt": "hi", "seed": -1}, 400, "seed"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "stop": ""}, 400, "stop"),
@@ -499,3 +500,27 @@ def test_chat_messages_are_checked_and_logprobs_returned(server):
     r = _post(server, {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}, "/v1/chat/completions",
               url).json()
     assert r["usage"]["total_tokens"] == ENGINE_KW["max_model_len"] and r["choices"][0]["finish_reason"] == "length"
+
+
+def test_n_samples_per_prompt_are_the_choices_in_order(server, offline):
+    """n > 1: choice i * n + j is sample j of prompt i, the engine's own samples (seeded: the offline engine's),
+    streamed or not; chat returns its n replies as choices 0 .. n - 1."""
+    prompts = [_text(6, 41), _text(9, 42)]
+    sampled = dict(n=3, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    want = [o.text for p in prompts for o in offline.generate(p, SamplingParams(**sampled), use_tqdm=False)[0].outputs]
+    assert len(set(want[:3])) > 1  # the samples differ, so the order is checked
+    body = {"prompt": prompts, "logprobs": 1, "best_of": 3, **sampled}  # best_of equal to n: the same request
+    r = _post(server, body).json()
+    assert [c["index"] for c in r["choices"]] == list(range(6)) and [c["text"] for c in r["choices"]] == want
+    assert r["usage"]["completion_tokens"] == 6 * 6 and all(len(c["logprobs"]["tokens"]) == 6 for c in r["choices"])
+    texts: dict[int, str] = {}
+    for c in _streamed(server, body):
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(6)] == want
+    chat = {"messages": [{"role": "user", "content": "hi"}], **sampled}
+    r = _post(server, chat, "/v1/chat/completions", server.chat_url).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2] and r["usage"]["completion_tokens"] == 18
+    replies: dict[int, str] = {}
+    for c in _streamed(server, chat, "/v1/chat/completions", server.chat_url):
+        replies[c["index"]] = replies.get(c["index"], "") + c["delta"].get("content", "")
+    assert [replies[j] for j in range(3)] == [c["message"]["content"] for c in r["choices"]]
