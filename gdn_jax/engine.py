@@ -93,8 +93,9 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     # SamplingParams.prompt_logprobs: per prompt position a dict like `logprobs` (the prompt token and the top k), or
-    # None where nothing was computed: position 0, and positions p <= num_cached_tokens (their logits came from the
-    # prefix cache; `skip_reading_prefix_cache=True` computes them all).
+    # None where nothing was computed: position 0, and, if the request read the prefix cache
+    # (`skip_reading_prefix_cache=False`; a request with prompt logprobs does not by default), positions
+    # p <= num_cached_tokens (their logits came from the cache).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None        # set when the request ended with finish_reason "error": what the step raised
 
@@ -121,6 +122,7 @@ class _Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     texts: list[str] = dataclasses.field(default_factory=list)                # per sample, cut before a stop string
     stop_reasons: list[str | int | None] = dataclasses.field(default_factory=list)  # per sample
+    stop_from: list[int] = dataclasses.field(default_factory=list)  # per sample: where a stop string may begin
     streams: list = dataclasses.field(default_factory=list)  # per sample: the tokenizer's incremental text decoder
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)  # shared by every output of the request
 
@@ -311,6 +313,8 @@ class LLMEngine:
         if not ids:
             raise ValueError("empty prompt: at least one token is needed")
         bad = [t for t in ids if type(t) is not int or not 0 <= t < self.cfg.vocab_size]
+        if bad and type(bad[0]) is not int:
+            raise ValueError(f"token ids must be ints, got {bad[0]!r} ({type(bad[0]).__name__})")
         if bad:
             raise ValueError(f"token id {bad[0]!r} outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(ids) > self.max_model_len:
@@ -322,7 +326,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Validates everything before anything runs: a bad request raises ValueError and changes nothing."""
+        """Validates everything before anything runs: a bad request raises ValueError and changes nothing.
+        `arrival_time` is on `time.perf_counter()`'s clock (default: now), as every time in `RequestMetrics`."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids, params = self.validate_request(prompt, sampling_params)
@@ -331,10 +336,10 @@ class LLMEngine:
             params, n=1, seed=None if params.seed is None else (params.seed + i) % SEED_BOUND))
             for i in range(params.n)]
         self.scheduler.add(seqs[0], forks=seqs[1:])
-        req = _Request(request_id, text, seqs, RequestMetrics(arrival_time or time.perf_counter()),
+        req = _Request(request_id, text, seqs, RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
                        [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs),
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
-                       texts=[""] * len(seqs), stop_reasons=[None] * len(seqs),
+                       texts=[""] * len(seqs), stop_reasons=[None] * len(seqs), stop_from=[0] * len(seqs),
                        streams=[text_stream(self.tokenizer) for _ in seqs], prompt_token_ids=list(ids))
         self._requests[request_id] = req
         for seq in seqs:
@@ -479,7 +484,8 @@ class LLMEngine:
     def _update_text(self, req: _Request, index: int, now: float) -> None:
         """Decodes sample `index` (its new tokens only: the stream keeps the rest). A sample that a stop token ended
         (EOS, or one of `stop_token_ids`: its `stop_reason`) leaves that token's text out, as vLLM does; the first
-        stop string found ends the sample, and its text is cut before it."""
+        stop string found ends the sample, and its text is cut before it. Like stop tokens, stop strings count once
+        `min_tokens` tokens are out: none is looked for in the text of the first `min_tokens`."""
         seq, stream = req.seqs[index], req.streams[index]
         new = seq.token_ids[seq.num_prompt_tokens + stream.num_ids:]
         if new and seq.finish_reason == "stop" and not isinstance(req.stop_reasons[index], str):
@@ -490,7 +496,10 @@ class LLMEngine:
         stops = seq.sampling_params.stop
         if not stops or seq.finish_reason == "abort":
             return
-        hits = [(i, s) for s in stops if (i := req.texts[index].find(s)) >= 0]
+        if seq.num_generated < seq.sampling_params.min_tokens:
+            req.stop_from[index] = len(req.texts[index])
+            return
+        hits = [(i, s) for s in stops if (i := req.texts[index].find(s, req.stop_from[index])) >= 0]
         if hits:
             i, req.stop_reasons[index] = min(hits)
             req.texts[index] = req.texts[index][:i]
@@ -551,18 +560,27 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """The outputs of `prompts` (a str, a list of token ids, a {"prompt_token_ids": ...} dict, or a list of
+        these), in their order. If it is interrupted (KeyboardInterrupt, an error), the batch's unfinished requests
+        are aborted, so that nothing of it runs on in a later call."""
+        if prompts is None or isinstance(prompts, (bytes, int, float)):
+            raise ValueError(f"prompts must be a str, a list of token ids, a dict, or a list of these; got "
+                             f"{type(prompts).__name__}")
         if isinstance(prompts, (str, dict, np.ndarray)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         prompts = list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = []
         for prompt, sp in zip(prompts, params):  # validate all first: nothing is added if one is bad
             self.engine.validate_request(prompt, sp)
+        ids = []
         for prompt, sp in zip(prompts, params):
             rid = str(next(self._ids))
+            while rid in self.engine._requests:  # an id the caller gave a request of its own on this engine
+                rid = str(next(self._ids))
             self.engine.add_request(rid, prompt, sp)
             ids.append(rid)
         return self._run(ids, use_tqdm)
@@ -570,7 +588,7 @@ class LLM:
     def _run(self, ids: Iterable[str], use_tqdm: bool) -> list[RequestOutput]:
         ids = list(ids)
         done: dict[str, RequestOutput] = {}
-        bar = None
+        bar, complete = None, False
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="generate", unit="req")
@@ -586,9 +604,14 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+            complete = True
         finally:
             if bar is not None:
                 bar.close()
+            if not complete:  # interrupted: the batch's requests leave the engine, their slots and blocks freed
+                for i in ids:
+                    if i not in done:
+                        self.engine.abort_request(i)
         return [done[i] for i in ids if i in done]
 
     def cache_stats(self) -> dict:

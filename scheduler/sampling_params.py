@@ -69,10 +69,11 @@ class SamplingParams:
     min_tokens: int = 0
     # Text stop sequences (vLLM semantics): generation stops once the output text contains one; the returned text is
     # cut before it. Prompt logprobs: top-k per prompt position (-1: the whole row). skip_reading_prefix_cache: admit
-    # this request with no reuse (it still populates the cache), so every prompt position is computed.
+    # this request with no reuse (it still populates the cache), so every prompt position is computed; by default (None)
+    # True when prompt_logprobs is asked for, as in vLLM (False: reuse, and the positions reused have no logprobs).
     stop: str | list[str] | None = None
     prompt_logprobs: int | None = None
-    skip_reading_prefix_cache: bool = False
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self):
         self.temperature = _real("temperature", self.temperature)
@@ -124,6 +125,8 @@ class SamplingParams:
                 self.prompt_logprobs, int) or not -1 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be None, -1 (whole row) or in [0, {MAX_LOGPROBS}], "
                              f"got {self.prompt_logprobs!r}")
+        if self.skip_reading_prefix_cache is None:  # vLLM's default: prompt logprobs at every position
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         if not isinstance(self.skip_reading_prefix_cache, bool):
             raise ValueError(f"skip_reading_prefix_cache must be a bool, got {self.skip_reading_prefix_cache!r}")
 

@@ -60,7 +60,9 @@ def run_mode(llm: LLM, items, max_tokens: int, reference=None, bar=None):
     """Per item: free-running greedy on the prompt, then teacher-forced on prompt + reference continuation (whole
     rows). Multi-turn items are appended as they come (the reference decides the continuation text)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    forced = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=-1)
+    # each mode reads the cache as it would without prompt logprobs: the study compares what it computes
+    forced = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=-1,
+                            skip_reading_prefix_cache=False)
     results, queue = [], list(items)
     while queue:
         item = queue.pop(0)

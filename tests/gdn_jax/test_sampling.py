@@ -293,3 +293,55 @@ def test_model_folder_tokenizer_json_is_used(tmp_path):
     llm = LLM(str(folder), max_model_len=64, max_num_seqs=2, verbose=False)
     out = llm.generate("the cache restores state", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
     assert out.prompt_token_ids == [2, 3, 4, 5]
+
+
+def test_min_tokens_holds_off_stop_strings_as_it_does_stop_tokens(llm):
+    """vLLM's rule: no stop string is looked for in the text of the first min_tokens tokens. The stop string here
+    occurs in that text and again after it."""
+    prompt, greedy = list(range(140, 180)), dict(temperature=0.0, max_tokens=60, ignore_eos=True)
+    base = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    protected = len(llm.engine.tokenizer.decode(base.token_ids[:12]))
+    stop = next(c for c in base.text[1:protected] if c != "\ufffd" and base.text.find(c, protected) >= 0)
+    early = llm.generate([prompt], SamplingParams(**greedy, stop=stop), use_tqdm=False)[0].outputs[0]
+    assert early.text == base.text[:base.text.find(stop)] and len(early.token_ids) < 12
+    held = llm.generate([prompt], SamplingParams(**greedy, stop=stop, min_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert held.text == base.text[:base.text.find(stop, protected)] and held.finish_reason == "stop"
+    assert held.stop_reason == stop and len(held.token_ids) > 12
+
+
+def test_an_interrupted_generate_leaves_nothing_running(llm, monkeypatch):
+    real, calls = llm.engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real()
+
+    monkeypatch.setattr(llm.engine, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([list(range(10, 50))] * 3, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                     use_tqdm=False)
+    monkeypatch.undo()
+    stats = llm.cache_stats()
+    assert not llm.engine.has_unfinished_requests() and stats["live_slots"] == 0
+    assert stats["kv_blocks_free"] == llm.engine.memory.num_kv_blocks - 1
+    out = llm.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 2
+
+
+def test_generate_skips_ids_the_caller_gave_its_own_requests(llm):
+    taken = str(next(llm._ids) + 1)  # the id generate would give its first prompt
+    llm.engine.add_request(taken, [5, 6, 7], SamplingParams(max_tokens=1), arrival_time=0.0)
+    outs = llm.generate([[8, 9], [10, 11]], (SamplingParams(max_tokens=1), SamplingParams(max_tokens=2)),
+                        use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[8, 9], [10, 11]] and taken not in [o.request_id for o in outs]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2] and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompts, message", [(None, "prompts must be"), (5, "prompts must be"),
+                                              (b"abc", "prompts must be"), ([[True, False]], "must be ints"),
+                                              ([np.array([5.0, 6.0])], "must be ints")])
+def test_prompts_of_the_wrong_type_are_named(llm, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)

@@ -86,3 +86,12 @@ def test_min_tokens_and_ignore_eos_stop_rules_match_the_reference(min_tokens, ig
     sp = SamplingParams(max_tokens=8, min_tokens=min_tokens, ignore_eos=ignore_eos, stop_token_ids=list(stop_ids))
     expected = ref_stop(feed, 8, min_tokens, ignore_eos=ignore_eos, stop_ids=stop_ids)
     assert _serve(sp, feed) == (list(expected[0]), expected[1])
+
+
+def test_prompt_logprobs_skip_reading_the_prefix_cache_by_default():
+    """vLLM's default: a request asking for prompt logprobs computes every position unless told to reuse."""
+    assert SamplingParams().skip_reading_prefix_cache is False
+    assert SamplingParams(prompt_logprobs=2).skip_reading_prefix_cache is True
+    assert SamplingParams(prompt_logprobs=-1, skip_reading_prefix_cache=False).skip_reading_prefix_cache is False
+    with pytest.raises(ValueError, match="skip_reading_prefix_cache"):
+        SamplingParams(skip_reading_prefix_cache=1)
