@@ -8,6 +8,7 @@ import statistics
 import time
 
 from gdn_jax import LLM, SamplingParams
+from gdn_jax.cli import HelpFormatter, positive_int
 
 SYSTEM = ("The Python Language Reference describes the syntax and core semantics of the language. Each section "
           "below explains one statement or concept, with its grammar and an example.\n\n")
@@ -47,14 +48,20 @@ def _show(text: str, width: int) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m gdn_jax", description=__doc__,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m gdn_jax", description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--model", default="tiny", help="preset name or HF folder")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
-    ap.add_argument("--chunk-stride", type=int, default=64, help="tokens between linear-state checkpoints")
-    ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (greedy)")
-    ap.add_argument("--width", type=int, default=60, help="characters of output text shown per request")
+    ap.add_argument("--chunk-stride", type=positive_int, default=64, help="tokens between linear-state checkpoints")
+    ap.add_argument("--max-tokens", type=positive_int, default=32, help="tokens generated per request (greedy)")
+    ap.add_argument("--width", type=positive_int, default=60, help="characters of output text shown per request")
     args = ap.parse_args(argv)
+    try:
+        _run(args)
+    except ValueError as e:  # a setting the engine refused (it names it): one line, not a traceback
+        ap.error(str(e))
+
+
+def _run(args) -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, max_model_len=1024, max_num_seqs=8, verbose=False)

@@ -10,17 +10,58 @@ import time
 from pathlib import Path
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as it is written, and "(default: X)" after each flag whose default is a value (a default of
+    None or False means "unset" or "off", which the help text says in words)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _int_in(text: str, lo: int, hi: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < lo or (hi is not None and value > hi):
+        raise argparse.ArgumentTypeError(f"{value} is below {lo}" if value < lo else f"{value} is above {hi}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return _int_in(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _int_in(text, 0)
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    return _int_in(text, 0, 65535)
+
+
 def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
     ap.add_argument("--model", default="tiny", help="preset name (tiny, hybrid-1024, ...) or HF model folder")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     ap.add_argument("--seed", type=int, default=0, help="weights of random presets; default sampling seed")
-    ap.add_argument("--max-model-len", type=int, default=max_model_len, help="longest prompt + output, tokens")
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    ap.add_argument("--chunk-stride", type=int, default=64, help="tokens between linear-state checkpoints")
+    ap.add_argument("--max-model-len", type=positive_int, default=max_model_len,
+                    help="longest prompt + output, tokens")
+    ap.add_argument("--max-num-seqs", type=positive_int, default=16, help="requests running at once")
+    ap.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    ap.add_argument("--chunk-stride", type=positive_int, default=64, help="tokens between linear-state checkpoints")
+    ap.add_argument("--checkpoint-mode", default="scan", choices=["scan", "promote"],
+                    help="checkpoints written from the prefill scan, or promoted one stride per step")
+    ap.add_argument("--checkpoint-policy", default="all", choices=["all", "last"],
+                    help="the boundaries a prefill row saves (\"scan\" mode): all it crosses, or its deepest")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (None: from the memory budget)")
-    ap.add_argument("--num-linear-slots", type=int, default=None, help="linear-state slots (None: from the memory budget)")
+    ap.add_argument("--num-linear-slots", type=int, default=None,
+                    help="linear-state slots (None: from the memory budget)")
     ap.add_argument("--compilation-cache", default=None,
                     help="JAX persistent compilation cache folder ('' disables it; None: $GDN_JAX_CACHE_DIR or "
                          "~/.cache/gdn_jax/jax)")
@@ -33,7 +74,8 @@ def _engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
                 block_size=args.block_size, chunk_stride=args.chunk_stride, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                num_linear_slots=args.num_linear_slots)
+                num_linear_slots=args.num_linear_slots, checkpoint_mode=args.checkpoint_mode,
+                checkpoint_policy=args.checkpoint_policy)
 
 
 def _serve(args) -> None:
@@ -42,12 +84,15 @@ def _serve(args) -> None:
     except ImportError as e:
         sys.exit(f"gdn-jax serve needs the server extra: pip install 'gdn-jax[serve]' ({e})")
     from gdn_jax.engine import LLMEngine
+    try:  # before the engine: a bad file fails at once, not after a warm-up
+        template = Path(args.chat_template).read_text() if args.chat_template else load_chat_template(args.model)
+    except OSError as e:
+        raise ValueError(f"--chat-template {args.chat_template}: {e.strerror or e}") from None
     engine = LLMEngine(args.model, **_engine_kwargs(args))
     if not args.no_warm_up:
         t0 = time.perf_counter()
         n = engine.warm_up(prompt_logprobs=args.warm_up_prompt_logprobs)
         print(f"[gdn_jax] warm-up compiled {n} step shapes in {time.perf_counter() - t0:.1f} s", flush=True)
-    template = Path(args.chat_template).read_text() if args.chat_template else load_chat_template(args.model)
     config = ServerConfig(model_name=args.served_model_name or args.model,
                           api_key=args.api_key or os.environ.get("GDN_JAX_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes,
@@ -60,17 +105,20 @@ def _serve(args) -> None:
 def _generate(args) -> None:
     from gdn_jax.engine import LLM
     from scheduler import SamplingParams
-    llm = LLM(args.model, **_engine_kwargs(args))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,  # checked first
                             max_tokens=args.max_tokens, seed=args.seed_sampling, stop=args.stop or None,
                             logprobs=args.logprobs, ignore_eos=args.ignore_eos)
-    out = llm.generate(args.prompt, params, use_tqdm=False)[0]
-    comp = out.outputs[0]
-    if args.json:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    llm = LLM(args.model, **_engine_kwargs(args))
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    comp, m = out.outputs[0], out.metrics
+    if args.json:  # stdout holds the JSON alone (the engine's start-up line goes to stderr)
         print(json.dumps({"text": comp.text, "token_ids": comp.token_ids, "finish_reason": comp.finish_reason,
-                          "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
-                          "ttft_s": out.metrics.ttft,
-                          "logprobs": [{str(k): v.logprob for k, v in e.items()} for e in comp.logprobs or []]}))
+                          "stop_reason": comp.stop_reason, "prompt_tokens": len(out.prompt_token_ids),
+                          "cached_tokens": out.num_cached_tokens, "ttft_s": m.ttft,
+                          "e2e_s": None if m.finished_time is None else m.finished_time - m.arrival_time,
+                          "logprobs": None if comp.logprobs is None else
+                          [{str(k): v.logprob for k, v in e.items()} for e in comp.logprobs]}))
     else:
         print(comp.text)
         print(f"[{len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}, "
@@ -81,37 +129,44 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="gdn-jax", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
-                                     "/v1/models, /health, /metrics)")
+    s = sub.add_parser("serve", formatter_class=HelpFormatter,
+                       help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
+                            "/health, /metrics)")
     _engine_args(s, max_model_len=2048)
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: loopback only)")
+    s.add_argument("--port", type=port, default=8000, help="TCP port")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                                                    "(or set GDN_JAX_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="model id reported to clients (default: --model)")
-    s.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
-    s.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted")
+    s.add_argument("--max-tokens-limit", type=positive_int, default=1024,
+                   help="largest max_tokens a request may ask for")
+    s.add_argument("--max-request-bytes", type=positive_int, default=1 << 20, help="largest request body accepted")
     s.add_argument("--chat-template", default=None, help="jinja chat template file (default: the model folder's)")
     s.add_argument("--no-warm-up", action="store_true", help="compile step shapes lazily instead of at start-up")
     s.add_argument("--warm-up-prompt-logprobs", action="store_true",
                    help="also compile the prompt-logprobs (echo + logprobs) prefill variant at start-up")
-    s.add_argument("--log-level", default="info", help="uvicorn and server log level")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn and server log level")
 
-    g = sub.add_parser("generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="generate a completion for one prompt and print it")
+    g = sub.add_parser("generate", formatter_class=HelpFormatter,
+                       help="generate a completion for one prompt and print it")
     _engine_args(g, max_model_len=4096)
-    g.add_argument("prompt", help="prompt text")
-    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
+    g.add_argument("prompt", help="prompt text ('-': read it from standard input)")
+    g.add_argument("--max-tokens", type=positive_int, default=32, help="tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: off)")
     g.add_argument("--seed-sampling", type=int, default=None, help="sampling seed of the request")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--logprobs", type=int, default=None, help="top logprobs to print per token")
+    g.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (in the --json output)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--json", action="store_true", help="print the output as JSON")
 
     args = ap.parse_args(argv)
-    (_serve if args.command == "serve" else _generate)(args)
+    try:
+        (_serve if args.command == "serve" else _generate)(args)
+    except ValueError as e:  # a setting the engine refused (it names it): one line, not a traceback
+        sub.choices[args.command].error(str(e))
 
 
 if __name__ == "__main__":

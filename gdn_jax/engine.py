@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -276,7 +277,7 @@ class LLMEngine:
                              checkpoint_mode=checkpoint_mode, checkpoint_policy=checkpoint_policy,
                              enable_prefix_caching=enable_prefix_caching, gdn_schedule=gdn_schedule)
         if verbose:
-            print(f"[gdn_jax] {self.cfg.name}: {self.memory.describe()}")
+            print(f"[gdn_jax] {self.cfg.name}: {self.memory.describe()}", file=sys.stderr)
         if enable_prefix_caching and has_linear and self.memory.num_checkpoint_slots < max_num_seqs:
             warnings.warn(f"only {self.memory.num_checkpoint_slots} checkpoint slots for {max_num_seqs} sequences: "
                           f"under full concurrency most boundaries cannot be saved", stacklevel=2)

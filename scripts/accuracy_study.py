@@ -102,7 +102,8 @@ def compare(ref, mode):
             "first_divergence_mean": statistics.fmean(firsts) if firsts else None,
             "diverging_requests": len(firsts), "requests": len(mode),
             "max_abs_logprob_diff": float(max(dlp)), "positions": len(kls),
-            "mean_cached_tokens": statistics.fmean(m["tf_cached"] for m in mode),
+            "mean_cached_tokens": statistics.fmean(m["tf_cached"] for m in mode),  # the teacher-forced pass
+            "mean_prompt_cached_tokens": statistics.fmean(m["free_cached"] for m in mode),  # the prompts
             "kl_by_distance": {int(d): statistics.fmean(v) for d, v in sorted(by_distance.items())}}
 
 
@@ -149,11 +150,13 @@ def run_all(engines: dict[str, LLM], items, max_tokens: int, progress: bool = Tr
 
 
 def table(summary) -> str:
-    lines = [f"{'mode':<14}{'reused':>8}{'KL mean':>11}{'KL max':>11}{'max|dlogp|':>12}{'greedy agr':>12}"
-             f"{'diverging':>11}{'first div':>10}"]
+    # reused: mean tokens per request on the prompts, and on the teacher-forced (scoring) pass
+    lines = [f"{'mode':<14}{'reused':>8}{'scoring':>9}{'KL mean':>11}{'KL max':>11}{'max|dlogp|':>12}"
+             f"{'greedy agr':>12}{'diverging':>11}{'first div':>10}"]
     for name, s in summary.items():
         fd = "-" if s["first_divergence_mean"] is None else f"{s['first_divergence_mean']:.1f}"
-        lines.append(f"{name:<14}{s['mean_cached_tokens']:>8.1f}{s['kl_mean']:>11.2e}{s['kl_max']:>11.2e}"
+        lines.append(f"{name:<14}{s['mean_prompt_cached_tokens']:>8.1f}{s['mean_cached_tokens']:>9.1f}"
+                     f"{s['kl_mean']:>11.2e}{s['kl_max']:>11.2e}"
                      f"{s['max_abs_logprob_diff']:>12.2e}{s['greedy_agreement']:>12.3f}"
                      f"{s['diverging_requests']:>5}/{s['requests']:<5}{fd:>10}")
     return "\n".join(lines)

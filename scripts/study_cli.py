@@ -15,18 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gdn_jax.cli import HelpFormatter, nonnegative_int, positive_int  # noqa: F401 - the studies' flag types
+
 DEFAULT_MODEL = "tiny"  # the trained built-in model
 DTYPES = ("float32", "bfloat16")
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as it is written, and "(default: X)" after each flag whose default is a value (a default
-    of None or False means "unset" or "off", which the help text says in words)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def study_parser(prog: str, doc: str, outputs: str, quick: str, *, model_default: str | None = DEFAULT_MODEL,
@@ -34,32 +26,12 @@ def study_parser(prog: str, doc: str, outputs: str, quick: str, *, model_default
                  model_aliases: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     """The parser with the four flags of every study; the script adds its own. `doc` (the module docstring) is the
     description; `outputs` names the files written under --out; `quick` says what --quick shrinks."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=_HelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=HelpFormatter)
     ap.add_argument("--model", *model_aliases, default=model_default, help=model_help)
     ap.add_argument("--dtype", default="float32", choices=list(dtypes), help="weights and activations")
     ap.add_argument("--out", default="results", help=f"folder for {outputs}")
     ap.add_argument("--quick", action="store_true", help=f"{quick} (a test runs this)")
     return ap
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    return _int_at_least(text, 1)
-
-
-def nonnegative_int(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    return _int_at_least(text, 0)
-
-
-def _int_at_least(text: str, lo: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < lo:
-        raise argparse.ArgumentTypeError(f"{value} is below {lo}")
-    return value
 
 
 def parse(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:

@@ -41,3 +41,30 @@ def test_make_test_runs_every_test_file():
     files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")}
     missing = sorted(f for f in files if not any(f == t or f.startswith(t.rstrip("/") + "/") for t in listed))
     assert not missing, f"test files in no group of `make test`: {missing}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--max-tokens", "-1", "x"], "argument --max-tokens: -1 is below 1"),
+    (["generate", "--temperature", "-1", "x"], "temperature must be >= 0"),  # checked before a model loads
+    (["generate", "--model", "nosuch", "x"], "neither a shipped model"),
+    (["serve", "--port", "70000"], "argument --port: 70000 is above 65535"),
+    (["serve", "--log-level", "loud"], "invalid choice: 'loud'"),
+    (["serve", "--chat-template", "/nonexistent/t.jinja"], "--chat-template /nonexistent/t.jinja"),
+])
+def test_a_bad_option_is_one_line_naming_it(argv, message, capsys):
+    from gdn_jax.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_generate_json_is_the_whole_of_stdout(capsys, monkeypatch):
+    import json
+    from gdn_jax.cli import main
+    monkeypatch.setenv("GDN_JAX_CACHE_DIR", "off")
+    main(["generate", "--model", "tiny-random", "--max-model-len", "64", "--max-num-seqs", "2", "--json",
+          "--max-tokens", "3", "--ignore-eos", "--compilation-cache", "", "The cache"])
+    out = json.loads(capsys.readouterr().out)  # the engine's start-up line went to stderr
+    assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length" and out["logprobs"] is None
+    assert out["prompt_tokens"] == len(b"The cache") and out["e2e_s"] >= out["ttft_s"] > 0
