@@ -40,13 +40,16 @@ class LogprobRow(Mapping):
     mapping over every vocabulary id, backed by one float32 row (`.array`) instead of V Python objects."""
 
     def __init__(self, row: np.ndarray, decode):
-        self.array, self._decode = row, decode
+        self.array, self._decode, self._sorted = row, decode, None
 
     def __getitem__(self, token_id: int) -> Logprob:
         if not (isinstance(token_id, (int, np.integer)) and 0 <= token_id < len(self.array)):
             raise KeyError(token_id)
+        if self._sorted is None:  # sorted once: a rank is then a binary search, and dict(row) takes O(V log V)
+            self._sorted = np.sort(self.array)
         lp = self.array[token_id]
-        return Logprob(float(lp), 1 + int((self.array > lp).sum()), self._decode([int(token_id)]))
+        greater = len(self._sorted) - int(np.searchsorted(self._sorted, lp, side="right"))
+        return Logprob(float(lp), 1 + greater, self._decode([int(token_id)]))
 
     def __iter__(self):
         return iter(range(len(self.array)))

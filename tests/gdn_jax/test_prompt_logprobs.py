@@ -135,3 +135,15 @@ def test_stop_strings_cut_the_text_and_free_the_request(tiny_pair):
     assert seen == text[:cut]
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop=[""])
+
+
+def test_a_whole_row_ranks_every_token_as_a_count_of_likelier_ones():
+    """Ties share a rank; the rank is 1 + how many tokens are strictly likelier (what a top-k entry reports)."""
+    rng = np.random.default_rng(5)
+    row = np.log(rng.dirichlet(np.ones(300))).astype(np.float32)
+    row[[7, 8, 9]] = row[3]  # a tie
+    entries = dict(LogprobRow(row, lambda ids: f"<{ids[0]}>"))
+    assert len(entries) == 300 and entries[42].decoded_token == "<42>"
+    for t, e in entries.items():
+        assert e.rank == 1 + int((row > row[t]).sum()) and e.logprob == float(row[t])
+    assert entries[7].rank == entries[3].rank == entries[9].rank
