@@ -134,8 +134,8 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
-    best_of: Any = None  # UNSUPPORTED (the next three too)
-    suffix: Any = None
+    best_of: Any = None  # only equal to n (`sampling_params`)
+    suffix: Any = None  # UNSUPPORTED
 
 
 class ChatMessage(_Body):
@@ -557,6 +557,11 @@ class _Server:
                              for k, lp in entry.items()})
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": list(offsets)}
 
+    def prompt_logprobs_block(self, out: RequestOutput, ids: list[int]) -> dict:
+        """`logprobs_block` of an echoed prompt (its first token, and any position not computed, has None)."""
+        return self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids),
+                                   text_offsets(self.engine.tokenizer, ids))
+
     def chat_logprobs(self, ids: list[int], entries: list, k: int) -> dict:
         """The chat API's logprobs object for `ids`: per token its text, logprob and bytes, and the `k` likeliest."""
         tok = self.engine.tokenizer
@@ -598,15 +603,14 @@ class _Server:
             out = finals[i]
             prompt_text, ids = prompts[i]
             base = len(prompt_text) if req.echo else 0
+            pre = self.prompt_logprobs_block(out, ids) if req.echo and req.logprobs is not None else None
             for comp in out.outputs:
                 text, lp = "" if score_only else comp.text, None
                 if req.logprobs is not None:
                     offsets = text_offsets(tok, comp.token_ids, base)
                     n = 0 if score_only else shown_tokens(offsets, base + len(text), comp.finish_reason != "stop")
                     lp = self.logprobs_block(comp.token_ids[:n], comp.logprobs[:n], offsets[:n])
-                    if req.echo:
-                        pre = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids),
-                                                  text_offsets(tok, ids))
+                    if pre is not None:
                         lp = {k: pre[k] + lp[k] for k in lp}
                 choices.append({"index": len(choices), "text": prompt_text + text if req.echo else text,
                                 "logprobs": lp, "finish_reason": "length" if score_only else comp.finish_reason,
@@ -616,38 +620,25 @@ class _Server:
 
     def _completion_chunks(self, req: CompletionRequest, prompts, score_only: bool):
         """Turns successive outputs of prompt i into streamed choices (one per sample j with news, index i * n + j).
-        A token's logprobs go out with the chunk that shows the start of its text (text held back, and a stop
-        string or stop token, hold them)."""
-        sent_text: dict[tuple, str] = {}
-        sent_tokens: dict[tuple, int] = {}
-        shown: dict[tuple, int] = {}
-        offsets: dict[tuple, TextOffsets] = {}
-        tok = self.engine.tokenizer
+        A token's logprobs go out with the chunk that shows the start of its text (`_SampleStream`)."""
+        streams: dict[tuple, _SampleStream] = {}
 
         def one(i: int, j: int, out: RequestOutput) -> dict | None:
-            comp, key = out.outputs[j], (i, j)
+            comp = out.outputs[j]
             prompt_text, ids = prompts[i]
-            base = len(prompt_text) if req.echo else 0
             prefix, lp = "", None
-            if key not in sent_text:  # first chunk of this sample: the echoed prompt rides along
-                sent_text[key], sent_tokens[key], shown[key], offsets[key] = "", 0, 0, TextOffsets(tok, base)
+            if (i, j) not in streams:  # first chunk of this sample: the echoed prompt rides along
+                streams[i, j] = _SampleStream(self.engine.tokenizer, len(prompt_text) if req.echo else 0,
+                                              req.logprobs is not None and not score_only)
                 if req.echo:
                     prefix = prompt_text
                     if req.logprobs is not None:
-                        lp = self.logprobs_block(ids, out.prompt_logprobs or [None] * len(ids), text_offsets(tok, ids))
-            text = "" if score_only else comp.text
-            new = text[len(sent_text[key]):] if text.startswith(sent_text[key]) else ""
-            sent_text[key] = text if text.startswith(sent_text[key]) else sent_text[key]
+                        lp = self.prompt_logprobs_block(out, ids)
+            st = streams[i, j]
+            new, fresh, shown = st.advance(comp, "" if score_only else comp.text, out.finished)
             if req.logprobs is not None:
-                at = offsets[key].add(comp.token_ids[len(offsets[key].offsets):])
-                n = 0 if score_only else max(shown[key], shown_tokens(
-                    at, base + len(sent_text[key]), out.finished and comp.finish_reason != "stop"))
-                block = self.logprobs_block(comp.token_ids[shown[key]:n], comp.logprobs[shown[key]:n],
-                                            at[shown[key]:n])
-                shown[key] = n
+                block = self.logprobs_block(comp.token_ids[shown], comp.logprobs[shown], st.offsets_of(shown))
                 lp = block if lp is None else {k: lp[k] + block[k] for k in lp}
-            fresh = len(comp.token_ids) > sent_tokens[key]
-            sent_tokens[key] = len(comp.token_ids)
             if not (prefix or new or fresh or out.finished):  # a chunk per new token, even when its text is held
                 return None
             return {"index": i * len(out.outputs) + j, "text": prefix + new, "logprobs": lp,
@@ -709,23 +700,18 @@ class _Server:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
         tok = self.engine.tokenizer
         if req.stream:
-            sent: dict[int, dict] = {}
+            streams: dict[int, _SampleStream] = {}
 
             def one(j: int, out: RequestOutput) -> dict | None:
                 comp = out.outputs[j]
                 d, lp = {}, None
-                if j not in sent:
-                    d["role"], sent[j] = "assistant", {"text": "", "shown": 0, "offsets": TextOffsets(tok)}
-                st = sent[j]
-                if comp.text.startswith(st["text"]) and len(comp.text) > len(st["text"]):
-                    d["content"], st["text"] = comp.text[len(st["text"]):], comp.text
-                if k is not None:
-                    at = st["offsets"].add(comp.token_ids[len(st["offsets"].offsets):])
-                    n = max(st["shown"], shown_tokens(at, len(st["text"]),
-                                                      out.finished and comp.finish_reason != "stop"))
-                    if n > st["shown"]:
-                        lp = self.chat_logprobs(comp.token_ids[st["shown"]:n], comp.logprobs[st["shown"]:n], k)
-                    st["shown"] = n
+                if j not in streams:
+                    d["role"], streams[j] = "assistant", _SampleStream(tok, 0, k is not None)
+                new, _, shown = streams[j].advance(comp, comp.text, out.finished)
+                if new:
+                    d["content"] = new
+                if shown.stop > shown.start:
+                    lp = self.chat_logprobs(comp.token_ids[shown], comp.logprobs[shown], k)
                 if not d and lp is None and not out.finished:
                     return None
                 return {"index": j, "delta": d, "logprobs": lp,
@@ -750,6 +736,33 @@ class _Server:
             choices.append({"index": j, "message": {"role": "assistant", "content": comp.text}, "logprobs": lp,
                             "finish_reason": comp.finish_reason})
         return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": self.usage([final])})
+
+
+class _SampleStream:
+    """What a stream has sent of one sample: its text, its token count, and how many of its tokens had their
+    logprobs sent: those whose text begins inside the text sent (`shown_tokens`; held-back text holds them), at the
+    end all of them unless a stop string or stop token ended the sample. Token offsets (from `base`, the sample's
+    start in the choice's text) are tracked only when `logprobs`."""
+
+    def __init__(self, tokenizer, base: int, logprobs: bool):
+        self.text, self.num_tokens, self.shown, self.base = "", 0, 0, base
+        self.offsets = TextOffsets(tokenizer, base) if logprobs else None
+
+    def advance(self, comp, text: str, finished: bool) -> tuple[str, bool, slice]:
+        """The sample's output now, with `text` its text shown -> (the text not sent yet, whether tokens came since
+        the last call, the tokens whose logprobs go out now)."""
+        new = text[len(self.text):] if text.startswith(self.text) else ""
+        self.text += new
+        fresh, self.num_tokens = len(comp.token_ids) > self.num_tokens, len(comp.token_ids)
+        first = self.shown
+        if self.offsets is not None:
+            at = self.offsets.add(comp.token_ids[len(self.offsets.offsets):])
+            self.shown = max(first, shown_tokens(at, self.base + len(self.text),
+                                                 finished and comp.finish_reason != "stop"))
+        return new, fresh, slice(first, self.shown)
+
+    def offsets_of(self, tokens: slice) -> list[int]:
+        return self.offsets.offsets[tokens] if self.offsets is not None else []
 
 
 def shown_tokens(offsets: list[int], end: int, all_: bool) -> int:
