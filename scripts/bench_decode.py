@@ -2,13 +2,17 @@
 
     python scripts/bench_decode.py [--preset hybrid-1024] [--layers N] [--vocab-size V] [--prompt 512]
                                    [--batches 1,4,16,64] [--dtypes float32,bfloat16] [--steps 12] [--bandwidth GBPS]
+                                   [--max-num-seqs 64] [--max-num-batched-tokens N] [--chunk-stride 256]
                                    [--probe-mib 512] [--peak float32=GFLOPS,bfloat16=GFLOPS]
                                    [--out results/bench_decode.json]
 
 For each dtype one engine (`--max-num-seqs` 64 and the default memory budget, so the state pools are as large as a
 serving engine's) prefills `batch` random `--prompt`-token prompts, then runs greedy decode steps; after two
 untimed steps (compilation, the deferred checkpoint save at the prompt's end) `--steps` steps are timed, then
-`--profile-steps` more are traced with the JAX profiler.
+`--profile-steps` more are traced with the JAX profiler. While the later rows prefill, the first ones already decode
+(mixed steps), so by the timed steps the rows hold different contexts: the bound and the compute floor use their mean
+over the timed steps (`context_tokens`). Each request may generate 256 tokens; a timed step of fewer rows (a row
+that ran out of them during a long prefill, or a KV pool too small for the batch) stops the script with a message.
 
 Per configuration it reports:
 - `step`: wall time of `engine.step()` (scheduler + worker + postprocess), min and median over the timed steps;
@@ -163,8 +167,10 @@ def model_config(args) -> ModelConfig:
 
 def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     batches = [int(b) for b in args.batches.split(",")]
+    room = 256  # tokens a request may generate after its prompt (max_model_len - prompt)
     engine = LLMEngine(model_config(args), dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches),
-                       chunk_stride=args.chunk_stride, max_model_len=args.prompt + 256, verbose=True)
+                       chunk_stride=args.chunk_stride, max_model_len=args.prompt + room,
+                       max_num_batched_tokens=args.max_num_batched_tokens, verbose=True)
     from bench_forward import matmul_peak  # here: bench_forward imports this module
 
     peak = args.peak.get(dtype) or 1e9 * matmul_peak(engine.cfg, 512, jnp.dtype(dtype))["gflops"]
@@ -180,32 +186,38 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     rows = []
     for batch in batches:
         for i in range(batch):
+            # as many tokens as the context allows: the first rows decode while the later ones prefill (mixed
+            # steps), for as many steps as the prefill takes; the rows are aborted once measured
             engine.add_request(f"{batch}-{i}", rng.integers(4, vocab - 4, args.prompt).tolist(),
-                               SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile_steps + 8 + batch,
-                                              ignore_eos=True))
-        while True:  # prefill every row (with mixed steps the first rows decode meanwhile: + batch tokens above)
+                               SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True))
+        while True:  # prefill every row
             engine.step()
             if not engine.last_step_info["is_prefill"]:
                 break
-        for _ in range(2):  # compile + the deferred save at the prompt's end
-            engine.step()
-        steps, host = [], []
-        for _ in range(args.steps):
+        steps, host, contexts = [], [], []
+        for i in range(2 + args.steps):  # 2 untimed: compile + the deferred save at the prompt's end
             timer.blocked.clear()
             sampler.blocked.clear()
             t0 = time.perf_counter()
             engine.step()
-            steps.append(time.perf_counter() - t0)
-            host.append(steps[-1] - sum(timer.blocked) - sum(sampler.blocked))
-            assert engine.last_step_info["rows"] == batch and not engine.last_step_info["is_prefill"]
+            info = engine.last_step_info
+            if info["rows"] != batch or info["is_prefill"]:
+                raise SystemExit(f"batch {batch}: a timed step ran {info['rows']} rows"
+                                 f"{' with prefill' if info['is_prefill'] else ''}, not {batch} decode rows: a row "
+                                 f"finished or was preempted (its {room} tokens of room after the prompt ran out "
+                                 "while the other rows prefilled, or the KV pool is too small for the batch)")
+            if i >= 2:
+                steps.append(time.perf_counter() - t0)
+                host.append(steps[-1] - sum(timer.blocked) - sum(sampler.blocked))
+                contexts.append(statistics.mean(len(s.token_ids) for s in engine.scheduler.running))
         prof = (profile_steps(engine, args.profile_steps, module, compiled_text(*timer.last[0]))
                 if args.profile_steps else {"op_ms": {}, "op_count": {}, "part_ms": {}})
-        context = args.prompt + 3 + args.steps // 2
+        context = round(statistics.median(contexts))  # mean tokens per row over the timed steps
         need = decode_bytes(engine, batch, context)
         bound = need["total"] / bandwidth
         flops = decode_flops(engine, batch, context)
         med = statistics.median(steps)
-        row = {"dtype": dtype, "batch": batch, "layers": engine.cfg.num_hidden_layers,
+        row = {"dtype": dtype, "batch": batch, "layers": engine.cfg.num_hidden_layers, "context_tokens": context,
                "vocab_size": engine.cfg.vocab_size, "step_ms_min": 1e3 * min(steps), "step_ms_median": 1e3 * med,
                "host_ms_median": 1e3 * statistics.median(host), "host_ms_min": 1e3 * min(host),
                "tokens_per_s": batch / med, "bytes_per_step": need,
@@ -260,6 +272,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=12, help="timed decode steps (default: %(default)s)")
     ap.add_argument("--chunk-stride", type=int, default=256, help="tokens between checkpoints (default: %(default)s)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="engine max_num_seqs (default: %(default)s)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="engine max_num_batched_tokens: prefill tokens per step (default: the engine's)")
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="read bandwidth (GB/s) of the bound (default: the larger of 16 and the measured float32 "
                          "matrix-vector read rate)")

@@ -22,12 +22,14 @@ def _script(name):
 @pytest.mark.slow  # ~40 s: two engines compile their prefill and decode steps
 def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
     out = tmp_path / "decode.json"
-    _script("bench_decode").main(["--preset", "tiny-random", "--prompt", "16", "--batches", "1,2", "--dtypes",
+    # 32 tokens per step: the second row's 256-token prompt takes several steps, through which the first row decodes
+    # (more tokens than the script once let a request generate: its timed steps then ran one row)
+    _script("bench_decode").main(["--preset", "tiny-random", "--prompt", "256", "--batches", "1,2", "--dtypes",
                                   "float32,bfloat16", "--steps", "2", "--profile-steps", "1", "--chunk-stride", "16",
-                                  "--max-num-seqs", "2", "--probe-mib", "4", "--peak", "float32=100", "--out", str(out),
-                                  "--layers", "5", "--vocab-size", "300"])
+                                  "--max-num-batched-tokens", "32", "--max-num-seqs", "2", "--probe-mib", "4",
+                                  "--peak", "float32=100", "--out", str(out), "--layers", "5", "--vocab-size", "300"])
     result = json.loads(out.read_text())
-    assert result["preset"] == "tiny-random" and result["prompt"] == 16 and result["bound_bandwidth_bytes_per_s"] > 0
+    assert result["preset"] == "tiny-random" and result["prompt"] == 256 and result["bound_bandwidth_bytes_per_s"] > 0
     assert [(r["dtype"], r["batch"], r["layers"], r["vocab_size"]) for r in result["rows"]] == [
         ("float32", 1, 5, 300), ("float32", 2, 5, 300), ("bfloat16", 1, 5, 300), ("bfloat16", 2, 5, 300)]
     for r in result["rows"]:
@@ -47,9 +49,12 @@ def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
         assert r["matmul_flops_per_s"] == 1e11 if r["dtype"] == "float32" else r["matmul_flops_per_s"] > 0
         assert r["compute_ms"] == pytest.approx(1e3 * r["flops_per_step"] / r["matmul_flops_per_s"])
         assert r["x_compute"] == pytest.approx(r["step_ms_median"] / r["compute_ms"])
-    one, two = result["rows"][:2]  # more rows read more KV and state, the same weights (bar the embedding rows)
-    assert two["bytes_per_step"]["kv"] == 2 * one["bytes_per_step"]["kv"]
-    assert two["flops_per_step"] == 2 * one["flops_per_step"]  # and do twice the arithmetic
+    one, two = result["rows"][:2]
+    # the bound counts the context the rows hold: the first row of two decoded while the second prefilled
+    assert 256 < one["context_tokens"] < two["context_tokens"] < 256 + 64
+    # more rows read more KV and state, the same weights (bar the embedding rows), and do more arithmetic
+    assert two["bytes_per_step"]["kv"] * one["context_tokens"] == 2 * one["bytes_per_step"]["kv"] * two["context_tokens"]
+    assert two["flops_per_step"] > 2 * one["flops_per_step"]
 
 
 def test_decode_flops_counts_every_matrix_once_per_row():
