@@ -11,7 +11,7 @@ serving engine's) prefills `batch` random `--prompt`-token prompts, then runs gr
 untimed steps (compilation, the deferred checkpoint save at the prompt's end) `--steps` steps are timed, then
 `--profile-steps` more are traced with the JAX profiler. While the later rows prefill, the first ones already decode
 (mixed steps), so by the timed steps the rows hold different contexts: the bound and the compute floor use their mean
-over the timed steps (`context_tokens`). Each request may generate 256 tokens; a timed step of fewer rows (a row
+over the timed steps (`context_tokens`). Each request may generate 256 tokens; a decode step of fewer rows (a row
 that ran out of them during a long prefill, or a KV pool too small for the batch) stops the script with a message.
 
 Per configuration it reports:
@@ -202,7 +202,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             engine.step()
             info = engine.last_step_info
             if info["rows"] != batch or info["is_prefill"]:
-                raise SystemExit(f"batch {batch}: a timed step ran {info['rows']} rows"
+                raise SystemExit(f"batch {batch}: a decode step ran {info['rows']} rows"
                                  f"{' with prefill' if info['is_prefill'] else ''}, not {batch} decode rows: a row "
                                  f"finished or was preempted (its {room} tokens of room after the prompt ran out "
                                  "while the other rows prefilled, or the KV pool is too small for the batch)")
