@@ -194,7 +194,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             engine.step()
             if not engine.last_step_info["is_prefill"]:
                 break
-        steps, host, contexts = [], [], []
+        steps, host = [], []
         for i in range(2 + args.steps):  # 2 untimed: compile + the deferred save at the prompt's end
             timer.blocked.clear()
             sampler.blocked.clear()
@@ -209,10 +209,10 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             if i >= 2:
                 steps.append(time.perf_counter() - t0)
                 host.append(steps[-1] - sum(timer.blocked) - sum(sampler.blocked))
-                contexts.append(statistics.mean(len(s.token_ids) for s in engine.scheduler.running))
+        # the rows' mean context at the middle of the timed steps (each step adds one token to every row)
+        context = round(statistics.mean(len(s.token_ids) for s in engine.scheduler.running) - (args.steps - 1) / 2)
         prof = (profile_steps(engine, args.profile_steps, module, compiled_text(*timer.last[0]))
                 if args.profile_steps else {"op_ms": {}, "op_count": {}, "part_ms": {}})
-        context = round(statistics.median(contexts))  # mean tokens per row over the timed steps
         need = decode_bytes(engine, batch, context)
         bound = need["total"] / bandwidth
         flops = decode_flops(engine, batch, context)
