@@ -35,6 +35,16 @@ class Logprob:
     decoded_token: str | None = None
 
 
+def _outside_package() -> int:
+    """The `stacklevel` of a `warnings.warn` made by the caller of this function that names the first frame outside
+    the package (the user's line), however many of the package's frames lie between (`LLM` builds an `LLMEngine`)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class LogprobRow(Mapping):
     """The whole log-distribution at one prompt position (`prompt_logprobs=-1`): a read-only {token_id: Logprob}
     mapping over every vocabulary id, backed by one float32 row (`.array`) instead of V Python objects."""
@@ -272,7 +282,8 @@ class LLMEngine:
             mixed_steps=mixed_steps)
         if unsafe_reuse is not None:
             warnings.warn(f"unsafe_reuse={unsafe_reuse!r}: reusing KV matches with a {unsafe_reuse} GDN state; "
-                          f"outputs drift from the model's (an ablation for accuracy studies only)", stacklevel=2)
+                          f"outputs drift from the model's (an ablation for accuracy studies only)",
+                          stacklevel=_outside_package())
         self.scheduler = Scheduler(self.scheduler_config)
         sc = self.scheduler_config
         self.worker = Worker(self.cfg, graphdef, params, self.memory, block_size, max_num_seqs, max_model_len,
@@ -283,7 +294,7 @@ class LLMEngine:
             print(f"[gdn_jax] {self.cfg.name}: {self.memory.describe()}", file=sys.stderr)
         if enable_prefix_caching and has_linear and self.memory.num_checkpoint_slots < max_num_seqs:
             warnings.warn(f"only {self.memory.num_checkpoint_slots} checkpoint slots for {max_num_seqs} sequences: "
-                          f"under full concurrency most boundaries cannot be saved", stacklevel=2)
+                          f"under full concurrency most boundaries cannot be saved", stacklevel=_outside_package())
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._seq_ids = itertools.count(1)
@@ -601,7 +612,7 @@ class LLM:
                 try:
                     outs = self.engine.step()
                 except EngineStepError as err:  # those requests end with finish_reason "error"; the rest go on
-                    warnings.warn(str(err), RuntimeWarning, stacklevel=2)
+                    warnings.warn(str(err), RuntimeWarning, stacklevel=_outside_package())
                     outs = err.outputs
                 for out in outs:
                     if out.finished:

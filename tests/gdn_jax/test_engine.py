@@ -218,8 +218,10 @@ def test_unsafe_reuse_warns_and_drifts_while_the_exact_cache_does_not():
         if mode is None:
             llm = LLM("tiny-random", **KW)
         else:
-            with pytest.warns(UserWarning, match=f"unsafe_reuse='{mode}'"):
+            with pytest.warns(UserWarning, match=f"unsafe_reuse='{mode}'") as caught:
                 llm = LLM("tiny-random", unsafe_reuse=mode, **KW)
+            # the warning names this line, not the package's frames between (LLM builds an LLMEngine)
+            assert [w.filename for w in caught if "unsafe_reuse" in str(w.message)] == [__file__]
         second = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts][1]
         assert second.num_cached_tokens == reuse and second.metrics.restored == (mode != "cold")
         got = top(second)
