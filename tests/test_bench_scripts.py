@@ -19,7 +19,7 @@ def _script(name):
         sys.path.remove(str(ROOT / "scripts"))
 
 
-@pytest.mark.slow  # ~40 s: two engines compile their prefill and decode steps
+@pytest.mark.slow  # ~55 s: two engines compile their prefill and decode steps
 def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
     out = tmp_path / "decode.json"
     # 32 tokens per step: the second row's 256-token prompt takes several steps, through which the first row decodes
