@@ -134,6 +134,7 @@ class _Request:
     cumulative_logprob: list[float]                    # per sample
     error: str | None = None                           # what the failed step raised, if one did
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_scored: int = 0                             # prompt positions up to here have their values (None: cached)
     texts: list[str] = dataclasses.field(default_factory=list)                # per sample, cut before a stop string
     stop_reasons: list[str | int | None] = dataclasses.field(default_factory=list)  # per sample
     stop_from: list[int] = dataclasses.field(default_factory=list)  # per sample: where a stop string may begin
@@ -477,24 +478,28 @@ class LLMEngine:
 
     # ---- prompt logprobs and stop strings ------------------------------------------------------------------
     def _prompt_targets(self, row) -> list[int] | None:
-        """The prompt tokens this prefill row's logits score: positions start+1 .. min(end, prompt_len - 1).
-        Only during the first admission: after a preemption the recorded values stand."""
+        """The prompt tokens this prefill row's logits score: positions start+1 .. min(end, prompt_len - 1), or None
+        when none of them is new. After a preemption the prompt is prefilled again: the positions scored before keep
+        their values (`_record_prompt_logprobs`), the rest of the prompt is scored as it comes."""
         req = self._by_seq[row.seq_id]
-        if req.prompt_logprobs is None or req.seq.seq_id != row.seq_id or req.seq.num_preemptions:
+        if req.prompt_logprobs is None or req.seq.seq_id != row.seq_id:
             return None  # samples forked from the prompt (n > 1) score nothing: the first one did
         lo, hi = row.start_pos + 1, min(row.start_pos + len(row.token_ids), req.seq.num_prompt_tokens - 1)
-        return req.seq.token_ids[lo:hi + 1] if lo <= hi else None
+        return req.seq.token_ids[lo:hi + 1] if hi > req.prompt_scored and lo <= hi else None
 
     def _record_prompt_logprobs(self, req: _Request, start: int, targets: list[int], prompt: PromptLogprobs,
                                 row: int) -> None:
         k = req.seq.sampling_params.prompt_logprobs
         for t, token in enumerate(targets):
+            if start + 1 + t <= req.prompt_scored:
+                continue  # scored before a preemption: that value stands
             if k == -1:
                 entry = LogprobRow(prompt.rows[row, t], self.tokenizer.decode)
             else:
                 entry = self._logprob_entry(token, prompt.logprobs[row, t], prompt.ranks[row, t],
                                             prompt.top_ids[row, t, :k], prompt.top_logprobs[row, t, :k])
             req.prompt_logprobs[start + 1 + t] = entry
+        req.prompt_scored = max(req.prompt_scored, start + len(targets))
 
     def _update_text(self, req: _Request, index: int, now: float) -> None:
         """Decodes sample `index` (its new tokens only: the stream keeps the rest). A sample that a stop token ended

@@ -93,6 +93,26 @@ def test_cached_positions_are_none_and_computed_ones_equal_cache_off(tiny_pair):
     assert s["live_slots"] == 0 and s["kv_blocks_free"] == on.engine.memory.num_kv_blocks - 1
 
 
+def test_a_prompt_preempted_while_it_prefills_is_scored_at_every_position(tiny_pair):
+    """A request preempted between two chunks of its prompt prefills it again; the positions after the preemption are
+    scored then (they used to be left None), and every position equals a cache-off run of the prompt alone."""
+    llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=224, num_kv_blocks=15,
+              max_num_batched_tokens=128, verbose=False)
+    rng = np.random.default_rng(7)
+    decoding, prompt = random_ids(rng, 31), random_ids(rng, 192)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1, ignore_eos=True)
+    out = llm.generate([decoding, prompt], [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), sp],
+                       use_tqdm=False)[1]
+    assert out.metrics.num_preemptions >= 1 and out.num_cached_tokens == 0
+    ref = tiny_pair[1].generate([prompt], sp, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert out.prompt_logprobs[0] is None and all(e is not None for e in out.prompt_logprobs[1:])
+    for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+        assert got.keys() == want.keys()
+        for t in want:
+            assert abs(got[t].logprob - want[t].logprob) <= 1e-4 and got[t].rank == want[t].rank
+
+
 def test_prompt_logprobs_compile_only_their_own_variant():
     llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=64, verbose=False)
     plain = 2 * 4 * 1                           # rows {1,2} x tokens {1,16,32,64} (up to max_model_len) x blocks {8}
