@@ -463,8 +463,7 @@ class LLMEngine:
         req.cumulative_logprob[index] += float(result.logprobs[row])
         k = seq.sampling_params.logprobs
         if k is not None:
-            rank = 1 + int((result.top_logprobs[row] > result.logprobs[row]).sum())
-            req.logprobs[index].append(self._logprob_entry(token, result.logprobs[row], rank,
+            req.logprobs[index].append(self._logprob_entry(token, result.logprobs[row], result.ranks[row],
                                                            result.top_ids[row][:k], result.top_logprobs[row][:k]))
 
     def _logprob_entry(self, token: int, logprob, rank: int, top_ids, top_logprobs) -> dict[int, Logprob]:

@@ -206,7 +206,8 @@ def first_argmax(x):
 
 def sample(logits, md: SamplingMetadata):
     """logits: [B, V]. Returns (tokens [B], chosen_logprob [B], top_ids [B, MAX_LOGPROBS], top_logprobs
-    [B, MAX_LOGPROBS]); logprobs are those of the model's raw distribution (vLLM's convention)."""
+    [B, MAX_LOGPROBS], chosen_rank [B]); logprobs are those of the model's raw distribution (vLLM's convention), and a
+    token's rank is 1 + the number of tokens strictly likelier (ties share a rank), over the whole vocabulary."""
     V = logits.shape[-1]
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     processed = process_logits(logits, md)
@@ -216,4 +217,5 @@ def sample(logits, md: SamplingMetadata):
     tokens = jnp.where(samples, drawn, greedy)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, V))
-    return tokens, chosen, top_ids.astype(jnp.int32), top_lp
+    rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lp, rank

@@ -235,17 +235,20 @@ def sample_function():
 
 
 def sample_packed(logits, md: SamplingMetadata):
-    """`sample`'s four outputs as one int32 [B, 2 + 2 * MAX_LOGPROBS] array (tokens, the chosen logprob's bits, top
-    ids, the top logprobs' bits): the step's result comes back to the host in one transfer, not four."""
-    tokens, chosen, top_ids, top_lp = sample(logits, md)
+    """`sample`'s five outputs as one int32 [B, 3 + 2 * MAX_LOGPROBS] array (tokens, the chosen logprob's bits, the
+    chosen token's rank, top ids, the top logprobs' bits): the step's result comes back to the host in one transfer,
+    not five."""
+    tokens, chosen, top_ids, top_lp, rank = sample(logits, md)
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    return jnp.concatenate([tokens[:, None], bits(chosen)[:, None], top_ids, bits(top_lp)], axis=1)
+    return jnp.concatenate([tokens[:, None], bits(chosen)[:, None], rank[:, None], top_ids, bits(top_lp)], axis=1)
 
 
 def unpack_sampled(packed: np.ndarray) -> tuple:
-    """`sample_packed`'s host array -> (tokens [B], chosen logprobs [B], top ids [B, K], top logprobs [B, K])."""
-    k = (packed.shape[1] - 2) // 2
-    return packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2:2 + k], packed[:, 2 + k:].view(np.float32)
+    """`sample_packed`'s host array -> (tokens [B], chosen logprobs [B], chosen ranks [B], top ids [B, K], top
+    logprobs [B, K])."""
+    k = (packed.shape[1] - 3) // 2
+    return (packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2], packed[:, 3:3 + k],
+            packed[:, 3 + k:].view(np.float32))
 
 
 @dataclasses.dataclass
@@ -286,6 +289,7 @@ def prompt_step_function(graphdef, params_def, chunk_size: int = 64, gdn_schedul
 class StepResult:
     tokens: np.ndarray          # [rows] sampled token per scheduled row
     logprobs: np.ndarray        # [rows] logprob of the sampled token
+    ranks: np.ndarray           # [rows] its rank in the whole distribution (1 + the tokens strictly likelier)
     top_ids: np.ndarray         # [rows, MAX_LOGPROBS]
     top_logprobs: np.ndarray    # [rows, MAX_LOGPROBS]
     prompt: PromptLogprobs | None = None
@@ -572,12 +576,10 @@ class Worker:
             for i, t in enumerate(prompt_targets):
                 targets[i, :len(t or ())] = t or ()
             packed, prompt = jax.device_get(self._run(*args, targets, full_rows, fn=self._prompt_fn))
-            toks, lp, top_ids, top_lp = unpack_sampled(packed)
             rows = prompt[4][:n] if full_rows else None
-            return StepResult(toks[:n], lp[:n], top_ids[:n], top_lp[:n],
+            return StepResult(*(a[:n] for a in unpack_sampled(packed)),
                               PromptLogprobs(*(a[:n] for a in prompt[:4]), rows))
-        toks, lp, top_ids, top_lp = unpack_sampled(jax.device_get(self._run(*args)[0]))
-        return StepResult(toks[:n], lp[:n], top_ids[:n], top_lp[:n])
+        return StepResult(*(a[:n] for a in unpack_sampled(jax.device_get(self._run(*args)[0]))))
 
     def _execute_mixed(self, plan, prompt_targets, full_rows: bool) -> StepResult:
         """A mixed plan runs as its prefill sub-batch, then its decode sub-batch: the two executables of the
@@ -610,6 +612,6 @@ class Worker:
         decode = type(plan)(False, plan.decode_seqs)
         first = self._execute_one(prefill, prompt_targets[:n] if prompt_targets else None, full_rows)
         second = self._execute_one(decode, None, False)
-        return StepResult(*(np.concatenate([a, b]) for a, b in zip(
-            (first.tokens, first.logprobs, first.top_ids, first.top_logprobs),
-            (second.tokens, second.logprobs, second.top_ids, second.top_logprobs))), prompt=first.prompt)
+        fields = ("tokens", "logprobs", "ranks", "top_ids", "top_logprobs")
+        return StepResult(*(np.concatenate([getattr(first, f), getattr(second, f)]) for f in fields),
+                          prompt=first.prompt)

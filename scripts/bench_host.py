@@ -54,7 +54,7 @@ def stub_device(engine: LLMEngine, rng: np.random.Generator, token_ids: tuple[in
         return state, np.zeros((batch.tokens.shape[0], 1), np.float32)
 
     def sample(logits, md):
-        out = np.zeros((logits.shape[0], 2 + 2 * min(MAX_LOGPROBS, vocab)), np.int32)
+        out = np.zeros((logits.shape[0], 3 + 2 * min(MAX_LOGPROBS, vocab)), np.int32)
         out[:, 0] = rng.integers(low, high, logits.shape[0])
         return out
 

@@ -243,11 +243,22 @@ def test_top_k_above_the_vocabulary_is_off():
 
 def test_logprobs_are_log_softmax_and_sorted():
     logits = jax.random.normal(jax.random.PRNGKey(1), (3, 64))
-    toks, chosen, top_ids, top_lp = sample_jit(logits, metadata(3))
+    toks, chosen, top_ids, top_lp, rank = sample_jit(logits, metadata(3))
     ref = jax.nn.log_softmax(logits, -1)
     np.testing.assert_allclose(np.asarray(chosen), np.asarray(ref.max(-1)), rtol=1e-6)
+    assert np.asarray(rank).tolist() == [1, 1, 1]  # greedy: the likeliest token
     assert top_ids.shape == (3, MAX_LOGPROBS) and np.all(np.diff(np.asarray(top_lp), axis=-1) <= 0)
     np.testing.assert_allclose(np.asarray(top_lp), np.take_along_axis(np.asarray(ref), np.asarray(top_ids), -1))
+
+
+def test_a_drawn_token_is_ranked_over_the_whole_vocabulary():
+    """The rank of a sampled token counts every likelier token, not only those of the top MAX_LOGPROBS."""
+    logits = jax.random.normal(jax.random.PRNGKey(2), (64, 400)) * 0.1  # nearly flat: draws land far down
+    toks, chosen, _, _, rank = sample_jit(logits, metadata(64, temperature=1.0))
+    ref = np.asarray(jax.nn.log_softmax(logits, -1))
+    toks, rank = np.asarray(toks), np.asarray(rank)
+    want = 1 + (ref > ref[np.arange(64), toks][:, None]).sum(-1)
+    assert rank.tolist() == want.tolist() and rank.max() > 100
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +281,18 @@ def test_engine_logprobs_max_tokens_and_stop_tokens(llm):
     assert again.token_ids == out.token_ids[:3] and again.finish_reason == "stop"
     # the stop token's text is left out (vLLM's way) and it is the stop_reason; its logprob stays in `logprobs`
     assert again.text == llm.engine.tokenizer.decode(out.token_ids[:2]) and again.stop_reason == stop
+
+
+def test_engine_ranks_drawn_tokens_as_scoring_them_does(llm):
+    """A drawn token's rank in `logprobs` is its rank in the whole distribution: the same as scoring the output as a
+    prompt gives (whole rows), also far below the top 20."""
+    prompt = list(range(10, 50))
+    out = llm.generate([prompt], SamplingParams(temperature=50.0, seed=3, max_tokens=8, logprobs=1, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    scored = llm.generate([prompt + out.token_ids], SamplingParams(max_tokens=1, prompt_logprobs=-1),
+                          use_tqdm=False)[0].prompt_logprobs[len(prompt):]
+    ranks = [entry[t].rank for t, entry in zip(out.token_ids, out.logprobs)]
+    assert ranks == [row[t].rank for t, row in zip(out.token_ids, scored)] and max(ranks) > 21
 
 
 def test_byte_tokenizer_round_trips_text_and_engine_accepts_text(llm):
