@@ -22,6 +22,8 @@ BAN_WIDTH = MAX_STOP_TOKEN_IDS + 1  # stop_token_ids + EOS
 # top-p compares the mass above a token with top_p * total; float32 cumulative sums are off by a few ulps, so a
 # boundary that is exact in real arithmetic is closed (the token is dropped) whichever way the rounding went.
 TOP_P_SLACK = 2.0 ** -20
+# penalised logits are held within this: divided by a temperature down to GREEDY_BELOW they stay finite
+PENALISED_LOGIT_BOUND = 1e30
 
 
 @jax.tree_util.register_dataclass
@@ -138,8 +140,11 @@ def _apply_penalties(logits, md: SamplingMetadata):
     seen = jnp.zeros((B, V), jnp.int32).at[rows, ids].add(valid.astype(jnp.int32)) > 0
     rep = md.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    return (logits - md.frequency_penalty[:, None] * counts
-            - md.presence_penalty[:, None] * (counts > 0).astype(jnp.float32))
+    logits = (logits - md.frequency_penalty[:, None] * counts
+              - md.presence_penalty[:, None] * (counts > 0).astype(jnp.float32))
+    # an extreme repetition penalty (1e-38 divides a logit of 10 past float32's range) would make inf logits, and
+    # inf - inf is NaN in the draw's filters: those tokens tie at the bound instead
+    return jnp.clip(logits, -PENALISED_LOGIT_BOUND, PENALISED_LOGIT_BOUND)
 
 
 def _penalise_and_ban(logits, md: SamplingMetadata):

@@ -14,6 +14,8 @@ MAX_N = 256                 # sequences one request may create
 INT32_MAX = (1 << 31) - 1
 MAX_TOKENS = INT32_MAX      # generation also ends at the engine's max_model_len
 SEED_BOUND = 1 << 32        # seeds are uint32 on the device
+# the device holds the penalty in float32: outside its normal range it would round to 0 or overflow to inf
+REPETITION_PENALTY_RANGE = (1.1754944e-38, 3.4028235e38)
 GREEDY_BELOW = 1e-5         # temperatures below this are greedy (vLLM's epsilon): logits / 1e-30 overflows
 
 
@@ -94,8 +96,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
         self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
+            raise ValueError(f"repetition_penalty must be > 0 and a normal float32 number, in "
+                             f"[{REPETITION_PENALTY_RANGE[0]:.4g}, {REPETITION_PENALTY_RANGE[1]:.4g}], got "
+                             f"{self.repetition_penalty}")
         self.max_tokens = _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS)
         self.min_tokens = _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
         self.n = _integer("n", self.n, 1, MAX_N)

@@ -368,3 +368,19 @@ def test_generate_skips_ids_the_caller_gave_its_own_requests(llm):
 def test_prompts_of_the_wrong_type_are_named(llm, prompts, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+@pytest.mark.parametrize("fields", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.9, top_k=5),
+                                    dict(temperature=2e-5), dict()])
+def test_an_extreme_repetition_penalty_keeps_the_draw_among_the_seen_tokens(fields):
+    """The smallest penalty SamplingParams accepts divides a positive logit past float32's range: the seen tokens
+    with positive logits are then the only candidates (the limit of the penalty), never the padding id 0 that a NaN
+    in the filters used to give."""
+    logits = np.full((4, 40), -1.0, np.float32)
+    logits[:, [7, 9, 11]] = [0.5, 10.0, 1.0]
+    history = np.full((4, 6), -1, np.int32)
+    history[:, :3] = [7, 9, 20]                                       # 11 is likelier than 7 but never seen
+    rep = SamplingParams(repetition_penalty=1.2e-38).repetition_penalty
+    md = metadata(4, 6, history=history, prompt_lens=np.full(4, 3, np.int32), repetition_penalty=rep, **fields)
+    toks = np.asarray(sample_jit(jnp.asarray(logits), md)[0])
+    assert set(toks.tolist()) <= {7, 9}

@@ -26,6 +26,7 @@ NAN, INF = float("nan"), float("inf")
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(presence_penalty=NAN), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(frequency_penalty=INF), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=INF), "repetition_penalty"),
+    (dict(repetition_penalty=1e-40), "repetition_penalty"), (dict(repetition_penalty=1e300), "repetition_penalty"),
     (dict(stop_token_ids=[3, -1]), "stop_token_ids"), (dict(stop_token_ids=[3, 2.0]), "stop_token_ids"),
     (dict(stop_token_ids="ab"), "stop_token_ids"), (dict(stop_token_ids=[1 << 31]), "stop_token_ids"),
     (dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
