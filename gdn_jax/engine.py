@@ -218,8 +218,12 @@ def enable_compilation_cache() -> str | None:
     return folder
 
 
-def _token_list(ids) -> list:
-    """Token ids as Python ints (numpy integers included); anything else is kept as is for the error message."""
+def _token_list(ids, what: str = "a token-id prompt") -> list:
+    """Token ids as Python ints (numpy integers included); anything else is kept as is for the error message. `ids`
+    must be a list, a tuple or a 1-D array (`what` names it in the error)."""
+    if not isinstance(ids, (list, tuple, np.ndarray)) or isinstance(ids, np.ndarray) and ids.ndim != 1:
+        shape = f"a {np.ndim(ids)}-D array" if isinstance(ids, np.ndarray) else type(ids).__name__
+        raise ValueError(f"{what} must be a list of token ids, got {shape}")
     out = []
     for t in np.asarray(ids).tolist() if isinstance(ids, np.ndarray) else ids:
         is_int = isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
@@ -307,10 +311,14 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            if ("prompt" in prompt or text is not None) and not isinstance(text, str) and not (
+                    text is None and "prompt_token_ids" in prompt):  # with token ids the text is optional
+                raise ValueError(f"a dict prompt's 'prompt' must be a str, got {type(text).__name__}")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
+                return text, _token_list(prompt["prompt_token_ids"], "'prompt_token_ids'")
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return text, self.tokenizer.encode(text)
             raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, (list, tuple, np.ndarray)):
             return None, _token_list(prompt)
