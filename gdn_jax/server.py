@@ -128,6 +128,7 @@ class _Sampling(_Body):
     min_p: float | None = None
     min_tokens: int | None = None
     logit_bias: Any = None  # UNSUPPORTED
+    response_format: Any = None  # UNSUPPORTED (vLLM takes it in completions too)
 
 
 class CompletionRequest(_Sampling):
@@ -153,7 +154,6 @@ class ChatRequest(_Sampling):
     functions: Any = None
     tool_choice: Any = None
     function_call: Any = None
-    response_format: Any = None
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -442,11 +442,13 @@ class _Server:
         return bytes(body)
 
     def sampling_params(self, req: _Sampling, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None, num_prompt_tokens: int, score_only: bool = False
-                        ) -> SamplingParams:
+                        prompt_logprobs: int | None, num_prompt_tokens: int, score_only: bool = False,
+                        names: dict[str, str] | None = None) -> SamplingParams:
         """The engine's parameters for a request. `score_only` (a completions request with `echo`, `logprobs` and
         `max_tokens` 0: the prompt scored, nothing generated) lets `max_tokens` be 0; the engine then samples one
-        token, which the response leaves out."""
+        token, which the response leaves out. `names`: the request's own names of `max_tokens` and `logprobs`
+        (chat: `max_completion_tokens`, `top_logprobs`), for the errors."""
+        names = {"max_tokens": "max_tokens", "logprobs": "logprobs", **(names or {})}
         refuse_unsupported(req)
         best_of = getattr(req, "best_of", None)
         if best_of is not None and best_of not in (1, req.n or 1):  # more samples than returned: not implemented
@@ -457,14 +459,15 @@ class _Server:
                 raise BadRequest(f"{name} must be in [-2, 2], got {getattr(req, name)}", name)
         if req.seed is not None and not 0 <= req.seed < 2**32:
             raise BadRequest(f"seed must be in [0, 2**32), got {req.seed}", "seed")
+        name = names["max_tokens"]
         if not int(not score_only) <= max_tokens <= self.config.max_tokens_limit:
-            raise BadRequest(f"max_tokens must be in [1, {self.config.max_tokens_limit}], got {max_tokens}"
-                             + ("" if max_tokens else " (0 only with echo and logprobs: the prompt scored alone)"),
-                             "max_tokens")
+            hint = max_tokens == 0 and isinstance(req, CompletionRequest)
+            raise BadRequest(f"{name} must be in [1, {self.config.max_tokens_limit}], got {max_tokens}"
+                             + (" (0 only with echo and logprobs: the prompt scored alone)" if hint else ""), name)
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise BadRequest(f"this model's maximum context length is {self.max_model_len} tokens; the request "
                              f"needs {num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, "
-                             f"{max_tokens} in the completion)", "max_tokens")
+                             f"{max_tokens} in the completion)", name)
         vocab = self.engine.cfg.vocab_size
         bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab]
         if bad:
@@ -480,8 +483,11 @@ class _Server:
                 min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, n=1 if req.n is None else req.n,
                 skip_reading_prefix_cache=prompt_logprobs is not None)
         except ValueError as e:  # the message begins with the field's name
-            field = str(e).split(" ", 1)[0]
-            raise BadRequest(str(e), field if field in SamplingParams.__dataclass_fields__ else None) from None
+            field, rest = (str(e).split(" ", 1) + [""])[:2]
+            if field not in SamplingParams.__dataclass_fields__:
+                raise BadRequest(str(e), None) from None
+            name = names.get(field, field)
+            raise BadRequest(f"{name} {rest}", name) from None
 
     def validate_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         try:
@@ -696,7 +702,9 @@ class _Server:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as the OpenAI API: as long as the context allows (here also the server's limit)
             max_tokens = max(1, min(self.config.max_tokens_limit, self.max_model_len - len(ids)))
-        params = self.sampling_params(req, max_tokens, k, None, len(ids))
+        params = self.sampling_params(req, max_tokens, k, None, len(ids), names={
+            "logprobs": "top_logprobs",
+            "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"})
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
         tok = self.engine.tokenizer
         if req.stream:

@@ -255,6 +255,7 @@ BAD = [
     ({"prompt": "hi", "logit_bias": {"36": 100}}, 400, "logit_bias is not supported"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of is not supported"),
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix is not supported"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format is not supported"),
     ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
     ({"prompt": [[5, 6], [-1]]}, 400, "outside the vocabulary"),
     ({"prompt": "hi", "stop_token_ids": [100000]}, 400, "stop_token_ids"),
@@ -479,6 +480,16 @@ def test_chat_messages_are_checked_and_logprobs_returned(server):
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     r = _post(server, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "/v1/chat/completions", url)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    # errors name the chat API's own fields, not the completions API's
+    hi = [{"role": "user", "content": "hi"}]
+    for extra, field, message in (({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "top_logprobs must be in"),
+                                  ({"max_completion_tokens": 0}, "max_completion_tokens",
+                                   "max_completion_tokens must be in [1, "),
+                                  ({"max_tokens": 0}, "max_tokens", "max_tokens must be in [1, ")):
+        r = _post(server, {"messages": hi, **extra}, "/v1/chat/completions", url)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field and message in error["message"], r.text
+        assert "echo" not in error["message"]
     # text parts are joined by newlines, as the template then reads them
     parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "a slot?"}]
     body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
