@@ -107,8 +107,8 @@ def test_a_prompt_preempted_while_it_prefills_is_scored_at_every_position(tiny_p
     ref = tiny_pair[1].generate([prompt], sp, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert out.prompt_logprobs[0] is None and all(e is not None for e in out.prompt_logprobs[1:])
-    for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
-        assert got.keys() == want.keys()
+    for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):  # prefilled in other chunks: float32
+        assert got.keys() == want.keys()                                      # sums in another order (2e-6 seen)
         for t in want:
             assert abs(got[t].logprob - want[t].logprob) <= 1e-4 and got[t].rank == want[t].rank
 
