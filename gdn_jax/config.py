@@ -147,8 +147,13 @@ class ModelConfig:
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"no config.json in model folder {path}")
+            raise NotAModelFolder(f"no config.json in model folder {path}")
         return cls.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+
+
+class NotAModelFolder(FileNotFoundError, ValueError):
+    """A model folder without the files a model needs. A ValueError too, so that a command line that reports bad
+    settings in one line (a ValueError naming what is wrong) reports this one so."""
 
 
 def hybrid_layer_types(n_layers: int, interval: int = 4) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from flax import nnx
 
-from gdn_jax.config import LINEAR, ModelConfig, get_preset, PRESETS
+from gdn_jax.config import LINEAR, PRESETS, ModelConfig, NotAModelFolder, get_preset
 from gdn_jax.model import Qwen35Model, fused_parts, init_model
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")
@@ -58,7 +58,7 @@ def _open_tensors(folder: Path):
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+        raise NotAModelFolder(f"no model.safetensors or model.safetensors.index.json in {folder}")
     for fname in files:
         with safe_open(str(folder / fname), framework="flax") as f:
             for name in f.keys():

@@ -50,6 +50,7 @@ def test_make_test_runs_every_test_file():
     (["serve", "--port", "70000"], "argument --port: 70000 is above 65535"),
     (["serve", "--log-level", "loud"], "invalid choice: 'loud'"),
     (["serve", "--chat-template", "/nonexistent/t.jinja"], "--chat-template /nonexistent/t.jinja"),
+    (["generate", "--model", str(ROOT / "tests"), "x"], "no config.json in model folder"),
 ])
 def test_a_bad_option_is_one_line_naming_it(argv, message, capsys):
     from gdn_jax.cli import main
@@ -57,6 +58,16 @@ def test_a_bad_option_is_one_line_naming_it(argv, message, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_model_folder_without_weights_is_one_line_naming_what_is_missing(tmp_path, capsys):
+    from gdn_jax.__main__ import main
+    (tmp_path / "config.json").write_text((ROOT / "tests" / "fixtures" / "hf_tiny" / "config.json").read_text())
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert f"no model.safetensors or model.safetensors.index.json in {tmp_path}" in err
 
 
 def test_generate_json_is_the_whole_of_stdout(capsys, monkeypatch):
