@@ -46,7 +46,7 @@ def make_workload(vocab: int, chunk_stride: int, groups: int, per_group: int, tu
     items = []
     for g in range(groups):
         n = chunk_stride * (1 + g % 3) + int(rng.integers(chunk_stride // 4, 3 * chunk_stride // 4))
-        base = tokenizer.encode(OPENINGS[g % len(OPENINGS)] + " ")
+        base = tokenizer.encode(OPENINGS[g % len(OPENINGS)] + " ")[:n]  # a short stride's prefix: the opening's start
         prefix = (base * (n // max(len(base), 1) + 1))[:n]
         prefix[len(base):] = [int(t) for t in rng.integers(32, min(vocab, 127), n - len(base))]
         for i in range(per_group):

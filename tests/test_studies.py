@@ -113,3 +113,17 @@ def test_study_json_records_the_environment():
     env = _script("study_cli").environment()
     assert env["backend"] == "cpu" and env["jax"] and env["jaxlib"] and env["cpu_count"] >= 1
     assert env["git_commit"] is None or len(env["git_commit"]) == 40
+
+
+@pytest.mark.parametrize("stride", [16, 32, 64])
+def test_accuracy_workload_prefixes_lie_between_checkpoint_boundaries(stride):
+    """Each group's shared prefix passes a boundary without reaching the next, also at strides shorter than the
+    text opening it starts with."""
+    import numpy as np
+    from gdn_jax.tokenizer import ByteTokenizer
+    study = _script("accuracy_study")
+    items = study.make_workload(512, stride, 3, 2, 1, np.random.default_rng(0), ByteTokenizer(512))
+    for g in range(3):
+        a, b = (it["tokens"] for it in items if it["group"] == g)
+        shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # (suffixes may share a first token)
+        assert stride * (1 + g) < shared < stride * (2 + g), (stride, g, shared)
