@@ -120,7 +120,10 @@ class ServerProcess:
                "--port", str(self.port), "--log-level", "warning", "--max-num-seqs",
                str(max(args.concurrency)), "--max-model-len", str(args.max_model_len), "--chunk-stride",
                str(args.chunk_stride), "--max-tokens-limit", str(args.max_tokens)]
-        self.proc = subprocess.Popen(cmd + ([] if caching else ["--no-prefix-caching"]))
+        # its own loopback server, unauthenticated: a GDN_JAX_API_KEY of the caller's (which `--api-key` takes for
+        # an external `--url`) would make it refuse the benchmark's requests
+        env = {k: v for k, v in os.environ.items() if k != "GDN_JAX_API_KEY"}
+        self.proc = subprocess.Popen(cmd + ([] if caching else ["--no-prefix-caching"]), env=env)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self):
@@ -190,7 +193,7 @@ def summarize(results: list[dict], wall: float) -> dict:
             "ttft_mean_ms": 1e3 * statistics.fmean(ttft), "itl_p50_ms": 1e3 * pct(itl, 50),
             "itl_p90_ms": 1e3 * pct(itl, 90), "e2e_p50_ms": 1e3 * pct([r["e2e"] for r in results], 50),
             "wall_s": wall, "output_tok_per_s": tokens / wall,
-            "cached_fraction": sum(r["cached"] for r in results) / max(1, len(results)),
+            "cached_tokens_per_request": sum(r["cached"] for r in results) / max(1, len(results)),
             "raw_ttft_ms": [1e3 * t for t in ttft]}
 
 
@@ -237,7 +240,7 @@ def main(argv=None):
         for c, r in by_c.items():
             print(f"{name:<22}{c:>8}{r['ttft_p50_ms']:>10.1f}{r['ttft_p90_ms']:>10.1f}{r['itl_p50_ms']:>9.1f}"
                   f"{r['itl_p90_ms']:>9.1f}{r['e2e_p50_ms']:>9.1f}{r['output_tok_per_s']:>8.1f}"
-                  f"{r['cached_fraction']:>11.1f}{r['compilations_during_measurement']:>9.0f}")
+                  f"{r['cached_tokens_per_request']:>11.1f}{r['compilations_during_measurement']:>9.0f}")
     overhead = {}
     for cache in ("on", "off"):
         srv, off = rows.get(f"server, cache {cache}"), rows.get(f"offline, cache {cache}")

@@ -186,7 +186,8 @@ def test_bench_itl_reports_both_modes(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_serving_reports_server_and_offline_rows(tmp_path):
+def test_bench_serving_reports_server_and_offline_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("GDN_JAX_API_KEY", "a caller's key")  # the servers the script starts are its own, keyless
     out = tmp_path / "serving.json"
     _script("bench_serving").main(["--model", "tiny-random", "--concurrency", "1", "--requests", "2", "--system",
                                    "16", "--question", "4", "--max-tokens", "2", "--chunk-stride", "16",
@@ -197,6 +198,8 @@ def test_bench_serving_reports_server_and_offline_rows(tmp_path):
         r = by_clients["1"]
         assert r["requests"] == 2 and r["compilations_during_measurement"] == 0, name
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["itl_p50_ms"] > 0 and r["output_tok_per_s"] > 0, name
+        # the system prompt (one 16-token stride) warmed by the first pass is reused by every measured request
+        assert r["cached_tokens_per_request"] == (16 if name.endswith("on") else 0), name
     assert set(result["overhead"]) == {"cache on, 1 clients", "cache off, 1 clients"}
 
 
