@@ -14,8 +14,9 @@ DIR/bench_ttft.json and DIR/bench_ttft.png.
 
 A/B (`--ab`). Request A (a `--prompt`-token prompt) runs first; request B shares A's first `--shared` tokens and has
 its own tail. With the cache on, B restores the checkpoint at `--shared` and prefills only its tail; with it off, B
-prefills everything. Also compares the engine step in which B's tail runs after a warm restore with the step that
-runs the same tail shape (same rows, tokens, blocks) without one. Writes DIR/bench_ttft_ab.json.
+prefills everything. Also compares the engine step in which B's prefill starts after a warm restore with the
+cache-off step of B that starts at the same position (same rows, tokens, blocks) without one. Writes
+DIR/bench_ttft_ab.json.
 
 Prefill (`--prefill`). One jitted forward of `--prompt` tokens, then per checkpoint mode and policy ("scan" with
 "all" and "last", "promote") a cold request of that length and a hit that shares `--shared` tokens with it, with a
@@ -56,6 +57,16 @@ def run_request(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
     return {"ttft_s": first, "num_cached_tokens": cached, "steps": steps}
 
 
+def step_at(steps: list[dict], start: int) -> dict:
+    """The step of a one-row prefill that begins at prompt position `start` (steps as `run_request` records them)."""
+    pos = 0
+    for step in steps:
+        if pos == start:
+            return step
+        pos += step["tokens"]
+    raise ValueError(f"no prefill step begins at position {start}")
+
+
 def ab(args) -> dict:
     kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=4,
               max_model_len=args.prompt + 64, num_linear_slots=16, max_num_batched_tokens=args.chunk_stride)
@@ -76,14 +87,16 @@ def ab(args) -> dict:
     on, off = results["cache on"], results["cache off"]
     ttft_on = statistics.median(r["ttft_s"] for r in on)
     ttft_off = statistics.median(r["ttft_s"] for r in off)
-    # B's tail chunk: with the cache it is B's only prefill step and starts with a warm restore; without the
-    # cache it is B's last prefill step (same shape: 1 row, chunk_stride tokens, same block count), no restore.
-    restore_step = statistics.median(r["steps"][0]["seconds"] for r in on)
-    plain_step = statistics.median(r["steps"][-1]["seconds"] for r in off)
+    # With the cache, B's first prefill step starts at its deepest checkpoint with a warm restore; without the
+    # cache, the step of B that starts at the same position computes the same tokens (same shape: 1 row, the same
+    # token count and block count) from the state the previous step left in the live slot, with no restore.
     if not all(r["steps"][0]["warm_restores"] == 1 for r in on):
         raise ValueError(f"request B's first step restored no checkpoint: --shared ({args.shared}) must reach a "
                          f"checkpoint boundary (--chunk-stride {args.chunk_stride})")
-    assert all(r["steps"][-1]["warm_restores"] == 0 for r in off)
+    pairs = [(a["steps"][0], step_at(b["steps"], a["num_cached_tokens"])) for a, b in zip(on, off)]
+    assert all(x["tokens"] == y["tokens"] and y["warm_restores"] == 0 for x, y in pairs)
+    restore_step = statistics.median(x["seconds"] for x, _ in pairs)
+    plain_step = statistics.median(y["seconds"] for _, y in pairs)
     ratio = ttft_on / ttft_off
 
     print(f"\n{args.model} ({args.dtype}), backend {jax.default_backend()}: prompt {args.prompt}, "
@@ -93,7 +106,8 @@ def ab(args) -> dict:
     print(f"{'cached tokens of B':<28}{on[0]['num_cached_tokens']:>12}{off[0]['num_cached_tokens']:>12}")
     print(f"{'prefill steps of B':<28}{len(on[0]['steps']):>12}{len(off[0]['steps']):>12}")
     print(f"TTFT ratio on/off: {ratio:.3f} (target <= 0.25)")
-    print(f"tail step with restore {1e3 * restore_step:.1f} ms vs without {1e3 * plain_step:.1f} ms: "
+    print(f"step of {pairs[0][0]['tokens']} tokens at position {on[0]['num_cached_tokens']}: with restore "
+          f"{1e3 * restore_step:.1f} ms vs without {1e3 * plain_step:.1f} ms: "
           f"{100 * (restore_step / plain_step - 1):+.1f}% (target within 5%)")
     out = {"args": vars(args), "backend": jax.default_backend(), "ttft_on_s": ttft_on, "ttft_off_s": ttft_off,
            "ttft_ratio": ratio, "restore_step_s": restore_step, "plain_step_s": plain_step,

@@ -127,3 +127,13 @@ def test_accuracy_workload_prefixes_lie_between_checkpoint_boundaries(stride):
         a, b = (it["tokens"] for it in items if it["group"] == g)
         shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # (suffixes may share a first token)
         assert stride * (1 + g) < shared < stride * (2 + g), (stride, g, shared)
+
+
+def test_ab_pairs_the_restoring_step_with_the_cache_off_step_at_the_same_position():
+    """B's deepest checkpoint (48) is not where the cache-off run's last step starts (96): the A/B compares the
+    48-token steps that both start at 48, not a 48-token step with a 32-token one."""
+    steps = [{"tokens": 48, "seconds": 1.0}, {"tokens": 48, "seconds": 2.0}, {"tokens": 32, "seconds": 3.0}]
+    ttft = _script("bench_ttft")
+    assert ttft.step_at(steps, 48)["seconds"] == 2.0 and ttft.step_at(steps, 0)["seconds"] == 1.0
+    with pytest.raises(ValueError, match="position 50"):
+        ttft.step_at(steps, 50)
