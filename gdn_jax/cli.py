@@ -40,6 +40,11 @@ def nonnegative_int(text: str) -> int:
     return _int_in(text, 0)
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1, e.g. "1,4,16"."""
+    return [_int_in(item, 1) for item in text.split(",")]
+
+
 def port(text: str) -> int:
     """An argparse type: a TCP port, 0 (any free one) to 65535."""
     return _int_in(text, 0, 65535)

@@ -50,6 +50,7 @@ T_START = time.perf_counter()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from gdn_jax.cli import nonnegative_int, positive_int  # noqa: E402
 from gdn_jax.config import get_preset  # noqa: E402
 from gdn_jax.weights import abstract_model  # noqa: E402
 from gdn_jax.worker import Worker, compile_threads_default, default_memory_budget, plan_memory  # noqa: E402
@@ -224,22 +225,22 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3.5-9b", help="model preset (random weights are never built)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation and weight dtype")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="engine max_num_seqs (the rows buckets)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="engine max_model_len (the block tables' width)")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size")
-    p.add_argument("--chunk-stride", type=int, default=64, help="engine chunk_stride (checkpoint boundaries)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine max_num_batched_tokens (default "
+    p.add_argument("--max-num-seqs", type=positive_int, default=16, help="engine max_num_seqs (the rows buckets)")
+    p.add_argument("--max-model-len", type=positive_int, default=4096, help="engine max_model_len (the block tables' width)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="KV block size")
+    p.add_argument("--chunk-stride", type=positive_int, default=64, help="engine chunk_stride (checkpoint boundaries)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="engine max_num_batched_tokens (default "
                    "max(chunk_stride, 2048)): in checkpoint mode 'scan' the largest prefill row and the grid's bound")
     p.add_argument("--checkpoint-mode", default="scan", choices=("scan", "promote"), help="engine checkpoint_mode "
                    "('promote': prefill rows of at most chunk_stride tokens, no saves)")
     p.add_argument("--checkpoint-policy", default="all", choices=("all", "last"), help="engine checkpoint_policy")
     p.add_argument("--shapes", default="", help="comma-separated ROWSxTOKENSxBLOCKS shapes to time (default: all)")
-    p.add_argument("--limit", type=int, default=0, help="time N shapes spread over the grid (0: all)")
+    p.add_argument("--limit", type=nonnegative_int, default=0, help="time N shapes spread over the grid (0: all)")
     p.add_argument("--prompt-logprobs", action="store_true", help="also compile the prompt-logprobs step per prefill "
                    "shape (as warm_up(prompt_logprobs=True)); its time counts in the shape's total")
     p.add_argument("--warm-up", action="store_true", help="time Worker.warm_up() as a whole (lowering overlapped "
                    "with compilation, as the engine warms up) instead of shape by shape")
-    p.add_argument("--compile-threads", type=int, default=None, help="with --warm-up: threads compiling at once "
+    p.add_argument("--compile-threads", type=positive_int, default=None, help="with --warm-up: threads compiling at once "
                    "(default: Worker.warm_up's, the cores this process may use)")
     p.add_argument("--cache-dir", default="off", help="persistent compilation cache folder, or 'off' (default)")
     p.add_argument("--second-start", action="store_true", help="run twice in fresh processes on one new cache "
@@ -256,4 +257,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from study_cli import run  # a setting the engine refuses: one line naming it
+    run(main)

@@ -261,10 +261,21 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
     assert cold["vllm_ms"] == 500 and cold["ratio"] == pytest.approx(cold["gdn_jax_ms"] / 500)
 
 
-def test_bench_decode_rejects_a_negative_profile_step_count(capsys):
-    with pytest.raises(SystemExit):
-        _script("bench_decode").main(["--profile-steps", "-1"])
-    assert "--profile-steps: -1: expected 0 or more" in capsys.readouterr().err
+@pytest.mark.parametrize("script, argv, message", [
+    ("bench_decode", ["--profile-steps", "-1"], "argument --profile-steps: -1 is below 0"),
+    ("bench_decode", ["--batches", "1,,4"], "argument --batches: '' is not an integer"),
+    ("bench_decode", ["--steps", "0"], "argument --steps: 0 is below 1"),
+    ("bench_host", ["--batches", "0"], "argument --batches: 0 is below 1"),
+    ("bench_itl", ["--lead", "20", "--max-tokens", "8"], "--lead (20) must be below --max-tokens (8)"),
+    ("bench_serving", ["--concurrency", "2", "0"], "argument --concurrency: 0 is below 1"),
+    ("bench_restore", ["--repeats", "0"], "argument --repeats: 0 is below 1"),
+    ("bench_scheduler", ["--seqs", "-2"], "argument --seqs: -2 is below 1"),
+    ("bench_compile", ["--limit", "-1"], "argument --limit: -1 is below 0"),
+])
+def test_a_bad_count_is_an_error_naming_it_before_anything_runs(script, argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        _script(script).main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_bench_compile_options_runs_the_sets_asked_for_beside_xla_defaults(tmp_path, capsys):
