@@ -247,6 +247,8 @@ def main(argv=None):
                    "folder (or --cache-dir) and report the second start")
     p.add_argument("--out", default=None, help="JSON output (default results/bench_compile_<preset>.json)")
     a = p.parse_args(argv)
+    if a.chunk_stride % a.block_size:  # the engine's rule (the worker built here from shapes alone skips its checks)
+        p.error(f"--chunk-stride ({a.chunk_stride}) must be a multiple of --block-size ({a.block_size})")
     result = second_start(a, argv) if a.second_start else measure(a)
     result |= {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
                "loadavg": os.getloadavg()}

@@ -217,6 +217,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_serving.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
+    if args.system + args.question + args.max_tokens > args.max_model_len:
+        ap.error(f"--system ({args.system}) + --question ({args.question}) + --max-tokens ({args.max_tokens}) "
+                 f"exceeds --max-model-len ({args.max_model_len})")
 
     from gdn_jax.config import ModelConfig, get_preset
     from gdn_jax.weights import model_folder

@@ -271,6 +271,8 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
     ("bench_restore", ["--repeats", "0"], "argument --repeats: 0 is below 1"),
     ("bench_scheduler", ["--seqs", "-2"], "argument --seqs: -2 is below 1"),
     ("bench_compile", ["--limit", "-1"], "argument --limit: -1 is below 0"),
+    ("bench_compile", ["--chunk-stride", "24"], "--chunk-stride (24) must be a multiple of --block-size (16)"),
+    ("bench_serving", ["--system", "200", "--max-model-len", "128"], "exceeds --max-model-len (128)"),
 ])
 def test_a_bad_count_is_an_error_naming_it_before_anything_runs(script, argv, message, capsys):
     with pytest.raises(SystemExit) as e:
