@@ -31,6 +31,7 @@ from pathlib import Path
 import jax
 import jaxlib
 from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache
 
 
 ENVIRONMENT = ("XLA_FLAGS", "GDN_JAX_UNROLL_LAYERS")  # environment variables that change a compiled step
@@ -135,13 +136,20 @@ def fresh_compilation():
     store saves. On the CPU an executable JAX loaded from that cache cannot be serialized again (the copy loads, then
     fails at its first call: "Function ... not found"), and that cache's key leaves out what the store's key holds
     (the source digest): after an edit that leaves the compiled program as it was, warm-up would load it from JAX's
-    cache and store a copy that fails on the next start."""
+    cache and store a copy that fails on the next start.
+
+    The flag alone did not stop every load: a process that had compiled with the cache on still loaded warm-up's
+    programs from it (JAX keeps whether its cache is in use once checked), and the store saved those copies. The
+    cache is also reset on the way in and out, so that JAX reads the flag anew both times
+    (tests/gdn_jax/test_executables.py runs the processes that showed it)."""
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def save(folder: str | None, key: str, compiled, max_bytes: int | None = None) -> bool:

@@ -243,3 +243,42 @@ def test_the_cache_bound_can_be_lifted_is_off_on_a_read_only_folder_and_a_bad_on
         done = _cache_child(tmp_path / bad, bad, 1)
         assert done.returncode != 0 and "GDN_JAX_CACHE_MAX_MB must be a positive whole number" in done.stderr
         assert repr(bad) in done.stderr
+
+
+START = """
+import json, sys
+from gdn_jax import LLM, SamplingParams
+llm = LLM("tiny-random", verbose=False, max_num_seqs=1, max_model_len=64, chunk_stride=16, max_num_batched_tokens=16)
+llm.engine.warm_up()
+out = llm.generate([[5, 6, 7], list(range(10, 40))], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                   use_tqdm=False)
+print(json.dumps({"stats": llm.engine.worker.warm_up_stats, "tokens": [o.outputs[0].token_ids for o in out]}))
+"""
+
+
+@pytest.mark.slow  # three processes, ~25 s
+def test_a_store_refilled_while_jax_cache_holds_the_programs_serves_the_next_process(tmp_path):
+    """Process starts on one cache folder: the first fills JAX's cache and the store; the store is then lost (an
+    eviction, a corrupt entry, another source version) while JAX's cache still holds every program; the second start
+    refills the store; the third loads it and must generate the same tokens. The second start used to store copies
+    of JAX's cache loads (turning JAX's flag off alone did not stop them in such a process), and the third failed at
+    its first call: "Function ... not found"."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GDN_JAX_CACHE_DIR": str(tmp_path)}
+
+    def start():
+        r = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = start()
+    assert first["stats"]["loaded"] == 0
+    shutil.rmtree(tmp_path / "executables")
+    refilled = start()
+    assert refilled["stats"] == first["stats"] and refilled["tokens"] == first["tokens"]
+    third = start()
+    assert third["stats"]["compiled"] == 0 and third["tokens"] == first["tokens"]
