@@ -260,6 +260,14 @@ class LLMEngine:
         "fused" or "parallel": the same maths, so outputs agree to float rounding."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        ints = dict(block_size=block_size, chunk_stride=chunk_stride, max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, num_linear_slots=num_linear_slots,
+                    max_num_batched_tokens=max_num_batched_tokens, memory_budget_bytes=memory_budget_bytes, seed=seed)
+        for name, value in ints.items():  # a float here failed later, in a shape or a slice, naming nothing
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+                raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):
+            raise ValueError(f"gpu_memory_utilization must be a number, got {gpu_memory_utilization!r}")
         if gdn_schedule not in GDN_SCHEDULES:
             raise ValueError(f"gdn_schedule must be one of {GDN_SCHEDULES}, got {gdn_schedule!r}")
         if block_size < 1 or chunk_stride < 1 or chunk_stride % block_size:

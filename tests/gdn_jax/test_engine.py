@@ -128,6 +128,12 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, para
     (dict(max_num_seqs=8, num_linear_slots=9), "num_linear_slots=9 leaves no room for a checkpoint"),
     (dict(max_num_seqs=8, memory_budget_bytes=1 << 16), "linear-state slots"),
     (dict(dtype="float16"), "dtype"),
+    (dict(memory_budget_bytes=1.5e6), r"memory_budget_bytes must be an int, got 1500000.0 \(float\)"),
+    (dict(num_kv_blocks=300.0), "num_kv_blocks must be an int"),
+    (dict(max_num_batched_tokens=64.5), "max_num_batched_tokens must be an int"),
+    (dict(block_size=16.0), "block_size must be an int"),
+    (dict(max_num_seqs=True), "max_num_seqs must be an int, got True"),
+    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number"),
 ])
 def test_invalid_cache_configuration_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
