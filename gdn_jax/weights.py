@@ -93,8 +93,8 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
                 continue
             raise ValueError(f"unexpected tensor {name!r} in {folder} (not part of the {cfg.name} layout)")
         path, rows = expected[name]
-        if name.endswith("conv1d.weight") and arr.ndim == 3:
-            arr = arr[:, 0, :]  # [C, 1, K] -> [C, K]
+        if name.endswith("conv1d.weight") and arr.ndim == 3 and arr.shape[1] == 1:
+            arr = arr[:, 0, :]  # [C, 1, K] -> [C, K] (any other 3-D shape is refused below)
         param = flat[path].get_value()
         want = param.shape if rows is None else (rows.stop - rows.start, *param.shape[1:])
         if tuple(arr.shape) != tuple(want):

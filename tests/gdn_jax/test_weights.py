@@ -66,6 +66,14 @@ def test_misshaped_tensor_is_named(tmp_path):
         load_hf_weights(folder)
 
 
+def test_a_conv_weight_with_more_than_one_input_channel_is_named(tmp_path):
+    """The depthwise conv's HF weight is [C, 1, K]; [C, 2, K] is no Qwen3.5 conv, not a weight to take a slice of."""
+    name = "model.layers.0.linear_attn.conv1d.weight"
+    folder = _copy_with(tmp_path, edit_tensors=lambda t: t.__setitem__(name, np.repeat(t[name], 2, axis=1)))
+    with pytest.raises(ValueError, match=rf"{name}.*shape \(\d+, 2, 4\)"):
+        load_hf_weights(folder)
+
+
 def test_unsupported_model_type_is_named(tmp_path):
     folder = _copy_with(tmp_path, edit_config=lambda c: c.__setitem__("model_type", "llama"))
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
