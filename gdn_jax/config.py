@@ -82,14 +82,37 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "custom") -> "ModelConfig":
-        """Builds the config from a HF `config.json` dict (`qwen3_5_text`, or the text part of `qwen3_5`)."""
+        """Builds the config from a HF `config.json` dict (`qwen3_5_text`, or the text part of `qwen3_5`). A missing
+        field or one of the wrong type is a ValueError naming it."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"a model config must be a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         tie = cfg.get("tie_word_embeddings", False)
         if model_type == "qwen3_5":
-            tie = cfg.get("text_config", {}).get("tie_word_embeddings", tie)
+            if not isinstance(cfg.get("text_config"), dict):
+                raise ValueError("a qwen3_5 config needs its text_config (a JSON object)")
+            tie = cfg["text_config"].get("tie_word_embeddings", tie)
             cfg = cfg["text_config"]
+        try:
+            return cls._from_text_config(cfg, tie, name)
+        except KeyError as e:
+            raise ValueError(f"the model config lacks {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_text_config(cls, cfg: dict, tie, name: str) -> "ModelConfig":
+        for field in (*_POSITIVE_INT_FIELDS, "head_dim", "linear_conv_kernel_dim", "max_position_embeddings"):
+            value = cfg.get(field, 1)
+            if field in _POSITIVE_INT_FIELDS and field not in cfg:
+                continue  # named as missing below
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"model config field {field!r} must be a positive int, got {value!r}")
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"model config field 'rms_norm_eps' must be a positive number, got {eps!r}")
+        if not isinstance(tie, bool):
+            raise ValueError(f"model config field 'tie_word_embeddings' must be true or false, got {tie!r}")
         rope = dict(cfg.get("rope_parameters") or {})
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         prf = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
@@ -103,6 +126,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
+            raise ValueError(f"model config field 'eos_token_id' must be a token id (an int >= 0), got {eos!r}")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -120,7 +145,7 @@ class ModelConfig:
             linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(tie),
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            max_position_embeddings=cfg.get("max_position_embeddings") or 32768,
             eos_token_id=eos,
             name=name,
         )
@@ -149,6 +174,12 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise NotAModelFolder(f"no config.json in model folder {path}")
         return cls.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+
+
+# config.json fields a model cannot do without (each a positive int)
+_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                        "linear_value_head_dim")
 
 
 class NotAModelFolder(FileNotFoundError, ValueError):

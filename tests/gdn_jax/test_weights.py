@@ -80,6 +80,22 @@ def test_unsupported_model_type_is_named(tmp_path):
         load_hf_weights(folder)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.pop("vocab_size"), "the model config lacks 'vocab_size'"),
+    (lambda c: c.__setitem__("tie_word_embeddings", "false"), "'tie_word_embeddings' must be true or false"),
+    (lambda c: c.__setitem__("eos_token_id", "1"), "'eos_token_id' must be a token id"),
+    (lambda c: c.__setitem__("rms_norm_eps", "1e-6"), "'rms_norm_eps' must be a positive number"),
+    (lambda c: c.__setitem__("num_key_value_heads", 0), "'num_key_value_heads' must be a positive int, got 0"),
+    (lambda c: c.__setitem__("hidden_size", "64"), "'hidden_size' must be a positive int, got '64'"),
+    (lambda c: c.__setitem__("vocab_size", 512.0), "'vocab_size' must be a positive int, got 512.0"),
+    (lambda c: c.update(model_type="qwen3_5"), "a qwen3_5 config needs its text_config"),
+])
+def test_a_config_field_missing_or_of_the_wrong_type_is_named(tmp_path, edit, message):
+    """A string "false" is true in Python: such fields are refused, not converted (the model would be another)."""
+    with pytest.raises(ValueError, match=message):
+        load_hf_weights(_copy_with(tmp_path, edit_config=edit))
+
+
 def test_unknown_model_name_is_an_error():
     with pytest.raises(ValueError, match="neither a shipped model"):
         load_model("no-such-model")
