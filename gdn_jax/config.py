@@ -102,10 +102,11 @@ class ModelConfig:
 
     @classmethod
     def _from_text_config(cls, cfg: dict, tie, name: str) -> "ModelConfig":
+        for field in _POSITIVE_INT_FIELDS:
+            if cfg.get(field) is None:
+                raise ValueError(f"the model config lacks {field!r}")
         for field in (*_POSITIVE_INT_FIELDS, "head_dim", "linear_conv_kernel_dim", "max_position_embeddings"):
-            value = cfg.get(field, 1)
-            if field in _POSITIVE_INT_FIELDS and field not in cfg:
-                continue  # named as missing below
+            value = cfg.get(field)  # None: an optional field's default
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"model config field {field!r} must be a positive int, got {value!r}")
         eps = cfg.get("rms_norm_eps", 1e-6)

@@ -82,6 +82,7 @@ def test_unsupported_model_type_is_named(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c.pop("vocab_size"), "the model config lacks 'vocab_size'"),
+    (lambda c: c.__setitem__("hidden_size", None), "the model config lacks 'hidden_size'"),
     (lambda c: c.__setitem__("tie_word_embeddings", "false"), "'tie_word_embeddings' must be true or false"),
     (lambda c: c.__setitem__("eos_token_id", "1"), "'eos_token_id' must be a token id"),
     (lambda c: c.__setitem__("rms_norm_eps", "1e-6"), "'rms_norm_eps' must be a positive number"),
