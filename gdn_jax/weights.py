@@ -50,20 +50,30 @@ def _hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, slice | None]]:
 
 def _open_tensors(folder: Path):
     """Yields (name, array) for every tensor of a single-file or sharded safetensors checkpoint."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index} is no safetensors index (a JSON object with a 'weight_map')") from None
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise NotAModelFolder(f"{index} names shard(s) missing from {folder}: {', '.join(missing)}")
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise NotAModelFolder(f"no model.safetensors or model.safetensors.index.json in {folder}")
     for fname in files:
-        with safe_open(str(folder / fname), framework="flax") as f:
-            for name in f.keys():
-                if not name.startswith(SKIPPED_PREFIXES):
-                    yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(folder / fname), framework="flax") as f:
+                for name in f.keys():
+                    if not name.startswith(SKIPPED_PREFIXES):
+                        yield name, f.get_tensor(name)
+        except SafetensorError as e:  # a truncated or corrupt file: the library's message names no file
+            raise ValueError(f"{folder / fname} cannot be read as safetensors: {e}") from None
 
 
 def _canonical(name: str) -> str:
@@ -95,6 +105,8 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
         path, rows = expected[name]
         if name.endswith("conv1d.weight") and arr.ndim == 3 and arr.shape[1] == 1:
             arr = arr[:, 0, :]  # [C, 1, K] -> [C, K] (any other 3-D shape is refused below)
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, expected a floating-point dtype")
         param = flat[path].get_value()
         want = param.shape if rows is None else (rows.stop - rows.start, *param.shape[1:])
         if tuple(arr.shape) != tuple(want):

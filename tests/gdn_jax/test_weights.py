@@ -74,6 +74,31 @@ def test_a_conv_weight_with_more_than_one_input_channel_is_named(tmp_path):
         load_hf_weights(folder)
 
 
+def test_an_integer_tensor_is_named(tmp_path):
+    name = "model.norm.weight"
+    folder = _copy_with(tmp_path, edit_tensors=lambda t: t.__setitem__(name, t[name].astype(np.int32)))
+    with pytest.raises(ValueError, match=f"{name}.*dtype int32"):
+        load_hf_weights(folder)
+
+
+def test_a_broken_checkpoint_file_is_named(tmp_path):
+    """A truncated shard, an index naming a shard that is not there, an index without its weight map."""
+    folder = _copy_with(tmp_path)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"{weights} cannot be read as safetensors"):
+        load_hf_weights(folder)
+    weights.write_bytes(data)
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match="names shard\\(s\\) missing .*model-00002-of-00002.safetensors"):
+        load_hf_weights(folder)
+    index.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="is no safetensors index"):
+        load_hf_weights(folder)
+
+
 def test_unsupported_model_type_is_named(tmp_path):
     folder = _copy_with(tmp_path, edit_config=lambda c: c.__setitem__("model_type", "llama"))
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
