@@ -413,9 +413,13 @@ class _Server:
         self.max_model_len = self.engine.max_model_len
         self._chat = None
         if config.chat_template:
+            from jinja2 import TemplateSyntaxError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
-            self._chat = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-                config.chat_template)
+            try:
+                self._chat = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+                    config.chat_template)
+            except TemplateSyntaxError as e:  # one line naming where, not a traceback (the CLI reports ValueErrors)
+                raise ValueError(f"the chat template does not parse (line {e.lineno}): {e.message}") from None
         self._ids = itertools.count()
 
     # -- shared parts -------------------------------------------------------------------------------------------

@@ -60,6 +60,17 @@ def test_a_bad_option_is_one_line_naming_it(argv, message, capsys):
     assert e.value.code == 2 and message in err and "Traceback" not in err
 
 
+def test_a_chat_template_that_does_not_parse_is_one_line(tmp_path, capsys):
+    from gdn_jax.cli import main
+    bad = tmp_path / "t.jinja"
+    bad.write_text("{{ messages }}\n{% if %}")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--chat-template", str(bad), "--port", "0", "--no-warm-up"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert "the chat template does not parse (line 2): Expected an expression" in err
+
+
 def test_a_model_folder_without_weights_is_one_line_naming_what_is_missing(tmp_path, capsys):
     from gdn_jax.__main__ import main
     (tmp_path / "config.json").write_text((ROOT / "tests" / "fixtures" / "hf_tiny" / "config.json").read_text())
