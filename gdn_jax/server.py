@@ -407,19 +407,50 @@ def load_chat_template(folder: str | Path | None) -> str | None:
     return None
 
 
+def compile_chat_template(source: str):
+    """A chat template compiled as transformers' `apply_chat_template` compiles it: a sandboxed environment with
+    `trim_blocks` and `lstrip_blocks`, jinja's loop controls (`{% break %}`, `{% continue %}`), the `{% generation %}`
+    tag (it marks assistant text for training masks; rendered as its body), `raise_exception(message)` (a
+    `TemplateError` with the template's message), `strftime_now(format)`, and a `tojson` that keeps non-ASCII text,
+    neither escapes HTML characters nor sorts keys, and takes `indent`, `separators` and `sort_keys`."""
+    import datetime
+
+    from jinja2 import TemplateError, TemplateSyntaxError, nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateSyntaxError as e:  # one line naming where, not a traceback (the CLI reports ValueErrors)
+        raise ValueError(f"the chat template does not parse (line {e.lineno}): {e.message}") from None
+
+
 class _Server:
     def __init__(self, loop: EngineLoop, config: ServerConfig):
         self.loop, self.config, self.engine = loop, config, loop.engine
         self.max_model_len = self.engine.max_model_len
-        self._chat = None
-        if config.chat_template:
-            from jinja2 import TemplateSyntaxError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            try:
-                self._chat = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-                    config.chat_template)
-            except TemplateSyntaxError as e:  # one line naming where, not a traceback (the CLI reports ValueErrors)
-                raise ValueError(f"the chat template does not parse (line {e.lineno}): {e.message}") from None
+        self._chat = compile_chat_template(config.chat_template) if config.chat_template else None
         self._ids = itertools.count()
 
     # -- shared parts -------------------------------------------------------------------------------------------
@@ -874,4 +905,5 @@ def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port
         loop.shutdown()
 
 
-__all__ = ["BadRequest", "EngineError", "EngineLoop", "ServerConfig", "ServerThread", "create_app", "load_chat_template", "serve"]
+__all__ = ["BadRequest", "EngineError", "EngineLoop", "ServerConfig", "ServerThread", "compile_chat_template", "create_app",
+           "load_chat_template", "serve"]

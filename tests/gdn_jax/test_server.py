@@ -535,3 +535,35 @@ def test_n_samples_per_prompt_are_the_choices_in_order(server, offline):
     for c in _streamed(server, chat, "/v1/chat/completions", server.chat_url):
         replies[c["index"]] = replies.get(c["index"], "") + c["delta"].get("content", "")
     assert [replies[j] for j in range(3)] == [c["message"]["content"] for c in r["choices"]]
+
+
+def test_chat_templates_render_as_transformers_apply_chat_template_does():
+    """transformers compiles a chat template with jinja's loop controls and its `{% generation %}` tag, gives it
+    `raise_exception` and `strftime_now`, and a `tojson` that neither escapes HTML nor sorts keys: templates that use
+    them (Qwen3.5's raises on a late system message) parse and render the same here."""
+    from jinja2 import TemplateError
+
+    from gdn_jax.server import compile_chat_template
+    tpl = compile_chat_template(
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+        "{% if m.role == 'user' %}{% generation %}[{{ m.content | tojson }}]{% endgeneration %}{% break %}{% endif %}"
+        "{% endfor %}{{ strftime_now('%Y') | length }}")
+    user = {"role": "user", "content": "a<b & é", "meta": {"z": 1, "a": 2}}
+    assert tpl.render(messages=[user]) == '["a<b & é"]4'
+    assert compile_chat_template("{{ m | tojson }}").render(m={"z": 1, "a": [1]}) == '{"z": 1, "a": [1]}'
+    assert compile_chat_template("{{ m | tojson(indent=2) }}").render(m={"a": 1}) == '{\n  "a": 1\n}'
+    with pytest.raises(TemplateError, match="System message must be at the beginning"):
+        tpl.render(messages=[{"role": "assistant", "content": "hi"}, {"role": "system", "content": "late"}])
+
+
+def test_a_template_that_raises_names_its_message_in_the_400(server):
+    template = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+                "<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>")
+    with ServerThread(create_app(server.loop, ServerConfig(model_name="tiny", chat_template=template))) as chat:
+        msgs = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
+        r = _post(server, {"messages": msgs, "max_tokens": 2}, "/v1/chat/completions", chat.url)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "System message must be at the beginning." in r.json()["error"]["message"]
+        assert _post(server, {"messages": msgs[:1], "max_tokens": 2}, "/v1/chat/completions", chat.url).status_code == 200
