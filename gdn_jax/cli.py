@@ -85,7 +85,7 @@ def _engine_kwargs(args) -> dict:
 
 def _serve(args) -> None:
     try:
-        from gdn_jax.server import ServerConfig, load_chat_template, serve
+        from gdn_jax.server import ServerConfig, load_chat_template, load_special_tokens, serve
     except ImportError as e:
         sys.exit(f"gdn-jax serve needs the server extra: pip install 'gdn-jax[serve]' ({e})")
     from gdn_jax.engine import LLMEngine
@@ -93,6 +93,7 @@ def _serve(args) -> None:
         template = Path(args.chat_template).read_text() if args.chat_template else load_chat_template(args.model)
     except OSError as e:
         raise ValueError(f"--chat-template {args.chat_template}: {e.strerror or e}") from None
+    special_tokens = load_special_tokens(args.model)  # the template's bos_token, eos_token, ...: the tokenizer's
     engine = LLMEngine(args.model, **_engine_kwargs(args))
     if not args.no_warm_up:
         t0 = time.perf_counter()
@@ -102,7 +103,7 @@ def _serve(args) -> None:
                           api_key=args.api_key or os.environ.get("GDN_JAX_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes,
                           max_tokens_limit=min(args.max_tokens_limit, args.max_model_len),
-                          chat_template=template)
+                          chat_template=template, special_tokens=special_tokens)
     print(f"[gdn_jax] serving {config.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
 

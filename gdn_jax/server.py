@@ -65,6 +65,7 @@ class ServerConfig:
     max_tokens_limit: int = 1024             # the largest `max_tokens` accepted
     max_prompts: int = 64                    # prompts in one /v1/completions request
     chat_template: str | None = None         # jinja source; None: /v1/chat/completions answers 400
+    special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)  # the template's bos_token, ...
 
 
 class BadRequest(Exception):
@@ -446,6 +447,26 @@ def compile_chat_template(source: str):
         raise ValueError(f"the chat template does not parse (line {e.lineno}): {e.message}") from None
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def load_special_tokens(folder: str | Path | None) -> dict[str, str]:
+    """The special tokens transformers gives a chat template (`bos_token`, `eos_token`, ...): those
+    `tokenizer_config.json` sets, as a string or an added-token object's `content`; one unset or null is left out
+    (undefined in the template)."""
+    cfg = Path(folder) / "tokenizer_config.json" if folder is not None else None
+    if cfg is None or not cfg.is_file():
+        return {}
+    data = json.loads(cfg.read_text())
+    tokens = {}
+    for name in SPECIAL_TOKENS:
+        value = data.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
 class _Server:
     def __init__(self, loop: EngineLoop, config: ServerConfig):
         self.loop, self.config, self.engine = loop, config, loop.engine
@@ -730,7 +751,7 @@ class _Server:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
         try:
-            text = self._chat.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+            text = self._chat.render(messages=messages, add_generation_prompt=True, **self.config.special_tokens)
         except Exception as e:  # noqa: BLE001 - a template error is the request's (or the template's) problem
             raise BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
         text, ids = self.validate_prompt(text, SamplingParams())
@@ -906,4 +927,4 @@ def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port
 
 
 __all__ = ["BadRequest", "EngineError", "EngineLoop", "ServerConfig", "ServerThread", "compile_chat_template", "create_app",
-           "load_chat_template", "serve"]
+           "load_chat_template", "load_special_tokens", "serve"]

@@ -567,3 +567,35 @@ def test_a_template_that_raises_names_its_message_in_the_400(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
         assert "System message must be at the beginning." in r.json()["error"]["message"]
         assert _post(server, {"messages": msgs[:1], "max_tokens": 2}, "/v1/chat/completions", chat.url).status_code == 200
+
+
+def test_serve_renders_the_template_with_the_tokenizer_special_tokens(server, tmp_path, monkeypatch):
+    """transformers renders a chat template with the tokenizer's special tokens (tokenizer_config.json's bos_token,
+    eos_token, ..., a string or an added-token object; one set to null stays undefined): a template that opens with
+    the BOS text or closes assistant turns with the EOS text gets them, from the model folder, also under
+    --chat-template."""
+    import shutil
+
+    from gdn_jax import cli
+    from tests.gdn_jax.helpers import FIXTURE
+    folder = tmp_path / "m"
+    shutil.copytree(FIXTURE, folder)
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+                "{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}<|assistant|>"
+                "{{ pad_token is defined }}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": {"content": "</s>", "special": True, "__type": "AddedToken"},
+        "pad_token": None, "chat_template": template}))
+    (tmp_path / "t.jinja").write_text(template.replace("<|assistant|>", "<|bot|>"))
+    monkeypatch.setenv("GDN_JAX_CACHE_DIR", "off")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "more"}]
+    for extra, reply in (([], "<|assistant|>"), (["--chat-template", str(tmp_path / "t.jinja")], "<|bot|>")):
+        configs = []
+        monkeypatch.setattr("gdn_jax.server.serve", lambda engine, config, **kw: configs.append(config))
+        cli.main(["serve", "--model", str(folder), "--no-warm-up", "--max-model-len", "64", "--max-num-seqs", "2",
+                  *extra])
+        with ServerThread(create_app(server.loop, configs[0])) as chat:
+            r = _post(server, {"messages": msgs, "max_tokens": 1}, "/v1/chat/completions", chat.url)
+        rendered = f"<s><|user|>hi<|assistant|>ok</s><|user|>more{reply}False"  # trim_blocks takes each newline
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(rendered.encode()), r.text
