@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import sys
 import time
@@ -21,7 +22,7 @@ from gdn_jax.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker import GPU_MEMORY_UTILIZATION, PromptLogprobs, Worker, default_memory_budget, plan_memory
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
-from scheduler.sampling_params import SEED_BOUND
+from scheduler.sampling_params import MAX_STOP_TOKEN_IDS, SEED_BOUND
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 GDN_SCHEDULES = ("auto", "fused", "parallel")  # chunked GDN rule schedules (gated_delta.chunk_gated_delta_rule)
@@ -231,6 +232,23 @@ def _token_list(ids, what: str = "a token-id prompt") -> list:
     return out
 
 
+def generation_eos_ids(folder: Path | None) -> list[int]:
+    """The end-of-sequence ids a model folder's `generation_config.json` lists (`eos_token_id`: an id or a list; []
+    without the file or the field). A chat model's config.json may name one EOS while this lists the end-of-turn
+    token too (Qwen3.5: <|endoftext|> there, <|im_end|> and <|endoftext|> here)."""
+    path = Path(folder) / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a JSON object ({e})") from None
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return list(dict.fromkeys(ids))
+
+
 class LLMEngine:
     """Step-level engine: `add_request`, `step`, `abort_request`, `has_unfinished_requests`."""
 
@@ -279,6 +297,8 @@ class LLMEngine:
                              f"{self.cfg.max_position_embeddings}")
         folder = model_folder(model)
         self.tokenizer = get_tokenizer(folder, self.cfg.vocab_size, self.cfg.eos_token_id)
+        # generation_config.json's other end-of-sequence ids end a request as stop tokens unless ignore_eos (vLLM's way)
+        self.extra_eos_ids = [t for t in generation_eos_ids(folder) if t != self.cfg.eos_token_id]
         has_linear = bool(self.cfg.linear_layer_ids)
         if memory_budget_bytes is None:
             params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
@@ -341,6 +361,14 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids or () if t >= self.cfg.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        extra = [t for t in self.extra_eos_ids if t not in (params.stop_token_ids or ())]
+        if extra and not params.ignore_eos:
+            stops = [*(params.stop_token_ids or ()), *extra]
+            if len(stops) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"stop_token_ids holds {len(stops) - len(extra)} ids; with the model's {len(extra)} "
+                                 f"further end-of-sequence ids (generation_config.json) at most "
+                                 f"{MAX_STOP_TOKEN_IDS - len(extra)} are supported")
+            params = dataclasses.replace(params, stop_token_ids=stops)
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("empty prompt: at least one token is needed")

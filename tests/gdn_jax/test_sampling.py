@@ -318,6 +318,29 @@ def test_model_folder_tokenizer_json_is_used(tmp_path):
     assert out.prompt_token_ids == [2, 3, 4, 5]
 
 
+def test_generation_config_end_of_sequence_ids_end_a_request(tmp_path):
+    """A chat model's config.json may name one EOS (Qwen3.5: <|endoftext|>) while its generation_config.json lists the
+    end-of-turn token too (<|im_end|>): every id there ends a request, as with transformers' generate and vLLM (the
+    others as stop tokens: the stop_reason, their text left out), unless ignore_eos; with min_tokens not before."""
+    import json
+    folder = tmp_path / "m"
+    shutil.copytree(FIXTURE, folder)
+    kw = dict(max_model_len=64, max_num_seqs=2, verbose=False)
+    greedy = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompt = list(range(40, 60))
+    ids = LLM(str(folder), **kw).generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    j = next(j for j in range(2, 16) if ids[j] not in ids[:j] and ids[j] != 1)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, ids[j]], "temperature": 0.7}))
+    llm = LLM(str(folder), **kw)
+    out = llm.generate([prompt], SamplingParams(**{**greedy, "ignore_eos": False}), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[:j + 1], "stop", ids[j])
+    assert out.text == llm.get_tokenizer().decode(ids[:j])
+    again = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == ids and again.finish_reason == "length"
+    held = SamplingParams(**{**greedy, "ignore_eos": False, "min_tokens": j + 1})  # banned as EOS is, until then
+    assert llm.generate([prompt], held, use_tqdm=False)[0].outputs[0].token_ids[j] != ids[j]
+
+
 def test_min_tokens_holds_off_stop_strings_as_it_does_stop_tokens(llm):
     """vLLM's rule: no stop string is looked for in the text of the first min_tokens tokens. The stop string here
     occurs in that text and again after it."""
