@@ -149,6 +149,7 @@ class ChatMessage(_Body):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables (`enable_thinking`, ...)
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: Any = None
@@ -751,7 +752,8 @@ class _Server:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
         try:
-            text = self._chat.render(messages=messages, add_generation_prompt=True, **self.config.special_tokens)
+            text = self._chat.render({"add_generation_prompt": True, **self.config.special_tokens,
+                                      **(req.chat_template_kwargs or {}), "messages": messages})
         except Exception as e:  # noqa: BLE001 - a template error is the request's (or the template's) problem
             raise BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
         text, ids = self.validate_prompt(text, SamplingParams())

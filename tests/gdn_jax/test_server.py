@@ -599,3 +599,20 @@ def test_serve_renders_the_template_with_the_tokenizer_special_tokens(server, tm
             r = _post(server, {"messages": msgs, "max_tokens": 1}, "/v1/chat/completions", chat.url)
         rendered = f"<s><|user|>hi<|assistant|>ok</s><|user|>more{reply}False"  # trim_blocks takes each newline
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(rendered.encode()), r.text
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    """vLLM's `chat_template_kwargs` (Qwen3.5's `enable_thinking`: false opens the reply with an empty think block)
+    are template variables; they were dropped as an unknown field, so thinking stayed on."""
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+                "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}")
+    hi = [{"role": "user", "content": "hi"}]
+    with ServerThread(create_app(server.loop, ServerConfig(model_name="tiny", chat_template=template))) as chat:
+        for kwargs, rendered in (({"enable_thinking": False}, "<|user|>hi<|assistant|><think></think>"),
+                                 ({"enable_thinking": True}, "<|user|>hi<|assistant|>"),
+                                 (None, "<|user|>hi<|assistant|>")):
+            r = _post(server, {"messages": hi, "max_tokens": 1, "chat_template_kwargs": kwargs},
+                      "/v1/chat/completions", chat.url)
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(rendered.encode()), r.text
+        r = _post(server, {"messages": hi, "chat_template_kwargs": ["x"]}, "/v1/chat/completions", chat.url)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
