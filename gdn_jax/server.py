@@ -546,11 +546,12 @@ class _Server:
             name = names.get(field, field)
             raise BadRequest(f"{name} {rest}", name) from None
 
-    def validate_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+    def validate_prompt(self, prompt, params: SamplingParams, field: str = "prompt") -> tuple[str | None, list[int]]:
+        """`field`: the request's field the prompt came from, for the errors (chat: `messages`)."""
         try:
             text, ids, _ = self.engine.validate_request(prompt, params)
         except ValueError as e:
-            raise BadRequest(f"prompt: {e}", "prompt") from None
+            raise BadRequest(f"{field}: {e}", field) from None
         return text, ids
 
     async def run(self, request: Request, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
@@ -756,7 +757,7 @@ class _Server:
                                       **(req.chat_template_kwargs or {}), "messages": messages})
         except Exception as e:  # noqa: BLE001 - a template error is the request's (or the template's) problem
             raise BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
-        text, ids = self.validate_prompt(text, SamplingParams())
+        text, ids = self.validate_prompt(text, SamplingParams(), "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as the OpenAI API: as long as the context allows (here also the server's limit)
             max_tokens = max(1, min(self.config.max_tokens_limit, self.max_model_len - len(ids)))

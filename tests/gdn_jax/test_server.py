@@ -616,3 +616,12 @@ def test_chat_template_kwargs_reach_the_template(server):
             assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(rendered.encode()), r.text
         r = _post(server, {"messages": hi, "chat_template_kwargs": ["x"]}, "/v1/chat/completions", chat.url)
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
+def test_a_conversation_too_long_for_the_context_names_messages(server):
+    """The chat API has no `prompt`: a rendered conversation the engine refuses is the `messages` field's error."""
+    r = _post(server, {"messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 1},
+              "/v1/chat/completions", server.chat_url)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages" and "max_model_len" in error["message"], r.text
+    assert error["message"].startswith("messages: ")
