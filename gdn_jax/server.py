@@ -35,6 +35,7 @@ import itertools
 import json
 import logging
 import queue
+import re
 import socket
 import threading
 import time
@@ -393,6 +394,21 @@ class _StatsCollector:
 
 
 # ---- the HTTP application ----------------------------------------------------------------------------------------
+def _tokenizer_config(folder: str | Path | None) -> dict:
+    """A model folder's `tokenizer_config.json` ({} without one); a file that is no JSON object is a ValueError
+    naming it."""
+    path = Path(folder) / "tokenizer_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not valid JSON (an object is due, got {type(data).__name__})")
+    return data
+
+
 def load_chat_template(folder: str | Path | None) -> str | None:
     """`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or the `default` entry)."""
     if folder is None or not Path(folder).is_dir():
@@ -400,9 +416,9 @@ def load_chat_template(folder: str | Path | None) -> str | None:
     path = Path(folder)
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text()
-    cfg = path / "tokenizer_config.json"
-    if cfg.is_file():
-        tpl = json.loads(cfg.read_text()).get("chat_template")
+    cfg = _tokenizer_config(path)
+    if cfg:
+        tpl = cfg.get("chat_template")
         if isinstance(tpl, list):
             tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
         return tpl if isinstance(tpl, str) else None
@@ -455,10 +471,7 @@ def load_special_tokens(folder: str | Path | None) -> dict[str, str]:
     """The special tokens transformers gives a chat template (`bos_token`, `eos_token`, ...): those
     `tokenizer_config.json` sets, as a string or an added-token object's `content`; one unset or null is left out
     (undefined in the template)."""
-    cfg = Path(folder) / "tokenizer_config.json" if folder is not None else None
-    if cfg is None or not cfg.is_file():
-        return {}
-    data = json.loads(cfg.read_text())
+    data = _tokenizer_config(folder)
     tokens = {}
     for name in SPECIAL_TOKENS:
         value = data.get(name)
@@ -507,6 +520,8 @@ class _Server:
         (chat: `max_completion_tokens`, `top_logprobs`), for the errors."""
         names = {"max_tokens": "max_tokens", "logprobs": "logprobs", **(names or {})}
         refuse_unsupported(req)
+        if req.stream_options is not None and not req.stream:  # as the OpenAI API: not silently ignored
+            raise BadRequest("stream_options needs stream: true", "stream_options")
         best_of = getattr(req, "best_of", None)
         if best_of is not None and best_of not in (1, req.n or 1):  # more samples than returned: not implemented
             raise BadRequest(f"best_of is not supported by this server beyond n (got best_of {best_of}, n "
@@ -553,6 +568,16 @@ class _Server:
         except ValueError as e:
             raise BadRequest(f"{field}: {e}", field) from None
         return text, ids
+
+    def check_request(self, ids: list[int], params: SamplingParams, field: str = "prompt") -> None:
+        """The engine's checks of a prompt with its parameters (its stop ids with the model's further end-of-sequence
+        ids, whole-row prompt logprobs, ...), before anything is submitted: a refusal is a 400 naming the field, not
+        an error inside a stream that has begun."""
+        try:
+            self.engine.validate_request(ids, params)
+        except ValueError as e:
+            name = re.match(r"\w*", str(e)).group()
+            raise BadRequest(str(e), name if name in SamplingParams.__dataclass_fields__ else field) from None
 
     async def run(self, request: Request, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
                   arrival: float):
@@ -649,6 +674,7 @@ class _Server:
             text, ids = self.validate_prompt(prompt, SamplingParams())
             params = self.sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
                                           req.logprobs if echo_lp else None, len(ids), score_only)
+            self.check_request(ids, params)
             prompts.append((text if text is not None else self.engine.tokenizer.decode(ids), ids))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "object": "text_completion", "created": created, "model": self.config.model_name}
@@ -726,8 +752,10 @@ class _Server:
                         finals.append(out)
                     for choice in delta(i, out):  # one event per choice, as the OpenAI API streams them
                         yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
-            except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'code': 500}})}\n\n"
+            except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as _error would have
+                status = e.status if isinstance(e, BadRequest) else 500
+                kind = "server_error" if status == 500 else "invalid_request_error"
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': kind, 'code': status}})}\n\n"
                 yield "data: [DONE]\n\n"
                 return
             if include_usage and len(finals) == len(prompts):
@@ -764,6 +792,7 @@ class _Server:
         params = self.sampling_params(req, max_tokens, k, None, len(ids), names={
             "logprobs": "top_logprobs",
             "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"})
+        self.check_request(ids, params, "messages")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
         tok = self.engine.tokenizer
         if req.stream:

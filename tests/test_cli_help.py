@@ -90,3 +90,17 @@ def test_generate_json_is_the_whole_of_stdout(capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)  # the engine's start-up line went to stderr
     assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length" and out["logprobs"] is None
     assert out["prompt_tokens"] == len(b"The cache") and out["e2e_s"] >= out["ttft_s"] > 0
+
+
+def test_a_corrupt_tokenizer_config_is_one_line_naming_the_file(tmp_path, capsys):
+    import shutil
+
+    from gdn_jax.cli import main
+    folder = tmp_path / "m"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "hf_tiny", folder)
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}",')
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", str(folder), "--port", "0", "--no-warm-up"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert f"{folder / 'tokenizer_config.json'}: not valid JSON" in err

@@ -264,6 +264,7 @@ BAD = [
     ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
     ({"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options needs stream: true"),
     ({"prompt": "x" * 70000}, 413, "exceeds the limit"),
 ]
 
@@ -625,3 +626,21 @@ def test_a_conversation_too_long_for_the_context_names_messages(server):
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "messages" and "max_model_len" in error["message"], r.text
     assert error["message"].startswith("messages: ")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_only_the_engine_refuses_is_a_400_before_the_stream_starts(server, monkeypatch, path):
+    """The engine judges what the server's own checks cannot (here, 32 stop ids and the model's further
+    end-of-sequence id, one too many): a 400 naming the field, streamed or not; it was an in-band server error
+    (code 500) after a 200 when streamed."""
+    monkeypatch.setattr(server.loop.engine, "extra_eos_ids", [7])
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if path.endswith("chat/completions") else {
+        "prompt": "hi"}
+    url = server.chat_url if path.endswith("chat/completions") else None
+    for stream in (False, True):
+        body = {**prompt, "max_tokens": 2, "stop_token_ids": list(range(10, 42)), "stream": stream}
+        r = _post(server, body, path, url)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+        assert "end-of-sequence" in r.json()["error"]["message"]
+    assert _post(server, {**prompt, "max_tokens": 2, "stop_token_ids": list(range(10, 41))}, path,
+                 url).status_code == 200
