@@ -240,16 +240,19 @@ COUNTERS = ("queries", "hits", "query_tokens", "reused_tokens", "checkpoints_sav
 def measured(engine: LLMEngine, make, concurrent: bool, max_tokens: int, passes: int = 1):
     """A warm-up pass of the same shapes on other tokens, then `passes` measured passes, each on its own tokens from
     an emptied prefix cache: percentiles over the requests of all passes, and each pass's p50 (its spread; a
-    concurrent pass is one batch, so one pass is one sample of the machine's state)."""
+    concurrent pass is one batch, so one pass is one sample of the machine's state). The counters are summed over the
+    measured passes, each from just after its cache reset (whose evictions are not the workload's)."""
     run_waves(engine, make(1), concurrent, max_tokens)
-    before, recs, p50s = engine.cache_stats(), [], []
+    delta, recs, p50s = dict.fromkeys(COUNTERS, 0), [], []
     for p in range(passes):
         engine.reset_prefix_cache()
+        before = engine.cache_stats()
         got = run_waves(engine, make(0 if p == 0 else p + 1), concurrent, max_tokens)
+        after = engine.cache_stats()
+        delta = {k: delta[k] + after[k] - before[k] for k in COUNTERS}
         p50s.append(1e3 * float(np.percentile([r["ttft_s"] for r in got], 50)))
         recs += got
-    after = engine.cache_stats()
-    return {**summarize(recs, {k: after[k] - before[k] for k in COUNTERS}), "ttft_p50_ms_per_pass": p50s}
+    return {**summarize(recs, delta), "ttft_p50_ms_per_pass": p50s}
 
 
 # Engine and sweep sizes. Compiling the step shapes, not running them, is where a quick study's time goes: the

@@ -137,3 +137,17 @@ def test_ab_pairs_the_restoring_step_with_the_cache_off_step_at_the_same_positio
     assert ttft.step_at(steps, 48)["seconds"] == 2.0 and ttft.step_at(steps, 0)["seconds"] == 1.0
     with pytest.raises(ValueError, match="position 50"):
         ttft.step_at(steps, 50)
+
+
+def test_ttft_study_counters_leave_out_the_evictions_of_its_own_cache_resets():
+    """Each measured pass starts from an emptied prefix cache; emptying it evicts the checkpoints of the pass before
+    (and of the warm-up), which are not evictions the workload caused: a pool with room for every checkpoint reports
+    none."""
+    from gdn_jax import LLMEngine
+    ttft = _script("bench_ttft")
+    engine = LLMEngine(MODEL, block_size=16, chunk_stride=32, max_num_seqs=1, max_model_len=128, verbose=False)
+    make = lambda r: [[[5 + (r + i) % 200 for i in range(80)]]]  # noqa: E731 - one 80-token prompt per pass
+    s = ttft.measured(engine, make, False, 1, passes=2)
+    assert s["counters"]["checkpoints_saved"] == 2 * 2  # at 32 and 64, each pass
+    assert s["counters"]["checkpoints_evicted"] == 0
+    assert engine.cache_stats()["checkpoints_evicted"] == 2 * 2  # the resets' own: warm-up's and first pass's
