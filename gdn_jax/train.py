@@ -16,6 +16,8 @@ faster in bfloat16 on the 2-core development CPU, but a training step of the sma
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import time
 from pathlib import Path
@@ -245,25 +247,62 @@ def steady_tokens_per_s(history: list[dict], tokens_per_step: int) -> float:
     return float(np.median(rates)) if rates else float("nan")
 
 
+# TrainConfig fields a resumed run may change: they decide when it logs, evaluates and checkpoints, not what it trains
+RESUME_MAY_CHANGE = ("eval_every", "log_every", "ckpt_every")
+
+
+def run_settings(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus) -> dict:
+    """What makes a training run the run it is, as JSON: the model config (its name aside), the optimisation settings
+    (`RESUME_MAY_CHANGE` aside) and fingerprints of the corpus's training stream and held-out slice. Every checkpoint
+    records it; a resume with other settings is refused."""
+    digest = lambda b: hashlib.sha256(b).hexdigest()[:16]  # noqa: E731
+    return json.loads(json.dumps({
+        "model": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "name"},
+        "train": {k: v for k, v in dataclasses.asdict(tc).items() if k not in RESUME_MAY_CHANGE},
+        "corpus": {"train": digest(np.asarray(corpus.train, np.int32).tobytes()),
+                   "heldout": digest(corpus.heldout_text.encode())}}))
+
+
+def _settings_changed(saved: dict, now: dict) -> list[str]:
+    """'section.field old -> new' for every setting that differs."""
+    return [f"{section}.{k} {saved.get(section, {}).get(k)!r} -> {now[section].get(k)!r}"
+            for section in now for k in sorted(set(now[section]) | set(saved.get(section, {})))
+            if saved.get(section, {}).get(k) != now[section].get(k)]
+
+
 def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Path | None = None,
           resume: bool = False, stop_after: int | None = None, log: Callable[[str], None] = print) -> dict:
     """Trains from scratch (or from the latest orbax checkpoint in `ckpt_dir` with `resume`) and returns
     {"params", "history", "start_step", "end_step", "wall_s", "tokens_per_s", ...}. `stop_after` ends this run after
     that many steps (the schedule still spans `tc.steps`), as an interruption would; the last step is checkpointed.
     History rows: step, loss (nats per token, the mean over the steps since the previous row), lr, time (training
-    seconds since step 0, resumed runs included) and val_bpb at the evaluation steps."""
+    seconds since step 0, resumed runs included) and val_bpb at the evaluation steps.
+    A `ckpt_dir` that holds checkpoints belongs to the run that wrote them: a run from scratch refuses it (ValueError;
+    orbax would skip every save at or below their latest step, and a later resume would continue the earlier run),
+    and so does a resume whose settings (`run_settings`) differ from those its checkpoint records."""
     fwd = Forward(cfg, jnp.bfloat16 if tc.compute_dtype == "bfloat16" else jnp.float32)
     tx, sched = make_optimizer(tc)
-    params = init_params(cfg, tc.seed)
-    opt_state = tx.init(params)
     history, start = [], 0
-    mngr = None
+    mngr, latest, settings = None, None, run_settings(cfg, tc, corpus)
     if ckpt_dir is not None:
         import orbax.checkpoint as ocp
 
         mngr = ocp.CheckpointManager(Path(ckpt_dir).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
-        if resume and mngr.latest_step() is not None:
-            start = mngr.latest_step()
+        latest = mngr.latest_step()
+        if latest is not None and not resume:
+            raise ValueError(f"checkpoint folder {ckpt_dir} holds an earlier run (latest step {latest}): resume it, "
+                             f"or train from scratch into an empty folder")
+        if latest is not None and (Path(ckpt_dir) / str(latest) / "run").exists():
+            saved = mngr.restore(latest, args=ocp.args.Composite(run=ocp.args.JsonRestore())).run
+            changed = _settings_changed(saved, settings)
+            if changed:
+                raise ValueError(f"checkpoint folder {ckpt_dir} holds a run with other settings; resuming it with "
+                                 f"these would not continue it: {', '.join(changed)}")
+    params = init_params(cfg, tc.seed)
+    opt_state = tx.init(params)
+    if mngr is not None:
+        if resume and latest is not None:
+            start = latest
             restored = mngr.restore(start, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}),
                 history=ocp.args.JsonRestore()))
@@ -300,7 +339,7 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
 
             mngr.save(done, args=ocp.args.Composite(
                 state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-                history=ocp.args.JsonSave(history)))
+                history=ocp.args.JsonSave(history), run=ocp.args.JsonSave(settings)))
     jax.block_until_ready(params)
     if mngr is not None:
         mngr.wait_until_finished()

@@ -5,6 +5,10 @@ and library reference that ships with Python (`pydoc_data/topics.py`), byte-leve
     python scripts/train_tiny.py                      # ~20 min on 2 cores; writes gdn_jax/models/tiny/
     python scripts/train_tiny.py --resume             # continues from the latest checkpoint in --ckpt-dir
 
+A checkpoint folder belongs to the run that wrote it: a run without --resume refuses a --ckpt-dir that holds
+checkpoints, and --resume refuses settings other than those the checkpoint records (only --log-every, --eval-every
+and --ckpt-every may change).
+
 Writes the loss curve (JSON + PNG) under --log-dir, orbax checkpoints every --ckpt-every steps under --ckpt-dir, and the
 model folder --out: HF `config.json` + `model.safetensors`, the held-out slice `validation.txt`, the curve and a model
 card `README.md` with the figures of the run (tokens/s, validation bits per byte, parameter count, wall time).
@@ -52,7 +56,8 @@ def parse(argv=None):
     ap.add_argument("--out", default=str(ROOT / "gdn_jax" / "models" / "tiny"), help="model folder to write")
     ap.add_argument("--log-dir", default=str(ROOT / "results" / "train_tiny"), help="loss curve, log and checkpoints (default: %(default)s)")
     ap.add_argument("--ckpt-dir", default=None, help="orbax checkpoints (default: LOG_DIR/ckpt)")
-    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir, "
+                    "with the settings it records")
     ap.add_argument("--stop-after", type=positive_int, default=None, help="stop after this many steps of this run (the "
                     "schedule still spans --steps); for interrupting and resuming")
     ap.add_argument("--no-sample", action="store_true", help="skip the engine generation at the end")

@@ -15,7 +15,8 @@ from flax import nnx
 from gdn_jax.config import get_preset
 from gdn_jax.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 from gdn_jax.model import forward, init_model, init_state
-from gdn_jax.train import Forward, TrainConfig, cast_params, load_corpus, reference_documents, train
+from gdn_jax.train import (Corpus, Forward, TrainConfig, cast_params, encode, load_corpus, reference_documents,
+                           run_settings, train)
 from gdn_jax.tokenizer import ByteTokenizer
 from gdn_jax.weights import abstract_model, load_hf_weights
 from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
@@ -114,6 +115,42 @@ def test_corpus_split_is_fixed_and_disjoint():
     assert corpus.train.min() >= 1 and corpus.train.max() < 260
 
 
+def _checkpoint_folder(path, step, settings=None):
+    """An orbax checkpoint folder whose latest step is `step`, as an earlier run leaves it (what `train` reads of it
+    before it trains: the step, and the settings the run recorded)."""
+    import orbax.checkpoint as ocp
+    items = {"history": ocp.args.JsonSave([{"step": step}])}
+    if settings is not None:
+        items["run"] = ocp.args.JsonSave(settings)
+    with ocp.CheckpointManager(path.absolute()) as mngr:
+        mngr.save(step, args=ocp.args.Composite(**items))
+        mngr.wait_until_finished()
+    return path
+
+
+def test_a_checkpoint_folder_holding_another_run_is_refused_before_training(tmp_path):
+    """A run from scratch into a folder an earlier run checkpointed in would have none of its saves kept (orbax skips
+    steps at or below the latest one) and a later resume would continue the earlier run: refused, naming the folder.
+    A resume with other settings than the checkpoint's (here the learning rate and the seed) is refused, naming
+    them; only the logging, evaluation and checkpoint cadence may change."""
+    cfg = get_preset("tiny-random")
+    text = "The quick brown fox jumps over the lazy dog.\n" * 20
+    corpus = Corpus(encode(text), text[:128], 1, len(text))
+    tc = TrainConfig(steps=8, batch=2, seq_len=16, eval_window=16, compute_dtype="float32")
+    quiet = dict(log=lambda s: None)
+    ckpt = _checkpoint_folder(tmp_path / "a", 4)
+    with pytest.raises(ValueError, match=r"holds an earlier run \(latest step 4\): resume it"):
+        train(cfg, tc, corpus, ckpt_dir=ckpt, **quiet)
+    other = TrainConfig(**{**tc.__dict__, "lr": 1e-3, "seed": 5, "log_every": 1, "ckpt_every": 1})
+    ckpt = _checkpoint_folder(tmp_path / "b", 4, run_settings(cfg, other, corpus))
+    with pytest.raises(ValueError, match=r"other settings.*: train.lr 0.001 -> 0.003, train.seed 5 -> 0$"):
+        train(cfg, tc, corpus, ckpt_dir=ckpt, resume=True, **quiet)
+    assert not {"log_every", "eval_every", "ckpt_every"} & set(run_settings(cfg, tc, corpus)["train"])
+    # another training stream is another run too
+    assert run_settings(cfg, tc, corpus)["corpus"] != run_settings(cfg, tc, Corpus(encode(text[1:]), text[:128], 1, 0))[
+        "corpus"]
+
+
 MICRO = ["--steps", "24", "--batch", "4", "--seq-len", "64", "--lr", "3e-3", "--warmup", "4", "--eval-every", "12",
          "--ckpt-every", "6", "--log-every", "6", "--hidden", "64", "--intermediate", "128", "--layers", "4",
          "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--linear-head-dim", "16", "--heldout-bytes", "2048",
@@ -140,6 +177,11 @@ def test_reduced_training_run_lowers_the_loss_and_resumes_at_the_same_step(tmp_p
     for name in ("config.json", "model.safetensors", "README.md", "validation.txt", "training.json", "loss_curve.png"):
         assert (out / name).is_file(), name
     assert f"{second['val_bpb']['float32']:.4f}" in (out / "README.md").read_text()
+    # the folder is this run's: neither a run from scratch nor a resume with another learning rate may take it over
+    with pytest.raises(ValueError, match="holds an earlier run"):
+        train_tiny.main(common)
+    with pytest.raises(ValueError, match=r"train.lr 0.003 -> 0.001"):
+        train_tiny.main(common + ["--resume", "--lr", "1e-3"])
 
     # an uninterrupted run of the same 24 steps ends with the same weights
     args = train_tiny.parse(common)
