@@ -280,6 +280,13 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
     A `ckpt_dir` that holds checkpoints belongs to the run that wrote them: a run from scratch refuses it (ValueError;
     orbax would skip every save at or below their latest step, and a later resume would continue the earlier run),
     and so does a resume whose settings (`run_settings`) differ from those its checkpoint records."""
+    heldout = corpus.heldout
+    top = int(max(corpus.train.max(initial=0), heldout.max(initial=0)))
+    if top >= cfg.vocab_size:  # an embedding row it does not have: NaN losses
+        raise ValueError(f"vocab_size {cfg.vocab_size} does not cover the corpus: it holds token id {top} (byte b is "
+                         f"id b + {ByteTokenizer.OFFSET}, so a byte-level vocabulary needs {256 + ByteTokenizer.OFFSET})")
+    if len(heldout) < tc.eval_window:
+        raise ValueError(f"eval_window {tc.eval_window} is longer than the held-out slice of {len(heldout)} tokens")
     fwd = Forward(cfg, jnp.bfloat16 if tc.compute_dtype == "bfloat16" else jnp.float32)
     tx, sched = make_optimizer(tc)
     history, start = [], 0
@@ -310,7 +317,6 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
             history = list(restored.history)
             log(f"resumed from step {start}")
     step_fn = make_train_step(fwd, tx)
-    heldout = corpus.heldout
     t0, t_eval, t_compile, pending = time.perf_counter(), 0.0, 0.0, []
     t_before = history[-1]["time"] if history else 0.0
     end = tc.steps if stop_after is None else min(tc.steps, start + stop_after)

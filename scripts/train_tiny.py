@@ -80,7 +80,7 @@ def parse(argv=None):
     m.add_argument("--vocab", type=positive_int, default=288, help="vocabulary size (256 bytes + specials) (default: %(default)s)")
     m.add_argument("--hidden", type=positive_int, default=192, help="hidden size (default: %(default)s)")
     m.add_argument("--intermediate", type=positive_int, default=576, help="MLP size (default: %(default)s)")
-    m.add_argument("--layers", type=nonnegative_int, default=8, help="decoder layers (every 4th is full attention) (default: %(default)s)")
+    m.add_argument("--layers", type=positive_int, default=8, help="decoder layers (every 4th is full attention) (default: %(default)s)")
     m.add_argument("--heads", type=positive_int, default=4, help="attention query heads (default: %(default)s)")
     m.add_argument("--kv-heads", type=positive_int, default=2, help="attention key/value heads (default: %(default)s)")
     m.add_argument("--head-dim", type=positive_int, default=48, help="attention head size (default: %(default)s)")

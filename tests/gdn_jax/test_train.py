@@ -2,6 +2,7 @@
 and a reduced run of scripts/train_tiny.py (loss goes down; an interrupted run resumes at the same step and ends
 with the same weights)."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -149,6 +150,23 @@ def test_a_checkpoint_folder_holding_another_run_is_refused_before_training(tmp_
     # another training stream is another run too
     assert run_settings(cfg, tc, corpus)["corpus"] != run_settings(cfg, tc, Corpus(encode(text[1:]), text[:128], 1, 0))[
         "corpus"]
+
+
+def test_settings_that_cannot_train_on_the_corpus_are_refused_before_training():
+    """A vocabulary that does not hold every byte of the corpus (here up to id 230) gave NaN losses at the first
+    batch with such a byte, and an evaluation window longer than the held-out slice failed at the first evaluation,
+    after the steps before it: both are ValueErrors naming the setting before anything runs. So is --layers 0 (a
+    ZeroDivisionError)."""
+    cfg = get_preset("tiny-random")
+    text = "Prices in euro: 5\u20ac, the quick brown fox jumps over the lazy dog.\n" * 20
+    corpus = Corpus(encode(text), text[:100], 1, len(text.encode()))
+    tc = TrainConfig(steps=8, batch=2, seq_len=16, eval_window=16, compute_dtype="float32")
+    with pytest.raises(ValueError, match=r"vocab_size 200 .* token id 230"):
+        train(dataclasses.replace(cfg, vocab_size=200), tc, corpus, log=lambda s: None)
+    with pytest.raises(ValueError, match=r"eval_window 128 .* held-out slice of 10\d tokens"):
+        train(cfg, TrainConfig(**{**tc.__dict__, "eval_window": 128}), corpus, log=lambda s: None)
+    with pytest.raises(SystemExit):
+        train_tiny.parse(["--layers", "0"])
 
 
 MICRO = ["--steps", "24", "--batch", "4", "--seq-len", "64", "--lr", "3e-3", "--warmup", "4", "--eval-every", "12",
