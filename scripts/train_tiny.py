@@ -162,12 +162,14 @@ RUN_ONLY = ("out", "log_dir", "ckpt_dir", "resume", "stop_after", "no_sample", "
 
 
 def _shown_args(argv: list[str]) -> list[str]:
-    """The command line minus the options that do not change the model (--resume, --host-note)."""
+    """The command line minus the options that do not change the model (--resume, --stop-after, --host-note): the
+    card's training command, which run as shown trains the whole run (a run interrupted with --stop-after and resumed
+    ends with a --stop-after on its command line)."""
     shown, skip = [], False
     for x in map(str, argv):
-        if skip or x == "--resume" or x.startswith("--host-note="):
+        if skip or x == "--resume" or x.startswith(("--host-note=", "--stop-after=")):
             skip = False
-        elif x == "--host-note":
+        elif x in ("--host-note", "--stop-after"):
             skip = True
         else:
             shown.append(x)

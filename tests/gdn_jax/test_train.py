@@ -169,6 +169,13 @@ def test_settings_that_cannot_train_on_the_corpus_are_refused_before_training():
         train_tiny.parse(["--layers", "0"])
 
 
+def test_the_model_card_command_trains_the_whole_run():
+    """The card shows the command line of the run's last part without the options that only steer that part: a run
+    resumed with --stop-after (the interrupt-and-resume workflow) would otherwise show a command that stops early."""
+    argv = ["--resume", "--stop-after", "600", "--lr", "1e-3", "--stop-after=5", "--host-note", "shared", "--seed=2"]
+    assert train_tiny._shown_args(argv) == ["--lr", "1e-3", "--seed=2"]
+
+
 MICRO = ["--steps", "24", "--batch", "4", "--seq-len", "64", "--lr", "3e-3", "--warmup", "4", "--eval-every", "12",
          "--ckpt-every", "6", "--log-every", "6", "--hidden", "64", "--intermediate", "128", "--layers", "4",
          "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--linear-head-dim", "16", "--heldout-bytes", "2048",
