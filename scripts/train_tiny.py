@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from gdn_jax.cli import nonnegative_int, positive_int  # noqa: E402
 from gdn_jax.config import ModelConfig, hybrid_layer_types  # noqa: E402
+from gdn_jax.tokenizer import ByteTokenizer  # noqa: E402
 from gdn_jax.train import (LN2, Forward, TrainConfig, bits_per_byte, load_corpus, param_count,  # noqa: E402
                            steady_tokens_per_s, train)
 from gdn_jax.weights import save_hf_weights  # noqa: E402
@@ -88,7 +89,14 @@ def parse(argv=None):
     m.add_argument("--linear-value-heads", type=positive_int, default=4, help="GDN value heads (default: %(default)s)")
     m.add_argument("--linear-head-dim", type=positive_int, default=48, help="GDN head size (default: %(default)s)")
     m.add_argument("--max-positions", type=positive_int, default=4096, help="max_position_embeddings written to the config (default: %(default)s)")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.vocab < 256 + ByteTokenizer.OFFSET:
+        ap.error(f"--vocab {a.vocab}: a byte-level model needs at least {256 + ByteTokenizer.OFFSET} ids (256 bytes "
+                 f"+ specials)")
+    if not a.no_sample and a.max_positions <= len(ByteTokenizer(a.vocab).encode(PROMPT)):
+        ap.error(f"--max-positions {a.max_positions} leaves no room to continue the sample prompt "
+                 f"({len(PROMPT.encode())} bytes): raise it or pass --no-sample")
+    return a
 
 
 def plot_curve(history: list[dict], path: Path) -> None:
@@ -112,11 +120,14 @@ def plot_curve(history: list[dict], path: Path) -> None:
 
 
 def sample(folder: Path, prompt: str, max_tokens: int = 160) -> str:
+    """Greedy continuation of `prompt` by the engine, within the model's max_position_embeddings."""
     from gdn_jax import LLM, SamplingParams
 
-    llm = LLM(str(folder), max_model_len=512, max_num_seqs=1, chunk_stride=64, verbose=False)
-    return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0] \
-        .outputs[0].text
+    max_pos = json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
+    llm = LLM(str(folder), max_model_len=min(512, max_pos), max_num_seqs=1, chunk_stride=64, verbose=False)
+    room = min(512, max_pos) - len(llm.get_tokenizer().encode(prompt))
+    return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=min(max_tokens, room)),
+                        use_tqdm=False)[0].outputs[0].text
 
 
 CARD = """# tiny: a {params_m:.2f}M-parameter Qwen3.5-layout hybrid trained on the Python reference

@@ -19,7 +19,7 @@ from gdn_jax.model import forward, init_model, init_state
 from gdn_jax.train import (Corpus, Forward, TrainConfig, cast_params, encode, load_corpus, reference_documents,
                            run_settings, train)
 from gdn_jax.tokenizer import ByteTokenizer
-from gdn_jax.weights import abstract_model, load_hf_weights
+from gdn_jax.weights import abstract_model, load_hf_weights, save_hf_weights
 from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,6 +174,23 @@ def test_the_model_card_command_trains_the_whole_run():
     resumed with --stop-after (the interrupt-and-resume workflow) would otherwise show a command that stops early."""
     argv = ["--resume", "--stop-after", "600", "--lr", "1e-3", "--stop-after=5", "--host-note", "shared", "--seed=2"]
     assert train_tiny._shown_args(argv) == ["--lr", "1e-3", "--seed=2"]
+
+
+def test_the_closing_sample_fits_a_model_with_few_positions(tmp_path):
+    """--max-positions below the sample engine's 512 (the training windows' 256, say) failed after the whole run, the
+    weights exported but no card written: the sample runs in the positions the model has. Too few for the prompt is an
+    argparse error before training, and so is a --vocab below the byte tokenizer's 260 (the engine refused the model
+    after training)."""
+    cfg = dataclasses.replace(get_preset("tiny-random"), hidden_size=32, intermediate_size=64,
+                              max_position_embeddings=64)
+    save_hf_weights(tmp_path, cfg, init_model(cfg)[1])
+    text = train_tiny.sample(tmp_path, train_tiny.PROMPT)
+    assert len(ByteTokenizer(512).encode(train_tiny.PROMPT + text)) <= 64
+    with pytest.raises(SystemExit):
+        train_tiny.main(["--max-positions", "16", "--out", str(tmp_path / "m"), "--log-dir", str(tmp_path / "l")])
+    assert not (tmp_path / "l").exists()  # refused before anything ran
+    with pytest.raises(SystemExit):  # trains (the corpus's ids stop at 230) but the engine cannot serve it
+        train_tiny.parse(["--vocab", "256"])
 
 
 MICRO = ["--steps", "24", "--batch", "4", "--seq-len", "64", "--lr", "3e-3", "--warmup", "4", "--eval-every", "12",
