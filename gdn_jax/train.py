@@ -275,8 +275,9 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
     """Trains from scratch (or from the latest orbax checkpoint in `ckpt_dir` with `resume`) and returns
     {"params", "history", "start_step", "end_step", "wall_s", "tokens_per_s", ...}. `stop_after` ends this run after
     that many steps (the schedule still spans `tc.steps`), as an interruption would; the last step is checkpointed.
-    History rows: step, loss (nats per token, the mean over the steps since the previous row), lr, time (training
-    seconds since step 0, resumed runs included) and val_bpb at the evaluation steps.
+    History rows: step, loss (nats per token, the mean over the steps since the previous row), lr (the rate the
+    row's last step trained with: optax's schedule at that step's 0-based index), time (wall
+    seconds since step 0, resumed runs, evaluations and the first step's compilation included) and val_bpb at the evaluation steps.
     A `ckpt_dir` that holds checkpoints belongs to the run that wrote them: a run from scratch refuses it (ValueError;
     orbax would skip every save at or below their latest step, and a later resume would continue the earlier run),
     and so does a resume whose settings (`run_settings`) differ from those its checkpoint records."""
@@ -331,7 +332,7 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
         if done % tc.log_every == 0 or done == end or done % tc.eval_every == 0:
             mean = float(np.mean(jax.device_get(pending)))
             pending = []
-            row = {"step": done, "loss": mean, "lr": float(sched(done)), "time": t_before + time.perf_counter() - t0}
+            row = {"step": done, "loss": mean, "lr": float(sched(done - 1)), "time": t_before + time.perf_counter() - t0}
             if done % tc.eval_every == 0 or done == tc.steps:
                 te = time.perf_counter()
                 row["val_bpb"] = bits_per_byte(fwd, params, heldout, tc.eval_window)

@@ -16,8 +16,8 @@ from flax import nnx
 from gdn_jax.config import get_preset
 from gdn_jax.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 from gdn_jax.model import forward, init_model, init_state
-from gdn_jax.train import (Corpus, Forward, TrainConfig, cast_params, encode, load_corpus, reference_documents,
-                           run_settings, train)
+from gdn_jax.train import (Corpus, Forward, TrainConfig, cast_params, encode, load_corpus, make_optimizer,
+                           reference_documents, run_settings, train)
 from gdn_jax.tokenizer import ByteTokenizer
 from gdn_jax.weights import abstract_model, load_hf_weights, save_hf_weights
 from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
@@ -213,6 +213,8 @@ def test_reduced_training_run_lowers_the_loss_and_resumes_at_the_same_step(tmp_p
     assert (second["start_step"], second["end_step"]) == (12, 24)
     history = json.loads((logs / "loss_curve.json").read_text())["history"]
     assert [r["step"] for r in history] == [6, 12, 18, 24]  # one history across both runs
+    sched = make_optimizer(TrainConfig(steps=24, lr=3e-3, warmup=4))[1]  # each row: its last step's rate
+    assert [r["lr"] for r in history] == pytest.approx([float(sched(s - 1)) for s in (6, 12, 18, 24)])
     assert history[-1]["loss"] < history[0]["loss"] - 0.3
     assert history[-1]["val_bpb"] < history[1]["val_bpb"]
     assert second["val_bpb"]["float32"] == pytest.approx(history[-1]["val_bpb"], abs=0.02)
