@@ -42,7 +42,8 @@ OPENINGS = ["The following section of the Python language reference describes",
 def make_workload(vocab: int, chunk_stride: int, groups: int, per_group: int, turns: int, rng, tokenizer):
     """Requests as token lists, in the order they run. Each group shares a prefix whose length lies strictly between
     two checkpoint boundaries (so the KV match passes the deepest checkpoint), then distinct suffixes; the last
-    request of each group is continued for `turns` more turns (its reference answer + a new user line)."""
+    request of each group is continued for `turns` more turns (its reference answer + a new user line, `user_turns`,
+    drawn from `rng` like the rest)."""
     items = []
     for g in range(groups):
         n = chunk_stride * (1 + g % 3) + int(rng.integers(chunk_stride // 4, 3 * chunk_stride // 4))
@@ -52,7 +53,9 @@ def make_workload(vocab: int, chunk_stride: int, groups: int, per_group: int, tu
         for i in range(per_group):
             suffix = [int(t) for t in rng.integers(32, min(vocab, 127), int(rng.integers(8, 24)))]
             items.append({"group": g, "turn": 0, "tokens": prefix + suffix})
-        items[-1]["continue_turns"] = turns
+    for g in range(groups):  # drawn after the prompts, which are then those of a workload without turns
+        last = items[(g + 1) * per_group - 1]
+        last["user_turns"] = [[int(t) for t in rng.integers(32, min(vocab, 127), 12)] for _ in range(turns)]
     return items
 
 
@@ -74,9 +77,9 @@ def run_mode(llm: LLM, items, max_tokens: int, reference=None, bar=None):
         results.append({"prompt_len": len(item["tokens"]), "free": free.outputs[0].token_ids,
                         "free_cached": free.num_cached_tokens, "tf_tokens": item["tokens"] + cont,
                         "tf_cached": tf.num_cached_tokens, "rows": rows})
-        if item.get("continue_turns"):
-            user = [int(t) for t in np.random.default_rng(len(results)).integers(32, 127, 12)]
-            queue.insert(0, {**item, "turn": item["turn"] + 1, "continue_turns": item["continue_turns"] - 1,
+        if item.get("user_turns"):
+            user, *later = item["user_turns"]
+            queue.insert(0, {**item, "turn": item["turn"] + 1, "user_turns": later,
                              "tokens": item["tokens"] + cont + user})
         if bar is not None:
             bar.update(1)

@@ -151,3 +151,32 @@ def test_ttft_study_counters_leave_out_the_evictions_of_its_own_cache_resets():
     assert s["counters"]["checkpoints_saved"] == 2 * 2  # at 32 and 64, each pass
     assert s["counters"]["checkpoints_evicted"] == 0
     assert engine.cache_stats()["checkpoints_evicted"] == 2 * 2  # the resets' own: warm-up's and first pass's
+
+
+def test_accuracy_workload_user_turns_follow_the_seed():
+    """The user line each continued turn appends is drawn from the workload's seed, like its prompts (it was drawn
+    from the result count, so every --seed continued with the same lines)."""
+    import types
+
+    import numpy as np
+    from gdn_jax.tokenizer import ByteTokenizer
+    study = _script("accuracy_study")
+
+    class Recorder:  # stands in for the LLM: answers every prompt with one fixed token, records the prompts
+        def __init__(self):
+            self.prompts = []
+
+        def generate(self, prompt, params, use_tqdm=False):
+            self.prompts.append(prompt["prompt_token_ids"])
+            out = types.SimpleNamespace(token_ids=[7])
+            return [types.SimpleNamespace(outputs=[out], num_cached_tokens=0, prompt_logprobs=[])]
+
+    last_lines = []
+    for seed in (0, 1):
+        items = study.make_workload(512, 32, 1, 1, 2, np.random.default_rng(seed), ByteTokenizer(512))
+        llm = Recorder()
+        results = study.run_mode(llm, items, 1)
+        assert [r["prompt_len"] for r in results] == [len(items[0]["tokens"]) + k * 13 for k in range(3)]
+        turns = results[1]["tf_tokens"], results[2]["tf_tokens"]
+        last_lines.append((turns[0][-13:-1], turns[1][-13:-1]))  # the user line before the forced token
+    assert last_lines[0] != last_lines[1] and last_lines[0][0] != last_lines[0][1]
