@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.config import ModelConfig
+from gdn_jax.executables import StaleExecutable
 from gdn_jax.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker import GPU_MEMORY_UTILIZATION, PromptLogprobs, Worker, default_memory_budget, plan_memory
@@ -437,6 +438,10 @@ class LLMEngine:
         try:
             result = (self.worker.execute(plan, targets, full) if targets and any(targets)
                       else self.worker.execute(plan))
+        except StaleExecutable:  # (the worker warned) the step is recomputed with that shape compiled again
+            self.scheduler.redo_step(plan)
+            self.worker.reset_state()
+            return []
         except Exception as exc:
             self._fail_step(plan, exc)  # raises EngineStepError
         if result.prompt is not None:
@@ -596,7 +601,11 @@ class LLMEngine:
     def warm_up(self, prompt_logprobs: bool = False) -> int:
         """Compiles every step shape now, so that no request pays a compilation later. The prompt-logprobs variant
         of the prefill shapes is compiled lazily (on the first step that has such a row) unless `prompt_logprobs`."""
-        return self.worker.warm_up(prompt_logprobs)
+        resets = self.worker.state_resets
+        n = self.worker.warm_up(prompt_logprobs)
+        if self.worker.state_resets != resets:  # a stored executable failed on the pools (`worker._call`)
+            self.scheduler.drop_device_state()
+        return n
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached KV block and checkpoint no running request uses (e.g. between A/B rounds)."""

@@ -15,6 +15,11 @@ is off), one subfolder per source digest: every edit of the package writes a new
 grid), so only the `KEEP_VERSIONS` most recently used sets are kept. Within them the store is bounded like JAX's cache
 (the same `jax_compilation_cache_max_size`, engine.compilation_cache_max_bytes): every model geometry adds a set of
 entries, and past the bound a save deletes the least recently used ones (a load marks an entry used).
+
+A loaded executable can still fail when called: on the CPU, XLA resolves each kernel of an executable when it first
+runs it, and a stored copy has been seen (rarely; its compilation in the same process ran fine) to lack one ("NOT_FOUND:
+Function convert_bitcast_fusion.3 not found"), which shows only at the first call that takes that path. The worker
+then deletes the entry (`discard`), compiles that shape again, and recomputes the step (`StaleExecutable`).
 """
 
 from __future__ import annotations
@@ -98,6 +103,24 @@ def load(folder: str | None, key: str):
     with contextlib.suppress(OSError):
         os.utime(path)
     return compiled
+
+
+class StaleExecutable(RuntimeError):
+    """A stored executable failed at its call with a missing function (`missing_function`): it has been deleted from
+    the store and from the worker; the step's donated state may be lost."""
+
+
+def missing_function(exc: BaseException) -> bool:
+    """Whether `exc` is XLA's failure to find one of an executable's own kernels when it runs it."""
+    text = str(exc)
+    return isinstance(exc, jax.errors.JaxRuntimeError) and "NOT_FOUND: Function" in text and "not found" in text
+
+
+def discard(folder: str | None, key: str) -> None:
+    """Deletes the entry `key` (a bad executable: the next start compiles it)."""
+    if folder:
+        with contextlib.suppress(OSError):
+            Path(folder, key).unlink()
 
 
 def _entries(folder: str) -> list[Path]:

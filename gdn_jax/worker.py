@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import math
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -340,8 +341,10 @@ class Worker:
         self._sample = sample_function()
         # warm_up's executables, called directly: ("step", rows, tokens) and ("sample", rows)
         self._executables: dict[tuple, object] = {}
+        self._stored: dict[tuple, str] = {}  # those loaded from the executable store: name -> its key there
         self.executable_dir = executables.default_folder()  # the executable store (None: off)
         self.warm_up_stats = {"loaded": 0, "compiled": 0}
+        self.state_resets = 0  # reset_state calls
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
 
     def rows_bucket(self, n: int) -> int:
@@ -450,7 +453,7 @@ class Worker:
         with fresh, concurrent.futures.ThreadPoolExecutor(threads) as pool:
             for (name, _, _, lower), key, compiled in zip(jobs, keys, found):
                 if compiled is not None:
-                    self._executables[name], loaded = compiled, loaded + 1
+                    self._executables[name], self._stored[name], loaded = compiled, key, loaded + 1
                 else:
                     pending.append((name, key, pool.submit(lower().compile)))
             prompt = [pool.submit(self.lowered_prompt_step(shape).compile) for shape in extra]
@@ -462,7 +465,11 @@ class Worker:
         self.warm_up_stats = {"loaded": loaded, "compiled": len(pending) + len(extra)}
         if not self.abstract:
             for shape in shapes:
-                self._run(*self._padding_args(*shape))
+                try:
+                    self._run(*self._padding_args(*shape))
+                except executables.StaleExecutable:  # (warned) fresh pools (the caller's scheduler must drop its
+                    self.reset_state()               # view of them, `state_resets`), that shape compiled
+                    self._run(*self._padding_args(*shape))
             for B, T, NB in extra:
                 self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
             jax.block_until_ready(self.state)
@@ -489,6 +496,7 @@ class Worker:
     def reset_state(self) -> None:
         """Fresh zeroed pools of the same shapes (the scheduler must forget everything they held)."""
         self.state = self._new_state()
+        self.state_resets += 1
 
     def lowered_step(self, shape: tuple[int, int, int]):
         """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
@@ -522,13 +530,38 @@ class Worker:
     def _run(self, batch: Batch, sampling: SamplingMetadata, *extra, fn=None):
         """The step's forward (`fn`, with `extra` arguments), then sampling: (the packed samples (`unpack_sampled`)[,
         prompt logprobs]), on the device."""
-        step = fn or self._executables.get(("step", *batch.tokens.shape)) or self._fn_for(batch.tokens)
         jitted = (self._fn, self._decode_fn, self._decode_wide_fn, self._prompt_fn, self._sample)
         before = sum(f._cache_size() for f in jitted)
-        self.state, logits, *prompt = step(self._param_leaves, self.state, batch, *extra)
-        sampled = self._executables.get(("sample", logits.shape[0]), self._sample)(logits, sampling)
+        args = (self._param_leaves, self.state, batch, *extra)
+        if fn is not None:
+            self.state, logits, *prompt = fn(*args)
+        else:
+            self.state, logits, *prompt = self._call(("step", *batch.tokens.shape), self._fn_for(batch.tokens), args)
+        try:
+            sampled = self._call(("sample", logits.shape[0]), self._sample, (logits, sampling))
+        except executables.StaleExecutable:  # sampling donates nothing: the same call through the jitted function
+            sampled = self._sample(logits, sampling)
         self.num_compilations += sum(f._cache_size() for f in jitted) - before
         return (sampled, *prompt)
+
+    def _call(self, name: tuple, jitted, args: tuple):
+        """Calls warm-up's executable `name`, else `jitted`. One the store gave that fails with a missing function
+        (`executables.missing_function`) is deleted from the store and dropped here (the jitted function compiles
+        that shape from then on), and `executables.StaleExecutable` is raised."""
+        compiled = self._executables.get(name)
+        if compiled is None:
+            return jitted(*args)
+        try:
+            return compiled(*args)
+        except Exception as exc:
+            if name not in self._stored or not executables.missing_function(exc):
+                raise
+            from gdn_jax.engine import _outside_package  # (engine imports this module)
+            del self._executables[name]
+            executables.discard(self.executable_dir, self._stored.pop(name))
+            warnings.warn(f"the stored {name[0]} executable for {name[1:]} failed at its call ({exc}): deleted from "
+                          f"the executable store, compiled again", RuntimeWarning, stacklevel=_outside_package())
+            raise executables.StaleExecutable(f"stored {name[0]} executable {name[1:]}: {exc}") from exc
 
     def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False
                 ) -> StepResult:

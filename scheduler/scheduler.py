@@ -40,10 +40,10 @@ class Scheduler:
         # first admissions only: queries, hits, query_tokens, reused_tokens (re-admissions after preemption are
         # `readmissions`); checkpoints_restored: admissions that restored a checkpoint; rotation_copies: the copies
         # into a fresh live slot after each deferred save; forks: samples of n > 1 forked from their parent (not
-        # cache hits); failed_steps: device steps that raised
+        # cache hits); failed_steps: device steps that raised; redone_steps: those recomputed instead (`redo_step`)
         self.counters = Counter(queries=0, hits=0, query_tokens=0, reused_tokens=0, readmissions=0,
                                 checkpoints_restored=0, rotation_copies=0, preemptions=0, forks=0, fork_fallbacks=0,
-                                failed_steps=0, failed_requests=0)
+                                failed_steps=0, failed_requests=0, redone_steps=0)
         # parent seq_id -> (fork point, children not yet forked); the children are in `seqs` only
         self.forks: dict[int, tuple[int, list[Sequence]]] = {}
 
@@ -373,6 +373,21 @@ class Scheduler:
         self.counters["failed_steps"] += 1
         self.counters["failed_requests"] += len(failed)
         return failed
+
+    def redo_step(self, plan: StepPlan) -> None:
+        """The device step of `plan` raised without fault of its sequences (an executable that must be compiled again)
+        and may have consumed the device state: nothing of the step is kept, and every running sequence, the step's
+        too, is recomputed from scratch (`drop_device_state`); none fails."""
+        assert plan is self.inflight, "redo_step takes the plan of the last schedule()"
+        self.inflight = None
+        self.block_manager.finish_step(plan, completed=False)
+        self._release_aborted_inflight()
+        for row in plan.seqs:
+            seq = self.seqs.get(row.seq_id)
+            if seq is not None:
+                seq.pending_save_hash = None
+        self.counters["redone_steps"] += 1
+        self.drop_device_state()
 
     def drop_device_state(self) -> None:
         """The device pools were lost (e.g. a failed step had consumed its donated buffers): nothing cached and no

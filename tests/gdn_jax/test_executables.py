@@ -3,6 +3,7 @@ generates exactly what the first did; a key changes with anything that changes t
 miss, never an error."""
 
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -36,7 +37,7 @@ def without_persistent_cache():
 
 
 @pytest.mark.slow  # compiles the tiny grid once (~30 s on a quiet machine)
-def test_a_second_start_loads_every_warm_up_executable_and_generates_the_same(tmp_path):
+def test_a_second_start_loads_every_warm_up_executable_and_generates_the_same(tmp_path, monkeypatch):
     rng = np.random.default_rng(4)
     prompts = [random_ids(rng, n) for n in (5, 40, 21)]
     first = LLM("tiny-random", **KW)
@@ -56,6 +57,45 @@ def test_a_second_start_loads_every_warm_up_executable_and_generates_the_same(tm
     warm = second.cache_stats()["compilations"]
     assert _generate(second, prompts) == want
     assert second.cache_stats()["compilations"] == warm  # every step ran a loaded executable
+
+    # A stored executable that fails at its call for a kernel it lacks (as XLA's CPU runtime reports it; seen with
+    # a sampling executable) is deleted from the store and compiled again, and its step recomputed: no request fails.
+    third = LLM("tiny-random", **KW)
+    worker = third.engine.worker
+    worker.executable_dir = str(tmp_path)
+    third.engine.warm_up()
+
+    def lacking(name):
+        def call(*args):
+            if name[0] == "step":  # the failed call consumed the donated state
+                for x in jax.tree.leaves(args[1]):
+                    x.delete()
+            raise jax.errors.JaxRuntimeError("NOT_FOUND: Function convert_bitcast_fusion.3 not found (type id: 1)")
+        return call
+
+    stored = dict(worker._stored)
+    for name in stored:
+        worker._executables[name] = lacking(name)
+    with pytest.warns(RuntimeWarning, match="failed at its call .* deleted from the executable store") as caught:
+        assert _generate(third, prompts) == want
+    dropped = {name for name in stored if name not in worker._executables}
+    assert {n[0] for n in dropped} == {"step", "sample"} and len(caught) == len(dropped)
+    assert all(not (tmp_path / stored[name]).exists() for name in dropped)
+    assert all((tmp_path / stored[name]).exists() for name in stored if name not in dropped)
+    stats = third.cache_stats()
+    assert stats["redone_steps"] == len({n for n in dropped if n[0] == "step"}) and stats["failed_steps"] == 0
+
+    # one that fails in warm-up's own run of its shape: the same, before any request
+    name = next(n for n in stored if n not in dropped and n[0] == "step")
+    real_load = executables.load
+    monkeypatch.setattr(executables, "load", lambda folder, key: lacking(name) if key == stored[name] else real_load(
+        folder, key))
+    fourth = LLM("tiny-random", **KW)
+    fourth.engine.worker.executable_dir = str(tmp_path)
+    with pytest.warns(RuntimeWarning, match=re.escape(f"stored step executable for {name[1:]} failed at its call")):
+        fourth.engine.warm_up()
+    assert fourth.engine.worker.state_resets == 1 and not (tmp_path / stored[name]).exists()
+    assert _generate(fourth, prompts) == want
 
 
 @pytest.mark.slow  # compiles the tiny grid twice

@@ -1,7 +1,7 @@
 """Counters that mean what they say; a failed step and an abort during an in-flight step release exactly."""
 import pytest
 
-from scheduler import Scheduler
+from scheduler import Scheduler, SequenceStatus
 from tests.scheduler.sched_helpers import FakeDevice, make_seq, run, small_config, submit
 
 P = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 0, 2, 6, 4, 3, 3, 2, 3, 0, 4, 6, 2, 6, 4, 3, 1, 1, 0, 2, 5]
@@ -101,3 +101,25 @@ def test_dropping_the_device_state_recomputes_running_requests_exactly():
     assert sched.stats()["checkpoint_slots"] == 0 and sched.stats()["kv_blocks_cached"] == 0
     run(sched, dev)  # the fake device asserts every state and KV read is the sequence's own prefix
     assert a.finish_reason == "length" and a.num_preemptions == 1
+
+
+def test_a_redone_step_recomputes_its_rows_and_every_running_one_and_fails_none():
+    """A step whose executable had to be compiled again (its state possibly consumed): the step's rows and the other
+    running rows start over from scratch on an emptied cache, nothing of the step is indexed, and they end as they
+    would have."""
+    cfg = small_config(max_num_batched_tokens=32)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    first = submit(sched, dev, make_seq(1, P[:20], max_tokens=3))
+    run(sched, dev)  # leaves checkpoints and cached blocks behind
+    seqs = [submit(sched, dev, make_seq(10 + i, P[:20] + [i, i], max_tokens=3)) for i in range(3)]
+    plan = sched.schedule()
+    assert sum(r.linear_op.is_warm_restore for r in plan.seqs) == 3  # the redone step held restore pins
+    sched.redo_step(plan)
+    dev.state.clear()
+    dev.kv.clear()  # the simulated device lost everything
+    sched.check_invariants()
+    s = sched.stats()
+    assert s["redone_steps"] == 1 and s["failed_steps"] == 0 and s["kv_blocks_cached"] == 0
+    assert all(q.status == SequenceStatus.WAITING and q.num_computed_tokens == 0 for q in seqs)
+    run(sched, dev)  # the fake device asserts every state and KV read is the sequence's own prefix
+    assert all(q.finish_reason == "length" and len(q.output_token_ids) == 3 for q in seqs) and first.is_finished
