@@ -68,8 +68,8 @@ def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
     ap.add_argument("--num-linear-slots", type=int, default=None,
                     help="linear-state slots (None: from the memory budget)")
     ap.add_argument("--compilation-cache", default=None,
-                    help="JAX persistent compilation cache folder ('' disables it; None: $GDN_JAX_CACHE_DIR or "
-                         "~/.cache/gdn_jax/jax)")
+                    help="JAX persistent compilation cache folder ('' disables it; None: $GDN_JAX_CACHE_DIR, else "
+                         "$XDG_CACHE_HOME/gdn_jax/jax or ~/.cache/gdn_jax/jax)")
 
 
 def _engine_kwargs(args) -> dict:

@@ -285,6 +285,28 @@ def test_the_cache_bound_can_be_lifted_is_off_on_a_read_only_folder_and_a_bad_on
         assert repr(bad) in done.stderr
 
 
+def test_the_cache_folder_is_gdn_jax_cache_dir_else_xdg_cache_home_else_home(tmp_path):
+    """The folder README and `--compilation-cache` name: $GDN_JAX_CACHE_DIR ("off": none), else
+    $XDG_CACHE_HOME/gdn_jax/jax, else ~/.cache/gdn_jax/jax."""
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("GDN_JAX_CACHE_DIR", "XDG_CACHE_HOME", "JAX_COMPILATION_CACHE_DIR")}
+    code = "from gdn_jax.engine import enable_compilation_cache; print(enable_compilation_cache())"
+
+    def folder(**env):
+        done = subprocess.run([sys.executable, "-c", code], env={**base, "JAX_PLATFORMS": "cpu", **env},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert folder(HOME=str(tmp_path)) == str(tmp_path / ".cache" / "gdn_jax" / "jax")
+    assert folder(HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "xdg")) == str(tmp_path / "xdg" / "gdn_jax" / "jax")
+    assert folder(XDG_CACHE_HOME=str(tmp_path / "xdg"), GDN_JAX_CACHE_DIR=str(tmp_path / "own")) == str(tmp_path / "own")
+    assert folder(XDG_CACHE_HOME=str(tmp_path / "xdg"), GDN_JAX_CACHE_DIR="off") == "None"
+
+
 START = """
 import json, sys
 from gdn_jax import LLM, SamplingParams
