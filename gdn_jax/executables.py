@@ -17,9 +17,11 @@ grid), so only the `KEEP_VERSIONS` most recently used sets are kept. Within them
 entries, and past the bound a save deletes the least recently used ones (a load marks an entry used).
 
 A loaded executable can still fail when called: on the CPU, XLA resolves each kernel of an executable when it first
-runs it, and a stored copy has been seen (rarely; its compilation in the same process ran fine) to lack one ("NOT_FOUND:
-Function convert_bitcast_fusion.3 not found"), which shows only at the first call that takes that path. The worker
-then deletes the entry (`discard`), compiles that shape again, and recomputes the step (`StaleExecutable`).
+runs it, and a stored copy has been seen (in `make test`'s store test, not reproduced alone; the executable it was
+saved from ran fine) to lack one ("NOT_FOUND: Function convert_bitcast_fusion.3 not found"), which shows only when a
+call takes the path that needs it. The worker
+then deletes the entries the failed step called (`discard`; the error, raised when a result is read, does not say
+which call failed), compiles those shapes again, and recomputes the step (`StaleExecutable`).
 """
 
 from __future__ import annotations
@@ -106,8 +108,8 @@ def load(folder: str | None, key: str):
 
 
 class StaleExecutable(RuntimeError):
-    """A stored executable failed at its call with a missing function (`missing_function`): it has been deleted from
-    the store and from the worker; the step's donated state may be lost."""
+    """A step that called stored executables failed with a missing function (`missing_function`): they have been
+    deleted from the store and from the worker; the step's donated state may be lost."""
 
 
 def missing_function(exc: BaseException) -> bool:

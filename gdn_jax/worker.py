@@ -342,6 +342,7 @@ class Worker:
         # warm_up's executables, called directly: ("step", rows, tokens) and ("sample", rows)
         self._executables: dict[tuple, object] = {}
         self._stored: dict[tuple, str] = {}  # those loaded from the executable store: name -> its key there
+        self._called: list[tuple] = []  # the store's executables the current step called
         self.executable_dir = executables.default_folder()  # the executable store (None: off)
         self.warm_up_stats = {"loaded": 0, "compiled": 0}
         self.state_resets = 0  # reset_state calls
@@ -465,10 +466,13 @@ class Worker:
         self.warm_up_stats = {"loaded": loaded, "compiled": len(pending) + len(extra)}
         if not self.abstract:
             for shape in shapes:
+                self._called = []
                 try:
-                    self._run(*self._padding_args(*shape))
-                except executables.StaleExecutable:  # (warned) fresh pools (the caller's scheduler must drop its
-                    self.reset_state()               # view of them, `state_resets`), that shape compiled
+                    jax.block_until_ready((self._run(*self._padding_args(*shape)), self.state))
+                except Exception as exc:
+                    if not self._drop_stale(exc):
+                        raise
+                    self.reset_state()  # (the caller's scheduler must drop its view of the pools: `state_resets`)
                     self._run(*self._padding_args(*shape))
             for B, T, NB in extra:
                 self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
@@ -537,31 +541,35 @@ class Worker:
             self.state, logits, *prompt = fn(*args)
         else:
             self.state, logits, *prompt = self._call(("step", *batch.tokens.shape), self._fn_for(batch.tokens), args)
-        try:
-            sampled = self._call(("sample", logits.shape[0]), self._sample, (logits, sampling))
-        except executables.StaleExecutable:  # sampling donates nothing: the same call through the jitted function
-            sampled = self._sample(logits, sampling)
+        sampled = self._call(("sample", logits.shape[0]), self._sample, (logits, sampling))
         self.num_compilations += sum(f._cache_size() for f in jitted) - before
         return (sampled, *prompt)
 
     def _call(self, name: tuple, jitted, args: tuple):
-        """Calls warm-up's executable `name`, else `jitted`. One the store gave that fails with a missing function
-        (`executables.missing_function`) is deleted from the store and dropped here (the jitted function compiles
-        that shape from then on), and `executables.StaleExecutable` is raised."""
+        """Calls warm-up's executable `name`, else `jitted`; notes the store's executables it calls (`_drop_stale`)."""
         compiled = self._executables.get(name)
         if compiled is None:
             return jitted(*args)
-        try:
-            return compiled(*args)
-        except Exception as exc:
-            if name not in self._stored or not executables.missing_function(exc):
-                raise
-            from gdn_jax.engine import _outside_package  # (engine imports this module)
+        if name in self._stored:
+            self._called.append(name)
+        return compiled(*args)
+
+    def _drop_stale(self, exc: BaseException) -> bool:
+        """After a failed step: when `exc` is a missing function (`executables.missing_function`; it surfaces when a
+        result is read, so which call failed is not known) and the step called executables the store gave, those are
+        deleted from the store and dropped here (the jitted functions compile their shapes from then on). Returns
+        whether it dropped any: the caller then recomputes the step."""
+        called, self._called = list(dict.fromkeys(self._called)), []
+        if not called or not executables.missing_function(exc):
+            return False
+        from gdn_jax.engine import _outside_package  # (engine imports this module)
+        for name in called:
             del self._executables[name]
             executables.discard(self.executable_dir, self._stored.pop(name))
-            warnings.warn(f"the stored {name[0]} executable for {name[1:]} failed at its call ({exc}): deleted from "
-                          f"the executable store, compiled again", RuntimeWarning, stacklevel=_outside_package())
-            raise executables.StaleExecutable(f"stored {name[0]} executable {name[1:]}: {exc}") from exc
+        warnings.warn(f"a step failed in a stored executable ({exc}): deleted from the executable store, compiled "
+                      f"again: {', '.join(f'{n[0]} {n[1:]}' for n in called)}", RuntimeWarning,
+                      stacklevel=_outside_package())
+        return True
 
     def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False
                 ) -> StepResult:
@@ -569,9 +577,15 @@ class Worker:
 
         `prompt_targets[i]` (prefill rows only): the prompt tokens at positions start+1, start+2, ... of row i to
         score from this chunk's logits; when any row has some, the step also returns `StepResult.prompt`."""
-        if getattr(plan, "is_mixed", False):
-            return self._execute_mixed(plan, prompt_targets, full_rows)
-        return self._execute_one(plan, prompt_targets, full_rows)
+        self._called = []
+        try:
+            if getattr(plan, "is_mixed", False):
+                return self._execute_mixed(plan, prompt_targets, full_rows)
+            return self._execute_one(plan, prompt_targets, full_rows)
+        except Exception as exc:
+            if self._drop_stale(exc):
+                raise executables.StaleExecutable(str(exc)) from exc
+            raise
 
     def _execute_one(self, plan, prompt_targets, full_rows: bool) -> StepResult:
         """An all-prefill or all-decode plan (or one sub-batch of a mixed plan): one step executable."""
