@@ -68,14 +68,21 @@ def test_abort_during_an_inflight_step_defers_the_release_to_postprocess():
     assert s["live_slots"] == 0 and s["kv_blocks_free"] == cfg.num_kv_blocks - 1
 
 
-def test_a_failed_step_finishes_its_rows_with_error_and_leaks_nothing():
+def _a_step_of_three_restores():
+    """A finished request's checkpoints and cached blocks, then a step of three requests that restore from them (the
+    step holds restore pins): (config, scheduler, device, the first request, the three, the step's plan)."""
     cfg = small_config(max_num_batched_tokens=32)
     sched, dev = Scheduler(cfg), FakeDevice(cfg)
     first = submit(sched, dev, make_seq(1, P[:20], max_tokens=3))
-    run(sched, dev)  # leaves checkpoints and cached blocks behind
+    run(sched, dev)
     seqs = [submit(sched, dev, make_seq(10 + i, P[:20] + [i, i], max_tokens=3)) for i in range(3)]
     plan = sched.schedule()
-    assert sum(r.linear_op.is_warm_restore for r in plan.seqs) == 3  # the failed step held restore pins
+    assert sum(r.linear_op.is_warm_restore for r in plan.seqs) == 3
+    return cfg, sched, dev, first, seqs, plan
+
+
+def test_a_failed_step_finishes_its_rows_with_error_and_leaks_nothing():
+    cfg, sched, dev, first, seqs, plan = _a_step_of_three_restores()
     failed = sched.fail_step(plan)
     assert failed == seqs and all(s.finish_reason == "error" and s.block_table == [] for s in seqs)
     sched.check_invariants()
@@ -107,13 +114,7 @@ def test_a_redone_step_recomputes_its_rows_and_every_running_one_and_fails_none(
     """A step whose executable had to be compiled again (its state possibly consumed): the step's rows and the other
     running rows start over from scratch on an emptied cache, nothing of the step is indexed, and they end as they
     would have."""
-    cfg = small_config(max_num_batched_tokens=32)
-    sched, dev = Scheduler(cfg), FakeDevice(cfg)
-    first = submit(sched, dev, make_seq(1, P[:20], max_tokens=3))
-    run(sched, dev)  # leaves checkpoints and cached blocks behind
-    seqs = [submit(sched, dev, make_seq(10 + i, P[:20] + [i, i], max_tokens=3)) for i in range(3)]
-    plan = sched.schedule()
-    assert sum(r.linear_op.is_warm_restore for r in plan.seqs) == 3  # the redone step held restore pins
+    cfg, sched, dev, first, seqs, plan = _a_step_of_three_restores()
     sched.redo_step(plan)
     dev.state.clear()
     dev.kv.clear()  # the simulated device lost everything
