@@ -118,11 +118,18 @@ def missing_function(exc: BaseException) -> bool:
     return isinstance(exc, jax.errors.JaxRuntimeError) and "NOT_FOUND: Function" in text and "not found" in text
 
 
+BAD = ".bad"  # an empty file `<key>.bad`: that key's executable failed once; it is compiled, not stored, from then on
+
+
 def discard(folder: str | None, key: str) -> None:
-    """Deletes the entry `key` (a bad executable: the next start compiles it)."""
+    """Deletes the entry `key` (a bad executable) and marks the key (`BAD`): later starts compile it and do not store
+    it again (in the process where it happened, each new compilation of that shape was stored lacking the same
+    kernel)."""
     if folder:
         with contextlib.suppress(OSError):
             Path(folder, key).unlink()
+        with contextlib.suppress(OSError):
+            Path(folder, key + BAD).touch()
 
 
 def _entries(folder: str) -> list[Path]:
@@ -130,7 +137,7 @@ def _entries(folder: str) -> list[Path]:
     folder of the store (`executables/<version>`), else those of `folder` alone (partial writes excluded)."""
     root = Path(folder)
     dirs = [d for d in root.parent.iterdir() if d.is_dir()] if root.parent.name == "executables" else [root]
-    return [p for d in dirs for p in d.iterdir() if p.is_file() and not p.name.endswith(".tmp")]
+    return [p for d in dirs for p in d.iterdir() if p.is_file() and not p.name.endswith((".tmp", BAD))]
 
 
 def evict(folder: str, max_bytes: int, keep: str | None = None) -> int:
@@ -180,7 +187,7 @@ def fresh_compilation():
 def save(folder: str | None, key: str, compiled, max_bytes: int | None = None) -> bool:
     """Stores `compiled` under `key` (atomically: a concurrent reader sees the whole entry or none), then keeps the
     store within `max_bytes` (`evict`; default: JAX's cache bound, `jax_compilation_cache_max_size`)."""
-    if not folder:
+    if not folder or Path(folder, key + BAD).exists():
         return False
     try:
         os.makedirs(folder, exist_ok=True)
