@@ -603,7 +603,7 @@ class LLMEngine:
         of the prefill shapes is compiled lazily (on the first step that has such a row) unless `prompt_logprobs`."""
         resets = self.worker.state_resets
         n = self.worker.warm_up(prompt_logprobs)
-        if self.worker.state_resets != resets:  # a stored executable failed on the pools (`worker._call`)
+        if self.worker.state_resets != resets:  # a stored executable failed on the pools (`Worker._drop_stale`)
             self.scheduler.drop_device_state()
         return n
 
