@@ -7,6 +7,21 @@ import hashlib
 import json
 from pathlib import Path
 
+def folder_json(folder: str | Path | None, name: str) -> dict:
+    """A model folder's JSON file `name` as a dict ({} without the folder or the file); one that is not a JSON object
+    is a ValueError naming it."""
+    path = Path(folder) / name if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not valid JSON (an object is due, got {type(data).__name__})")
+    return data
+
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import sys
 import time
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax.config import ModelConfig
+from gdn_jax.config import ModelConfig, folder_json
 from gdn_jax.executables import StaleExecutable
 from gdn_jax.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer, text_stream
@@ -237,16 +236,11 @@ def generation_eos_ids(folder: Path | None) -> list[int]:
     """The end-of-sequence ids a model folder's `generation_config.json` lists (`eos_token_id`: an id or a list; []
     without the file or the field). A chat model's config.json may name one EOS while this lists the end-of-turn
     token too (Qwen3.5: <|endoftext|> there, <|im_end|> and <|endoftext|> here)."""
-    path = Path(folder) / "generation_config.json" if folder is not None else None
-    if path is None or not path.is_file():
-        return []
-    try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        raise ValueError(f"{path}: not a JSON object ({e})") from None
+    eos = folder_json(folder, "generation_config.json").get("eos_token_id")
     ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        raise ValueError(f"{Path(folder) / 'generation_config.json'}: eos_token_id must be a token id or a list of "
+                         f"them, got {eos!r}")
     return list(dict.fromkeys(ids))
 
 

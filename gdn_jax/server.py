@@ -50,6 +50,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gdn_jax.config import folder_json
 from gdn_jax.engine import EngineStepError, LLMEngine, RequestOutput
 from gdn_jax.tokenizer import TextOffsets, text_offsets
 from scheduler import SamplingParams
@@ -394,21 +395,6 @@ class _StatsCollector:
 
 
 # ---- the HTTP application ----------------------------------------------------------------------------------------
-def _tokenizer_config(folder: str | Path | None) -> dict:
-    """A model folder's `tokenizer_config.json` ({} without one); a file that is no JSON object is a ValueError
-    naming it."""
-    path = Path(folder) / "tokenizer_config.json" if folder is not None else None
-    if path is None or not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not valid JSON (an object is due, got {type(data).__name__})")
-    return data
-
-
 def load_chat_template(folder: str | Path | None) -> str | None:
     """`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or the `default` entry)."""
     if folder is None or not Path(folder).is_dir():
@@ -416,7 +402,7 @@ def load_chat_template(folder: str | Path | None) -> str | None:
     path = Path(folder)
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text()
-    cfg = _tokenizer_config(path)
+    cfg = folder_json(path, "tokenizer_config.json")
     if cfg:
         tpl = cfg.get("chat_template")
         if isinstance(tpl, list):
@@ -471,7 +457,7 @@ def load_special_tokens(folder: str | Path | None) -> dict[str, str]:
     """The special tokens transformers gives a chat template (`bos_token`, `eos_token`, ...): those
     `tokenizer_config.json` sets, as a string or an added-token object's `content`; one unset or null is left out
     (undefined in the template)."""
-    data = _tokenizer_config(folder)
+    data = folder_json(folder, "tokenizer_config.json")
     tokens = {}
     for name in SPECIAL_TOKENS:
         value = data.get(name)
