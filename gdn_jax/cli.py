@@ -89,11 +89,13 @@ def _serve(args) -> None:
     except ImportError as e:
         sys.exit(f"gdn-jax serve needs the server extra: pip install 'gdn-jax[serve]' ({e})")
     from gdn_jax.engine import LLMEngine
+    from gdn_jax.weights import model_folder
+    folder = model_folder(args.model)  # as the engine resolves the name: a shipped model wins over a same-named folder
     try:  # before the engine: a bad file fails at once, not after a warm-up
-        template = Path(args.chat_template).read_text() if args.chat_template else load_chat_template(args.model)
+        template = Path(args.chat_template).read_text() if args.chat_template else load_chat_template(folder)
     except OSError as e:
         raise ValueError(f"--chat-template {args.chat_template}: {e.strerror or e}") from None
-    special_tokens = load_special_tokens(args.model)  # the template's bos_token, eos_token, ...: the tokenizer's
+    special_tokens = load_special_tokens(folder)  # the template's bos_token, eos_token, ...: the tokenizer's
     engine = LLMEngine(args.model, **_engine_kwargs(args))
     if not args.no_warm_up:
         t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """Every command-line flag of every script and of `python -m gdn_jax` documents itself (read from the source)."""
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,45 @@ def test_a_corrupt_tokenizer_config_is_one_line_naming_the_file(tmp_path, capsys
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err
     assert f"{folder / 'tokenizer_config.json'}: not valid JSON" in err
+
+
+def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
+    """Each engine and server flag of `python -m gdn_jax serve` arrives where it acts (an engine and a server that
+    record what they get). The model name resolves as the engine resolves it: the shipped `tiny` (no chat template),
+    not a folder of that name in the working directory."""
+    import gdn_jax.engine
+    import gdn_jax.server
+    from gdn_jax.cli import main
+
+    seen = {}
+
+    class Engine:
+        def __init__(self, model, **kw):
+            seen["engine"] = (model, kw)
+
+        def warm_up(self, prompt_logprobs=False):
+            seen["warm_up"] = prompt_logprobs
+            return 1
+
+    monkeypatch.setattr(gdn_jax.engine, "LLMEngine", Engine)
+    monkeypatch.setattr(gdn_jax.server, "serve", lambda engine, config, **kw: seen.update(config=config, **kw))
+    monkeypatch.setenv("GDN_JAX_CACHE_DIR", "unchanged")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "chat_template.jinja").write_text("not the shipped model's")
+    main(["serve", "--dtype", "bfloat16", "--seed", "3", "--max-model-len", "512", "--max-num-seqs", "3",
+          "--block-size", "32", "--chunk-stride", "128", "--checkpoint-mode", "promote", "--checkpoint-policy", "last",
+          "--no-prefix-caching", "--num-kv-blocks", "99", "--num-linear-slots", "20", "--compilation-cache", "",
+          "--host", "0.0.0.0", "--port", "8123", "--api-key", "k", "--served-model-name", "m",
+          "--max-tokens-limit", "4096", "--max-request-bytes", "5000", "--warm-up-prompt-logprobs",
+          "--log-level", "debug"])
+    assert seen["engine"] == ("tiny", dict(
+        dtype="bfloat16", seed=3, enable_prefix_caching=False, block_size=32, chunk_stride=128, max_num_seqs=3,
+        max_model_len=512, num_kv_blocks=99, num_linear_slots=20, checkpoint_mode="promote",
+        checkpoint_policy="last"))
+    assert seen["warm_up"] is True and os.environ["GDN_JAX_CACHE_DIR"] == "off"
+    config = seen["config"]
+    assert (config.model_name, config.api_key, config.max_request_bytes) == ("m", "k", 5000)
+    assert config.max_tokens_limit == 512  # no more than fits the context
+    assert config.chat_template is None and config.special_tokens == {}
+    assert (seen["host"], seen["port"], seen["log_level"]) == ("0.0.0.0", 8123, "debug")
