@@ -232,15 +232,21 @@ def _token_list(ids, what: str = "a token-id prompt") -> list:
     return out
 
 
-def generation_eos_ids(folder: Path | None) -> list[int]:
-    """The end-of-sequence ids a model folder's `generation_config.json` lists (`eos_token_id`: an id or a list; []
-    without the file or the field). A chat model's config.json may name one EOS while this lists the end-of-turn
-    token too (Qwen3.5: <|endoftext|> there, <|im_end|> and <|endoftext|> here)."""
-    eos = folder_json(folder, "generation_config.json").get("eos_token_id")
-    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-        raise ValueError(f"{Path(folder) / 'generation_config.json'}: eos_token_id must be a token id or a list of "
-                         f"them, got {eos!r}")
+def model_eos_ids(folder: Path | None) -> list[int]:
+    """The end-of-sequence ids a model folder lists: config.json's `eos_token_id` (an id or a list) and
+    generation_config.json's (the same; [] without the files or the fields). A chat model's config.json may name one
+    EOS while generation_config.json lists the end-of-turn token too (Qwen3.5: <|endoftext|> there, <|im_end|> and
+    <|endoftext|> here); some models list several in config.json itself (the model's `eos_token_id` is the first)."""
+    ids = []
+    for name in ("config.json", "generation_config.json"):
+        data = folder_json(folder, name)
+        text = data.get("text_config")  # a multimodal config.json (qwen3_5) holds the text model's in text_config
+        for eos in ((text.get("eos_token_id"),) if isinstance(text, dict) else ()) + (data.get("eos_token_id"),):
+            listed = [] if eos is None else eos if isinstance(eos, list) else [eos]
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in listed):
+                raise ValueError(f"{Path(folder) / name}: eos_token_id must be a token id or a list of them, "
+                                 f"got {eos!r}")
+            ids += listed
     return list(dict.fromkeys(ids))
 
 
@@ -292,8 +298,8 @@ class LLMEngine:
                              f"{self.cfg.max_position_embeddings}")
         folder = model_folder(model)
         self.tokenizer = get_tokenizer(folder, self.cfg.vocab_size, self.cfg.eos_token_id)
-        # generation_config.json's other end-of-sequence ids end a request as stop tokens unless ignore_eos (vLLM's way)
-        self.extra_eos_ids = [t for t in generation_eos_ids(folder) if t != self.cfg.eos_token_id]
+        # the folder's other end-of-sequence ids end a request as stop tokens unless ignore_eos (vLLM's way)
+        self.extra_eos_ids = [t for t in model_eos_ids(folder) if t != self.cfg.eos_token_id]
         has_linear = bool(self.cfg.linear_layer_ids)
         if memory_budget_bytes is None:
             params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
@@ -361,7 +367,7 @@ class LLMEngine:
             stops = [*(params.stop_token_ids or ()), *extra]
             if len(stops) > MAX_STOP_TOKEN_IDS:
                 raise ValueError(f"stop_token_ids holds {len(stops) - len(extra)} ids; with the model's {len(extra)} "
-                                 f"further end-of-sequence ids (generation_config.json) at most "
+                                 f"further end-of-sequence ids (config.json, generation_config.json) at most "
                                  f"{MAX_STOP_TOKEN_IDS - len(extra)} are supported")
             params = dataclasses.replace(params, stop_token_ids=stops)
         text, ids = self._tokenize(prompt)

@@ -318,10 +318,12 @@ def test_model_folder_tokenizer_json_is_used(tmp_path):
     assert out.prompt_token_ids == [2, 3, 4, 5]
 
 
-def test_generation_config_end_of_sequence_ids_end_a_request(tmp_path):
+@pytest.mark.parametrize("listed_in", ["generation_config.json", "config.json"])
+def test_every_end_of_sequence_id_a_model_lists_ends_a_request(tmp_path, listed_in):
     """A chat model's config.json may name one EOS (Qwen3.5: <|endoftext|>) while its generation_config.json lists the
-    end-of-turn token too (<|im_end|>): every id there ends a request, as with transformers' generate and vLLM (the
-    others as stop tokens: the stop_reason, their text left out), unless ignore_eos; with min_tokens not before."""
+    end-of-turn token too (<|im_end|>), and some models list several in config.json: every id listed ends a request,
+    as with transformers' generate and vLLM (the others as stop tokens: the stop_reason, their text left out), unless
+    ignore_eos; with min_tokens not before."""
     import json
     folder = tmp_path / "m"
     shutil.copytree(FIXTURE, folder)
@@ -330,8 +332,13 @@ def test_generation_config_end_of_sequence_ids_end_a_request(tmp_path):
     prompt = list(range(40, 60))
     ids = LLM(str(folder), **kw).generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
     j = next(j for j in range(2, 16) if ids[j] not in ids[:j] and ids[j] != 1)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, ids[j]], "temperature": 0.7}))
+    if listed_in == "config.json":
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, ids[j]]}))
+    else:
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, ids[j]], "temperature": 0.7}))
     llm = LLM(str(folder), **kw)
+    assert llm.engine.cfg.eos_token_id == 1
     out = llm.generate([prompt], SamplingParams(**{**greedy, "ignore_eos": False}), use_tqdm=False)[0].outputs[0]
     assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[:j + 1], "stop", ids[j])
     assert out.text == llm.get_tokenizer().decode(ids[:j])
@@ -339,6 +346,20 @@ def test_generation_config_end_of_sequence_ids_end_a_request(tmp_path):
     assert again.token_ids == ids and again.finish_reason == "length"
     held = SamplingParams(**{**greedy, "ignore_eos": False, "min_tokens": j + 1})  # banned as EOS is, until then
     assert llm.generate([prompt], held, use_tqdm=False)[0].outputs[0].token_ids[j] != ids[j]
+
+
+def test_end_of_sequence_ids_are_read_from_every_place_a_folder_lists_them(tmp_path):
+    import json
+
+    from gdn_jax.engine import model_eos_ids
+    assert model_eos_ids(None) == [] and model_eos_ids(tmp_path) == []
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {"eos_token_id": [5, 6]},
+                                                      "eos_token_id": 7}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, 8]}))
+    assert model_eos_ids(tmp_path) == [5, 6, 7, 8]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, "9"]}))
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be a token id.*'9'"):
+        model_eos_ids(tmp_path)
 
 
 def test_min_tokens_holds_off_stop_strings_as_it_does_stop_tokens(llm):
