@@ -275,7 +275,8 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
     """Trains from scratch (or from the latest orbax checkpoint in `ckpt_dir` with `resume`) and returns
     {"params", "history", "start_step", "end_step", "wall_s", "tokens_per_s", ...}. `stop_after` ends this run after
     that many steps (the schedule still spans `tc.steps`), as an interruption would; the last step is checkpointed.
-    History rows: step, loss (nats per token, the mean over the steps since the previous row), lr (the rate the
+    History rows (every `log_every` steps, and at evaluations, checkpoints and the last step): step, loss (nats per
+    token, the mean over the steps since the previous row), lr (the rate the
     row's last step trained with: optax's schedule at that step's 0-based index), time (wall
     seconds since step 0, resumed runs, evaluations and the first step's compilation included) and val_bpb at the evaluation steps.
     A `ckpt_dir` that holds checkpoints belongs to the run that wrote them: a run from scratch refuses it (ValueError;
@@ -329,7 +330,9 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
         if step == start:  # the first step compiles: kept out of the throughput
             jax.block_until_ready(loss)
             t_compile = time.perf_counter() - t0
-        if done % tc.log_every == 0 or done == end or done % tc.eval_every == 0:
+        checkpoint = mngr is not None and (done % tc.ckpt_every == 0 or done == end)
+        # a checkpoint step logs too, so that the history it saves holds every step's loss up to it
+        if done % tc.log_every == 0 or done == end or done % tc.eval_every == 0 or checkpoint:
             mean = float(np.mean(jax.device_get(pending)))
             pending = []
             row = {"step": done, "loss": mean, "lr": float(sched(done - 1)), "time": t_before + time.perf_counter() - t0}
@@ -341,7 +344,7 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
             log(f"step {done:>6}  loss {mean:.4f} nats ({mean / LN2:.3f} bits)  lr {row['lr']:.2e}"
                 + (f"  val {row['val_bpb']:.3f} bits/byte" if "val_bpb" in row else "")
                 + f"  {time.perf_counter() - t0:.0f} s")
-        if mngr is not None and (done % tc.ckpt_every == 0 or done == end):
+        if checkpoint:
             import orbax.checkpoint as ocp
 
             mngr.save(done, args=ocp.args.Composite(
