@@ -83,10 +83,11 @@ def measure(model: str, dtype: str, stride: int, capacity: int, sizes: dict, see
     recs = run_workload(engine, messages, sizes["max_tokens"])
     after = engine.cache_stats()
     later = [r for r in recs if r["turn"] > 0]      # turn 0 can only share the system prompt
-    prompt_tokens = sum(r["prompt"] for r in recs)
+    prompt_tokens, later_tokens = sum(r["prompt"] for r in recs), sum(r["prompt"] for r in later)
     return {"chunk_stride": stride, "capacity_per_seq": capacity,
             "reused_fraction": sum(r["cached"] for r in recs) / prompt_tokens,
-            "reused_fraction_later_turns": sum(r["cached"] for r in later) / max(1, sum(r["prompt"] for r in later)),
+            # None with one turn per conversation: there is no later turn to measure
+            "reused_fraction_later_turns": sum(r["cached"] for r in later) / later_tokens if later else None,
             "reuse_lost_total": sum(r["reuse_lost"] for r in recs),
             "reuse_lost_per_request": statistics.fmean(r["reuse_lost"] for r in recs),
             "checkpoint_bytes": engine.memory.num_checkpoint_slots * engine.memory.bytes_per_linear_slot,
@@ -95,6 +96,10 @@ def measure(model: str, dtype: str, stride: int, capacity: int, sizes: dict, see
             "saves_skipped": after["checkpoints_save_skipped"] - before["checkpoints_save_skipped"],
             "compilations": after["compilations"] - before["compilations"],
             "requests": len(recs), "prompt_tokens": prompt_tokens}
+
+
+def later_cell(fraction: float | None) -> str:
+    return f"{'-':>8}" if fraction is None else f"{fraction:>8.1%}"
 
 
 def conclusion(rows) -> str:
@@ -152,7 +157,7 @@ def main(argv=None) -> dict:
           f"{'ckpt MiB':>10}{'TTFT p50':>10}{'evict':>7}{'skipped':>9}")
     for r in rows:
         print(f"{r['chunk_stride']:>7}{r['capacity_per_seq']:>10}{r['reused_fraction']:>9.1%}"
-              f"{r['reused_fraction_later_turns']:>8.1%}{r['reuse_lost_total']:>10}{r['reuse_lost_per_request']:>10.1f}"
+              f"{later_cell(r['reused_fraction_later_turns'])}{r['reuse_lost_total']:>10}{r['reuse_lost_per_request']:>10.1f}"
               f"{r['checkpoint_bytes'] / 2**20:>10.2f}{r['ttft_p50_ms']:>9.1f}ms{r['evictions']:>7}"
               f"{r['saves_skipped']:>9}")
     text = conclusion(rows)
