@@ -37,7 +37,7 @@ def test_make_test_runs_every_test_file():
     recipe = (ROOT / "Makefile").read_text().replace("\\\n", " ")
     listed = set()
     for line in recipe.splitlines():
-        if re.match(r"(GROUP_\w+ :=|\t\$\(PY\) -m pytest)", line):
+        if re.match(r"(GROUP_\w+ :=|\t(\$\(\w+\) )?\$\(PY\) -m pytest)", line):
             listed.update(re.findall(r"tests/[\w/]+(?:\.py)?", line))
     files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")}
     missing = sorted(f for f in files if not any(f == t or f.startswith(t.rstrip("/") + "/") for t in listed))
