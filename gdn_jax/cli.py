@@ -64,6 +64,15 @@ def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
     ap.add_argument("--checkpoint-policy", default="all", choices=["all", "last"],
                     help="the boundaries a prefill row saves (\"scan\" mode): all it crosses, or its deepest")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                    help="prompt tokens a step prefills at most (None: max(chunk stride, 2048))")
+    ap.add_argument("--no-mixed-steps", action="store_true",
+                    help="a step prefills or decodes, not both (\"scan\" mode; \"promote\" never mixes)")
+    ap.add_argument("--gdn-schedule", default="auto", choices=["auto", "fused", "parallel"],
+                    help="the chunked GDN rule's schedule (same maths; auto: fused on CPU, parallel elsewhere)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="fraction of an accelerator's memory for the weights and the caches (the CPU: 2 GiB of "
+                         "caches)")
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (None: from the memory budget)")
     ap.add_argument("--num-linear-slots", type=int, default=None,
                     help="linear-state slots (None: from the memory budget)")
@@ -80,7 +89,9 @@ def _engine_kwargs(args) -> dict:
                 block_size=args.block_size, chunk_stride=args.chunk_stride, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                 num_linear_slots=args.num_linear_slots, checkpoint_mode=args.checkpoint_mode,
-                checkpoint_policy=args.checkpoint_policy)
+                checkpoint_policy=args.checkpoint_policy, max_num_batched_tokens=args.max_num_batched_tokens,
+                mixed_steps=not args.no_mixed_steps, gdn_schedule=args.gdn_schedule,
+                gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def _serve(args) -> None:

@@ -276,9 +276,9 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
     {"params", "history", "start_step", "end_step", "wall_s", "tokens_per_s", ...}. `stop_after` ends this run after
     that many steps (the schedule still spans `tc.steps`), as an interruption would; the last step is checkpointed.
     History rows (every `log_every` steps, and at evaluations, checkpoints and the last step): step, loss (nats per
-    token, the mean over the steps since the previous row), lr (the rate the
-    row's last step trained with: optax's schedule at that step's 0-based index), time (wall
-    seconds since step 0, resumed runs, evaluations and the first step's compilation included) and val_bpb at the evaluation steps.
+    token, the mean over the steps since the previous row), lr (the rate the row's last step trained with: optax's
+    schedule at that step's 0-based index), time (wall seconds since step 0, resumed runs, evaluations and the first
+    step's compilation included) and val_bpb at the evaluation steps.
     A `ckpt_dir` that holds checkpoints belongs to the run that wrote them: a run from scratch refuses it (ValueError;
     orbax would skip every save at or below their latest step, and a later resume would continue the earlier run),
     and so does a resume whose settings (`run_settings`) differ from those its checkpoint records."""

@@ -1,6 +1,7 @@
 """Every command-line flag of every script and of `python -m gdn_jax` documents itself (read from the source)."""
 
 import ast
+import inspect
 import os
 from pathlib import Path
 
@@ -125,6 +126,7 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
             seen["warm_up"] = prompt_logprobs
             return 1
 
+    real_engine = gdn_jax.engine.LLMEngine
     monkeypatch.setattr(gdn_jax.engine, "LLMEngine", Engine)
     monkeypatch.setattr(gdn_jax.server, "serve", lambda engine, config, **kw: seen.update(config=config, **kw))
     monkeypatch.setenv("GDN_JAX_CACHE_DIR", "unchanged")
@@ -134,16 +136,24 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     main(["serve", "--dtype", "bfloat16", "--seed", "3", "--max-model-len", "512", "--max-num-seqs", "3",
           "--block-size", "32", "--chunk-stride", "128", "--checkpoint-mode", "promote", "--checkpoint-policy", "last",
           "--no-prefix-caching", "--num-kv-blocks", "99", "--num-linear-slots", "20", "--compilation-cache", "",
+          "--max-num-batched-tokens", "256", "--no-mixed-steps", "--gdn-schedule", "parallel",
+          "--gpu-memory-utilization", "0.5",
           "--host", "0.0.0.0", "--port", "8123", "--api-key", "k", "--served-model-name", "m",
           "--max-tokens-limit", "4096", "--max-request-bytes", "5000", "--warm-up-prompt-logprobs",
           "--log-level", "debug"])
     assert seen["engine"] == ("tiny", dict(
         dtype="bfloat16", seed=3, enable_prefix_caching=False, block_size=32, chunk_stride=128, max_num_seqs=3,
         max_model_len=512, num_kv_blocks=99, num_linear_slots=20, checkpoint_mode="promote",
-        checkpoint_policy="last"))
+        checkpoint_policy="last", max_num_batched_tokens=256, mixed_steps=False, gdn_schedule="parallel",
+        gpu_memory_utilization=0.5))
     assert seen["warm_up"] is True and os.environ["GDN_JAX_CACHE_DIR"] == "off"
     config = seen["config"]
     assert (config.model_name, config.api_key, config.max_request_bytes) == ("m", "k", 5000)
     assert config.max_tokens_limit == 512  # no more than fits the context
     assert config.chat_template is None and config.special_tokens == {}
     assert (seen["host"], seen["port"], seen["log_level"]) == ("0.0.0.0", 8123, "debug")
+    seen.clear()
+    main(["serve", "--no-warm-up"])  # unset flags: the engine's own defaults, but a context of 2048 tokens
+    defaults = inspect.signature(real_engine.__init__).parameters
+    kw = seen["engine"][1]
+    assert kw == {**{k: defaults[k].default for k in kw}, "max_model_len": 2048} and "warm_up" not in seen
