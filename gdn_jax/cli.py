@@ -116,7 +116,8 @@ def _serve(args) -> None:
                           api_key=args.api_key or os.environ.get("GDN_JAX_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes,
                           max_tokens_limit=min(args.max_tokens_limit, args.max_model_len),
-                          chat_template=template, special_tokens=special_tokens)
+                          chat_template=template, special_tokens=special_tokens,
+                          reasoning_parser=args.reasoning_parser)
     print(f"[gdn_jax] serving {config.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
 
@@ -161,6 +162,9 @@ def main(argv=None) -> None:
                    help="largest max_tokens a request may ask for")
     s.add_argument("--max-request-bytes", type=positive_int, default=1 << 20, help="largest request body accepted")
     s.add_argument("--chat-template", default=None, help="jinja chat template file (default: the model folder's)")
+    s.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                   help="chat replies' <think> block goes to the message's `reasoning`, the rest to `content` "
+                        "(Qwen3 / Qwen3.5)")
     s.add_argument("--no-warm-up", action="store_true", help="compile step shapes lazily instead of at start-up")
     s.add_argument("--warm-up-prompt-logprobs", action="store_true",
                    help="also compile the prompt-logprobs (echo + logprobs) prefill variant at start-up")

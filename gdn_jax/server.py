@@ -21,6 +21,10 @@ character puts the next one at that character's start). `n` samples per prompt a
 the server does not implement (`logit_bias`, a `best_of` other than `n`, `suffix`, tools, `response_format` other
 than text) are refused with a 400 naming the field; other unknown fields are ignored, as vLLM does.
 
+With `reasoning_parser="qwen3"` a chat reply's think block (to the first "</think>", from the reply's start when the
+rendered prompt left a block open, or after a "<think>" the reply starts with) is the message's `reasoning`, the rest
+its `content`, as vLLM's parser of that name splits them; a stream holds back a possible tag's first characters.
+
 A client that disconnects has its request aborted (its slots and blocks are freed at once). If an engine step raises,
 the requests of that step get an error (HTTP 500, or an error event on a stream) and the loop goes on serving.
 """
@@ -56,6 +60,8 @@ from gdn_jax.tokenizer import TextOffsets, text_offsets
 from scheduler import SamplingParams
 
 ENGINE_THREAD_STACK_BYTES = 64 << 20
+REASONING_PARSERS = ("qwen3",)
+THINK_START, THINK_END = "<think>", "</think>"
 log = logging.getLogger("gdn_jax.server")
 
 
@@ -68,6 +74,12 @@ class ServerConfig:
     max_prompts: int = 64                    # prompts in one /v1/completions request
     chat_template: str | None = None         # jinja source; None: /v1/chat/completions answers 400
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)  # the template's bos_token, ...
+    reasoning_parser: str | None = None      # "qwen3": a chat reply's think block goes to `reasoning` (vLLM's way)
+
+    def __post_init__(self):
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, got "
+                             f"{self.reasoning_parser!r}")
 
 
 class BadRequest(Exception):
@@ -781,16 +793,22 @@ class _Server:
         self.check_request(ids, params, "messages")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
         tok = self.engine.tokenizer
+        parse = self.config.reasoning_parser is not None
+        opened = parse and prompt_opens_reasoning(text)
         if req.stream:
             streams: dict[int, _SampleStream] = {}
+            parts: dict[int, _ReasoningStream] = {}
 
             def one(j: int, out: RequestOutput) -> dict | None:
                 comp = out.outputs[j]
                 d, lp = {}, None
                 if j not in streams:
                     d["role"], streams[j] = "assistant", _SampleStream(tok, 0, k is not None)
+                    parts[j] = _ReasoningStream(opened)
                 new, _, shown = streams[j].advance(comp, comp.text, out.finished)
-                if new:
+                if parse:
+                    d.update(parts[j].advance(streams[j].text, out.finished))
+                elif new:
                     d["content"] = new
                 if shown.stop > shown.start:
                     lp = self.chat_logprobs(comp.token_ids[shown], comp.logprobs[shown], k)
@@ -815,9 +833,59 @@ class _Server:
             if k is not None:
                 n = shown_tokens(text_offsets(tok, comp.token_ids), len(comp.text), comp.finish_reason != "stop")
                 lp = self.chat_logprobs(comp.token_ids[:n], comp.logprobs[:n], k)
-            choices.append({"index": j, "message": {"role": "assistant", "content": comp.text}, "logprobs": lp,
-                            "finish_reason": comp.finish_reason})
+            message = {"role": "assistant", "content": comp.text}
+            if parse:
+                message["reasoning"], message["content"] = split_reasoning(comp.text, opened, True)
+            choices.append({"index": j, "message": message, "logprobs": lp, "finish_reason": comp.finish_reason})
         return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": self.usage([final])})
+
+
+def prompt_opens_reasoning(prompt: str) -> bool:
+    """Whether a rendered chat prompt leaves a think block open, so that the reply starts inside its reasoning
+    (Qwen3.5's template with thinking on ends with "<think>\\n"; with `enable_thinking` false it closes the block)."""
+    start = prompt.rfind(THINK_START)
+    return start >= 0 and prompt.find(THINK_END, start) < 0
+
+
+def split_reasoning(text: str, opened: bool, finished: bool) -> tuple[str | None, str | None]:
+    """A chat reply's text -> (reasoning, content), None for a part it has not (or not yet) got. The reasoning runs
+    to the first "</think>": from the reply's start if the prompt opened the block (`opened`), else if the reply
+    opens it itself (an older template: the reply starts with "<think>"); a reply without a think block is all
+    content. While not `finished`, text that may still become a tag (a start of "<think>" at the reply's start, a
+    start of "</think>" at the reasoning's end) is held back, so that a stream never sends a tag's characters."""
+    if not opened:
+        if text.startswith(THINK_START):
+            text, opened = text[len(THINK_START):], True
+        elif not finished and THINK_START.startswith(text):
+            return None, None
+        else:
+            return None, text
+    reasoning, end, content = text.partition(THINK_END)
+    if end:
+        return reasoning, content or None
+    if not finished:
+        held = next((n for n in range(min(len(THINK_END) - 1, len(reasoning)), 0, -1)
+                     if THINK_END.startswith(reasoning[-n:])), 0)
+        reasoning = reasoning[:len(reasoning) - held]
+    return reasoning, None
+
+
+class _ReasoningStream:
+    """What a stream has sent of a reply's reasoning and content (`split_reasoning` of the text sent so far)."""
+
+    def __init__(self, opened: bool):
+        self.opened, self.reasoning, self.content = opened, "", ""
+
+    def advance(self, text: str, finished: bool) -> dict:
+        """The reply's text sent so far -> the delta fields not sent yet ("reasoning", "content")."""
+        reasoning, content = split_reasoning(text, self.opened, finished)
+        out = {}
+        for name, now in (("reasoning", reasoning or ""), ("content", content or "")):
+            new = now[len(getattr(self, name)):]
+            if new:
+                out[name] = new
+                setattr(self, name, now)
+        return out
 
 
 class _SampleStream:

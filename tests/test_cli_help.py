@@ -140,7 +140,7 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
           "--gpu-memory-utilization", "0.5",
           "--host", "0.0.0.0", "--port", "8123", "--api-key", "k", "--served-model-name", "m",
           "--max-tokens-limit", "4096", "--max-request-bytes", "5000", "--warm-up-prompt-logprobs",
-          "--log-level", "debug"])
+          "--log-level", "debug", "--reasoning-parser", "qwen3"])
     assert seen["engine"] == ("tiny", dict(
         dtype="bfloat16", seed=3, enable_prefix_caching=False, block_size=32, chunk_stride=128, max_num_seqs=3,
         max_model_len=512, num_kv_blocks=99, num_linear_slots=20, checkpoint_mode="promote",
@@ -150,7 +150,7 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     config = seen["config"]
     assert (config.model_name, config.api_key, config.max_request_bytes) == ("m", "k", 5000)
     assert config.max_tokens_limit == 512  # no more than fits the context
-    assert config.chat_template is None and config.special_tokens == {}
+    assert config.chat_template is None and config.special_tokens == {} and config.reasoning_parser == "qwen3"
     assert (seen["host"], seen["port"], seen["log_level"]) == ("0.0.0.0", 8123, "debug")
     seen.clear()
     main(["serve", "--no-warm-up"])  # unset flags: the engine's own defaults, but a context of 2048 tokens

@@ -644,3 +644,67 @@ def test_a_request_only_the_engine_refuses_is_a_400_before_the_stream_starts(ser
         assert "end-of-sequence" in r.json()["error"]["message"]
     assert _post(server, {**prompt, "max_tokens": 2, "stop_token_ids": list(range(10, 41))}, path,
                  url).status_code == 200
+
+
+REPLIES = [  # (the prompt opened a think block, the reply's text, its reasoning, its content)
+    (True, "step 1, step 2\n</think>\n\nThe answer is 4.", "step 1, step 2\n", "\n\nThe answer is 4."),
+    (True, "still thinking when max_tokens ran out <", "still thinking when max_tokens ran out <", None),
+    (True, "a < b and </thin k> is no tag</think>", "a < b and </thin k> is no tag", None),
+    (True, "</think>only content", "", "only content"),
+    (False, "<think>an older template: the reply opens it</think>done", "an older template: the reply opens it",
+     "done"),
+    (False, "no think block: all content, even </think>", None, "no think block: all content, even </think>"),
+    (False, "<thin", None, "<thin"),
+    (False, "", None, ""),
+]
+
+
+@pytest.mark.parametrize("opened, text, reasoning, content", REPLIES)
+def test_a_reply_splits_into_reasoning_and_content_alike_whole_or_streamed(opened, text, reasoning, content):
+    """vLLM's qwen3 reasoning parser's split: the reasoning runs to the first </think>, from the reply's start when the
+    prompt opened the block (Qwen3.5), or after a <think> the reply starts with. Streamed in pieces of any size, the
+    deltas join to the same parts and never carry a tag's characters (a possible tag start is held back)."""
+    from gdn_jax.server import _ReasoningStream, split_reasoning
+    assert split_reasoning(text, opened, finished=True) == (reasoning, content)
+    for size in (1, 2, 3, 5, 64):
+        stream, sent = _ReasoningStream(opened), {"reasoning": "", "content": ""}
+        cuts = list(range(0, len(text), size)) + [len(text)]
+        for end in cuts:
+            for name, new in stream.advance(text[:end], finished=end == cuts[-1] and end == len(text)).items():
+                sent[name] += new
+                assert "<think>" not in new and "</think>" not in (sent["reasoning"] if name == "reasoning" else "")
+        assert (sent["reasoning"], sent["content"]) == (reasoning or "", content or ""), size
+
+
+def test_prompts_that_leave_a_think_block_open():
+    from gdn_jax.server import prompt_opens_reasoning
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking false
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+    assert prompt_opens_reasoning("<think>an earlier turn</think>answer<|im_start|>assistant\n<think>\n")
+
+
+def test_the_reasoning_parser_sends_a_think_block_to_reasoning(server):
+    """With `reasoning_parser="qwen3"`, a chat reply to a prompt that opens a think block is reasoning up to
+    </think> (here the whole of it: a random model writes no tag), the same streamed or not; a prompt that closes the
+    block (enable_thinking false) gets a reply of content only. Without the parser, the text is the content."""
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+                "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                "{% else %}<think>\n{% endif %}")
+    body = {"messages": [{"role": "user", "content": "why?"}], "max_tokens": 12, "temperature": 0}
+    with ServerThread(create_app(server.loop, ServerConfig(model_name="tiny", chat_template=template))) as plain, \
+            ServerThread(create_app(server.loop, ServerConfig(model_name="tiny", chat_template=template,
+                                                              reasoning_parser="qwen3"))) as parsed:
+        for kwargs, opened in (({}, True), ({"chat_template_kwargs": {"enable_thinking": False}}, False)):
+            r = _post(server, {**body, **kwargs}, "/v1/chat/completions", plain.url)
+            text = r.json()["choices"][0]["message"]["content"]
+            assert text and "reasoning" not in r.json()["choices"][0]["message"]
+            r = _post(server, {**body, **kwargs}, "/v1/chat/completions", parsed.url)
+            message = r.json()["choices"][0]["message"]
+            reasoning, content = (text, None) if opened else (None, text)
+            assert (message["reasoning"], message["content"]) == (reasoning, content)
+            choices = _streamed(server, {**body, **kwargs}, "/v1/chat/completions", parsed.url)
+            streamed = ["".join(c["delta"].get(name, "") for c in choices) for name in ("reasoning", "content")]
+            assert streamed == [reasoning or "", content or ""]
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        ServerConfig(reasoning_parser="deepseek")
