@@ -31,12 +31,13 @@ GROUP_B := tests/gdn_jax/test_donation.py tests/gdn_jax/test_engine.py tests/gdn
 GROUP_C := tests/gdn_jax/test_decode_path.py tests/gdn_jax/test_model.py tests/gdn_jax/test_model_vs_hf.py tests/gdn_jax/test_prompt_logprobs.py \
            tests/gdn_jax/test_restore.py tests/gdn_jax/test_sampling.py tests/gdn_jax/test_sampling_engine.py
 GROUP_D := tests/gdn_jax/test_tiny_model.py tests/gdn_jax/test_weights.py tests/gdn_jax/test_shape_buckets.py \
-           tests/gdn_jax/test_executables.py tests/gdn_jax/test_text_stream.py
+           tests/gdn_jax/test_executables.py tests/gdn_jax/test_text_stream.py tests/gdn_jax/test_server_default_compile.py
 # The server, training, the studies, the notebooks and the scripts are tested for what they do with the model's
 # results (requests, streams, resumes, tables, files), each against itself: their processes compile with LLVM's
 # optimisation off, which halves their compile time, most of their time (a float32 logprob moves by ~1e-6, a
 # bfloat16 one by up to ~0.02). The groups above, which test the numbers a user gets (the model, exactness of the
-# cache, decode and sampling paths, the shipped model's card, stored executables), compile as a user's engine does.
+# cache, decode and sampling paths, the shipped model's card, stored executables, and the server's engine thread
+# compiling a request's shapes: test_server_default_compile.py), compile as a user's engine does.
 PLUMBING := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0"
 # `make test` runs the groups in two lanes at once (a step compiles on one core, and most of the suite's time is
 # compiling): B then C, which runs many steps B compiled; and the rest. Each lane's groups run in order; each
