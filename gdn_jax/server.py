@@ -176,11 +176,13 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 def chat_message(i: int, m: ChatMessage) -> dict:
-    """A message as the chat template reads it: a known role and text content (text parts joined by newlines)."""
+    """A message as the chat template reads it: a known role and text content (text parts joined by newlines). An
+    assistant message's content may be null, as the reasoning parser's replies have it when they hold no text after
+    the think block: empty text, as vLLM reads it."""
     if m.role not in CHAT_ROLES:
         raise BadRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (tools are not supported), "
                          f"got {m.role!r}", "messages")
-    content = m.content
+    content = "" if m.content is None and m.role == "assistant" else m.content
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):

@@ -708,3 +708,23 @@ def test_the_reasoning_parser_sends_a_think_block_to_reasoning(server):
             assert streamed == [reasoning or "", content or ""]
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="deepseek")
+
+
+def test_a_reply_of_reasoning_only_can_be_sent_back_in_the_next_turn(server):
+    """With the reasoning parser a reply cut before </think> has `content` null. A client that appends the message it
+    got to the conversation (as the openai package's users do) sends that null back: an assistant message without
+    content is accepted as empty text (vLLM's way), not refused; a user message still needs its content."""
+    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|><think>"
+    turn = [{"role": "user", "content": "why?"}]
+    body = {"max_tokens": 4, "temperature": 0}
+    with ServerThread(create_app(server.loop, ServerConfig(model_name="tiny", chat_template=template,
+                                                           reasoning_parser="qwen3"))) as parsed:
+        r = _post(server, {**body, "messages": turn}, "/v1/chat/completions", parsed.url)
+        message = r.json()["choices"][0]["message"]
+        assert message["content"] is None and message["reasoning"]
+        r = _post(server, {**body, "messages": turn + [message, {"role": "user", "content": "and?"}]},
+                  "/v1/chat/completions", parsed.url)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len("<|user|>why?<|assistant|><|user|>and?<|assistant|><think>")
+        r = _post(server, {**body, "messages": [{"role": "user", "content": None}]}, "/v1/chat/completions", parsed.url)
+        assert r.status_code == 400 and "content must be a string" in r.json()["error"]["message"]
