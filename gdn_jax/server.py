@@ -164,6 +164,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables (`enable_thinking`, ...)
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning parser's `reasoning` out of the reply
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: Any = None
@@ -796,6 +797,7 @@ class _Server:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.config.model_name}
         tok = self.engine.tokenizer
         parse = self.config.reasoning_parser is not None
+        keep = req.include_reasoning  # false: the reasoning is split off and left out (vLLM's include_reasoning)
         opened = parse and prompt_opens_reasoning(text)
         if req.stream:
             streams: dict[int, _SampleStream] = {}
@@ -809,7 +811,8 @@ class _Server:
                     parts[j] = _ReasoningStream(opened)
                 new, _, shown = streams[j].advance(comp, comp.text, out.finished)
                 if parse:
-                    d.update(parts[j].advance(streams[j].text, out.finished))
+                    d.update((name, new) for name, new in parts[j].advance(streams[j].text, out.finished).items()
+                             if keep or name != "reasoning")
                 elif new:
                     d["content"] = new
                 if shown.stop > shown.start:
@@ -838,6 +841,7 @@ class _Server:
             message = {"role": "assistant", "content": comp.text}
             if parse:
                 message["reasoning"], message["content"] = split_reasoning(comp.text, opened, True)
+                message["reasoning"] = message["reasoning"] if keep else None
             choices.append({"index": j, "message": message, "logprobs": lp, "finish_reason": comp.finish_reason})
         return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": self.usage([final])})
 
@@ -852,16 +856,15 @@ def prompt_opens_reasoning(prompt: str) -> bool:
 def split_reasoning(text: str, opened: bool, finished: bool) -> tuple[str | None, str | None]:
     """A chat reply's text -> (reasoning, content), None for a part it has not (or not yet) got. The reasoning runs
     to the first "</think>": from the reply's start if the prompt opened the block (`opened`), else if the reply
-    opens it itself (an older template: the reply starts with "<think>"); a reply without a think block is all
-    content. While not `finished`, text that may still become a tag (a start of "<think>" at the reply's start, a
+    opens it itself (an older template: the reply starts with "<think>", which is left out, as is one a reply to a
+    prompt that opened the block starts with); a reply without a think block is all content. While not `finished`, text that may still become a tag (a start of "<think>" at the reply's start, a
     start of "</think>" at the reasoning's end) is held back, so that a stream never sends a tag's characters."""
-    if not opened:
-        if text.startswith(THINK_START):
-            text, opened = text[len(THINK_START):], True
-        elif not finished and THINK_START.startswith(text):
-            return None, None
-        else:
-            return None, text
+    if text.startswith(THINK_START):  # a reply that opens the block itself (or, after a prompt that did, again)
+        text, opened = text[len(THINK_START):], True
+    elif not finished and text and THINK_START.startswith(text):
+        return ("" if opened else None), None
+    elif not opened:
+        return None, text
     reasoning, end, content = text.partition(THINK_END)
     if end:
         return reasoning, content or None

@@ -651,6 +651,8 @@ REPLIES = [  # (the prompt opened a think block, the reply's text, its reasoning
     (True, "still thinking when max_tokens ran out <", "still thinking when max_tokens ran out <", None),
     (True, "a < b and </thin k> is no tag</think>", "a < b and </thin k> is no tag", None),
     (True, "</think>only content", "", "only content"),
+    (True, "<think>opened by the prompt, and again</think>ok", "opened by the prompt, and again", "ok"),
+    (True, "<thi", "<thi", None),
     (False, "<think>an older template: the reply opens it</think>done", "an older template: the reply opens it",
      "done"),
     (False, "no think block: all content, even </think>", None, "no think block: all content, even </think>"),
@@ -706,6 +708,14 @@ def test_the_reasoning_parser_sends_a_think_block_to_reasoning(server):
             choices = _streamed(server, {**body, **kwargs}, "/v1/chat/completions", parsed.url)
             streamed = ["".join(c["delta"].get(name, "") for c in choices) for name in ("reasoning", "content")]
             assert streamed == [reasoning or "", content or ""]
+            # vLLM's include_reasoning: false leaves the reasoning out, streamed or not
+            left_out = {**body, **kwargs, "include_reasoning": False}
+            r = _post(server, left_out, "/v1/chat/completions", parsed.url)
+            assert (r.json()["choices"][0]["message"]["reasoning"], r.json()["choices"][0]["message"]["content"]) \
+                == (None, content)
+            choices = _streamed(server, left_out, "/v1/chat/completions", parsed.url)
+            assert not any("reasoning" in c["delta"] for c in choices)
+            assert "".join(c["delta"].get("content", "") for c in choices) == (content or "")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="deepseek")
 
