@@ -857,8 +857,9 @@ def split_reasoning(text: str, opened: bool, finished: bool) -> tuple[str | None
     """A chat reply's text -> (reasoning, content), None for a part it has not (or not yet) got. The reasoning runs
     to the first "</think>": from the reply's start if the prompt opened the block (`opened`), else if the reply
     opens it itself (an older template: the reply starts with "<think>", which is left out, as is one a reply to a
-    prompt that opened the block starts with); a reply without a think block is all content. While not `finished`, text that may still become a tag (a start of "<think>" at the reply's start, a
-    start of "</think>" at the reasoning's end) is held back, so that a stream never sends a tag's characters."""
+    prompt that opened the block starts with); a reply without a think block is all content. While not
+    `finished`, text that may still become a tag (a start of "<think>" at the reply's start, a start of "</think>"
+    at the reasoning's end) is held back, so that a stream never sends a tag's characters."""
     if text.startswith(THINK_START):  # a reply that opens the block itself (or, after a prompt that did, again)
         text, opened = text[len(THINK_START):], True
     elif not finished and text and THINK_START.startswith(text):

@@ -157,7 +157,8 @@ def main(argv=None) -> dict:
           f"{'ckpt MiB':>10}{'TTFT p50':>10}{'evict':>7}{'skipped':>9}")
     for r in rows:
         print(f"{r['chunk_stride']:>7}{r['capacity_per_seq']:>10}{r['reused_fraction']:>9.1%}"
-              f"{later_cell(r['reused_fraction_later_turns'])}{r['reuse_lost_total']:>10}{r['reuse_lost_per_request']:>10.1f}"
+              f"{later_cell(r['reused_fraction_later_turns'])}{r['reuse_lost_total']:>10}"
+              f"{r['reuse_lost_per_request']:>10.1f}"
               f"{r['checkpoint_bytes'] / 2**20:>10.2f}{r['ttft_p50_ms']:>9.1f}ms{r['evictions']:>7}"
               f"{r['saves_skipped']:>9}")
     text = conclusion(rows)
