@@ -17,7 +17,12 @@ that ran out of them during a long prefill, or a KV pool too small for the batch
 Per configuration it reports:
 - `step`: wall time of `engine.step()` (scheduler + worker + postprocess), min and median over the timed steps;
 - `host`: the step's wall time minus the time the host waits for the device (from the return of each asynchronous
-  jitted call, the step's and sampling's, to its outputs being ready): scheduling, padding, argument handling, dispatch, postprocess (median);
+  jitted call, the step's and sampling's, to its outputs being ready): scheduling, padding, argument handling,
+  dispatch, postprocess (median). On the CPU backend the host shares the cores with the device's threads, which
+  are still busy or spinning when a call is dispatched (sampling's dispatch: ~0.1 ms on an idle machine, ~0.3 ms
+  in a step), so this reads above the host's own work;
+- `python`: the step's wall time minus the whole of the two jitted calls (dispatch included): the engine's own
+  Python work per step, scheduling, argument building and postprocess (median);
 - `bound`: the bytes a decode step must move (every weight except the embedding table, of which only the batch's
   rows are read; the KV of the real context; the GDN conv + SSM state, read and written) in the model's dtype,
   divided by the read bandwidth: `--bandwidth` GB/s if given, else the larger of 16 GB/s (the development
@@ -120,18 +125,22 @@ def decode_flops(engine: LLMEngine, batch: int, context: int) -> float:
 
 class BlockTimer:
     """Wraps the worker's jitted step: after each (asynchronous) call returns, waits for its outputs and records how
-    long the host was blocked on the device."""
+    long the host was blocked on the device (`blocked`), and how long the whole call took, dispatch included
+    (`calls`)."""
 
-    def __init__(self, fn, blocked: list | None = None, last: list | None = None):
+    def __init__(self, fn, blocked: list | None = None, last: list | None = None, calls: list | None = None):
         self.fn, self.blocked = fn, [] if blocked is None else blocked
         self.last = [None] if last is None else last  # [(fn, args)] of the last call (shareable, like blocked)
+        self.calls = [] if calls is None else calls
 
     def __call__(self, *args):
         self.last[0] = (self.fn, args)
+        start = time.perf_counter()
         out = self.fn(*args)
         t0 = time.perf_counter()
         jax.block_until_ready(out)
         self.blocked.append(time.perf_counter() - t0)
+        self.calls.append(time.perf_counter() - start)
         return out
 
     def __getattr__(self, name):  # _cache_size, lower
@@ -179,7 +188,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     module = f"jit_{engine.worker._decode_fn.__name__}"  # the decode step executable's name in the profile
     timer = engine.worker._decode_fn = BlockTimer(engine.worker._decode_fn)
     # decode steps of many rows are their own jitted function (other compile options): one record for both
-    engine.worker._decode_wide_fn = BlockTimer(engine.worker._decode_wide_fn, timer.blocked, timer.last)
+    engine.worker._decode_wide_fn = BlockTimer(engine.worker._decode_wide_fn, timer.blocked, timer.last, timer.calls)
     # sampling is its own executable: its wait is device time too
     sampler = engine.worker._sample = BlockTimer(engine.worker._sample)
     vocab = engine.cfg.vocab_size
@@ -195,10 +204,11 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             engine.step()
             if not engine.last_step_info["is_prefill"]:
                 break
-        steps, host = [], []
+        steps, host, python = [], [], []
         for i in range(2 + args.steps):  # 2 untimed: compile + the deferred save at the prompt's end
-            timer.blocked.clear()
-            sampler.blocked.clear()
+            for t in (timer, sampler):
+                t.blocked.clear()
+                t.calls.clear()
             t0 = time.perf_counter()
             engine.step()
             info = engine.last_step_info
@@ -210,6 +220,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             if i >= 2:
                 steps.append(time.perf_counter() - t0)
                 host.append(steps[-1] - sum(timer.blocked) - sum(sampler.blocked))
+                python.append(steps[-1] - sum(timer.calls) - sum(sampler.calls))
         # the rows' mean context at the middle of the timed steps (each step adds one token to every row)
         context = round(statistics.mean(len(s.token_ids) for s in engine.scheduler.running) - (args.steps - 1) / 2)
         prof = (profile_steps(engine, args.profile_steps, module, compiled_text(*timer.last[0]))
@@ -221,6 +232,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
         row = {"dtype": dtype, "batch": batch, "layers": engine.cfg.num_hidden_layers, "context_tokens": context,
                "vocab_size": engine.cfg.vocab_size, "step_ms_min": 1e3 * min(steps), "step_ms_median": 1e3 * med,
                "host_ms_median": 1e3 * statistics.median(host), "host_ms_min": 1e3 * min(host),
+               "python_ms_median": 1e3 * statistics.median(python),
                "tokens_per_s": batch / med, "bytes_per_step": need,
                "bound_ms": 1e3 * bound, "x_bound": med / bound, "flops_per_step": flops,
                "matmul_flops_per_s": peak, "compute_ms": 1e3 * flops / peak, "x_compute": med * peak / flops,
@@ -229,7 +241,8 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
         for i in range(batch):
             engine.abort_request(f"{batch}-{i}")
         print(f"  {dtype:9s} batch {batch:3d}: step {row['step_ms_min']:7.1f} min {row['step_ms_median']:7.1f} med ms"
-              f" | host {row['host_ms_median']:5.2f} ms | {row['tokens_per_s']:7.1f} tok/s"
+              f" | host {row['host_ms_median']:5.2f} ms (python {row['python_ms_median']:4.2f})"
+              f" | {row['tokens_per_s']:7.1f} tok/s"
               f" | bound {row['bound_ms']:5.1f} ms ({need['total'] / 1e6:.0f} MB) x{row['x_bound']:.2f}"
               f" | compute {row['compute_ms']:5.1f} ms ({flops / 1e9:.2f} GFLOP) x{row['x_compute']:.2f}", flush=True)
         kinds = sorted(prof["op_ms"].items(), key=lambda kv: -kv[1])
@@ -289,11 +302,13 @@ def main(argv=None):
     for dtype in args.dtypes.split(","):
         rows += run_dtype(args, dtype, bandwidth)
 
-    print(f"\n{'dtype':9s} {'batch':>5s} {'step min':>9s} {'step med':>9s} {'host':>6s} {'tok/s':>8s} "
+    print(f"\n{'dtype':9s} {'batch':>5s} {'step min':>9s} {'step med':>9s} {'host':>6s} {'python':>6s} "
+          f"{'tok/s':>8s} "
           f"{'MB/step':>8s} {'bound':>6s} {'x bound':>7s} {'compute':>7s} {'x compute':>9s}")
     for r in rows:
         print(f"{r['dtype']:9s} {r['batch']:5d} {r['step_ms_min']:8.1f}m {r['step_ms_median']:8.1f}m "
-              f"{r['host_ms_median']:5.2f}m {r['tokens_per_s']:8.1f} {r['bytes_per_step']['total'] / 1e6:8.0f} "
+              f"{r['host_ms_median']:5.2f}m {r['python_ms_median']:5.2f}m {r['tokens_per_s']:8.1f} "
+              f"{r['bytes_per_step']['total'] / 1e6:8.0f} "
               f"{r['bound_ms']:5.1f}m {r['x_bound']:7.2f} {r['compute_ms']:6.1f}m {r['x_compute']:9.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
     for r in result["rows"]:
         assert 0 < r["step_ms_min"] <= r["step_ms_median"]
         assert 0 < r["host_ms_min"] <= r["host_ms_median"] < r["step_ms_median"]
+        assert 0 < r["python_ms_median"] < r["host_ms_median"]  # the host's own work, without dispatch
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / (r["step_ms_median"] / 1e3))
         need = r["bytes_per_step"]
         assert need["total"] == need["weights"] + need["kv"] + need["linear_state"] and need["kv"] > 0
