@@ -98,3 +98,23 @@ def test_duplicate_content_in_two_blocks_keeps_the_first_registration():
     kv.deallocate(b)
     assert b.block_table == [] and kv.free_blocks[-1] not in kv.hash_to_block.values()
     kv.check_invariants([a])
+
+
+def test_a_block_full_of_known_tokens_is_not_hashed_until_its_last_token_is_computed():
+    """A block is registered once it is full *and computed*. After a prefill of 7 tokens samples the 8th, the second
+    block is full of known tokens but its last KV entry is written only by the next decode: registered now, a prompt
+    admitted before that decode runs would mount it and read an unwritten entry. The hybrid path hides such a bug
+    (reuse stops at a checkpoint, and checkpoints lie at computed boundaries); an attention-only model would not."""
+    kv = BlockManagerImpl(10, BS)
+    seq = Sequence(1, list(range(8)))  # 7 prompt tokens + 1 sampled
+    seq.update_block_hashes(BS)
+    kv.allocate(seq, 8)
+    seq.num_computed_tokens = 7
+    kv.hash_computed_blocks(seq)
+    assert kv.num_cached_blocks == 1 and kv.block_hash[seq.block_table[1]] is None
+    probe = Sequence(2, list(range(8)) + [99])
+    probe.update_block_hashes(BS)
+    assert kv.match(probe.token_ids, probe.block_hashes) == seq.block_table[:1]
+    seq.num_computed_tokens = 8  # the decode wrote position 7
+    kv.hash_computed_blocks(seq)
+    assert kv.match(probe.token_ids, probe.block_hashes) == seq.block_table[:2]
