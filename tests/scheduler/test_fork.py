@@ -122,6 +122,20 @@ def test_short_prompt_has_nothing_to_share():
     assert _prefill_tokens(plans) == 12 and sched.stats()["forks"] == 0
 
 
+def test_chunk_stride_one_never_forks_because_its_one_token_steps_advance_states_in_place():
+    """A fork copies its parent's live slot in the step that may advance that slot too. Only a step of two or more
+    tokens per row reads every initial state before writing any; with chunk_stride 1 a prefill step may hold one
+    token per row (always under "promote"), and such a step advances the pools in place, where the worker rejects a
+    restore from a live slot of the same step.
+    The samples therefore run as ordinary requests, each computing its own prompt."""
+    cfg = small_config(block_size=1, chunk_stride=1, max_num_batched_tokens=4, num_kv_blocks=80)
+    sched, dev, parent, children = _serve_group(cfg, PROMPT[:6], 3)  # fork point 5 > 0 would otherwise fork
+    assert not sched.forks and len(sched.waiting) == 3
+    plans = run(sched, dev)
+    assert sched.stats()["forks"] == 0
+    assert not any(row.linear_op.fork for p in plans for row in p.seqs)
+
+
 def test_attention_only_model_forks_kv_only():
     cfg = small_config(has_linear_attention_layers=False, num_linear_slots=0)
     sched, dev, parent, children = _serve_group(cfg, PROMPT[:23], 3)
