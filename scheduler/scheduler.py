@@ -326,7 +326,10 @@ class Scheduler:
                 continue  # aborted after it was scheduled
             seq.num_computed_tokens = row.start_pos + len(row.token_ids)
             prefill_row = i < plan.num_prefill_rows
-            self.block_manager.on_computed(seq, saved_in_step=prefill_row and self.config.checkpoint_mode == "scan")
+            # a "scan" row saved its boundaries in the step, unless it started off the stride grid (`_plan_saves`)
+            scanned = (prefill_row and self.config.checkpoint_mode == "scan"
+                       and row.start_pos % self.config.chunk_stride == 0)
+            self.block_manager.on_computed(seq, saved_in_step=scanned)
             if prefill_row:
                 if seq.is_prefilling:
                     self.prefilling[seq.seq_id] = seq

@@ -136,6 +136,18 @@ def test_chunk_stride_one_never_forks_because_its_one_token_steps_advance_states
     assert not any(row.linear_op.fork for p in plans for row in p.seqs)
 
 
+def test_a_full_chunk_finished_by_a_row_that_starts_at_the_fork_point_still_yields_its_checkpoint():
+    """Every full chunk yields a checkpoint. A row that starts at a fork point off the stride grid cannot save its
+    boundaries from the scan (they are no chunk ends of it), so a boundary it ends on is saved by promotion, as a
+    decode's is: without that, n > 1 under "scan" lost the whole-prompt checkpoint a later turn would reuse."""
+    cfg = small_config()
+    sched, dev, parent, children = _serve_group(cfg, PROMPT[:16], 2, max_tokens=1)  # fork point 12, stride 8
+    run(sched, dev)
+    assert sched.stats()["forks"] == 1
+    index = sched.block_manager.linear.index
+    assert index.contains(parent.linear_state_hashes[0]) and index.contains(parent.linear_state_hashes[1])
+
+
 def test_attention_only_model_forks_kv_only():
     cfg = small_config(has_linear_attention_layers=False, num_linear_slots=0)
     sched, dev, parent, children = _serve_group(cfg, PROMPT[:23], 3)
