@@ -277,7 +277,8 @@ class LinearStateBlockManager:
         if slot <= 0:
             return
         if h is not None and self.index is not None:
-            self.insert_with_recorded_hash(slot, h)
+            if not self.insert_with_recorded_hash(slot, h):  # cached meanwhile: the slot is freed, the save skipped
+                self.num_save_skipped += 1
         else:
             self.free_live_slot(slot)
 

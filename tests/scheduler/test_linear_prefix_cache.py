@@ -181,3 +181,20 @@ def test_finish_with_pending_save_promotes_live_slot_else_frees_it():
     m.deallocate(plain)
     assert m.index.slot_of == {5: a} and b in m.free_slots and not m.live_slots
     assert saving.linear_state_id == plain.linear_state_id == -1
+
+
+def test_a_pending_save_a_finished_sequence_cannot_make_counts_as_skipped():
+    """A sequence that finishes with a deferred save pending gives its live slot to that checkpoint; when the hash is
+    cached already (another sequence saved it first), the slot is freed and the save counted as skipped, as every
+    other save that finds its hash cached is. It went uncounted, so `checkpoints_save_skipped` (a column of the
+    checkpoint trade-off study) undercounted."""
+    m = manager(5)
+    checkpoint(m, 7)
+    seq = seq_with_pending_save(m, 7)
+    live = seq.linear_state_id
+    m.deallocate(seq)
+    assert (m.num_saved, m.num_save_skipped) == (1, 1) and live in m.free_slots and m.index.slot_of[7] != live
+    fresh = seq_with_pending_save(m, 8)  # a hash not cached: its slot becomes the checkpoint, nothing skipped
+    slot = fresh.linear_state_id
+    m.deallocate(fresh)
+    assert (m.num_saved, m.num_save_skipped) == (2, 1) and m.index.slot_of[8] == slot
