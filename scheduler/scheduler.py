@@ -398,6 +398,7 @@ class Scheduler:
         prefix cache is emptied. Call with no plan in flight."""
         assert self.inflight is None, "fail or postprocess the in-flight plan first"
         for seq in list(reversed(self.running)):
+            seq.pending_save_hash = None  # its live state is lost: nothing of it becomes a checkpoint (nor counts)
             self._preempt(seq)
         self.reset_prefix_cache()
 

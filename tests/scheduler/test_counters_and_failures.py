@@ -110,6 +110,32 @@ def test_dropping_the_device_state_recomputes_running_requests_exactly():
     assert a.finish_reason == "length" and a.num_preemptions == 1
 
 
+def test_dropping_the_device_state_saves_no_pending_checkpoint_of_the_lost_state():
+    """A running sequence with a deferred save pending holds, in its live slot, the state of a boundary; when the
+    device state is lost that state is gone too. It used to be indexed on the way out (counted as saved) and evicted
+    by the emptied cache at once (counted as evicted): counters of a checkpoint that never held a state."""
+    cfg = small_config()
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    a = submit(sched, dev, make_seq(1, P[:20], max_tokens=12))
+    for _ in range(12):  # until a decode step ends on a stride boundary (the save is deferred to the next step)
+        plan = sched.schedule()
+        sched.postprocess(plan, dev.execute(plan))
+        if a.pending_save_hash is not None:
+            break
+    assert a.pending_save_hash is not None
+    before = sched.stats()
+    sched.drop_device_state()
+    after = sched.stats()
+    assert after["checkpoints_saved"] == before["checkpoints_saved"]
+    assert after["checkpoints_evicted"] - before["checkpoints_evicted"] == before["checkpoint_slots"]
+    assert a.pending_save_hash is None and after["checkpoint_slots"] == 0
+    sched.check_invariants()
+    dev.state.clear()
+    dev.kv.clear()
+    run(sched, dev)
+    assert a.finish_reason == "length" and a.num_preemptions == 1
+
+
 def test_a_redone_step_recomputes_its_rows_and_every_running_one_and_fails_none():
     """A step whose executable had to be compiled again (its state possibly consumed): the step's rows and the other
     running rows start over from scratch on an emptied cache, nothing of the step is indexed, and they end as they
