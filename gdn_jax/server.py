@@ -840,8 +840,8 @@ class _Server:
                 lp = self.chat_logprobs(comp.token_ids[:n], comp.logprobs[:n], k)
             message = {"role": "assistant", "content": comp.text}
             if parse:
-                message["reasoning"], message["content"] = split_reasoning(comp.text, opened, True)
-                message["reasoning"] = message["reasoning"] if keep else None
+                reasoning, message["content"] = split_reasoning(comp.text, opened, True)
+                message["reasoning"] = reasoning if keep else None
             choices.append({"index": j, "message": message, "logprobs": lp, "finish_reason": comp.finish_reason})
         return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": self.usage([final])})
 
