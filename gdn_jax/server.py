@@ -6,7 +6,8 @@ the engine: they validate a request (tokenize, check ids and lengths: pure reads
 feeds with `call_soon_threadsafe`. Commands are applied between steps, so the engine is only ever used by one thread.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (models with a chat template), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). With `api_key` set, /v1/* needs `Authorization: Bearer <key>`, compared
+GET /health, GET /metrics (Prometheus text). A request's `model`, if given, must be the served name
+(`ServerConfig.model_name`, serve's `--served-model-name`, else its `--model`): another is a 404, as in vLLM. With `api_key` set, /v1/* needs `Authorization: Bearer <key>`, compared
 in constant time; /health and /metrics stay open (bind to loopback, the default, to keep them private).
 
 `echo` with `logprobs` scores the prompt from prompt logprobs. Positions served from the prefix cache have no logits,
@@ -67,7 +68,7 @@ log = logging.getLogger("gdn_jax.server")
 
 @dataclasses.dataclass
 class ServerConfig:
-    model_name: str = "tiny"                 # the id clients pass as `model` (any value is accepted)
+    model_name: str = "tiny"                 # the id clients pass as `model` (another id is a 404, as in vLLM)
     api_key: str | None = None
     max_request_bytes: int = 1 << 20         # request bodies above this get a 413
     max_tokens_limit: int = 1024             # the largest `max_tokens` accepted
@@ -500,6 +501,12 @@ class _Server:
         if not ok:
             raise BadRequest("invalid or missing API key: send 'Authorization: Bearer <key>'", status=401)
 
+    def check_model(self, req: "_Sampling") -> None:
+        """A request naming a model this server does not serve is a 404 (vLLM's answer); one naming none is served."""
+        if req.model is not None and req.model != self.config.model_name:
+            raise BadRequest(f"The model `{req.model}` does not exist: this server serves `{self.config.model_name}` "
+                             "(GET /v1/models)", "model", status=404)
+
     async def read_body(self, request: Request) -> bytes:
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
@@ -667,6 +674,7 @@ class _Server:
         arrival = time.perf_counter()
         self.check_auth(request)
         req = _parse(CompletionRequest, await self.read_body(request))
+        self.check_model(req)
         raw = self.completion_prompts(req)
         echo_lp = bool(req.echo) and req.logprobs is not None
         score_only = echo_lp and req.max_tokens == 0  # the legacy way to score a prompt: nothing generated
@@ -775,6 +783,7 @@ class _Server:
             raise BadRequest("this model has no chat template (no chat_template.jinja or tokenizer_config.json "
                              "chat_template in its folder; pass --chat-template FILE): use /v1/completions")
         req = _parse(ChatRequest, body)
+        self.check_model(req)
         if not req.messages:
             raise BadRequest("messages must not be empty", "messages")
         messages = [chat_message(i, m) for i, m in enumerate(req.messages)]

@@ -52,7 +52,7 @@ def workload(args, vocab: int, clients: int) -> tuple[list[list[int]], list[list
 
 # ---- against a server -----------------------------------------------------------------------------------------
 async def _one(ac: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     times, usage = [], None

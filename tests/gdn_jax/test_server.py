@@ -281,6 +281,22 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, bod
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_model_the_server_does_not_serve_is_a_404_and_none_named_is_served(server):
+    """vLLM's answer to a `model` other than the served name (an evaluation pointed at the wrong server fails
+    loudly, instead of scoring another model); a request naming none is served."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/completions", headers=auth, timeout=60,
+                   json={"model": "qwen3.5-9b", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert "`qwen3.5-9b` does not exist" in r.json()["error"]["message"] and "`tiny`" in r.json()["error"]["message"]
+    r = httpx.post(server.chat_url + "/v1/chat/completions", timeout=60,
+                   json={"model": "Tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 404 and "`Tiny` does not exist" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", headers=auth, timeout=60,
+                   json={"prompt": "hi", "max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 and r.json()["model"] == "tiny"
+
+
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}])
 def test_a_bad_api_key_gets_401(server, headers):
     r = httpx.post(server.url + "/v1/completions", headers=headers, json={"model": "tiny", "prompt": "hi"})
