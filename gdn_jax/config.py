@@ -23,6 +23,8 @@ def folder_json(folder: str | Path | None, name: str) -> dict:
 
 
 LINEAR = "linear_attention"
+# transformers' Qwen3_5TextConfig default for a config.json without head_dim: a fixed 256, not hidden_size / heads
+HF_DEFAULT_HEAD_DIM = 256
 FULL = "full_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 
@@ -151,7 +153,7 @@ class ModelConfig:
             layer_types=tuple(layer_types),
             num_attention_heads=cfg["num_attention_heads"],
             num_key_value_heads=cfg["num_key_value_heads"],
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or HF_DEFAULT_HEAD_DIM,
             partial_rotary_factor=float(prf),
             rope_theta=float(rope_theta),
             linear_num_key_heads=cfg["linear_num_key_heads"],

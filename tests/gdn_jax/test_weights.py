@@ -160,3 +160,13 @@ def test_save_hf_weights_round_trips_through_the_loader(tmp_path):
 def test_hf_config_dict_round_trips():
     cfg = dataclasses.replace(get_preset("hybrid-1024"), tie_word_embeddings=True, partial_rotary_factor=0.5)
     assert ModelConfig.from_hf_config(cfg.to_hf_config(), name=cfg.name) == cfg
+
+
+def test_a_config_without_head_dim_takes_the_transformers_default():
+    """transformers' Qwen3_5TextConfig defaults head_dim to 256 (a field of its own), not hidden_size / heads: the
+    fixture's hidden 64 over 4 heads would give 16, an attention of another shape."""
+    cfg = json.loads((FIXTURE / "config.json").read_text())
+    cfg.pop("head_dim")
+    assert ModelConfig.from_hf_config(cfg).head_dim == 256
+    cfg["head_dim"] = None
+    assert ModelConfig.from_hf_config(cfg).head_dim == 256
