@@ -131,9 +131,7 @@ class ModelConfig:
             raise ValueError(f"model config field 'rms_norm_eps' must be a positive number, got {eps!r}")
         if not isinstance(tie, bool):
             raise ValueError(f"model config field 'tie_word_embeddings' must be true or false, got {tie!r}")
-        rope = dict(cfg.get("rope_parameters") or {})
-        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        prf = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+        rope_theta, prf = _rope_fields(cfg)
         n = cfg["num_hidden_layers"]
         layer_types = cfg.get("layer_types")
         if layer_types is None:
@@ -154,8 +152,8 @@ class ModelConfig:
             num_attention_heads=cfg["num_attention_heads"],
             num_key_value_heads=cfg["num_key_value_heads"],
             head_dim=cfg.get("head_dim") or HF_DEFAULT_HEAD_DIM,
-            partial_rotary_factor=float(prf),
-            rope_theta=float(rope_theta),
+            partial_rotary_factor=prf,
+            rope_theta=rope_theta,
             linear_num_key_heads=cfg["linear_num_key_heads"],
             linear_num_value_heads=cfg["linear_num_value_heads"],
             linear_key_head_dim=cfg["linear_key_head_dim"],
@@ -192,6 +190,36 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise NotAModelFolder(f"no config.json in model folder {path}")
         return cls.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+
+
+# RoPE types that are the plain rotation this model computes: "mrope" (Qwen-VL's legacy name) rotates text positions
+# exactly so, its three position grids being equal for text
+PLAIN_ROPE_TYPES = ("default", "mrope")
+
+
+def _rope_fields(cfg: dict) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) as transformers reads them: the RoPE dict is a legacy `rope_scaling` if set,
+    else `rope_parameters`; its rope_theta and partial_rotary_factor win over the top-level fields, then the defaults
+    10000 and 0.25 (a null is an absent value). A scaled RoPE (yarn, linear, dynamic, ...) is refused by name: this
+    model computes the plain rotation only, and another RoPE would be another model."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"model config field 'rope_parameters' must be a JSON object, got {rope!r}")
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in PLAIN_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r} in the model config: only the plain RoPE "
+                         f"({', '.join(map(repr, PLAIN_ROPE_TYPES))}) is implemented")
+    values = []
+    for field, default in (("rope_theta", 10000.0), ("partial_rotary_factor", 0.25)):
+        value = rope.get(field)
+        value = cfg.get(field) if value is None else value
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"model config field {field!r} must be a positive number, got {value!r}")
+        values.append(float(value))
+    if values[1] > 1:
+        raise ValueError(f"model config field 'partial_rotary_factor' must be at most 1, got {values[1]!r}")
+    return values[0], values[1]
 
 
 # config.json fields a model cannot do without (each a positive int)

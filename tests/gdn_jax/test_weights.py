@@ -170,3 +170,40 @@ def test_a_config_without_head_dim_takes_the_transformers_default():
     assert ModelConfig.from_hf_config(cfg).head_dim == 256
     cfg["head_dim"] = None
     assert ModelConfig.from_hf_config(cfg).head_dim == 256
+
+
+def _fixture_config(**edits) -> dict:
+    cfg = json.loads((FIXTURE / "config.json").read_text())
+    cfg.update(edits)
+    return cfg
+
+
+def test_rope_fields_are_read_as_transformers_reads_them():
+    """The released layout (rope_parameters with the multimodal rotary's mrope fields) and the legacy one (a
+    `rope_scaling` dict, which transformers takes over rope_parameters, and top-level rope_theta /
+    partial_rotary_factor that fill in what the dict lacks)."""
+    released = _fixture_config(rope_parameters={"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                                                "rope_type": "default", "rope_theta": 10_000_000,
+                                                "partial_rotary_factor": 0.25})
+    cfg = ModelConfig.from_hf_config(released)
+    assert (cfg.rope_theta, cfg.partial_rotary_factor) == (1e7, 0.25)
+    legacy = _fixture_config(rope_parameters=None, rope_theta=1e6, partial_rotary_factor=0.5,
+                             rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2], "rope_theta": 5e6})
+    cfg = ModelConfig.from_hf_config(legacy)
+    assert (cfg.rope_theta, cfg.partial_rotary_factor, cfg.rotary_dim) == (5e6, 0.5, 16)
+    top_level = _fixture_config(rope_parameters={"rope_type": "default", "rope_theta": None}, rope_theta=2e6)
+    assert ModelConfig.from_hf_config(top_level).rope_theta == 2e6  # a null in the dict is an absent value
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144,
+                          "rope_theta": 1e7, "partial_rotary_factor": 0.25}}, "unsupported rope_type 'yarn'"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "unsupported rope_type 'linear'"),
+    ({"rope_parameters": {"rope_theta": "1e7"}}, "'rope_theta' must be a positive number, got '1e7'"),
+    ({"rope_parameters": {"partial_rotary_factor": 2}}, "'partial_rotary_factor' must be at most 1"),
+])
+def test_a_rope_this_model_does_not_compute_is_named(edit, message):
+    """A scaled RoPE (YaRN for a longer context, say) was ignored: the model ran with the plain rotation, silently
+    another model than the config's."""
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config(_fixture_config(**edit))
