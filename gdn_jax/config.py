@@ -27,6 +27,8 @@ LINEAR = "linear_attention"
 HF_DEFAULT_HEAD_DIM = 256
 FULL = "full_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+# older layer type names that transformers maps onto the current ones (configuration_utils.remap_legacy_layer_types)
+LEGACY_LAYER_TYPES = {"mamba": LINEAR, "attention": FULL}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +124,8 @@ class ModelConfig:
         for field in _POSITIVE_INT_FIELDS:
             if cfg.get(field) is None:
                 raise ValueError(f"the model config lacks {field!r}")
-        for field in (*_POSITIVE_INT_FIELDS, "head_dim", "linear_conv_kernel_dim", "max_position_embeddings"):
+        for field in (*_POSITIVE_INT_FIELDS, "head_dim", "linear_conv_kernel_dim", "max_position_embeddings",
+                      "full_attention_interval"):
             value = cfg.get(field)  # None: an optional field's default
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"model config field {field!r} must be a positive int, got {value!r}")
@@ -135,8 +138,11 @@ class ModelConfig:
         n = cfg["num_hidden_layers"]
         layer_types = cfg.get("layer_types")
         if layer_types is None:
-            interval = cfg.get("full_attention_interval", 4)
+            interval = cfg.get("full_attention_interval") or 4
             layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise ValueError(f"model config field 'layer_types' must be a list of layer type names, got {layer_types!r}")
+        layer_types = [LEGACY_LAYER_TYPES.get(t, t) for t in layer_types]
         if len(layer_types) != n:
             raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers is {n}")
         eos = cfg.get("eos_token_id")
@@ -158,7 +164,7 @@ class ModelConfig:
             linear_num_value_heads=cfg["linear_num_value_heads"],
             linear_key_head_dim=cfg["linear_key_head_dim"],
             linear_value_head_dim=cfg["linear_value_head_dim"],
-            linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
+            linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim") or 4,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(tie),
             max_position_embeddings=cfg.get("max_position_embeddings") or 32768,
@@ -189,7 +195,7 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise NotAModelFolder(f"no config.json in model folder {path}")
-        return cls.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+        return cls.from_hf_config(folder_json(path, "config.json"), name=path.name)
 
 
 # RoPE types that are the plain rotation this model computes: "mrope" (Qwen-VL's legacy name) rotates text positions

@@ -207,3 +207,30 @@ def test_a_rope_this_model_does_not_compute_is_named(edit, message):
     another model than the config's."""
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_config(_fixture_config(**edit))
+
+
+def test_optional_config_fields_set_to_null_take_their_defaults():
+    """A null linear_conv_kernel_dim became a None in the config (a failure far off, in the conv), a null
+    full_attention_interval a TypeError; both take transformers' default, 4."""
+    cfg = ModelConfig.from_hf_config(_fixture_config(linear_conv_kernel_dim=None, layer_types=None,
+                                                     full_attention_interval=None, max_position_embeddings=None))
+    assert cfg.linear_conv_kernel_dim == 4 and cfg.max_position_embeddings == 32768
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+
+
+def test_layer_types_derived_named_or_remapped():
+    cfg = ModelConfig.from_hf_config(_fixture_config(layer_types=None, full_attention_interval=2))
+    assert cfg.full_layer_ids == (1, 3) and cfg.linear_layer_ids == (0, 2)
+    # transformers' legacy names
+    cfg = ModelConfig.from_hf_config(_fixture_config(layer_types=["mamba", "attention", "mamba", "attention"]))
+    assert cfg.full_layer_ids == (1, 3) and cfg.linear_layer_ids == (0, 2)
+    with pytest.raises(ValueError, match="'full_attention_interval' must be a positive int, got 0"):
+        ModelConfig.from_hf_config(_fixture_config(layer_types=None, full_attention_interval=0))
+    with pytest.raises(ValueError, match="'layer_types' must be a list"):
+        ModelConfig.from_hf_config(_fixture_config(layer_types="full_attention"))
+
+
+def test_a_config_json_that_is_not_json_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        ModelConfig.from_pretrained(tmp_path)
