@@ -103,14 +103,16 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
                 continue
             raise ValueError(f"unexpected tensor {name!r} in {folder} (not part of the {cfg.name} layout)")
         path, rows = expected[name]
-        if name.endswith("conv1d.weight") and arr.ndim == 3 and arr.shape[1] == 1:
-            arr = arr[:, 0, :]  # [C, 1, K] -> [C, K] (any other 3-D shape is refused below)
         if not jnp.issubdtype(arr.dtype, jnp.floating):
             raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, expected a floating-point dtype")
         param = flat[path].get_value()
         want = param.shape if rows is None else (rows.stop - rows.start, *param.shape[1:])
+        conv = name.endswith("conv1d.weight")
+        if conv and arr.shape == (want[0], 1, want[1]):
+            arr = arr[:, 0, :]  # HF [C, 1, K] -> [C, K] (a [C, K] weight is taken as it is)
         if tuple(arr.shape) != tuple(want):
-            raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want)}")
+            hf_want = (want[0], 1, want[1]) if conv else want  # the shape the HF layout has
+            raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(hf_want)}")
         loaded.setdefault(path, {})[0 if rows is None else rows.start] = jnp.asarray(arr, dtype=param.dtype)
     missing = [n for n, (p, rows) in expected.items() if (0 if rows is None else rows.start) not in loaded.get(p, {})]
     if missing:

@@ -62,7 +62,16 @@ def test_fused_projections_stack_the_hf_tensors_in_order():
 def test_misshaped_tensor_is_named(tmp_path):
     name = "model.layers.3.self_attn.k_proj.weight"
     folder = _copy_with(tmp_path, edit_tensors=lambda t: t.__setitem__(name, t[name][:-1]))
-    with pytest.raises(ValueError, match=f"{name}.*shape"):
+    with pytest.raises(ValueError, match=rf"{name}.*shape \(63, 64\), expected \(64, 64\)"):
+        load_hf_weights(folder)
+
+
+def test_a_misshaped_conv_weight_is_named_with_the_shapes_of_the_hf_layout(tmp_path):
+    """The message gives the shape the file holds and the one the HF layout has ([C, 1, K]), not the [C, K] the
+    loader keeps."""
+    name = "model.layers.1.linear_attn.conv1d.weight"
+    folder = _copy_with(tmp_path, edit_tensors=lambda t: t.__setitem__(name, t[name][:-1]))
+    with pytest.raises(ValueError, match=rf"{name}.*shape \(127, 1, 4\), expected \(128, 1, 4\)"):
         load_hf_weights(folder)
 
 
