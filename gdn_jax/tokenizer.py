@@ -127,7 +127,10 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError("text prompts for this model need `pip install gdn-jax[tokenizers]`") from e
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the library's message names no file
+            raise ValueError(f"{path} cannot be read as a tokenizer: {e}") from None
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_token_id = eos_token_id
         self._token_bytes = self._byte_level_table()  # per id its bytes, for a byte-level decoder (`stream`)
@@ -180,8 +183,18 @@ class HFTokenizer:
         return table
 
 
+# files that define a vocabulary other than bytes, in the formats this package does not read (the slow tokenizers')
+OTHER_VOCABULARY_FILES = ("vocab.json", "merges.txt", "tokenizer.model")
+
+
 def get_tokenizer(folder: str | None, vocab_size: int, eos_token_id: int | None):
-    """`tokenizer.json` of a model folder if it has one, else the byte-level tokenizer."""
+    """`tokenizer.json` of a model folder if it has one, else the byte-level tokenizer. A folder whose vocabulary is
+    given only in another format (vocab.json + merges.txt, tokenizer.model) is a ValueError naming them: the bytes
+    would be the wrong ids for its model."""
     if folder is not None and (Path(folder) / "tokenizer.json").is_file():
         return HFTokenizer(Path(folder) / "tokenizer.json", eos_token_id)
+    other = [name for name in OTHER_VOCABULARY_FILES if folder is not None and (Path(folder) / name).is_file()]
+    if other:
+        raise ValueError(f"model folder {folder} has no tokenizer.json, only {', '.join(other)}: save the tokenizer "
+                         f"with the fast tokenizer (tokenizer.json) to use it here")
     return ByteTokenizer(vocab_size)

@@ -243,3 +243,18 @@ def test_a_config_json_that_is_not_json_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_a_folder_with_a_vocabulary_but_no_tokenizer_json_is_named(tmp_path):
+    """vocab.json + merges.txt without tokenizer.json: the byte-level ids would be the wrong ids for the model's
+    vocabulary (text in, garbage out); a folder with no tokenizer files keeps the byte-level tokenizer."""
+    from gdn_jax.tokenizer import ByteTokenizer, get_tokenizer
+
+    assert isinstance(get_tokenizer(str(tmp_path), 512, 1), ByteTokenizer)
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(ValueError, match="no tokenizer.json, only vocab.json, merges.txt"):
+        get_tokenizer(str(tmp_path), 248320, 1)
+    (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
+    with pytest.raises(ValueError, match=r"tokenizer\.json cannot be read as a tokenizer"):
+        get_tokenizer(str(tmp_path), 248320, 1)
