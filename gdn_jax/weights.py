@@ -57,6 +57,8 @@ def _open_tensors(folder: Path):
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
+            if not all(isinstance(f, str) for f in files):
+                raise TypeError
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{index} is no safetensors index (a JSON object with a 'weight_map')") from None
         missing = [f for f in files if not (folder / f).is_file()]

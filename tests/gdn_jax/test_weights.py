@@ -106,6 +106,9 @@ def test_a_broken_checkpoint_file_is_named(tmp_path):
     index.write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match="is no safetensors index"):
         load_hf_weights(folder)
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": 1}}))  # a shard named by no file name
+    with pytest.raises(ValueError, match="is no safetensors index"):
+        load_hf_weights(folder)
 
 
 def test_unsupported_model_type_is_named(tmp_path):
