@@ -134,6 +134,9 @@ class ModelConfig:
             raise ValueError(f"model config field 'rms_norm_eps' must be a positive number, got {eps!r}")
         if not isinstance(tie, bool):
             raise ValueError(f"model config field 'tie_word_embeddings' must be true or false, got {tie!r}")
+        act = cfg.get("hidden_act") or "silu"
+        if act not in ("silu", "swish"):  # the MLP's and the GDN conv's activation; this model computes SiLU only
+            raise ValueError(f"unsupported hidden_act {act!r} in the model config: only 'silu' is implemented")
         rope_theta, prf = _rope_fields(cfg)
         n = cfg["num_hidden_layers"]
         layer_types = cfg.get("layer_types")

@@ -213,10 +213,11 @@ def test_rope_fields_are_read_as_transformers_reads_them():
     ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "unsupported rope_type 'linear'"),
     ({"rope_parameters": {"rope_theta": "1e7"}}, "'rope_theta' must be a positive number, got '1e7'"),
     ({"rope_parameters": {"partial_rotary_factor": 2}}, "'partial_rotary_factor' must be at most 1"),
+    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
 ])
-def test_a_rope_this_model_does_not_compute_is_named(edit, message):
-    """A scaled RoPE (YaRN for a longer context, say) was ignored: the model ran with the plain rotation, silently
-    another model than the config's."""
+def test_a_rope_or_activation_this_model_does_not_compute_is_named(edit, message):
+    """A scaled RoPE (YaRN for a longer context, say) or another activation was ignored: the model ran with the plain
+    rotation and SiLU, silently another model than the config's."""
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_config(_fixture_config(**edit))
 
