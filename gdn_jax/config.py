@@ -108,6 +108,11 @@ class ModelConfig:
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        for quant in (cfg.get("quantization_config"), (cfg.get("text_config") or {}).get("quantization_config")):
+            if quant:  # its weights come with scales, in formats this loader does not dequantize
+                method = quant.get("quant_method") if isinstance(quant, dict) else None
+                raise ValueError(f"a quantized checkpoint (quantization_config, quant_method {method!r}) is not "
+                                 f"supported: load the unquantized model")
         tie = cfg.get("tie_word_embeddings", False)
         if model_type == "qwen3_5":
             if not isinstance(cfg.get("text_config"), dict):
