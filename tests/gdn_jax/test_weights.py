@@ -265,3 +265,46 @@ def test_a_folder_with_a_vocabulary_but_no_tokenizer_json_is_named(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
     with pytest.raises(ValueError, match=r"tokenizer\.json cannot be read as a tokenizer"):
         get_tokenizer(str(tmp_path), 248320, 1)
+
+
+def test_stored_dtype_to_requested_dtype(tmp_path):
+    """bfloat16 tensors load into float32 exactly; float32 tensors load into bfloat16 rounded to nearest even (torch's
+    `.to(torch.bfloat16)`); A_log and dt_bias stay float32 whatever the requested dtype."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    tensors = load_file(FIXTURE / "model.safetensors")
+    folder = _copy_with(tmp_path, edit_tensors=lambda t: t.update({k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}))
+    pure = nnx.to_pure_dict(load_hf_weights(folder, dtype=jnp.float32)[2])
+    conv = tensors["model.layers.0.linear_attn.conv1d.weight"][:, 0, :]
+    np.testing.assert_array_equal(np.asarray(pure["layers"][0]["linear_attn"]["conv1d"]),
+                                  conv.astype(ml_dtypes.bfloat16).astype(np.float32))
+    pure = nnx.to_pure_dict(load_hf_weights(FIXTURE, dtype=jnp.bfloat16)[2])
+    embed = np.asarray(pure["embed_tokens"])
+    assert embed.dtype == ml_dtypes.bfloat16
+    assert embed.view(np.uint16).tolist() == tensors["model.embed_tokens.weight"].astype(ml_dtypes.bfloat16).view(
+        np.uint16).tolist()
+    a_log = np.asarray(pure["layers"][0]["linear_attn"]["A_log"])
+    assert a_log.dtype == np.float32
+    np.testing.assert_array_equal(a_log, tensors["model.layers.0.linear_attn.A_log"])
+
+
+def test_a_tied_multimodal_checkpoint_loads_without_lm_head(tmp_path):
+    """The small released models (tie_word_embeddings true, in text_config and at the top) store no lm_head.weight,
+    next to vision and MTP tensors that are skipped."""
+    def to_multimodal(cfg):
+        text = dict(cfg, tie_word_embeddings=True)
+        cfg.clear()
+        cfg.update(model_type="qwen3_5", text_config=text, tie_word_embeddings=True, vision_config={"depth": 1})
+
+    def rename(t):
+        for k in list(t):
+            t["model.language_model." + k[len("model."):] if k.startswith("model.") else k] = t.pop(k)
+        t["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((6, 2), np.float32)
+        t["mtp.layers.0.self_attn.q_proj.weight"] = np.zeros((2, 2), np.float32)
+
+    folder = _copy_with(tmp_path, edit_tensors=lambda t: (rename(t), t.pop("lm_head.weight")), edit_config=to_multimodal)
+    cfg, _, params = load_hf_weights(folder)
+    assert cfg.tie_word_embeddings and "lm_head" not in nnx.to_pure_dict(params)
+    embed = load_file(FIXTURE / "model.safetensors")["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(params)["embed_tokens"]), embed)
