@@ -189,7 +189,8 @@ def model_folder(model: "str | ModelConfig") -> Path | None:
         return None
     if model in shipped_models():
         return MODELS_DIR / model
-    return Path(model) if Path(model).is_dir() else None
+    path = Path(model).expanduser()  # "~/models/x" from Python, where no shell expands it
+    return path if path.is_dir() else None
 
 
 def load_model(model: "str | ModelConfig", dtype=jnp.float32, seed: int = 0):

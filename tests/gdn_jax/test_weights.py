@@ -308,3 +308,11 @@ def test_a_tied_multimodal_checkpoint_loads_without_lm_head(tmp_path):
     assert cfg.tie_word_embeddings and "lm_head" not in nnx.to_pure_dict(params)
     embed = load_file(FIXTURE / "model.safetensors")["model.embed_tokens.weight"]
     np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(params)["embed_tokens"]), embed)
+
+
+def test_a_model_folder_given_from_the_home_directory_is_found(tmp_path, monkeypatch):
+    from gdn_jax.weights import model_folder
+    (tmp_path / "models" / "q").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert model_folder("~/models/q") == tmp_path / "models" / "q"
+    assert model_folder("~/models/none") is None
