@@ -613,7 +613,9 @@ def test_serve_renders_the_template_with_the_tokenizer_special_tokens(server, tm
         cli.main(["serve", "--model", str(folder), "--no-warm-up", "--max-model-len", "64", "--max-num-seqs", "2",
                   *extra])
         with ServerThread(create_app(server.loop, configs[0])) as chat:
-            r = _post(server, {"messages": msgs, "max_tokens": 1}, "/v1/chat/completions", chat.url)
+            # serve's served name is --model as given (a request naming another model is a 404)
+            r = _post(server, {"model": str(folder), "messages": msgs, "max_tokens": 1}, "/v1/chat/completions",
+                      chat.url)
         rendered = f"<s><|user|>hi<|assistant|>ok</s><|user|>more{reply}False"  # trim_blocks takes each newline
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(rendered.encode()), r.text
 
