@@ -138,7 +138,7 @@ class _Request:
     prompt_scored: int = 0                             # prompt positions up to here have their values (None: cached)
     texts: list[str] = dataclasses.field(default_factory=list)                # per sample, cut before a stop string
     stop_reasons: list[str | int | None] = dataclasses.field(default_factory=list)  # per sample
-    stop_from: list[int] = dataclasses.field(default_factory=list)  # per sample: where a stop string may begin
+    stop_from: list[int] = dataclasses.field(default_factory=list)  # per sample: end of the first min_tokens text
     streams: list = dataclasses.field(default_factory=list)  # per sample: the tokenizer's incremental text decoder
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)  # shared by every output of the request
 
@@ -552,8 +552,9 @@ class LLMEngine:
     def _update_text(self, req: _Request, index: int, now: float) -> None:
         """Decodes sample `index` (its new tokens only: the stream keeps the rest). A sample that a stop token ended
         (EOS, or one of `stop_token_ids`: its `stop_reason`) leaves that token's text out, as vLLM does; the first
-        stop string found ends the sample, and its text is cut before it. Like stop tokens, stop strings count once
-        `min_tokens` tokens are out: none is looked for in the text of the first `min_tokens`."""
+        stop string found ends the sample, and its text is cut before it. As in vLLM, stop strings are looked for
+        once more than `min_tokens` tokens are out, and only one that ends after the text of the first `min_tokens`
+        counts (it may begin inside that text)."""
         seq, stream = req.seqs[index], req.streams[index]
         new = seq.token_ids[seq.num_prompt_tokens + stream.num_ids:]
         if new and seq.finish_reason == "stop" and not isinstance(req.stop_reasons[index], str):
@@ -564,10 +565,11 @@ class LLMEngine:
         stops = seq.sampling_params.stop
         if not stops or seq.finish_reason == "abort":
             return
-        if seq.num_generated < seq.sampling_params.min_tokens:
-            req.stop_from[index] = len(req.texts[index])
+        if seq.num_generated <= seq.sampling_params.min_tokens:
+            req.stop_from[index] = len(req.texts[index])  # where the text of the first min_tokens tokens ends
             return
-        hits = [(i, s) for s in stops if (i := req.texts[index].find(s, req.stop_from[index])) >= 0]
+        hits = [(i, s) for s in stops
+                if (i := req.texts[index].find(s, max(0, req.stop_from[index] - len(s) + 1))) >= 0]
         if hits:
             i, req.stop_reasons[index] = min(hits)
             req.texts[index] = req.texts[index][:i]

@@ -428,3 +428,29 @@ def test_an_extreme_repetition_penalty_keeps_the_draw_among_the_seen_tokens(fiel
     md = metadata(4, 6, history=history, prompt_lens=np.full(4, 3, np.int32), repetition_penalty=rep, **fields)
     toks = np.asarray(sample_jit(jnp.asarray(logits), md)[0])
     assert set(toks.tolist()) <= {7, 9}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The trained byte-level model: its greedy text is ASCII, one character per token."""
+    return LLM("tiny", chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
+
+
+def test_min_tokens_stop_strings_follow_vllms_window(tiny):
+    """vLLM looks for stop strings once more than min_tokens tokens are out, and a stop counts when it ends after the
+    text of the first min_tokens tokens (it may begin inside it). So a stop in the text of token min_tokens - 1 is
+    not found there, while a stop that straddles the end of the protected text is."""
+    prompt, greedy = "The with statement", dict(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = tiny.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    text = base.text
+    assert len(text) == len(base.token_ids) == 40  # one character per token
+    m = next(m for m in range(3, 30) if text[m - 1] not in text[:m - 1] and text.find(text[m - 1], m) >= 0)
+    inside = tiny.generate(prompt, SamplingParams(**greedy, stop=text[m - 1], min_tokens=m),
+                           use_tqdm=False)[0].outputs[0]
+    cut = text.find(text[m - 1], m)
+    assert (inside.text, inside.finish_reason, len(inside.token_ids)) == (text[:cut], "stop", cut + 1)
+    for m in (5, 12):
+        stop = text[m - 2:m + 1]  # the last two characters of the protected text and the next one
+        across = tiny.generate(prompt, SamplingParams(**greedy, stop=stop, min_tokens=m),
+                               use_tqdm=False)[0].outputs[0]
+        assert (across.text, across.stop_reason, len(across.token_ids)) == (text[:m - 2], stop, m + 1)
