@@ -323,7 +323,9 @@ class LLMEngine:
         self.worker = Worker(self.cfg, graphdef, params, self.memory, block_size, max_num_seqs, max_model_len,
                              chunk_stride, DTYPES[dtype], seed=seed, max_num_batched_tokens=sc.max_num_batched_tokens,
                              checkpoint_mode=checkpoint_mode, checkpoint_policy=checkpoint_policy,
-                             enable_prefix_caching=enable_prefix_caching, gdn_schedule=gdn_schedule)
+                             enable_prefix_caching=enable_prefix_caching, gdn_schedule=gdn_schedule,
+                             eos_token_ids=tuple(([] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id])
+                                                 + self.extra_eos_ids))
         if verbose:
             print(f"[gdn_jax] {self.cfg.name}: {self.memory.describe()}", file=sys.stderr)
         if enable_prefix_caching and has_linear and self.memory.num_checkpoint_slots < max_num_seqs:
@@ -363,13 +365,14 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids: id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
         extra = [t for t in self.extra_eos_ids if t not in (params.stop_token_ids or ())]
-        if extra and not params.ignore_eos:
+        if extra:  # they end the request unless ignore_eos; min_tokens bans them in any case, with the stop ids
             stops = [*(params.stop_token_ids or ()), *extra]
             if len(stops) > MAX_STOP_TOKEN_IDS:
                 raise ValueError(f"stop_token_ids holds {len(stops) - len(extra)} ids; with the model's {len(extra)} "
                                  f"further end-of-sequence ids (config.json, generation_config.json) at most "
                                  f"{MAX_STOP_TOKEN_IDS - len(extra)} are supported")
-            params = dataclasses.replace(params, stop_token_ids=stops)
+            if not params.ignore_eos:
+                params = dataclasses.replace(params, stop_token_ids=stops)
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("empty prompt: at least one token is needed")

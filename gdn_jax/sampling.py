@@ -18,7 +18,7 @@ import numpy as np
 
 from scheduler.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
-BAN_WIDTH = MAX_STOP_TOKEN_IDS + 1  # stop_token_ids + EOS
+BAN_WIDTH = MAX_STOP_TOKEN_IDS + 1  # stop_token_ids with the further end-of-sequence ids, + EOS
 # top-p compares the mass above a token with top_p * total; float32 cumulative sums are off by a few ulps, so a
 # boundary that is exact in real arithmetic is closed (the token is dropped) whichever way the rounding went.
 TOP_P_SLACK = 2.0 ** -20
@@ -62,15 +62,19 @@ class SamplingMetadata:
                    banned=np.full((rows, BAN_WIDTH), -1, np.int32))
 
     @classmethod
-    def from_rows(cls, rows, num_rows: int, width: int, vocab_size: int, eos_token_id: int | None,
-                  default_seed: int) -> "SamplingMetadata":
+    def from_rows(cls, rows, num_rows: int, width: int, vocab_size: int, eos_token_ids, default_seed: int
+                  ) -> "SamplingMetadata":
         """Host-side build from `ScheduledSequence`s. A request without a seed draws from
-        `(default_seed * 1_000_003 + seq_id) mod 2**32`.
+        `(default_seed * 1_000_003 + seq_id) mod 2**32`. `eos_token_ids` (an id, a sequence of ids, or None): the
+        model's end-of-sequence ids, which `min_tokens` bans with the row's stop_token_ids, also under `ignore_eos`
+        (vLLM bans every id of its `all_stop_token_ids` whatever ignore_eos says).
 
         Built once per step, so it is kept cheap: each [B] field is one array from a Python list, and the [B, W]
         history and the [B, BAN_WIDTH] bans are, when no row of the step needs them (no penalty, no `min_tokens` ban),
         shared all -1 device arrays (`_unused_rows`) rather than fresh host arrays copied to the device every step."""
         pad = num_rows - len(rows)
+        eos_ids = [] if eos_token_ids is None else [int(eos_token_ids)] if np.ndim(eos_token_ids) == 0 else [
+            int(t) for t in eos_token_ids]
         temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, positions = (
             [] for _ in range(9))
         history = banned = prompt_lens = None
@@ -95,9 +99,7 @@ class SamplingMetadata:
                 history[i, :len(r.history)] = r.history
                 prompt_lens[i] = r.num_prompt_tokens
             if r.num_generated < sp.min_tokens:
-                ban = list(sp.stop_token_ids or ())
-                if eos_token_id is not None and not sp.ignore_eos:
-                    ban.append(eos_token_id)
+                ban = list(dict.fromkeys([*(sp.stop_token_ids or ()), *eos_ids]))
                 if ban:
                     if banned is None:
                         banned = np.full((num_rows, BAN_WIDTH), -1, np.int32)

@@ -301,7 +301,7 @@ class Worker:
                  max_model_len: int, chunk_stride: int, dtype, seed: int = 0,
                  max_num_batched_tokens: int | None = None,
                  checkpoint_mode: str = "promote", checkpoint_policy: str = "all", enable_prefix_caching: bool = True,
-                 gdn_schedule: str = "auto"):
+                 gdn_schedule: str = "auto", eos_token_ids: tuple[int, ...] | None = None):
         """`checkpoint_mode` "scan" (the scheduler's; see SchedulerConfig): a prefill row holds up to
         `max_num_batched_tokens` tokens, and a step shape with room for a row to cross a boundary writes up to
         `num_saves(B, T)` checkpoints; "promote": a row holds at most `chunk_stride` tokens and no step writes a
@@ -329,6 +329,10 @@ class Worker:
         # blocks dimension of its own
         self.history_width = self.max_blocks * block_size
         self.seed, self.dtype = seed, dtype
+        # the ids `min_tokens` bans besides a request's stop_token_ids, even with ignore_eos (vLLM's rule): the
+        # model's EOS and the further end-of-sequence ids its folder lists
+        self.eos_token_ids = (tuple(eos_token_ids) if eos_token_ids is not None
+                              else () if cfg.eos_token_id is None else (cfg.eos_token_id,))
         self._param_leaves, params_def = jax.tree.flatten(params)
         self.abstract = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in self._param_leaves)
         self.state = self._new_state()
@@ -616,7 +620,7 @@ class Worker:
         saves = self._save_arrays(getattr(plan, "saves", ()), B, T, lengths, restore)
         batch = host_batch(tokens, start, lengths, tables, slot_mapping, restore, saves)
         sampling = SamplingMetadata.from_rows(seqs, B, self.history_width, self.cfg.vocab_size,
-                                              self.cfg.eos_token_id, self.seed)
+                                              self.eos_token_ids, self.seed)
         args = (batch, sampling)
         if plan.is_prefill and prompt_targets and any(prompt_targets):
             targets = np.zeros((B, T), np.int32)

@@ -40,11 +40,11 @@ class SamplingParams:
 
     The order on the device: penalties on the raw logits (`repetition_penalty` divides positive and multiplies
     non-positive logits of every token seen in the prompt or the output; `frequency_penalty` subtracts per output
-    occurrence; `presence_penalty` once per token present in the output), then the `min_tokens` ban (EOS unless
-    `ignore_eos`, and `stop_token_ids`, get -inf while fewer than `min_tokens` tokens were generated), then greedy
-    (argmax) or: temperature, `min_p` (keep p >= min_p * p_max of the tempered distribution), `top_k` (keep every
-    token at least as likely as the k-th: ties at the k-th value are all kept; a k above the vocabulary is clamped
-    to it, i.e. off), `top_p` (keep the smallest set of most likely tokens whose renormalised mass reaches top_p,
+    occurrence; `presence_penalty` once per token present in the output), then the `min_tokens` ban (`stop_token_ids`
+    and the model's end-of-sequence ids, also under `ignore_eos` as in vLLM, get -inf while fewer than `min_tokens`
+    tokens were generated), then greedy (argmax) or: temperature, `min_p` (keep p >= min_p * p_max of the tempered
+    distribution), `top_k` (keep every token at least as likely as the k-th: ties at the k-th value are all kept; a k
+    above the vocabulary is clamped to it, i.e. off), `top_p` (keep the smallest set of most likely tokens whose renormalised mass reaches top_p,
     plus every token tied with the least likely kept one; a boundary that falls exactly on a cumulative sum closes
     the set there), then one categorical draw. Reported logprobs are those of the raw model distribution.
 

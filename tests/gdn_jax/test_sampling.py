@@ -323,7 +323,7 @@ def test_every_end_of_sequence_id_a_model_lists_ends_a_request(tmp_path, listed_
     """A chat model's config.json may name one EOS (Qwen3.5: <|endoftext|>) while its generation_config.json lists the
     end-of-turn token too (<|im_end|>), and some models list several in config.json: every id listed ends a request,
     as with transformers' generate and vLLM (the others as stop tokens: the stop_reason, their text left out), unless
-    ignore_eos; with min_tokens not before."""
+    ignore_eos; with min_tokens not before (and not during min_tokens under ignore_eos either)."""
     import json
     folder = tmp_path / "m"
     shutil.copytree(FIXTURE, folder)
@@ -346,6 +346,10 @@ def test_every_end_of_sequence_id_a_model_lists_ends_a_request(tmp_path, listed_
     assert again.token_ids == ids and again.finish_reason == "length"
     held = SamplingParams(**{**greedy, "ignore_eos": False, "min_tokens": j + 1})  # banned as EOS is, until then
     assert llm.generate([prompt], held, use_tqdm=False)[0].outputs[0].token_ids[j] != ids[j]
+    # under ignore_eos too (vLLM bans every end-of-sequence id during min_tokens whatever ignore_eos says)
+    ignoring = llm.generate([prompt], SamplingParams(**greedy, min_tokens=j + 1), use_tqdm=False)[0].outputs[0]
+    assert ignoring.token_ids[:j] == ids[:j] and ignoring.token_ids[j] != ids[j]
+    assert len(ignoring.token_ids) == 16 and ignoring.finish_reason == "length"
 
 
 def test_end_of_sequence_ids_are_read_from_every_place_a_folder_lists_them(tmp_path):

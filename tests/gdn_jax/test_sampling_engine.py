@@ -158,7 +158,8 @@ def test_min_tokens_bans_a_stop_token_and_greedy_takes_the_runner_up(llm):
 
 def test_metadata_carries_history_and_ban_of_the_scheduled_rows():
     """The host side of the knobs: penalties get prompt + output with the prompt length; the ban holds the stop ids
-    and EOS (unless ignored) only while fewer than min_tokens tokens were generated."""
+    and the end-of-sequence ids (also under ignore_eos, as in vLLM) only while fewer than min_tokens tokens were
+    generated."""
     cfg = SchedulerConfig(num_kv_blocks=20, num_linear_slots=6, block_size=4, chunk_stride=8, max_num_seqs=4,
                           max_model_len=32, eos_token_id=1)
     sched = Scheduler(cfg)
@@ -169,12 +170,16 @@ def test_metadata_carries_history_and_ban_of_the_scheduled_rows():
         sched.add(s)
     for step in range(3):
         plan = sched.schedule()
-        md = SamplingMetadata.from_rows(plan.seqs, 4, 16, vocab_size=512, eos_token_id=1, default_seed=0)
+        md = SamplingMetadata.from_rows(plan.seqs, 4, 16, vocab_size=512, eos_token_ids=1, default_seed=0)
         rows = {r.seq_id: i for i, r in enumerate(plan.seqs)}
         assert md.history[rows[1]].tolist() == a.token_ids + [-1] * (16 - len(a.token_ids))
         assert md.prompt_lens[rows[1]] == 3 and (md.history[rows[2]] == -1).all()
         assert sorted(md.banned[rows[1]][md.banned[rows[1]] >= 0]) == ([1, 9] if step < 2 else [])
-        assert md.banned[rows[2]][md.banned[rows[2]] >= 0].tolist() == ([4] if step == 0 else [])
+        assert sorted(md.banned[rows[2]][md.banned[rows[2]] >= 0]) == ([1, 4] if step == 0 else [])
+        several = SamplingMetadata.from_rows(plan.seqs, 4, 16, vocab_size=512, eos_token_ids=(1, 9, 6),
+                                             default_seed=0)  # the model's EOS and further end-of-sequence ids
+        assert sorted(several.banned[rows[1]][several.banned[rows[1]] >= 0]) == ([1, 6, 9] if step < 2 else [])
+        assert sorted(several.banned[rows[2]][several.banned[rows[2]] >= 0]) == ([1, 4, 6, 9] if step == 0 else [])
         assert md.positions[rows[1]] == step and md.seeds[rows[2]] == 3 and md.seeds[rows[1]] == 1
         assert md.temperature[rows[3]] == 0 and md.top_k[rows[3]] == 512
         sched.postprocess(plan, [2 + step] * len(plan.seqs))
