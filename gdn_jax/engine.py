@@ -555,13 +555,16 @@ class LLMEngine:
     def _update_text(self, req: _Request, index: int, now: float) -> None:
         """Decodes sample `index` (its new tokens only: the stream keeps the rest). A sample that a stop token ended
         (EOS, or one of `stop_token_ids`: its `stop_reason`) leaves that token's text out, as vLLM does; the first
-        stop string found ends the sample, and its text is cut before it. As in vLLM, stop strings are looked for
+        stop string found ends the sample, and its text is cut before it (with `include_stop_str_in_output`: the
+        stop token's text stays, and the text is cut after the stop string). As in vLLM, stop strings are looked for
         once more than `min_tokens` tokens are out, and only one that ends after the text of the first `min_tokens`
         counts (it may begin inside that text)."""
         seq, stream = req.seqs[index], req.streams[index]
         new = seq.token_ids[seq.num_prompt_tokens + stream.num_ids:]
+        include = seq.sampling_params.include_stop_str_in_output
         if new and seq.finish_reason == "stop" and not isinstance(req.stop_reasons[index], str):
-            new, token = new[:-1], seq.token_ids[-1]  # the scheduler ends a sample on the token that stops it
+            token = seq.token_ids[-1]  # the scheduler ends a sample on the token that stops it
+            new = new if include else new[:-1]
             if seq.sampling_params.ignore_eos or token != self.cfg.eos_token_id:
                 req.stop_reasons[index] = token
         req.texts[index] = stream.add(new)
@@ -575,7 +578,7 @@ class LLMEngine:
                 if (i := req.texts[index].find(s, max(0, req.stop_from[index] - len(s) + 1))) >= 0]
         if hits:
             i, req.stop_reasons[index] = min(hits)
-            req.texts[index] = req.texts[index][:i]
+            req.texts[index] = req.texts[index][:i + len(req.stop_reasons[index]) if include else i]
             if not seq.is_finished:
                 self.scheduler.abort(seq.seq_id)  # frees its slots and blocks like any finish
                 req.metrics.finished_time = now

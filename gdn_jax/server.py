@@ -143,6 +143,7 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None   # the rest are vLLM's extra sampling parameters
     min_p: float | None = None
     min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = False
     logit_bias: Any = None  # UNSUPPORTED
     response_format: Any = None  # UNSUPPORTED (vLLM takes it in completions too)
 
@@ -561,7 +562,8 @@ class _Server:
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, n=1 if req.n is None else req.n,
-                skip_reading_prefix_cache=prompt_logprobs is not None)
+                skip_reading_prefix_cache=prompt_logprobs is not None,
+                include_stop_str_in_output=bool(req.include_stop_str_in_output))
         except ValueError as e:  # the message begins with the field's name
             field, rest = (str(e).split(" ", 1) + [""])[:2]
             if field not in SamplingParams.__dataclass_fields__:

@@ -76,6 +76,8 @@ class SamplingParams:
     stop: str | list[str] | None = None
     prompt_logprobs: int | None = None
     skip_reading_prefix_cache: bool | None = None
+    # vLLM's: keep the stop string that ended the text (the text is cut after it) and a stop token's text
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         self.temperature = _real("temperature", self.temperature)
@@ -112,8 +114,9 @@ class SamplingParams:
             if len(ids) > MAX_STOP_TOKEN_IDS:
                 raise ValueError(f"stop_token_ids holds {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are supported")
             self.stop_token_ids = ids
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self._check_stop_and_prompt_logprobs()

@@ -458,3 +458,24 @@ def test_min_tokens_stop_strings_follow_vllms_window(tiny):
         across = tiny.generate(prompt, SamplingParams(**greedy, stop=stop, min_tokens=m),
                                use_tqdm=False)[0].outputs[0]
         assert (across.text, across.stop_reason, len(across.token_ids)) == (text[:m - 2], stop, m + 1)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_tokens_text(tiny):
+    """vLLM's include_stop_str_in_output: the text is cut after the stop string instead of before it, and a stop
+    token's text stays; the tokens generated are the same either way."""
+    prompt, greedy = "The with statement", dict(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = tiny.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    text, ids = base.text, base.token_ids
+    stop = text[6:9]
+    cut = text.find(stop)
+    outs = [tiny.generate(prompt, SamplingParams(**greedy, stop=stop, include_stop_str_in_output=include),
+                          use_tqdm=False)[0].outputs[0] for include in (False, True)]
+    assert [o.text for o in outs] == [text[:cut], text[:cut + len(stop)]]
+    assert [o.stop_reason for o in outs] == [stop, stop] and outs[0].token_ids == outs[1].token_ids
+    j = next(j for j in range(2, 40) if ids[j] not in ids[:j])
+    outs = [tiny.generate(prompt, SamplingParams(**greedy, stop_token_ids=[ids[j]], include_stop_str_in_output=inc),
+                          use_tqdm=False)[0].outputs[0] for inc in (False, True)]
+    assert [o.text for o in outs] == [text[:j], text[:j + 1]] and outs[1].token_ids == ids[:j + 1]
+    assert outs[1].stop_reason == ids[j] and outs[1].finish_reason == "stop"
+    with pytest.raises(ValueError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output=1)

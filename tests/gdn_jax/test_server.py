@@ -147,19 +147,21 @@ def test_echo_logprobs_equal_offline_prompt_logprobs_cached_or_not(client, offli
 
 
 def test_penalties_and_vllm_extras_reach_the_engine(client, offline):
-    """Each of presence/frequency penalty (OpenAI fields) and repetition_penalty / min_p / min_tokens (vLLM's
-    extras) changes what the offline engine generates on this prompt, and the server gives the same output."""
+    """Each of presence/frequency penalty (OpenAI fields) and repetition_penalty / min_p / min_tokens /
+    include_stop_str_in_output (vLLM's extras) changes what the offline engine generates on this prompt, and the server gives the same output."""
     prompt = _text(6, 11)
     greedy = dict(temperature=0.0, max_tokens=32, ignore_eos=True)  # 32 tokens: some repeat, penalties bite
-    first = offline.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    first, text = (lambda o: (o.token_ids, o.text))(
+        offline.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0])
     sampled = dict(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
     stop = dict(temperature=0.0, max_tokens=12, stop_token_ids=[first[2]])  # stops at 3 tokens unless min_tokens
     cases = [(greedy, dict(presence_penalty=2.0)), (greedy, dict(frequency_penalty=2.0)),
-             (greedy, dict(repetition_penalty=1.5)), (sampled, dict(min_p=0.3)), (stop, dict(min_tokens=8))]
+             (greedy, dict(repetition_penalty=1.5)), (sampled, dict(min_p=0.3)), (stop, dict(min_tokens=8)),
+             ({**greedy, "stop": [text[3:5]]}, dict(include_stop_str_in_output=True))]
     for base, extra in cases:
         want, without = (offline.generate(prompt, SamplingParams(**base, **e), use_tqdm=False)[0].outputs[0]
                          for e in (extra, {}))
-        assert want.token_ids != without.token_ids, extra  # the parameter matters here, so the check can fail
+        assert (want.token_ids, want.text) != (without.token_ids, without.text), extra  # the parameter matters here
         kw = {k: v for k, v in {**base, **extra}.items() if k in ("temperature", "max_tokens", "seed",
                                                                  "presence_penalty", "frequency_penalty")}
         body = {k: v for k, v in {**base, **extra}.items() if k not in kw}
