@@ -70,6 +70,10 @@ def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
                     help="a step prefills or decodes, not both (\"scan\" mode; \"promote\" never mixes)")
     ap.add_argument("--gdn-schedule", default="auto", choices=["auto", "fused", "parallel"],
                     help="the chunked GDN rule's schedule (same maths; auto: fused on CPU, parallel elsewhere)")
+    ap.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                    help="auto: the model folder's generation_config.json sampling defaults (temperature, top_p, "
+                         "top_k, min_p, repetition_penalty, max_new_tokens) for what a request leaves unset, as vLLM "
+                         "does; vllm: the neutral defaults")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="fraction of an accelerator's memory for the weights and the caches (the CPU: 2 GiB of "
                          "caches)")
@@ -91,7 +95,7 @@ def _engine_kwargs(args) -> dict:
                 num_linear_slots=args.num_linear_slots, checkpoint_mode=args.checkpoint_mode,
                 checkpoint_policy=args.checkpoint_policy, max_num_batched_tokens=args.max_num_batched_tokens,
                 mixed_steps=not args.no_mixed_steps, gdn_schedule=args.gdn_schedule,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                generation_config=args.generation_config, gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def _serve(args) -> None:

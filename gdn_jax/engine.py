@@ -250,6 +250,33 @@ def model_eos_ids(folder: Path | None) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+# generation_config.json's sampling fields a model's defaults take (vLLM's list; max_new_tokens is max_tokens), each
+# with transformers' GenerationConfig default: a field set to that default is no default of the model's (vLLM reads
+# the file's difference from GenerationConfig(), so top_k 50 there leaves top-k off)
+GENERATION_CONFIG_SAMPLING = {"repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None,
+                              "max_new_tokens": None}
+GENERATION_CONFIGS = ("auto", "vllm")
+
+
+def model_sampling_defaults(folder: Path | None) -> dict:
+    """The sampling defaults a model folder's generation_config.json recommends, as SamplingParams keywords
+    ({"temperature": 0.6, "top_k": 20, "top_p": 0.95} for Qwen3.5; {} without the file): the fields vLLM takes
+    (`GENERATION_CONFIG_SAMPLING`) where they differ from transformers' defaults. A bad value names the file."""
+    data = folder_json(folder, "generation_config.json")
+    out = {}
+    for field, hf_default in GENERATION_CONFIG_SAMPLING.items():
+        value = data.get(field)
+        if value is None or value == hf_default:
+            continue
+        name = "max_tokens" if field == "max_new_tokens" else field
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as e:
+            raise ValueError(f"{Path(folder) / 'generation_config.json'}: {e}") from None
+        out[name] = value
+    return out
+
+
 class LLMEngine:
     """Step-level engine: `add_request`, `step`, `abort_request`, `has_unfinished_requests`."""
 
@@ -259,7 +286,7 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None, memory_budget_bytes: int | None = None,
                  gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, unsafe_reuse: str | None = None,
                  checkpoint_mode: str = "scan", checkpoint_policy: str = "all", mixed_steps: bool = True,
-                 gdn_schedule: str = "auto",
+                 gdn_schedule: str = "auto", generation_config: str = "auto",
                  verbose: bool = True):
         """`memory_budget_bytes` bounds the KV and linear-state pools; None sizes it from the device: on a GPU
         `gpu_memory_utilization` of its memory minus the weights, on the CPU `CPU_MEMORY_BUDGET_BYTES` (2 GiB).
@@ -276,7 +303,12 @@ class LLMEngine:
         budget; False (and "promote"): a step is all-prefill or all-decode, prefill first.
 
         `gdn_schedule`: how the chunked GDN rule is computed, "auto" ("fused" on CPU, "parallel" on accelerators),
-        "fused" or "parallel": the same maths, so outputs agree to float rounding."""
+        "fused" or "parallel": the same maths, so outputs agree to float rounding.
+
+        `generation_config` (vLLM's option): "auto" takes the sampling defaults of the model folder's
+        generation_config.json (`model_sampling_defaults`: temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens as max_tokens) for a request given no SamplingParams, and the server for the fields a request
+        leaves unset; "vllm": SamplingParams' own defaults."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         ints = dict(block_size=block_size, chunk_stride=chunk_stride, max_num_seqs=max_num_seqs,
@@ -289,6 +321,8 @@ class LLMEngine:
             raise ValueError(f"gpu_memory_utilization must be a number, got {gpu_memory_utilization!r}")
         if gdn_schedule not in GDN_SCHEDULES:
             raise ValueError(f"gdn_schedule must be one of {GDN_SCHEDULES}, got {gdn_schedule!r}")
+        if generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {generation_config!r}")
         if block_size < 1 or chunk_stride < 1 or chunk_stride % block_size:
             raise ValueError(f"chunk_stride ({chunk_stride}) must be a positive multiple of block_size ({block_size})")
         enable_compilation_cache()
@@ -300,6 +334,8 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(folder, self.cfg.vocab_size, self.cfg.eos_token_id)
         # the folder's other end-of-sequence ids end a request as stop tokens unless ignore_eos (vLLM's way)
         self.extra_eos_ids = [t for t in model_eos_ids(folder) if t != self.cfg.eos_token_id]
+        # SamplingParams keywords of the model's recommended sampling (generation_config="auto")
+        self.default_sampling = model_sampling_defaults(folder) if generation_config == "auto" else {}
         has_linear = bool(self.cfg.linear_layer_ids)
         if memory_budget_bytes is None:
             params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
@@ -357,7 +393,7 @@ class LLMEngine:
 
     def validate_request(self, prompt, sampling_params: SamplingParams | None = None):
         """Checks a request without touching the engine; returns (text, token ids, params) or raises ValueError."""
-        params = sampling_params or SamplingParams()
+        params = self.default_sampling_params() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.__post_init__()  # re-validate: the object may have been mutated after construction
@@ -415,6 +451,11 @@ class LLMEngine:
             for seq in reversed(req.seqs):  # samples waiting for their fork first, then the one they fork from
                 self._by_seq.pop(seq.seq_id, None)
                 self.scheduler.abort(seq.seq_id)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The parameters of a request given none: the model's recommended sampling (`default_sampling`) over
+        SamplingParams' defaults."""
+        return SamplingParams(**self.default_sampling)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -638,6 +679,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what `generate` uses when given no SamplingParams (the model folder's generation_config.json
+        sampling fields unless `generation_config="vllm"`)."""
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """The outputs of `prompts` (a str, a list of token ids, a {"prompt_token_ids": ...} dict, or a list of
@@ -650,6 +696,8 @@ class LLM:
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):

@@ -529,6 +529,14 @@ class _Server:
         (chat: `max_completion_tokens`, `top_logprobs`), for the errors."""
         names = {"max_tokens": "max_tokens", "logprobs": "logprobs", **(names or {})}
         refuse_unsupported(req)
+        # the model's recommended sampling (generation_config.json, unless the engine was built with
+        # generation_config="vllm") for the fields the request leaves unset, and its max_new_tokens as a cap (vLLM's)
+        model = self.engine.default_sampling
+        max_tokens = min(max_tokens, model.get("max_tokens", max_tokens))
+
+        def unset(name, value, default):
+            return model.get(name, default) if value is None else value
+
         if req.stream_options is not None and not req.stream:  # as the OpenAI API: not silently ignored
             raise BadRequest("stream_options needs stream: true", "stream_options")
         best_of = getattr(req, "best_of", None)
@@ -555,13 +563,13 @@ class _Server:
             raise BadRequest(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})", "stop_token_ids")
         try:
             return SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+                temperature=unset("temperature", req.temperature, 1.0), top_p=unset("top_p", req.top_p, 1.0),
+                top_k=unset("top_k", req.top_k, -1),
                 max_tokens=max(1, max_tokens), seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, n=1 if req.n is None else req.n,
+                repetition_penalty=unset("repetition_penalty", req.repetition_penalty, 1.0),
+                min_p=unset("min_p", req.min_p, 0.0), min_tokens=req.min_tokens or 0, n=1 if req.n is None else req.n,
                 skip_reading_prefix_cache=prompt_logprobs is not None,
                 include_stop_str_in_output=bool(req.include_stop_str_in_output))
         except ValueError as e:  # the message begins with the field's name

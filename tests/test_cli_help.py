@@ -137,7 +137,7 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
           "--block-size", "32", "--chunk-stride", "128", "--checkpoint-mode", "promote", "--checkpoint-policy", "last",
           "--no-prefix-caching", "--num-kv-blocks", "99", "--num-linear-slots", "20", "--compilation-cache", "",
           "--max-num-batched-tokens", "256", "--no-mixed-steps", "--gdn-schedule", "parallel",
-          "--gpu-memory-utilization", "0.5",
+          "--gpu-memory-utilization", "0.5", "--generation-config", "vllm",
           "--host", "0.0.0.0", "--port", "8123", "--api-key", "k", "--served-model-name", "m",
           "--max-tokens-limit", "4096", "--max-request-bytes", "5000", "--warm-up-prompt-logprobs",
           "--log-level", "debug", "--reasoning-parser", "qwen3"])
@@ -145,7 +145,7 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
         dtype="bfloat16", seed=3, enable_prefix_caching=False, block_size=32, chunk_stride=128, max_num_seqs=3,
         max_model_len=512, num_kv_blocks=99, num_linear_slots=20, checkpoint_mode="promote",
         checkpoint_policy="last", max_num_batched_tokens=256, mixed_steps=False, gdn_schedule="parallel",
-        gpu_memory_utilization=0.5))
+        generation_config="vllm", gpu_memory_utilization=0.5))
     assert seen["warm_up"] is True and os.environ["GDN_JAX_CACHE_DIR"] == "off"
     config = seen["config"]
     assert (config.model_name, config.api_key, config.max_request_bytes) == ("m", "k", 5000)

@@ -352,6 +352,36 @@ def test_every_end_of_sequence_id_a_model_lists_ends_a_request(tmp_path, listed_
     assert len(ignoring.token_ids) == 16 and ignoring.finish_reason == "length"
 
 
+def test_a_models_recommended_sampling_is_what_a_request_given_none_gets(tmp_path):
+    """vLLM's generation_config="auto": a request without SamplingParams takes the sampling fields of the folder's
+    generation_config.json (those that differ from transformers' defaults; max_new_tokens as max_tokens)."""
+    import json
+
+    from gdn_jax.engine import model_sampling_defaults
+    folder = tmp_path / "m"
+    shutil.copytree(FIXTURE, folder)
+    assert model_sampling_defaults(folder) == {}
+    (folder / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.0, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.0,
+        "max_new_tokens": 5, "eos_token_id": 1}))
+    assert model_sampling_defaults(folder) == {"temperature": 0.0, "top_k": 20, "top_p": 0.95, "max_tokens": 5}
+    kw = dict(max_model_len=64, max_num_seqs=2, verbose=False)
+    llm = LLM(str(folder), **kw)
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.top_p, d.max_tokens, d.repetition_penalty) == (0.0, 20, 0.95, 5, 1.0)
+    prompt = list(range(40, 60))
+    explicit = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = llm.generate([prompt], explicit, use_tqdm=False)[0].outputs[0].token_ids
+    got = llm.generate([prompt], use_tqdm=False)[0].outputs[0].token_ids  # greedy, 5 tokens (unless EOS: the same)
+    assert got == want[:len(got)] and (len(got) == 5 or got[-1] == 1)
+    assert LLM(str(folder), generation_config="vllm", **kw).get_default_sampling_params() == SamplingParams()
+    (folder / "generation_config.json").write_text(json.dumps({"top_p": 2}))
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p"):
+        model_sampling_defaults(folder)
+    with pytest.raises(ValueError, match="generation_config must be one of"):
+        LLM(str(folder), generation_config="model", **kw)
+
+
 def test_end_of_sequence_ids_are_read_from_every_place_a_folder_lists_them(tmp_path):
     import json
 

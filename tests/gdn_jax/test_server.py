@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from gdn_jax import LLM, LLMEngine, SamplingParams
-from gdn_jax.server import EngineLoop, ServerConfig, ServerThread, create_app
+from gdn_jax.server import CompletionRequest, EngineLoop, ServerConfig, ServerThread, create_app
 
 KEY = "test-key-123"
 ENGINE_KW = dict(block_size=16, chunk_stride=32, max_num_seqs=32, max_model_len=256)
@@ -297,6 +297,20 @@ def test_a_model_the_server_does_not_serve_is_a_404_and_none_named_is_served(ser
     r = httpx.post(server.url + "/v1/completions", headers=auth, timeout=60,
                    json={"prompt": "hi", "max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 and r.json()["model"] == "tiny"
+
+
+def test_the_models_recommended_sampling_fills_what_a_request_leaves_unset(server, monkeypatch):
+    """vLLM's --generation-config auto: generation_config.json's temperature (and top_p, top_k, min_p,
+    repetition_penalty) for the fields a request leaves unset, its max_new_tokens as a cap on max_tokens."""
+    monkeypatch.setattr(server.loop.engine, "default_sampling", {"temperature": 0.0, "max_tokens": 3})
+    body = {"prompt": _text(5, 7), "max_tokens": 10, "ignore_eos": True}
+    unset = _post(server, body).json()
+    greedy = _post(server, {**body, "temperature": 0.0}).json()
+    assert unset["usage"]["completion_tokens"] == 3 == greedy["usage"]["completion_tokens"]
+    assert unset["choices"][0]["text"] == greedy["choices"][0]["text"]
+    srv = server.server.config.app.state.server
+    params = srv.sampling_params(CompletionRequest(prompt="x", temperature=0.5, top_k=3), 10, None, None, 1)
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.5, 3, 1.0, 3)
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}])
