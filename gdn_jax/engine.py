@@ -314,6 +314,9 @@ class LLMEngine:
         ints = dict(block_size=block_size, chunk_stride=chunk_stride, max_num_seqs=max_num_seqs,
                     max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, num_linear_slots=num_linear_slots,
                     max_num_batched_tokens=max_num_batched_tokens, memory_budget_bytes=memory_budget_bytes, seed=seed)
+        if seed is None:  # vLLM's LLM takes seed=None; here it failed deep in the weight initialisation
+            raise ValueError("seed must be an int (it gives random presets their weights and requests without a "
+                             "seed of their own their draws), got None")
         for name, value in ints.items():  # a float here failed later, in a shape or a slice, naming nothing
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
                 raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")

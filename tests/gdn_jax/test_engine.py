@@ -134,6 +134,7 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, para
     (dict(block_size=16.0), "block_size must be an int"),
     (dict(max_num_seqs=True), "max_num_seqs must be an int, got True"),
     (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number"),
+    (dict(seed=None), "seed must be an int"),
 ])
 def test_invalid_cache_configuration_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
