@@ -708,30 +708,36 @@ class LLM:
         for prompt, sp in zip(prompts, params):  # validate all first: nothing is added if one is bad
             self.engine.validate_request(prompt, sp)
         ids = []
-        for prompt, sp in zip(prompts, params):
-            rid = str(next(self._ids))
-            while rid in self.engine._requests:  # an id the caller gave a request of its own on this engine
+        try:
+            for prompt, sp in zip(prompts, params):
                 rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, sp)
-            ids.append(rid)
+                while rid in self.engine._requests:  # an id the caller gave a request of its own on this engine
+                    rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, sp)
+                ids.append(rid)
+        except BaseException:  # interrupted while adding (a long batch): none of it stays to run in a later call
+            for i in ids:
+                self.engine.abort_request(i)
+            raise
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: Iterable[str], use_tqdm: bool) -> list[RequestOutput]:
         ids = list(ids)
+        batch = set(ids)
         done: dict[str, RequestOutput] = {}
         bar, complete = None, False
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
         try:
+            if use_tqdm:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(ids), desc="generate", unit="req")
             while self.engine.has_unfinished_requests():
                 try:
                     outs = self.engine.step()
                 except EngineStepError as err:  # those requests end with finish_reason "error"; the rest go on
                     warnings.warn(str(err), RuntimeWarning, stacklevel=_outside_package())
                     outs = err.outputs
-                for out in outs:
-                    if out.finished:
+                for out in outs:  # requests the caller added to the engine itself run too, uncounted
+                    if out.finished and out.request_id in batch:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)

@@ -245,3 +245,47 @@ def test_unsafe_reuse_warns_and_drifts_while_the_exact_cache_does_not():
             assert drift < 1e-4
         else:
             assert drift > 1e-3, f"{mode}: no measurable drift"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-random", **KW)
+
+
+def test_generate_interrupted_while_adding_leaves_nothing_of_its_batch(llm, monkeypatch):
+    real, calls = llm.engine.add_request, []
+
+    def add(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # e.g. Ctrl-C while a long batch is tokenized
+            raise KeyboardInterrupt
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "add_request", add)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6], [7, 8], [9, 10]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine._requests
+
+
+def test_the_progress_bar_counts_only_the_batch(llm, monkeypatch):
+    import tqdm.auto
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    llm.engine.add_request("own", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1))  # the caller's own
+    outs = llm.generate([[8, 9, 10]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=True)
+    assert [o.prompt_token_ids for o in outs] == [[8, 9, 10]] and len(outs[0].outputs[0].token_ids) == 3
+    assert [(b.total, b.n) for b in bars] == [(1, 1)]
+    assert not llm.engine.has_unfinished_requests()
