@@ -8,9 +8,8 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -427,13 +426,18 @@ class LLMEngine:
                              f"entries; this model has {self.cfg.vocab_size}")
         return text, ids, params
 
-    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, *, sampling_params: SamplingParams | None = None) -> None:
         """Validates everything before anything runs: a bad request raises ValueError and changes nothing.
-        `arrival_time` is on `time.perf_counter()`'s clock (default: now), as every time in `RequestMetrics`."""
+        `params` is vLLM's name; `sampling_params=` is taken too. `arrival_time` is on `time.perf_counter()`'s clock
+        (default: now), as every time in `RequestMetrics`."""
+        if sampling_params is not None:
+            if params is not None:
+                raise ValueError("give the sampling parameters once: params or sampling_params, not both")
+            params = sampling_params
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        text, ids, params = self.validate_request(prompt, sampling_params)
+        text, ids, params = self.validate_request(prompt, params)
         # sample i of n draws with seed (seed + i) mod 2**32 (vLLM's derivation): sample 0 is the request itself
         seqs = [Sequence(next(self._seq_ids), ids, dataclasses.replace(
             params, n=1, seed=None if params.seed is None else (params.seed + i) % SEED_BOUND))
@@ -448,7 +452,15 @@ class LLMEngine:
         for seq in seqs:
             self._by_seq[seq.seq_id] = req
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Aborts one request or several (an id, or an iterable of ids, as vLLM's engines take them); an id not in
+        the engine (unknown, or finished already) is ignored. An aborted request gives no further output."""
+        if isinstance(request_id, str) or not isinstance(request_id, Iterable):
+            request_id = [request_id]
+        for rid in list(request_id):
+            self._abort(rid)
+
+    def _abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None:
             for seq in reversed(req.seqs):  # samples waiting for their fork first, then the one they fork from

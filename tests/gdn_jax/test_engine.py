@@ -162,6 +162,23 @@ def test_abort_releases_everything(engine):
     assert s["live_slots"] == 0 and s["num_running"] == 0
 
 
+def test_add_and_abort_take_vllms_forms(engine):
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params=sp)             # vLLM's keyword
+    engine.add_request("b", [5, 6, 8], sampling_params=sp)    # this engine's former one
+    engine.add_request("c", [5, 6, 9], sp)
+    with pytest.raises(ValueError, match="params or sampling_params, not both"):
+        engine.add_request("d", [5, 6], params=sp, sampling_params=sp)
+    engine.step()
+    engine.abort_request(["a", "b", "unknown"])               # several ids at once (vLLM's v1 engine: a list)
+    assert list(engine._requests) == ["c"] and engine.has_unfinished_requests()
+    engine.abort_request(("c", "a"))                          # "a" is gone already: ignored
+    engine.abort_request("c")
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    s = engine.cache_stats()
+    assert s["live_slots"] == 0 and s["num_running"] == 0 and s["kv_blocks_free"] == engine.memory.num_kv_blocks - 1
+
+
 def _drain(engine, outs=None):
     outs = {} if outs is None else outs
     while engine.has_unfinished_requests():
