@@ -96,6 +96,10 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended the text, if one did
 
+    def finished(self) -> bool:
+        """Whether this sample is done (vLLM's `CompletionOutput.finished()`)."""
+        return self.finish_reason is not None
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -474,6 +478,9 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
 
     def seq_id_of(self, request_id: str) -> int | None:
         """The scheduler's sequence id of an unfinished request (to match it against a step plan)."""

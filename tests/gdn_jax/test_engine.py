@@ -169,12 +169,15 @@ def test_add_and_abort_take_vllms_forms(engine):
     engine.add_request("c", [5, 6, 9], sp)
     with pytest.raises(ValueError, match="params or sampling_params, not both"):
         engine.add_request("d", [5, 6], params=sp, sampling_params=sp)
-    engine.step()
+    assert engine.get_num_unfinished_requests() == 3
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == ["a", "b", "c"]
+    assert not any(o.finished or o.outputs[0].finished() for o in outs)
     engine.abort_request(["a", "b", "unknown"])               # several ids at once (vLLM's v1 engine: a list)
-    assert list(engine._requests) == ["c"] and engine.has_unfinished_requests()
+    assert list(engine._requests) == ["c"] and engine.get_num_unfinished_requests() == 1
     engine.abort_request(("c", "a"))                          # "a" is gone already: ignored
     engine.abort_request("c")
-    assert not engine.has_unfinished_requests() and engine.step() == []
+    assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0 and engine.step() == []
     s = engine.cache_stats()
     assert s["live_slots"] == 0 and s["num_running"] == 0 and s["kv_blocks_free"] == engine.memory.num_kv_blocks - 1
 
@@ -304,5 +307,5 @@ def test_the_progress_bar_counts_only_the_batch(llm, monkeypatch):
     llm.engine.add_request("own", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1))  # the caller's own
     outs = llm.generate([[8, 9, 10]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=True)
     assert [o.prompt_token_ids for o in outs] == [[8, 9, 10]] and len(outs[0].outputs[0].token_ids) == 3
-    assert [(b.total, b.n) for b in bars] == [(1, 1)]
+    assert [(b.total, b.n) for b in bars] == [(1, 1)] and outs[0].outputs[0].finished()
     assert not llm.engine.has_unfinished_requests()
