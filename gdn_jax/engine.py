@@ -384,6 +384,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            other = [k for k in prompt if k not in ("prompt", "prompt_token_ids")]
+            if other:  # e.g. vLLM's multi_modal_data, or a misspelt key: ignoring it would run another request
+                raise ValueError(f"a dict prompt takes 'prompt' and 'prompt_token_ids' only, got {other[0]!r}")
             text = prompt.get("prompt")
             if ("prompt" in prompt or text is not None) and not isinstance(text, str) and not (
                     text is None and "prompt_token_ids" in prompt):  # with token ids the text is optional

@@ -97,6 +97,8 @@ def engine():
     ({"prompt_token_ids": [5, 6], "prompt": 7}, None, "'prompt' must be a str, got int"),
     ({"prompt_token_ids": 5}, None, "'prompt_token_ids' must be a list of token ids, got int"),
     ({"prompt_token_ids": None}, None, "'prompt_token_ids' must be a list of token ids, got NoneType"),
+    ({"prompt": "ab", "multi_modal_data": {"image": None}}, None, "'prompt_token_ids' only, got 'multi_modal_data'"),
+    ({"prompt": "ab", "prompt_token_id": [5, 6]}, None, "'prompt_token_ids' only, got 'prompt_token_id'"),
     (np.array(5), None, "must be a list of token ids, got a 0-D array"),
     (np.array([[5, 6]]), None, "must be a list of token ids, got a 2-D array"),
     ([5, 6], "max_tokens=0", "max_tokens"),
