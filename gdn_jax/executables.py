@@ -37,9 +37,12 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
+
+from gdn_jax import model
 
 
 ENVIRONMENT = ("XLA_FLAGS", "GDN_JAX_UNROLL_LAYERS")  # environment variables that change a compiled step
@@ -88,6 +91,9 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
     device = jax.devices()[0]
     # what changes the compiled program from outside the arguments: XLA's flags, the layer-loop switch, precision
     env = [(name, os.environ.get(name)) for name in ENVIRONMENT] + [("precision", jax.config.jax_default_matmul_precision)]
+    if device.platform == "cpu" and any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves):
+        # a 16-bit model's prefill products take the form this machine multiplies faster (model.upcast_is_faster)
+        env.append(("bf16_upcast", model.upcast_is_faster()))
     text = repr((source_digest(), kind, static, str(treedef), spec, sorted((options or {}).items()),
                  device.platform, device.device_kind, jax.device_count(), env))
     return hashlib.sha256(text.encode()).hexdigest()

@@ -14,10 +14,13 @@ Batch layout: `B` rows (sequences), `T` tokens per row (a prefill chunk, or 1 fo
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import math
 import os
+import time
 from functools import partial
 
 import jax
@@ -196,9 +199,50 @@ def _identity(a):  # a branch of the switch that picks a layer's small parameter
 # On CPU, products of this many rows (first, last) put the weight on the left (`_product`), per activation dtype.
 WEIGHT_LHS_ROWS = {jnp.dtype(jnp.float32): (2, 64), jnp.dtype(jnp.bfloat16): (16, 64)}
 # On CPU, products of a 16-bit float weight with at least this many rows are multiplied in float32 (`_product`,
-# `dense_all`), when the weight's float32 copy (a temporary of the step) takes at most UPCAST_MAX_BYTES.
+# `dense_all`), when the weight's float32 copy (a temporary of the step) takes at most UPCAST_MAX_BYTES and the
+# float32 routine is the faster one on this machine (`upcast_is_faster`).
 UPCAST_ROWS = 256
 UPCAST_MAX_BYTES = 1 << 30
+UPCAST_ENV = "GDN_JAX_BF16_UPCAST"  # "1": always, "0": never, unset: measured (`upcast_is_faster`)
+
+
+def _best_seconds(fn, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.cache
+def upcast_is_faster(timer=_best_seconds) -> bool:
+    """Whether this CPU multiplies a many-row bfloat16 product faster with both operands converted to float32 (the
+    conversion included) than with XLA's bfloat16 routine (float32 accumulation). Which one wins depends on the
+    machine: on the 2-core AVX-512 Xeons without AMX the converted product (1024 x 6144 weight: 231 against 149
+    GFLOP/s at 2048 rows), on a 2-core AMD EPYC with AVX-512 BF16 the bfloat16 routine, by about 2x (the bfloat16
+    2048-token forward of hybrid-1024 in 1.8 s against 3.1-3.6 s). So it is measured once per process, on a
+    prefill-sized product (1024 rows of a 1024 x 2048 weight, best of 5 each, ~0.3 s), unless `UPCAST_ENV` says
+    "1" or "0". The values agree either way to float32 rounding (exact products, float32 sums in another order)."""
+    env = os.environ.get(UPCAST_ENV)
+    if env not in (None, "", "0", "1"):
+        raise ValueError(f"{UPCAST_ENV} must be 0 or 1 (unset: measured), got {env!r}")
+    if env:
+        return env == "1"
+
+    def measure():
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.standard_normal((1024, 1024)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((2048, 1024)), jnp.bfloat16)
+        native = jax.jit(lambda x, w: jnp.einsum("md,vd->mv", x, w, preferred_element_type=jnp.float32))
+        converted = jax.jit(lambda x, w: jnp.einsum("md,vd->mv", x.astype(jnp.float32), w.astype(jnp.float32)))
+        return timer(converted, x, w) < timer(native, x, w)
+
+    # on a thread of its own: called while a step is traced, the products would be staged into that trace (JAX's
+    # trace context is per thread), not run
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(measure).result()
 # XLA's CPU backend fuses a matrix-vector product into a loop over the matrix only while the vector, in float32, is
 # under 16 KiB: one-row products of this many columns or more take another form (`_one_row`).
 FUSED_MATVEC_COLUMNS = 4096
@@ -243,10 +287,11 @@ def _product(x, kernel):
       optimisation barrier keeps XLA from folding the transpose of the small [n_out, rows] result back into the dot
       (which would turn it into x @ W.T again).
     - `UPCAST_ROWS` rows or more (prefill) of a bfloat16 weight (`dense_all`, which picks the layer's weight out of
-      the layer switch first): both operands converted to float32, then the library's float32 product. Its
-      bfloat16 routine (float32 accumulation) is the slower of the two on a CPU without matrix units: on the
-      development machine's AVX-512 Xeon 149 against 231 GFLOP/s at 2048 rows of a 1024 x 6144 weight, conversion
-      included (256 rows: 152 against 172). Same values: the products of bfloat16 numbers are exact in float32,
+      the layer switch first), on a CPU where that is faster (`upcast_is_faster`, measured): both operands
+      converted to float32, then the library's float32 product. On the development machine's AVX-512 Xeon its
+      bfloat16 routine (float32 accumulation) is the slower of the two: 149 against 231 GFLOP/s at 2048 rows of a
+      1024 x 6144 weight, conversion included (256 rows: 152 against 172); on an AMD EPYC with AVX-512 BF16 it is
+      about twice as fast as the converted product. Same values: the products of bfloat16 numbers are exact in float32,
       and both accumulate in float32. Below ~200 rows converting the weight on every call costs more than it
       saves. The float32 copy is a temporary of the step (Qwen3.5-9B's largest projection: 400 MB); a weight whose
       copy would pass `UPCAST_MAX_BYTES` (the 9B's 248k-token LM head: 4 GB, multiplied at many rows mainly for
@@ -286,10 +331,11 @@ def _as_two_rows(x, kernel) -> bool:
 
 def _upcast(x, kernel) -> bool:
     """Whether a product is multiplied in float32 (see `_product`): on CPU, `UPCAST_ROWS` rows or more of a weight
-    narrower than float32 whose float32 copy takes at most `UPCAST_MAX_BYTES`."""
+    narrower than float32 whose float32 copy takes at most `UPCAST_MAX_BYTES`, where that is the faster routine
+    (`upcast_is_faster`)."""
     w = kernel.kernels[0] if isinstance(kernel, LayerKernel) else kernel
     return (jax.default_backend() == "cpu" and math.prod(x.shape[:-1]) >= UPCAST_ROWS and w.dtype != jnp.float32
-            and 4 * w.size <= UPCAST_MAX_BYTES)
+            and 4 * w.size <= UPCAST_MAX_BYTES and upcast_is_faster())
 
 
 def _together(kernels) -> LayerKernel:

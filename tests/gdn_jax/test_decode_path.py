@@ -93,13 +93,15 @@ def _materialised_shapes(hlo: str) -> set[tuple[str, tuple[int, ...]]]:
     return found
 
 
-@pytest.mark.parametrize("rows, k, cap", [(model.UPCAST_ROWS - 1, 256, None), (model.UPCAST_ROWS, 256, None),
-                                          (model.UPCAST_ROWS, 320, 96 * 320 * 4 - 1)])
-def test_many_row_bfloat16_products_multiply_in_float32(monkeypatch, rows, k, cap):
+@pytest.mark.parametrize("rows, k, cap, faster", [
+    (model.UPCAST_ROWS - 1, 256, None, True), (model.UPCAST_ROWS, 256, None, True),
+    (model.UPCAST_ROWS, 320, 96 * 320 * 4 - 1, True), (model.UPCAST_ROWS, 192, None, False)])
+def test_many_row_bfloat16_products_multiply_in_float32(monkeypatch, rows, k, cap, faster):
     """From `UPCAST_ROWS` rows on (prefill) a bfloat16 product converts its operands to float32 and multiplies in
-    float32 (the faster routine on a CPU without matrix units); with fewer rows, or a weight whose float32 copy would
-    pass `UPCAST_MAX_BYTES`, the weight is multiplied as it is. Either way the result equals the float64 product to
-    float32 accuracy."""
+    float32 where that routine is the faster (`upcast_is_faster`: a CPU without fast bfloat16 products); with fewer
+    rows, a weight whose float32 copy would pass `UPCAST_MAX_BYTES`, or a CPU whose bfloat16 routine is the faster,
+    the weight is multiplied as it is. Either way the result equals the float64 product to float32 accuracy."""
+    monkeypatch.setattr(model, "upcast_is_faster", lambda: faster)
     if cap is not None:  # (a width of its own: `_products` keeps its trace per shape)
         monkeypatch.setattr(model, "UPCAST_MAX_BYTES", cap)
     n = 96
@@ -112,7 +114,31 @@ def test_many_row_bfloat16_products_multiply_in_float32(monkeypatch, rows, k, ca
     assert y.shape == (1, rows, n) and y.dtype == np.float32
     np.testing.assert_allclose(y[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
     written = _materialised_shapes(step.lower(x, w).compile().as_text())
-    assert (("f32", (n, k)) in written) == (rows >= model.UPCAST_ROWS and cap is None), written
+    assert (("f32", (n, k)) in written) == (rows >= model.UPCAST_ROWS and cap is None and faster), written
+
+
+def test_the_faster_many_row_form_is_measured_unless_the_environment_says(monkeypatch):
+    """`upcast_is_faster` times both forms of a prefill-sized bfloat16 product (off the caller's trace) and picks the
+    faster; GDN_JAX_BF16_UPCAST=1 / 0 decides without measuring; another value is an error naming the variable."""
+    monkeypatch.delenv(model.UPCAST_ENV, raising=False)
+    seen = []
+
+    def timer(conversion_first):
+        def time_of(fn, x, w):
+            jaxpr = str(jax.make_jaxpr(fn)(x, w))
+            seen.append((x.dtype, w.shape, "convert_element_type" in jaxpr))
+            return 1.0 if ("convert_element_type" in jaxpr) == conversion_first else 2.0
+        return time_of
+
+    for conversion_first in (True, False):
+        assert model.upcast_is_faster.__wrapped__(timer(conversion_first)) is conversion_first
+    assert sorted(seen)[0][:2] == (jnp.bfloat16, (2048, 1024)) and {c for _, _, c in seen} == {True, False}
+    for value, want in (("1", True), ("0", False)):
+        monkeypatch.setenv(model.UPCAST_ENV, value)
+        assert model.upcast_is_faster.__wrapped__(lambda *a: pytest.fail("measured")) is want
+    monkeypatch.setenv(model.UPCAST_ENV, "yes")
+    with pytest.raises(ValueError, match="GDN_JAX_BF16_UPCAST must be 0 or 1"):
+        model.upcast_is_faster.__wrapped__()
 
 
 @pytest.mark.parametrize("width", [64, 4096])
