@@ -110,7 +110,14 @@ class _Body(BaseModel):
 # mean "off" (accepted). Any other value is a 400 naming the field: ignoring it would return something else than asked.
 UNSUPPORTED = {"logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
                "functions": (None, []), "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
-               "response_format": (None, {"type": "text"})}
+               "response_format": (None, {"type": "text"}),
+               # vLLM's extra request fields of the same kind (it implements them; ignoring one would return another
+               # completion than vLLM's)
+               "allowed_token_ids": (None,), "bad_words": (None, []), "truncate_prompt_tokens": (None,),
+               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+               "structured_outputs": (None,), "logits_processors": (None,), "prompt_logprobs": (None,),
+               "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1),
+               "skip_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False)}
 
 
 def refuse_unsupported(req: BaseModel) -> None:
@@ -146,6 +153,20 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool | None = False
     logit_bias: Any = None  # UNSUPPORTED
     response_format: Any = None  # UNSUPPORTED (vLLM takes it in completions too)
+    allowed_token_ids: Any = None  # UNSUPPORTED, as the rest (vLLM's extra fields; echo + logprobs scores a prompt)
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    skip_special_tokens: Any = None  # true (special tokens' text left out) is what this server does
+    return_tokens_as_token_ids: Any = None
 
 
 class CompletionRequest(_Sampling):

@@ -266,6 +266,10 @@ BAD = [
     ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
     ({"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
+    ({"prompt": "hi", "bad_words": ["x"]}, 400, "bad_words is not supported"),  # vLLM's extras it does not implement
+    ({"prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice is not supported"),
+    ({"prompt": "hi", "skip_special_tokens": False}, 400, "skip_special_tokens is not supported"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 8}, 400, "truncate_prompt_tokens is not supported"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options needs stream: true"),
     ({"prompt": "x" * 70000}, 413, "exceeds the limit"),
 ]
@@ -311,6 +315,13 @@ def test_the_models_recommended_sampling_fills_what_a_request_leaves_unset(serve
     srv = server.server.config.app.state.server
     params = srv.sampling_params(CompletionRequest(prompt="x", temperature=0.5, top_k=3), 10, None, None, 1)
     assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.5, 3, 1.0, 3)
+
+
+def test_unsupported_fields_at_their_off_values_are_served(server):
+    off = {"skip_special_tokens": True, "bad_words": [], "use_beam_search": False, "length_penalty": 1,
+           "logit_bias": {}, "response_format": {"type": "text"}}
+    r = _post(server, {"prompt": "hi", "max_tokens": 2, **off})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}])
