@@ -223,8 +223,9 @@ def upcast_is_faster(timer=_best_seconds) -> bool:
     machine: on the 2-core AVX-512 Xeons without AMX the converted product (1024 x 6144 weight: 231 against 149
     GFLOP/s at 2048 rows), on a 2-core AMD EPYC with AVX-512 BF16 the bfloat16 routine, by about 2x (the bfloat16
     2048-token forward of hybrid-1024 in 1.8 s against 3.1-3.6 s). So it is measured once per process, on a
-    prefill-sized product (1024 rows of a 1024 x 2048 weight, best of 5 each, ~0.3 s), unless `UPCAST_ENV` says
-    "1" or "0". The values agree either way to float32 rounding (exact products, float32 sums in another order)."""
+    prefill-sized product (1024 rows of a 1024 x 2048 weight, best of 5 each, ~0.4 s with compiling), unless
+    `UPCAST_ENV` says "1" or "0". The values agree either way to float32 rounding (exact products, float32 sums in
+    another order)."""
     env = os.environ.get(UPCAST_ENV)
     if env not in (None, "", "0", "1"):
         raise ValueError(f"{UPCAST_ENV} must be 0 or 1 (unset: measured), got {env!r}")
@@ -243,6 +244,8 @@ def upcast_is_faster(timer=_best_seconds) -> bool:
     # trace context is per thread), not run
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(measure).result()
+
+
 # XLA's CPU backend fuses a matrix-vector product into a loop over the matrix only while the vector, in float32, is
 # under 16 KiB: one-row products of this many columns or more take another form (`_one_row`).
 FUSED_MATVEC_COLUMNS = 4096

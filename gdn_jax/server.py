@@ -7,8 +7,9 @@ feeds with `call_soon_threadsafe`. Commands are applied between steps, so the en
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (models with a chat template), GET /v1/models,
 GET /health, GET /metrics (Prometheus text). A request's `model`, if given, must be the served name
-(`ServerConfig.model_name`, serve's `--served-model-name`, else its `--model`): another is a 404, as in vLLM. With `api_key` set, /v1/* needs `Authorization: Bearer <key>`, compared
-in constant time; /health and /metrics stay open (bind to loopback, the default, to keep them private).
+(`ServerConfig.model_name`, serve's `--served-model-name`, else its `--model`): another is a 404, as in vLLM. With
+`api_key` set, /v1/* needs `Authorization: Bearer <key>`, compared in constant time; /health and /metrics stay open
+(bind to loopback, the default, to keep them private).
 
 `echo` with `logprobs` scores the prompt from prompt logprobs. Positions served from the prefix cache have no logits,
 so such a request is admitted with `skip_reading_prefix_cache`: it computes its whole prompt (reporting
