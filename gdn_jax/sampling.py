@@ -62,19 +62,17 @@ class SamplingMetadata:
                    banned=np.full((rows, BAN_WIDTH), -1, np.int32))
 
     @classmethod
-    def from_rows(cls, rows, num_rows: int, width: int, vocab_size: int, eos_token_ids, default_seed: int
-                  ) -> "SamplingMetadata":
+    def from_rows(cls, rows, num_rows: int, width: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                  default_seed: int) -> "SamplingMetadata":
         """Host-side build from `ScheduledSequence`s. A request without a seed draws from
-        `(default_seed * 1_000_003 + seq_id) mod 2**32`. `eos_token_ids` (an id, a sequence of ids, or None): the
-        model's end-of-sequence ids, which `min_tokens` bans with the row's stop_token_ids, also under `ignore_eos`
-        (vLLM bans every id of its `all_stop_token_ids` whatever ignore_eos says).
+        `(default_seed * 1_000_003 + seq_id) mod 2**32`. `eos_token_ids`: the model's end-of-sequence ids, which
+        `min_tokens` bans with the row's stop_token_ids, also under `ignore_eos` (vLLM bans every id of its
+        `all_stop_token_ids` whatever ignore_eos says).
 
         Built once per step, so it is kept cheap: each [B] field is one array from a Python list, and the [B, W]
         history and the [B, BAN_WIDTH] bans are, when no row of the step needs them (no penalty, no `min_tokens` ban),
         shared all -1 device arrays (`_unused_rows`) rather than fresh host arrays copied to the device every step."""
         pad = num_rows - len(rows)
-        eos_ids = [] if eos_token_ids is None else [int(eos_token_ids)] if np.ndim(eos_token_ids) == 0 else [
-            int(t) for t in eos_token_ids]
         temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, positions = (
             [] for _ in range(9))
         history = banned = prompt_lens = None
@@ -99,7 +97,7 @@ class SamplingMetadata:
                 history[i, :len(r.history)] = r.history
                 prompt_lens[i] = r.num_prompt_tokens
             if r.num_generated < sp.min_tokens:
-                ban = list(dict.fromkeys([*(sp.stop_token_ids or ()), *eos_ids]))
+                ban = list(dict.fromkeys([*(sp.stop_token_ids or ()), *eos_token_ids]))
                 if ban:
                     if banned is None:
                         banned = np.full((num_rows, BAN_WIDTH), -1, np.int32)

@@ -66,8 +66,8 @@ def main(argv=None) -> None:
             for W in args.width:
                 for penalties in (False, True):
                     rows = _rows(B, W, penalties, rng, V)
-                    build = _timeit(lambda: SamplingMetadata.from_rows(rows, B, W, V, 1, 0), args.repeats)
-                    md = jax.device_put(SamplingMetadata.from_rows(rows, B, W, V, 1, 0))
+                    build = _timeit(lambda: SamplingMetadata.from_rows(rows, B, W, V, (1,), 0), args.repeats)
+                    md = jax.device_put(SamplingMetadata.from_rows(rows, B, W, V, (1,), 0))
                     dev = _timeit(lambda: jax.block_until_ready(fn(logits, md)), args.repeats)
                     dense = (None, None)
                     if penalties:

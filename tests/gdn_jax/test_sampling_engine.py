@@ -170,7 +170,7 @@ def test_metadata_carries_history_and_ban_of_the_scheduled_rows():
         sched.add(s)
     for step in range(3):
         plan = sched.schedule()
-        md = SamplingMetadata.from_rows(plan.seqs, 4, 16, vocab_size=512, eos_token_ids=1, default_seed=0)
+        md = SamplingMetadata.from_rows(plan.seqs, 4, 16, vocab_size=512, eos_token_ids=(1,), default_seed=0)
         rows = {r.seq_id: i for i, r in enumerate(plan.seqs)}
         assert md.history[rows[1]].tolist() == a.token_ids + [-1] * (16 - len(a.token_ids))
         assert md.prompt_lens[rows[1]] == 3 and (md.history[rows[2]] == -1).all()
