@@ -100,9 +100,10 @@ def _engine_kwargs(args) -> dict:
 
 def _serve(args) -> None:
     try:
-        from gdn_jax.server import ServerConfig, load_chat_template, load_special_tokens, serve
+        from gdn_jax.server import ServerConfig, serve
     except ImportError as e:
         sys.exit(f"gdn-jax serve needs the server extra: pip install 'gdn-jax[serve]' ({e})")
+    from gdn_jax.chat import load_chat_template, load_special_tokens
     from gdn_jax.engine import LLMEngine
     from gdn_jax.weights import model_folder
     folder = model_folder(args.model)  # as the engine resolves the name: a shipped model wins over a same-named folder

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax.chat import ChatTemplate
 from gdn_jax.config import ModelConfig, folder_json
 from gdn_jax.executables import StaleExecutable
 from gdn_jax.weights import load_model, model_folder
@@ -336,7 +337,7 @@ class LLMEngine:
         if max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        folder = model_folder(model)
+        folder = self.model_folder = model_folder(model)  # None for presets and configs
         self.tokenizer = get_tokenizer(folder, self.cfg.vocab_size, self.cfg.eos_token_id)
         # the folder's other end-of-sequence ids end a request as stop tokens unless ignore_eos (vLLM's way)
         self.extra_eos_ids = [t for t in model_eos_ids(folder) if t != self.cfg.eos_token_id]
@@ -700,6 +701,7 @@ class LLM:
     def __init__(self, model: str | ModelConfig = "tiny", **kwargs):
         self.engine = LLMEngine(model, **kwargs)
         self._ids = itertools.count()
+        self._chat_templates: dict[str | None, ChatTemplate | None] = {}
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -742,6 +744,40 @@ class LLM:
                 self.engine.abort_request(i)
             raise
         return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's: the replies to a conversation (a list of {"role", "content"} dicts) or to each of a list of
+        conversations, in their order. Each is rendered with the model folder's chat template, as transformers'
+        `apply_chat_template` renders it (`gdn_jax.chat.ChatTemplate.render`: `add_generation_prompt`,
+        `continue_final_message`, `chat_template_kwargs` such as Qwen3.5's {"enable_thinking": False}), or with
+        `chat_template` (a template's text) instead, then generated as `generate` generates a text prompt (the
+        output's `prompt` is the rendered text). A model without a template, or a bad message, is a ValueError
+        before anything runs."""
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
+            conversations = list(messages)
+        else:
+            conversations = [messages]
+        template = self._chat_template(chat_template)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts.append(template.render(conversation, add_generation_prompt, continue_final_message,
+                                               chat_template_kwargs))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_template(self, source: str | None) -> ChatTemplate:
+        """The compiled template of `source`, else of the model folder (compiled once each)."""
+        if source not in self._chat_templates:
+            self._chat_templates[source] = ChatTemplate.from_folder(self.engine.model_folder, source)
+        template = self._chat_templates[source]
+        if template is None:
+            raise ValueError("this model has no chat template (no chat_template.jinja or tokenizer_config.json "
+                             "chat_template in its folder): pass chat_template=, or call generate with the prompt")
+        return template
 
     def _run(self, ids: Iterable[str], use_tqdm: bool) -> list[RequestOutput]:
         ids = list(ids)

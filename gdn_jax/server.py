@@ -46,7 +46,6 @@ import socket
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,7 +55,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gdn_jax.config import folder_json
+from gdn_jax.chat import ChatTemplate
 from gdn_jax.engine import EngineStepError, LLMEngine, RequestOutput
 from gdn_jax.tokenizer import TextOffsets, text_offsets
 from scheduler import SamplingParams
@@ -195,29 +194,6 @@ class ChatRequest(_Sampling):
     functions: Any = None
     tool_choice: Any = None
     function_call: Any = None
-
-
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-
-
-def chat_message(i: int, m: ChatMessage) -> dict:
-    """A message as the chat template reads it: a known role and text content (text parts joined by newlines). An
-    assistant message's content may be null, as the reasoning parser's replies have it when they hold no text after
-    the think block: empty text, as vLLM reads it."""
-    if m.role not in CHAT_ROLES:
-        raise BadRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (tools are not supported), "
-                         f"got {m.role!r}", "messages")
-    content = "" if m.content is None and m.role == "assistant" else m.content
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise BadRequest(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
-                             f"supported", "messages")
-        content = "\n".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise BadRequest(f"messages[{i}].content must be a string or a list of text parts, got "
-                         f"{json.dumps(content, default=str)[:80]}", "messages")
-    return {"role": m.role, "content": content, **({"name": m.name} if m.name is not None else {})}
 
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
@@ -434,83 +410,11 @@ class _StatsCollector:
 
 
 # ---- the HTTP application ----------------------------------------------------------------------------------------
-def load_chat_template(folder: str | Path | None) -> str | None:
-    """`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or the `default` entry)."""
-    if folder is None or not Path(folder).is_dir():
-        return None
-    path = Path(folder)
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
-    cfg = folder_json(path, "tokenizer_config.json")
-    if cfg:
-        tpl = cfg.get("chat_template")
-        if isinstance(tpl, list):
-            tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
-        return tpl if isinstance(tpl, str) else None
-    return None
-
-
-def compile_chat_template(source: str):
-    """A chat template compiled as transformers' `apply_chat_template` compiles it: a sandboxed environment with
-    `trim_blocks` and `lstrip_blocks`, jinja's loop controls (`{% break %}`, `{% continue %}`), the `{% generation %}`
-    tag (it marks assistant text for training masks; rendered as its body), `raise_exception(message)` (a
-    `TemplateError` with the template's message), `strftime_now(format)`, and a `tojson` that keeps non-ASCII text,
-    neither escapes HTML characters nor sorts keys, and takes `indent`, `separators` and `sort_keys`."""
-    import datetime
-
-    from jinja2 import TemplateError, TemplateSyntaxError, nodes
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except TemplateSyntaxError as e:  # one line naming where, not a traceback (the CLI reports ValueErrors)
-        raise ValueError(f"the chat template does not parse (line {e.lineno}): {e.message}") from None
-
-
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-def load_special_tokens(folder: str | Path | None) -> dict[str, str]:
-    """The special tokens transformers gives a chat template (`bos_token`, `eos_token`, ...): those
-    `tokenizer_config.json` sets, as a string or an added-token object's `content`; one unset or null is left out
-    (undefined in the template)."""
-    data = folder_json(folder, "tokenizer_config.json")
-    tokens = {}
-    for name in SPECIAL_TOKENS:
-        value = data.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            tokens[name] = value
-    return tokens
-
-
 class _Server:
     def __init__(self, loop: EngineLoop, config: ServerConfig):
         self.loop, self.config, self.engine = loop, config, loop.engine
         self.max_model_len = self.engine.max_model_len
-        self._chat = compile_chat_template(config.chat_template) if config.chat_template else None
+        self._chat = ChatTemplate(config.chat_template, config.special_tokens) if config.chat_template else None
         self._ids = itertools.count()
 
     # -- shared parts -------------------------------------------------------------------------------------------
@@ -818,15 +722,14 @@ class _Server:
         self.check_model(req)
         if not req.messages:
             raise BadRequest("messages must not be empty", "messages")
-        messages = [chat_message(i, m) for i, m in enumerate(req.messages)]
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        try:
-            text = self._chat.render({"add_generation_prompt": True, **self.config.special_tokens,
-                                      **(req.chat_template_kwargs or {}), "messages": messages})
-        except Exception as e:  # noqa: BLE001 - a template error is the request's (or the template's) problem
-            raise BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
+        try:  # a bad message, or the template's own error (raise_exception): the request's problem
+            text = self._chat.render([{"role": m.role, "content": m.content, "name": m.name} for m in req.messages],
+                                     chat_template_kwargs=req.chat_template_kwargs)
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from None
         text, ids = self.validate_prompt(text, SamplingParams(), "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as the OpenAI API: as long as the context allows (here also the server's limit)
@@ -1059,5 +962,4 @@ def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port
         loop.shutdown()
 
 
-__all__ = ["BadRequest", "EngineError", "EngineLoop", "ServerConfig", "ServerThread", "compile_chat_template", "create_app",
-           "load_chat_template", "load_special_tokens", "serve"]
+__all__ = ["BadRequest", "EngineError", "EngineLoop", "ServerConfig", "ServerThread", "create_app", "serve"]

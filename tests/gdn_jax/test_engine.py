@@ -311,3 +311,67 @@ def test_the_progress_bar_counts_only_the_batch(llm, monkeypatch):
     assert [o.prompt_token_ids for o in outs] == [[8, 9, 10]] and len(outs[0].outputs[0].token_ids) == 3
     assert [(b.total, b.n) for b in bars] == [(1, 1)] and outs[0].outputs[0].finished()
     assert not llm.engine.has_unfinished_requests()
+
+
+CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is false %}<think></think>{% endif %}"
+        "{% endif %}")
+
+
+def test_chat_renders_each_conversation_and_generates_it_as_a_text_prompt(llm):
+    """vLLM's `LLM.chat`: a conversation, or a list of them, rendered with the template (text parts joined, the
+    generation prompt, `chat_template_kwargs`, `continue_final_message` ending the text at the last message), then
+    generated as `generate` generates that text."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    second = [{"role": "user", "content": "Go on"}, {"role": "assistant", "content": "Sure,"}]
+    outs = llm.chat([first, second[:1]], greedy, use_tqdm=False, chat_template=CHAT,
+                    chat_template_kwargs={"enable_thinking": False})
+    rendered = ["<|system|>Be brief.\n<|user|>Hi\nthere\n<|assistant|><think></think>",
+                "<|user|>Go on\n<|assistant|><think></think>"]
+    assert [o.prompt for o in outs] == rendered
+    plain = llm.generate(rendered, greedy, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [o.prompt_token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    # one conversation; the assistant's reply continued, its end-of-turn left out
+    out, = llm.chat(second, greedy, use_tqdm=False, chat_template=CHAT, add_generation_prompt=False,
+                    continue_final_message=True)
+    assert out.prompt == "<|user|>Go on\n<|assistant|>Sure,"
+    assert llm.chat(second[:1], greedy, use_tqdm=False, chat_template=CHAT)[0].prompt == "<|user|>Go on\n<|assistant|>"
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(), "this model has no chat template"),
+    (dict(messages=[{"role": "tool", "content": "x"}]), r"messages\[0\]\.role must be one of"),
+    (dict(messages=[{"role": "user", "content": 3}]), r"messages\[0\]\.content must be a string"),
+    (dict(messages=[[{"role": "user", "content": "a"}], [{"role": "user"}]]), r"conversation 1: messages\[0\]"),
+    (dict(messages=[]), "non-empty list"),
+    (dict(continue_final_message=True), "cannot both be true"),
+    (dict(chat_template="{{ raise_exception('no system here') }}"), "no system here"),
+    (dict(chat_template="{% for %}"), r"does not parse \(line 1\)"),
+])
+def test_chat_refuses_what_it_cannot_render_and_runs_nothing(llm, call, message):
+    kwargs = {"messages": [{"role": "user", "content": "hi"}], "chat_template": CHAT} | call
+    if not call:
+        del kwargs["chat_template"]  # the preset has no folder, so no template
+    with pytest.raises(ValueError, match=message):
+        llm.chat(sampling_params=SamplingParams(max_tokens=1), use_tqdm=False, **kwargs)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine._requests
+
+
+def test_chat_reads_the_model_folders_template_and_special_tokens(llm, tmp_path, monkeypatch):
+    """Without `chat_template`, the folder's chat_template.jinja (else tokenizer_config.json's), given the special
+    tokens tokenizer_config.json sets, as transformers gives them."""
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"bos_token": {"content": "<s>"}, "eos_token": "</s>", "pad_token": null, "chat_template": "unused"}')
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"
+                                                  "{{ pad_token is defined }}")
+    monkeypatch.setattr(llm.engine, "model_folder", tmp_path)
+    monkeypatch.setattr(llm, "_chat_templates", {})
+    out, = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out.prompt == "<s>hi</s>False"
+    (tmp_path / "chat_template.jinja").unlink()
+    monkeypatch.setattr(llm, "_chat_templates", {})
+    assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
+                    use_tqdm=False)[0].prompt == "unused"

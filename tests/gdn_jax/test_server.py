@@ -587,7 +587,7 @@ def test_chat_templates_render_as_transformers_apply_chat_template_does():
     them (Qwen3.5's raises on a late system message) parse and render the same here."""
     from jinja2 import TemplateError
 
-    from gdn_jax.server import compile_chat_template
+    from gdn_jax.chat import compile_chat_template
     tpl = compile_chat_template(
         "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
         "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"

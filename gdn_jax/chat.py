@@ -1,0 +1,164 @@
+"""Chat templates, rendered as transformers' `apply_chat_template` renders them: `LLM.chat` and the server's
+/v1/chat/completions turn a conversation into a prompt here (jinja2: `pip install gdn-jax[tokenizers]`).
+
+    template = ChatTemplate.from_folder(folder)           # chat_template.jinja, else tokenizer_config.json's
+    prompt = template.render([{"role": "user", "content": "Hi"}], chat_template_kwargs={"enable_thinking": False})
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+from gdn_jax.config import folder_json
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def load_chat_template(folder: str | Path | None) -> str | None:
+    """`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or the `default` entry)."""
+    if folder is None or not Path(folder).is_dir():
+        return None
+    path = Path(folder)
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    cfg = folder_json(path, "tokenizer_config.json")
+    if cfg:
+        tpl = cfg.get("chat_template")
+        if isinstance(tpl, list):
+            tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+        return tpl if isinstance(tpl, str) else None
+    return None
+
+
+def load_special_tokens(folder: str | Path | None) -> dict[str, str]:
+    """The special tokens transformers gives a chat template (`bos_token`, `eos_token`, ...): those
+    `tokenizer_config.json` sets, as a string or an added-token object's `content`; one unset or null is left out
+    (undefined in the template)."""
+    data = folder_json(folder, "tokenizer_config.json")
+    tokens = {}
+    for name in SPECIAL_TOKENS:
+        value = data.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
+def compile_chat_template(source: str):
+    """A chat template compiled as transformers' `apply_chat_template` compiles it: a sandboxed environment with
+    `trim_blocks` and `lstrip_blocks`, jinja's loop controls (`{% break %}`, `{% continue %}`), the `{% generation %}`
+    tag (it marks assistant text for training masks; rendered as its body), `raise_exception(message)` (a
+    `TemplateError` with the template's message), `strftime_now(format)`, and a `tojson` that keeps non-ASCII text,
+    neither escapes HTML characters nor sorts keys, and takes `indent`, `separators` and `sort_keys`."""
+    try:
+        from jinja2 import TemplateError, TemplateSyntaxError, nodes
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+        raise ImportError(f"chat templates need jinja2: pip install 'gdn-jax[tokenizers]' ({e})") from None
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateSyntaxError as e:  # one line naming where, not a traceback (the CLI reports ValueErrors)
+        raise ValueError(f"the chat template does not parse (line {e.lineno}): {e.message}") from None
+
+
+def chat_message(i: int, m: Any) -> dict:
+    """Message `i` of a conversation as the chat template reads it: a dict with a known role and text content (text
+    parts joined by newlines), and a `name` if it has one. An assistant message's content may be null (the reasoning
+    parser's replies have it when they hold no text after the think block): empty text, as vLLM reads it. Anything
+    else is a ValueError naming the message."""
+    if not isinstance(m, dict):
+        raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (tools are not supported), "
+                         f"got {role!r}")
+    content = m.get("content")
+    content = "" if content is None and role == "assistant" else content
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ValueError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                             f"supported")
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got "
+                         f"{json.dumps(content, default=str)[:80]}")
+    name = m.get("name")
+    return {"role": role, "content": content, **({"name": name} if name is not None else {})}
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it is given (`load_special_tokens`)."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self._template = compile_chat_template(source)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path | None, source: str | None = None) -> "ChatTemplate | None":
+        """The folder's template (`source` instead, if given) with its special tokens; None if it has none."""
+        source = source if source is not None else load_chat_template(folder)
+        return None if source is None else cls(source, load_special_tokens(folder))
+
+    def render(self, messages: list, add_generation_prompt: bool = True, continue_final_message: bool = False,
+               chat_template_kwargs: dict | None = None) -> str:
+        """The prompt text of a conversation (a list of message dicts, `chat_message`). `add_generation_prompt`
+        opens the assistant's turn; `continue_final_message` instead ends the text right after the last message's
+        content, so that the model continues that message (its end-of-turn left out, as transformers does).
+        `chat_template_kwargs` are more template variables (Qwen3.5's `enable_thinking`, ...); they may set
+        `add_generation_prompt` too, as vLLM lets them. A template's own error (`raise_exception`, an undefined
+        operation) is a ValueError carrying its message."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of message dicts")
+        messages = [chat_message(i, m) for i, m in enumerate(messages)]
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first opens "
+                             "a new assistant turn, the second continues the last message")
+        variables = {"add_generation_prompt": add_generation_prompt and not continue_final_message,
+                     **self.special_tokens, **(chat_template_kwargs or {}), "messages": messages}
+        try:
+            text = self._template.render(variables)
+        except Exception as e:  # noqa: BLE001 - a template error is the conversation's (or the template's) problem
+            raise ValueError(f"the chat template failed on these messages: {e}") from None
+        if continue_final_message:
+            final = messages[-1]["content"]
+            # the last occurrence of the final message's text (templates may strip it): the text ends there
+            for part in (final, final.strip()):
+                at = text.rfind(part) if part else -1
+                if at >= 0:
+                    return text[:at + len(part)]
+            raise ValueError("continue_final_message: the rendered conversation does not contain the final "
+                             "message's text")
+        return text
+
+
+__all__ = ["CHAT_ROLES", "ChatTemplate", "chat_message", "compile_chat_template", "load_chat_template",
+           "load_special_tokens"]
