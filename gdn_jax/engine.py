@@ -92,7 +92,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None
+    cumulative_logprob: float | None  # None unless the request asked for logprobs (as vLLM)
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended the text, if one did
@@ -666,7 +666,8 @@ class LLMEngine:
         for i, seq in enumerate(req.seqs):
             ids = seq.output_token_ids  # a fresh list (a slice)
             lps = req.logprobs[i]
-            completions.append(CompletionOutput(i, self._visible_text(req, i), ids, req.cumulative_logprob[i],
+            completions.append(CompletionOutput(i, self._visible_text(req, i), ids,
+                                                req.cumulative_logprob[i] if lps is not None else None,
                                                 list(lps) if lps is not None else None, seq.finish_reason,
                                                 req.stop_reasons[i]))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,

@@ -275,6 +275,10 @@ def test_engine_logprobs_max_tokens_and_stop_tokens(llm):
         assert tok in entry and entry[tok].rank == 1        # greedy: the chosen token is the top one
         assert len(entry) == 3 and sorted(e.rank for e in entry.values()) == [1, 2, 3]
     assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    # without logprobs neither (vLLM's CompletionOutput)
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert plain.token_ids == out.token_ids and plain.logprobs is None and plain.cumulative_logprob is None
     stop = out.token_ids[2]
     again = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=[stop],
                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
