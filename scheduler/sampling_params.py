@@ -58,7 +58,7 @@ class SamplingParams:
     temperature: float = 1.0  # < GREEDY_BELOW: greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the context is full (max_model_len), as in vLLM
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -102,8 +102,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0 and a normal float32 number, in "
                              f"[{REPETITION_PENALTY_RANGE[0]:.4g}, {REPETITION_PENALTY_RANGE[1]:.4g}], got "
                              f"{self.repetition_penalty}")
-        self.max_tokens = _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS)
-        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.max_tokens is not None:
+            self.max_tokens = _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS)
+        self.min_tokens = _integer("min_tokens", self.min_tokens, 0,
+                                   MAX_TOKENS if self.max_tokens is None else self.max_tokens)
         self.n = _integer("n", self.n, 1, MAX_N)
         if self.seed is not None:
             self.seed = _integer("seed", self.seed, 0, SEED_BOUND - 1)

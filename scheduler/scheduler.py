@@ -409,7 +409,8 @@ class Scheduler:
                 return "stop"
             if sp.stop_token_ids and token in sp.stop_token_ids:
                 return "stop"
-        if seq.num_generated >= sp.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+        if (sp.max_tokens is not None and seq.num_generated >= sp.max_tokens
+                or len(seq.token_ids) >= self.config.max_model_len):
             return "length"
         return None
 

@@ -266,6 +266,13 @@ def llm():
     return LLM("tiny-random", chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
 
 
+def test_max_tokens_none_generates_until_max_model_len(llm):
+    """vLLM's max_tokens=None: the output runs until prompt + output fill max_model_len (128)."""
+    out = llm.generate([list(range(10, 110))], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 28 and out.finish_reason == "length"
+
+
 def test_engine_logprobs_max_tokens_and_stop_tokens(llm):
     prompt = list(range(10, 50))
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True),

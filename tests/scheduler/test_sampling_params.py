@@ -89,6 +89,15 @@ def test_min_tokens_and_ignore_eos_stop_rules_match_the_reference(min_tokens, ig
     assert _serve(sp, feed) == (list(expected[0]), expected[1])
 
 
+def test_max_tokens_none_generates_until_the_context_is_full():
+    """vLLM's `max_tokens=None`: no cap of its own; the output ends with 'length' when prompt + output reach
+    max_model_len (64 here; a 2-token prompt), or with a stop token before. min_tokens stays bounded."""
+    assert _serve(SamplingParams(max_tokens=None, ignore_eos=True), [7] * 70) == ([7] * 62, "length")
+    assert _serve(SamplingParams(max_tokens=None, min_tokens=3), [5, 7, 7, 7, 5, 7]) == ([5, 7, 7, 7, 5], "stop")
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=None, min_tokens=MAX_TOKENS + 1)
+
+
 def test_prompt_logprobs_skip_reading_the_prefix_cache_by_default():
     """vLLM's default: a request asking for prompt logprobs computes every position unless told to reuse."""
     assert SamplingParams().skip_reading_prefix_cache is False
