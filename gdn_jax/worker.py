@@ -593,6 +593,11 @@ class Worker:
 
     def _execute_one(self, plan, prompt_targets, full_rows: bool) -> StepResult:
         """An all-prefill or all-decode plan (or one sub-batch of a mixed plan): one step executable."""
+        return self._dispatch(*self._prepare(plan, prompt_targets), full_rows)
+
+    def _prepare(self, plan, prompt_targets) -> tuple:
+        """The host side of `_execute_one`: every check (fail closed) and the step's arrays, nothing dispatched.
+        Returns (rows, batch, sampling, prompt targets [B, T] or None)."""
         seqs = plan.seqs
         n = len(seqs)
         longest = max(len(s.token_ids) for s in seqs)
@@ -621,11 +626,17 @@ class Worker:
         batch = host_batch(tokens, start, lengths, tables, slot_mapping, restore, saves)
         sampling = SamplingMetadata.from_rows(seqs, B, self.history_width, self.cfg.vocab_size,
                                               self.eos_token_ids, self.seed)
-        args = (batch, sampling)
+        targets = None
         if plan.is_prefill and prompt_targets and any(prompt_targets):
             targets = np.zeros((B, T), np.int32)
             for i, t in enumerate(prompt_targets):
                 targets[i, :len(t or ())] = t or ()
+        return n, batch, sampling, targets
+
+    def _dispatch(self, n: int, batch: Batch, sampling: SamplingMetadata, targets, full_rows: bool) -> StepResult:
+        """Runs a `_prepare`d step and returns its first n rows."""
+        args = (batch, sampling)
+        if targets is not None:
             packed, prompt = jax.device_get(self._run(*args, targets, full_rows, fn=self._prompt_fn))
             rows = prompt[4][:n] if full_rows else None
             return StepResult(*(a[:n] for a in unpack_sampled(packed)),
@@ -661,8 +672,10 @@ class Worker:
                     raise ValueError(f"save into slot {sv.slot}: a decode row of this mixed step reads or advances it")
         prefill = type(plan)(True, plan.prefill_seqs, plan.saves)
         decode = type(plan)(False, plan.decode_seqs)
-        first = self._execute_one(prefill, prompt_targets[:n] if prompt_targets else None, full_rows)
-        second = self._execute_one(decode, None, False)
+        # both sub-batches pass every check of their own before either is dispatched
+        prepared = self._prepare(prefill, prompt_targets[:n] if prompt_targets else None), self._prepare(decode, None)
+        first = self._dispatch(*prepared[0], full_rows)
+        second = self._dispatch(*prepared[1], False)
         fields = ("tokens", "logprobs", "ranks", "top_ids", "top_logprobs")
         return StepResult(*(np.concatenate([getattr(first, f), getattr(second, f)]) for f in fields),
                           prompt=first.prompt)

@@ -2,6 +2,8 @@
 separate scheduling (all-prefill or all-decode steps): the same tokens, logprobs and prompt logprobs within float32
 summation order, with checkpoints saved from the scan and restored by a later request."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -88,6 +90,29 @@ def test_mixed_plan_with_a_save_into_a_decode_rows_slot_fails_closed(engines):
     with pytest.raises(ValueError, match="decode row"):
         engine.worker.execute(bad)
     np.testing.assert_array_equal(np.asarray(engine.worker.state.ssm), before)
+    engine.scheduler.fail_step(plan)
+    engine.abort_request("x")
+    engine.abort_request("y")
+    assert not engine.has_unfinished_requests()
+
+
+def test_mixed_plan_whose_decode_half_fails_its_own_checks_dispatches_nothing(engines):
+    """A check of the decode sub-batch alone (here: a decode row without its LinearStateCacheOp) fails before the
+    prefill sub-batch runs: the pools are untouched, so the failed step can be scheduled again from the same state."""
+    engine = engines[0]
+    assert not engine.has_unfinished_requests()
+    engine.add_request("x", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=4))
+    engine.step()  # prefill: x decodes next
+    engine.add_request("y", list(range(30, 100)), SamplingParams(temperature=0.0, max_tokens=1))
+    plan = engine.scheduler.schedule()
+    assert plan.is_mixed
+    seqs = plan.seqs[:-1] + [dataclasses.replace(plan.seqs[-1], linear_op=None)]
+    bad = StepPlan(True, seqs, plan.saves, num_decode_rows=plan.num_decode_rows)
+    before = [np.asarray(pool).copy() for pool in (engine.worker.state.conv, engine.worker.state.ssm)]
+    with pytest.raises(ValueError, match="LinearStateCacheOp"):
+        engine.worker.execute(bad)
+    for pool, was in zip((engine.worker.state.conv, engine.worker.state.ssm), before):
+        np.testing.assert_array_equal(np.asarray(pool), was)
     engine.scheduler.fail_step(plan)
     engine.abort_request("x")
     engine.abort_request("y")
