@@ -144,6 +144,8 @@ def _initial_state(initial_state, B, H, dk, dv):
 
 def _unit_lower_inverse(A, method: str = "blocked", base: int = 8):
     """``(I + A)^-1`` for strictly lower triangular ``A`` [..., C, C] (batched)."""
+    if method not in ("blocked", "trsm"):
+        raise ValueError(f"unknown solve method {method!r}")
     C = A.shape[-1]
     nb = C // base if base and C % base == 0 else 0
     if method == "trsm" or nb == 0 or (nb & (nb - 1)) != 0:
@@ -151,8 +153,6 @@ def _unit_lower_inverse(A, method: str = "blocked", base: int = 8):
         return lax.linalg.triangular_solve(
             A + jnp.eye(C, dtype=A.dtype), eye, left_side=True, lower=True, unit_diagonal=True
         )
-    if method != "blocked":
-        raise ValueError(f"unknown solve method {method!r}")
     lead = A.shape[:-2]
     # 1) inverses of the nb diagonal base x base blocks, row by row:  X_i = e_i - A_i,<i X_<i
     Ad = jnp.stack([A[..., i * base : (i + 1) * base, i * base : (i + 1) * base] for i in range(nb)], -3)

@@ -193,6 +193,13 @@ def test_solve_methods_and_chunk_sizes_agree():
         _close(S, S_ref, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("chunk_size", [16, 24])  # blocked inverse / triangular-solve fallback
+def test_unknown_solve_method_is_rejected(chunk_size):
+    q, k, v, g, beta, _ = make_inputs(1, 48, seed=6)
+    with pytest.raises(ValueError, match="unknown solve method"):
+        chunk_gated_delta_rule(*_j(q, k, v, g, beta), chunk_size=chunk_size, solve_method="blockd")
+
+
 # ------------------------------------------------------------------------------------------
 # continuation, padding, chunk states
 # ------------------------------------------------------------------------------------------
