@@ -277,6 +277,13 @@ def _one_row(x, kernel):
     return y.reshape(n // 2, 2).T.reshape(n)
 
 
+def float32_precision(dtype):
+    """The precision of a product of `dtype` operands: HIGHEST for float32, which XLA's GPU backend otherwise
+    multiplies in TensorFloat-32 (10-bit mantissas) on Ampere and later GPUs; the CPU ignores it. The default (None)
+    for 16-bit operands."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _product(x, kernel):
     """x [..., n_in] @ kernel[n_out, n_in].T -> [..., n_out], accumulated and returned in float32.
 
@@ -300,7 +307,7 @@ def _product(x, kernel):
       copy would pass `UPCAST_MAX_BYTES` (the 9B's 248k-token LM head: 4 GB, multiplied at many rows mainly for
       prompt logprobs) is multiplied as it is.
     Many rows (prefill) amortise the library's packing of the weight either way. Elsewhere (GPU) the product is left
-    alone."""
+    alone, at `float32_precision`."""
     lead, m, cpu = x.shape[:-1], math.prod(x.shape[:-1]), jax.default_backend() == "cpu"
     if cpu and m == 1:
         return _one_row(x.reshape(x.shape[-1]), kernel).reshape(*lead, -1)
@@ -308,7 +315,8 @@ def _product(x, kernel):
     if cpu and lo <= m <= hi:
         y = jnp.einsum("vd,md->vm", kernel, x.reshape(m, x.shape[-1]), preferred_element_type=jnp.float32)
         return jax.lax.optimization_barrier(y).T.reshape(*lead, kernel.shape[0])
-    return jnp.einsum("...d,vd->...v", x, kernel, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,vd->...v", x, kernel, preferred_element_type=jnp.float32,
+                      precision=float32_precision(jnp.result_type(x, kernel)))
 
 
 @jax.jit
@@ -612,13 +620,15 @@ class Attention(nnx.Module):
                 blocks = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
                 keys = from_pool(k_cache[:, layer, blocks], x.dtype).reshape(kvh, cb * bs, hd)
                 values = from_pool(v_cache[:, layer, blocks], x.dtype).reshape(kvh, cb * bs, hd)
-                scores = jnp.einsum("kqd,ksd->kqs", qh, keys, preferred_element_type=jnp.float32) * hd**-0.5
+                scores = jnp.einsum("kqd,ksd->kqs", qh, keys, preferred_element_type=jnp.float32,
+                                    precision=float32_precision(x.dtype)) * hd**-0.5
                 causal = c * cb * bs + jnp.arange(cb * bs)[None, :] <= qpos[:, None]  # [gTq, cb * bs]
                 scores = jnp.where(causal[None], scores, -jnp.inf)
                 new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # finite: key 0 is in every query's reach
                 p = jnp.exp(scores - new_top[..., None])
                 scale = jnp.exp(top - new_top)
-                pv = jnp.einsum("kqs,ksd->kqd", p.astype(x.dtype), values, preferred_element_type=jnp.float32)
+                pv = jnp.einsum("kqs,ksd->kqd", p.astype(x.dtype), values, preferred_element_type=jnp.float32,
+                                precision=float32_precision(x.dtype))
                 return new_top, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
 
             init = (jnp.full(qh.shape[:2], -jnp.inf, jnp.float32), jnp.zeros(qh.shape[:2], jnp.float32),

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.config import LINEAR, ModelConfig
+from gdn_jax.model import float32_precision
 from gdn_jax.tokenizer import ByteTokenizer
 from gdn_jax.weights import abstract_model
 
@@ -48,10 +49,12 @@ def dense_attention(attn, x):
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     q, k, v, gate = attn.project(x, positions)
     q = q.reshape(B, T, kvh, H // kvh, hd)  # query head h reads kv head h // (H / kvh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * hd**-0.5
+    precision = float32_precision(x.dtype)  # float32 products in float32 on a GPU too
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32, precision=precision) * hd**-0.5
     causal = jnp.tril(jnp.ones((T, T), bool))
     probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(x.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32).astype(x.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32,
+                     precision=precision).astype(x.dtype)
     out = out.reshape(B, T, H * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
     return attn.o_proj(out)
 

@@ -1,0 +1,63 @@
+"""The forms the forward takes off the CPU (`jax.default_backend()` not "cpu"), traced here on the CPU: the precision
+and dtypes of its matrix products, which XLA's GPU backend reads and its CPU backend ignores."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdn_jax.config import get_preset
+from gdn_jax.model import forward, init_model, init_state
+from gdn_jax.train import dense_forward
+from tests.gdn_jax.helpers import single_row_batch
+
+
+def _dots(jaxpr, out):
+    """(operand dtypes, precision) of every dot_general in `jaxpr` and the jaxprs inside it (loops, switches)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append((tuple(str(v.aval.dtype) for v in eqn.invars), eqn.params["precision"]))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _dots(sub, out)
+    return out
+
+
+def _forward_dots(monkeypatch, dtype, T: int, dense: bool = False):
+    """The products of the engine's forward of one T-token row (or of the training path's dense forward)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg = get_preset("tiny-random")
+    graphdef, params = init_model(cfg, dtype=dtype)
+    if dense:
+        jaxpr = jax.make_jaxpr(lambda p: dense_forward(nnx.merge(graphdef, p), jnp.zeros((1, T), jnp.int32)))(params)
+    else:
+        batch = single_row_batch(np.arange(4, 4 + T), 0, 4)
+        state = init_state(cfg, 5, 16, 2, dtype)
+        jaxpr = jax.make_jaxpr(lambda p, s, b: forward(graphdef, p, b, s))(params, state, batch)
+    return collections.Counter(_dots(jaxpr.jaxpr, []))
+
+
+@pytest.mark.parametrize("T,dense", [(1, False), (40, False), (40, True)])
+def test_float32_products_are_float32_on_an_accelerator(monkeypatch, T, dense):
+    """XLA's GPU backend multiplies float32 operands at the default precision in TensorFloat-32 (10-bit mantissas)
+    on Ampere and later GPUs (an H100, an H200): a float32 engine would compute every projection, attention product
+    and the LM head about 1e-3 off, and drift from the float32 references the tests hold it to. Every float32
+    product says HIGHEST (float32 on a GPU; the CPU ignores it), in the training path's forward too."""
+    dots = _forward_dots(monkeypatch, jnp.float32, T, dense)
+    default = {k: n for k, n in dots.items() if k[1] in (None, (jax.lax.Precision.DEFAULT,) * 2)}
+    assert dots and not default, default
+
+
+@pytest.mark.parametrize("T", [1, 40])
+def test_bfloat16_products_stay_bfloat16_on_an_accelerator(monkeypatch, T):
+    """The bfloat16 model's projections and attention multiply bfloat16 operands (float32 accumulation) off the
+    CPU: nothing converts them to float32 first. Only the GDN rule's own products are float32 (its state is)."""
+    dots = _forward_dots(monkeypatch, jnp.bfloat16, T)
+    bf16 = sum(n for (dtypes, _), n in dots.items() if dtypes == ("bfloat16", "bfloat16"))
+    other = {k: n for k, n in dots.items() if k[0] != ("bfloat16", "bfloat16")}
+    assert bf16 and all(prec == (jax.lax.Precision.HIGHEST,) * 2 for _, prec in other), other
