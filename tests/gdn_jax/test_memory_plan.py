@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from gdn_jax.config import get_preset
-from gdn_jax.worker import CHECKPOINTS_PER_SEQ_MAX, CPU_MEMORY_BUDGET_BYTES, plan_memory
+from gdn_jax.worker import CHECKPOINTS_PER_SEQ_MAX, CPU_MEMORY_BUDGET_BYTES, default_memory_budget, plan_memory
 
 
 def test_qwen35_9b_bytes_per_block_and_slot():
@@ -53,3 +53,29 @@ def test_more_budget_buys_more_checkpoints_up_to_the_cap():
     counts = [plan_memory(cfg, jnp.float32, 16, 4, 256, None, None, b).num_checkpoint_slots
               for b in (1 << 19, 1 << 20, 1 << 30)]
     assert counts[0] >= 4 and counts == sorted(counts) and counts[-1] == CHECKPOINTS_PER_SEQ_MAX * 4
+
+
+class _Accelerator:
+    """A device as a GPU reports itself: `memory_stats()` with XLA's allocator limit (by default 75% of the GPU's
+    memory, XLA_PYTHON_CLIENT_MEM_FRACTION) and the bytes in use."""
+
+    platform = "gpu"
+
+    def __init__(self, limit: int, in_use: int):
+        self.limit, self.in_use = limit, in_use
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit, "bytes_in_use": self.in_use, "peak_bytes_in_use": self.in_use}
+
+
+def test_the_accelerator_budget_counts_what_the_process_already_holds():
+    """The budget is `gpu_memory_utilization` of what XLA may allocate, minus what is on the device already: this
+    engine's weights, and another engine's weights and pools (a cache-on and a cache-off engine side by side, as the
+    studies build them); counting only this engine's weights, the second engine's pools overran the device."""
+    gib = 1 << 30
+    assert default_memory_budget(10 * gib, 0.9, _Accelerator(100 * gib, 10 * gib)) == 80 * gib
+    assert default_memory_budget(10 * gib, 0.9, _Accelerator(100 * gib, 50 * gib)) == 40 * gib
+    assert default_memory_budget(10 * gib, 0.9, _Accelerator(100 * gib, 0)) == 80 * gib  # weights not there yet
+    assert default_memory_budget(10 * gib, 0.9, type("Cpu", (), {"platform": "cpu"})()) == (
+        CPU_MEMORY_BUDGET_BYTES)
+
