@@ -75,8 +75,8 @@ def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
                          "top_k, min_p, repetition_penalty, max_new_tokens) for what a request leaves unset, as vLLM "
                          "does; vllm: the neutral defaults")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                    help="fraction of an accelerator's memory for the weights and the caches (the CPU: 2 GiB of "
-                         "caches)")
+                    help="fraction of the memory XLA may allocate on an accelerator (by default 75%% of it: "
+                         "XLA_PYTHON_CLIENT_MEM_FRACTION) for the weights and the caches (the CPU: 2 GiB of caches)")
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (None: from the memory budget)")
     ap.add_argument("--num-linear-slots", type=int, default=None,
                     help="linear-state slots (None: from the memory budget)")

@@ -293,8 +293,9 @@ class LLMEngine:
                  gdn_schedule: str = "auto", generation_config: str = "auto",
                  verbose: bool = True):
         """`memory_budget_bytes` bounds the KV and linear-state pools; None sizes it from the device: on a GPU
-        `gpu_memory_utilization` of its memory minus the weights (or all this process holds there, if more: another
-        engine's weights and pools), on the CPU `CPU_MEMORY_BUDGET_BYTES` (2 GiB).
+        `gpu_memory_utilization` of the memory XLA may allocate there (by default 75% of the GPU's,
+        XLA_PYTHON_CLIENT_MEM_FRACTION) minus the weights (or all this process holds there, if more: another engine's
+        weights and pools), on the CPU `CPU_MEMORY_BUDGET_BYTES` (2 GiB).
         Explicit `num_kv_blocks` / `num_linear_slots` win over the budget.
 
         `unsafe_reuse` ("cold" or "stale") is an ablation for accuracy studies, never for serving: it reuses the whole

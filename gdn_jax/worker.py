@@ -73,8 +73,9 @@ class MemoryPlan:
 def default_memory_budget(params_bytes: int, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
                           device=None) -> int:
     """Bytes for the KV and linear-state pools: on a device that reports its memory (a GPU), the fraction
-    `gpu_memory_utilization` of it minus the weights, or minus all the process holds there if that is more (another
-    engine's weights and pools); elsewhere (the CPU) `CPU_MEMORY_BUDGET_BYTES`."""
+    `gpu_memory_utilization` of what XLA may allocate there (`memory_stats()["bytes_limit"]`: by default 75% of the
+    GPU's memory, XLA_PYTHON_CLIENT_MEM_FRACTION sets it) minus the weights, or minus all the process holds there if
+    that is more (another engine's weights and pools); elsewhere (the CPU) `CPU_MEMORY_BUDGET_BYTES`."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     device = device or jax.devices()[0]
@@ -82,10 +83,13 @@ def default_memory_budget(params_bytes: int, gpu_memory_utilization: float = GPU
     limit = (stats or {}).get("bytes_limit")
     if not limit:
         return CPU_MEMORY_BUDGET_BYTES
-    budget = int(gpu_memory_utilization * limit) - max(params_bytes, stats.get("bytes_in_use", 0))
+    held = max(params_bytes, stats.get("bytes_in_use", 0))
+    budget = int(gpu_memory_utilization * limit) - held
     if budget <= 0:
-        raise ValueError(f"the weights ({params_bytes / 2**30:.2f} GiB) leave no room for the caches in "
-                         f"{gpu_memory_utilization:.0%} of the device's {limit / 2**30:.2f} GiB")
+        raise ValueError(f"the weights ({params_bytes / 2**30:.2f} GiB; {held / 2**30:.2f} GiB held on the device in "
+                         f"all) leave no room for the caches in {gpu_memory_utilization:.0%} of the "
+                         f"{limit / 2**30:.2f} GiB XLA may allocate on the device (by default 75% of its memory; "
+                         f"XLA_PYTHON_CLIENT_MEM_FRACTION, set before JAX starts, changes it)")
     return budget
 
 

@@ -79,3 +79,11 @@ def test_the_accelerator_budget_counts_what_the_process_already_holds():
     assert default_memory_budget(10 * gib, 0.9, type("Cpu", (), {"platform": "cpu"})()) == (
         CPU_MEMORY_BUDGET_BYTES)
 
+
+
+def test_an_accelerator_without_room_names_xla_s_share_of_the_device():
+    """XLA's allocator may use `bytes_limit`, by default 75% of the GPU: the error says so and names the variable
+    that raises it, not "the device's" memory (a 24 GB GPU reported as 18 GiB)."""
+    gib = 1 << 30
+    with pytest.raises(ValueError, match=r"18\.00 GiB XLA may allocate.*XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        default_memory_budget(17 * gib, 0.9, _Accelerator(18 * gib, 17 * gib))
