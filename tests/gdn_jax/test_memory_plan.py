@@ -80,7 +80,6 @@ def test_the_accelerator_budget_counts_what_the_process_already_holds():
         CPU_MEMORY_BUDGET_BYTES)
 
 
-
 def test_an_accelerator_without_room_names_xla_s_share_of_the_device():
     """XLA's allocator may use `bytes_limit`, by default 75% of the GPU: the error says so and names the variable
     that raises it, not "the device's" memory (a 24 GB GPU reported as 18 GiB)."""
