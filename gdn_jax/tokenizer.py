@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import codecs
+import json
+import re
 from pathlib import Path
 
 
@@ -54,7 +56,49 @@ class Utf8TextStream:
         return self._text + pending.decode("utf-8", errors="replace") if pending else self._text
 
 
-def text_stream(tokenizer) -> Utf8TextStream | TextStream:
+class PieceTextStream:
+    """The text of a growing token sequence for a SentencePiece-style decoder (`HFTokenizer.stream`), in time
+    proportional to the new ids, each token read as the library's decoder reads it: `piece(token, first)` is its text
+    (`first`: it is the sequence's first token), or with byte fallback the byte a "<0xXX>" token stands for; a run of
+    byte tokens reads as its UTF-8 if that is valid, else as one replacement character per byte; then up to
+    `strip[1]` leading `strip[0]` characters of the whole text are left out (Strip after Fuse)."""
+
+    def __init__(self, token, piece, strip: tuple[str, int]):
+        self._token, self._piece, (self._strip_char, self._strip) = token, piece, strip
+        self._done, self._run, self._first, self.num_ids = "", bytearray(), True, 0
+
+    @property
+    def num_chars(self) -> int:
+        """Characters of the text so far that later ids cannot change: those before an open run of byte tokens (one
+        more byte can turn the characters a run reads as into replacement characters)."""
+        return len(self._stripped(self._done))
+
+    def add(self, ids) -> str:
+        for i in ids:
+            self.num_ids += 1
+            token = self._token(i)
+            if token is None:  # a special token, or an id outside the vocabulary: skipped
+                continue
+            piece, self._first = self._piece(token, self._first), False
+            if isinstance(piece, int):
+                self._run.append(piece)
+            else:
+                self._done += self._read_run() + piece
+                self._run.clear()
+        return self._stripped(self._done + self._read_run())
+
+    def _read_run(self) -> str:
+        try:
+            return self._run.decode("utf-8")
+        except UnicodeDecodeError:
+            return "\ufffd" * len(self._run)
+
+    def _stripped(self, text: str) -> str:
+        head = text[:self._strip]
+        return text[len(head) - len(head.lstrip(self._strip_char)):] if head else text
+
+
+def text_stream(tokenizer) -> Utf8TextStream | PieceTextStream | TextStream:
     """An incremental decoder of a growing sequence: the tokenizer's own (`stream`), else the generic one."""
     make = getattr(tokenizer, "stream", None)
     return make() if make is not None else TextStream(tokenizer.decode)
@@ -62,9 +106,11 @@ def text_stream(tokenizer) -> Utf8TextStream | TextStream:
 
 class TextOffsets:
     """Where each id of a growing sequence begins in the sequence's decoded text, in characters from `start`: the
-    whole characters the ids before it decode to. An id that ends inside a multi-byte character leaves the next id at
-    that character's start, so the offsets never decrease and never pass the text's length. With a byte-level
-    tokenizer each id costs its own bytes; any other decodes the sequence whole per id (quadratic in its length)."""
+    characters of the ids before it that later ids cannot change (the stream's `num_chars`). An id that ends inside a
+    multi-byte character leaves the next id at that character's start (with byte fallback: at the start of the run of
+    byte tokens), so the offsets never decrease and never pass the text's length. With a byte-level or a
+    SentencePiece-style tokenizer each id costs its own bytes; any other decodes the sequence whole per id (quadratic
+    in its length)."""
 
     def __init__(self, tokenizer, start: int = 0):
         self._stream, self._start, self.offsets = text_stream(tokenizer), start, []
@@ -89,6 +135,10 @@ def byte_level_alphabet() -> dict[str, int]:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+# a byte-fallback token as the library's ByteFallback reads it: "<0x" two hex digits (or "+" and one) ">"
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2}|\+[0-9A-Fa-f])>")
 
 
 class ByteTokenizer:
@@ -134,6 +184,7 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_token_id = eos_token_id
         self._token_bytes = self._byte_level_table()  # per id its bytes, for a byte-level decoder (`stream`)
+        self._pieces = self._sentencepiece_decoder()  # how a SentencePiece-style decoder reads tokens (`stream`)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -148,16 +199,58 @@ class HFTokenizer:
             return self._token_bytes.get(i, b"")
         return self.decode([i]).encode("utf-8")
 
-    def stream(self) -> Utf8TextStream | TextStream:
+    def stream(self) -> Utf8TextStream | PieceTextStream | TextStream:
         """An incremental decoder of an output. With a byte-level decoder (Qwen's tokenizers) `decode` is the UTF-8
         reading (errors replaced) of the ids' bytes joined, each id's bytes its own: a `Utf8TextStream` over a table
-        of them, in time proportional to the new ids. Any other decoder may rewrite the start of a piece (Metaspace's
-        leading space) or merge pieces, so a piecewise decode is not exact in general: the sequence is decoded whole
-        again on every step."""
-        if self._token_bytes is None:
-            return TextStream(self.decode)
-        table = self._token_bytes
-        return Utf8TextStream(lambda ids: b"".join(table.get(i, b"") for i in ids))
+        of them, in time proportional to the new ids. A SentencePiece-style decoder (Llama 2's, Gemma's, Metaspace)
+        reads each token alone but for runs of byte-fallback tokens and the text's start: a `PieceTextStream`, in
+        time proportional to the new ids too. Any other decoder may merge pieces or rewrite text across them
+        (WordPiece's cleanup), so a piecewise decode is not exact in general: the sequence is decoded whole again on
+        every step."""
+        if self._token_bytes is not None:
+            table = self._token_bytes
+            return Utf8TextStream(lambda ids: b"".join(table.get(i, b"") for i in ids))
+        if self._pieces is not None:
+            return PieceTextStream(*self._pieces)
+        return TextStream(self.decode)
+
+    def _sentencepiece_decoder(self) -> tuple | None:
+        """(token, piece, strip) for `PieceTextStream` when the decoder is SentencePiece-style (else None): a
+        Metaspace decoder, or a sequence of string Replaces and Metaspaces (each token's own text), then ByteFallback,
+        Fuse and a Strip of the text's start, each optional, in that order, as the library applies them."""
+        if self._tok.decoder is None:
+            return None
+        spec = json.loads(self._tok.decoder.__getstate__())
+        steps = spec["decoders"] if spec["type"] == "Sequence" else [spec]
+        rewrites, bytes_, strip, stage = [], False, (" ", 0), 0
+        for step in steps:  # stage: 0 per-token rewrites, 1 ByteFallback, 2 Fuse, 3 Strip; never back
+            kind = step["type"]
+            if kind == "Replace" and stage == 0 and "String" in step["pattern"]:
+                rewrites.append((step["pattern"]["String"], step["content"], False))
+            elif kind == "Metaspace" and stage == 0:
+                rewrites.append((step["replacement"], " ", step.get("prepend_scheme", "always") != "never"))
+            elif kind == "ByteFallback" and stage == 0:
+                bytes_, stage = True, 1
+            elif kind == "Fuse" and stage <= 1:
+                stage = 2
+            elif kind == "Strip" and stage == 2 and step["stop"] == 0:
+                strip, stage = (step["content"], step["start"]), 3
+            else:
+                return None
+
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+
+        def token(i: int) -> str | None:  # the library skips a special token by its text, an unknown id too
+            t = self._tok.id_to_token(i)
+            return None if t in special else t
+
+        def piece(token: str, first: bool) -> str | int:
+            for old, new, drop_first in rewrites:  # Metaspace drops the first token's replacement characters
+                token = token.replace(old, "" if first and drop_first else new)
+            byte = _BYTE_TOKEN.fullmatch(token) if bytes_ else None
+            return int(byte[1], 16) if byte else token
+
+        return token, piece, strip
 
     def _byte_level_table(self) -> dict[int, bytes] | None:
         """id -> the bytes `decode` makes of it, when the decoder is byte-level alone (else None), as the library

@@ -1,6 +1,7 @@
 """Incremental detokenisation: a stream fed a few ids at a time returns exactly `decode(all ids so far)`."""
 
 import numpy as np
+import pytest
 
 from gdn_jax.tokenizer import ByteTokenizer, TextStream, text_offsets
 
@@ -43,7 +44,8 @@ def _byte_level_tokenizer(tmp_path, decoder="byte_level"):
 
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel() if decoder == "byte_level" else decoders.Metaspace()
+    t.decoder = {"byte_level": decoders.ByteLevel(), "metaspace": decoders.Metaspace(),
+                 "wordpiece": decoders.WordPiece()}[decoder]
     trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<|endoftext|>"])
     t.train_from_iterator(["héllo wörld € 😀 the cache restores the state of a ψ layer"] * 20, trainer)
@@ -106,9 +108,9 @@ def test_byte_level_hf_stream_decodes_only_the_new_ids(tmp_path, monkeypatch):
 
 
 def test_other_hf_decoders_decode_the_whole_sequence(tmp_path):
-    """A decoder other than byte-level (here Metaspace) may rewrite a piece's start: the stream decodes all ids
-    again, and stays exact."""
-    tok, rng = _byte_level_tokenizer(tmp_path, decoder="metaspace"), np.random.default_rng(2)
+    """A decoder that rewrites text across pieces (here WordPiece, whose cleanup joins " ." into ".") gets a stream
+    that decodes all ids again, and stays exact."""
+    tok, rng = _byte_level_tokenizer(tmp_path, decoder="wordpiece"), np.random.default_rng(2)
     for _ in range(50):
         ids = _random_pieces(tok, rng, int(rng.integers(1, 20)))
         stream = tok.stream()
@@ -136,3 +138,93 @@ def test_text_offsets_count_whole_characters_before_each_id(tmp_path):
                     assert o == len(prefix) or (o == len(prefix) - 1 and prefix.endswith("\ufffd"))
                 else:
                     assert o == len(prefix.rstrip("\ufffd"))
+
+
+# SentencePiece decoders as tokenizer.json writes them: Llama 2 / Mistral (the leading space of the text stripped),
+# Gemma (kept), and Metaspace (the first token's "▁" dropped)
+_SENTENCEPIECE_DECODERS = ("llama", "gemma", "metaspace")
+
+
+def _sentencepiece_tokenizer(folder, decoder="llama"):
+    """A small SentencePiece-style BPE tokenizer.json with byte fallback (<0x00>..<0xFF>, ids 3..258), pieces with
+    "▁" anywhere, pieces the library also reads as bytes ("<0x+F>", "<0xe9>"), a non-special added token and two
+    special ones. Fewer than 512 ids, so the tiny test models can produce every one."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "▁▁", "▁h", "▁the", "▁world", "a▁b", "h", "e", "l", "o", "ll", "é", "€", "▁é", ".", " ", "<0x+F>",
+                  "<0xe9>", "x▁"]:
+        vocab[piece] = len(vocab)
+    t = Tokenizer(models.BPE(vocab, [("l", "l")], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    replace = decoders.Replace("▁", " ")
+    t.decoder = {"llama": decoders.Sequence([replace, decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]),
+                 "gemma": decoders.Sequence([replace, decoders.ByteFallback(), decoders.Fuse()]),
+                 "metaspace": decoders.Metaspace()}[decoder]
+    t.add_tokens([AddedToken("<think>")])
+    t.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    t.save(str(folder / "tokenizer.json"))
+    from gdn_jax.tokenizer import HFTokenizer
+    return HFTokenizer(folder / "tokenizer.json", 2)
+
+
+def _sentencepiece_ids(tok, rng, n):
+    """n ids: byte-fallback tokens of the partial, invalid and whole UTF-8 sequences in `_BYTES` (runs of them), the
+    other pieces, special ids and ids past the vocabulary."""
+    top = max(tok._tok.get_vocab().values())
+    out = []
+    while len(out) < n:
+        r = rng.random()
+        if r < 0.5:
+            out += [3 + int(b) for b in rng.choice(_BYTES, int(rng.integers(1, 5)))]
+        elif r < 0.9:
+            out.append(int(rng.integers(259, top + 1)))
+        else:
+            out.append(int(rng.choice([0, 1, 2, top + 1, top + 7])))
+    return out[:n]
+
+
+@pytest.mark.parametrize("decoder", _SENTENCEPIECE_DECODERS)
+def test_sentencepiece_stream_matches_the_library_decode_after_every_piece(tmp_path, decoder):
+    tok, rng = _sentencepiece_tokenizer(tmp_path, decoder), np.random.default_rng(4)
+    for _ in range(300):
+        ids = _sentencepiece_ids(tok, rng, int(rng.integers(1, 30)))
+        stream, seen = tok.stream(), 0
+        while seen < len(ids):
+            k = int(rng.integers(1, 4))
+            text = stream.add(ids[seen:seen + k])
+            seen = min(len(ids), seen + k)
+            assert text == tok.decode(ids[:seen]), [tok._tok.id_to_token(i) for i in ids[:seen]]
+            assert stream.num_ids == seen
+
+
+@pytest.mark.parametrize("decoder", _SENTENCEPIECE_DECODERS)
+def test_sentencepiece_stream_decodes_only_the_new_ids(tmp_path, monkeypatch, decoder):
+    """Like the byte-level stream: no whole decode per step, so a long output's detokenisation (and its text
+    offsets, one stream step per id) does not grow with its length."""
+    tok = _sentencepiece_tokenizer(tmp_path, decoder)
+    ids = [1] + tok.encode("hello the world, é€ 😀😀 ψ") + [2, 400]
+    want = [tok.decode(ids[:i + 1]) for i in range(len(ids))]
+    monkeypatch.setattr(tok, "decode", lambda ids: (_ for _ in ()).throw(AssertionError("whole decode")))
+    stream = tok.stream()
+    assert [stream.add([i]) for i in ids] == want
+
+
+@pytest.mark.parametrize("decoder", ("llama", "gemma"))
+def test_a_run_of_byte_fallback_tokens_counts_as_text_only_once_it_ends(tmp_path, decoder):
+    """The library reads a run of byte tokens whole: one more byte can turn characters it read into replacement
+    characters ("😀" then "<0xF0>" is five of them; a run that ends inside a character stays so). So the stable
+    text (`num_chars`) stops before an open run, every later text starts with it, and text offsets never
+    decrease."""
+    tok = _sentencepiece_tokenizer(tmp_path, decoder)
+    emoji = [3 + b for b in "😀".encode()]
+    e = tok.encode("é")[-1]
+    for ids in ([e, *emoji, *emoji, e], [e, *emoji, 3 + 0xF0, e], [*emoji, 3 + 0xE2, 3 + 0x82]):
+        stream, texts, stable = tok.stream(), [], []
+        for i in ids:
+            texts.append(stream.add([i]))
+            stable.append(texts[-1][:stream.num_chars])
+        assert texts[-1] == tok.decode(ids)
+        assert all(later.startswith(s) for n, s in enumerate(stable) for later in texts[n:]), (texts, stable)
+        offsets = text_offsets(tok, ids)
+        assert offsets == sorted(offsets) and offsets[-1] <= len(texts[-1])
