@@ -654,12 +654,13 @@ class LLMEngine:
             seq.finish_reason = "stop"
 
     def _visible_text(self, req: _Request, index: int) -> str:
-        """The text an unfinished sample can show without taking it back later: it holds back a trailing
-        incomplete UTF-8 character and the last (longest stop - 1) characters, which may begin a stop string."""
+        """The text an unfinished sample can show without taking it back later: it holds back what later tokens may
+        still change (the stream's `num_chars` end there: a trailing incomplete UTF-8 character, an open run of
+        byte-fallback tokens) and the last (longest stop - 1) characters, which may begin a stop string."""
         seq = req.seqs[index]
         if seq.is_finished:
             return req.texts[index]
-        text = req.texts[index].rstrip("\ufffd")
+        text = req.texts[index][:req.streams[index].num_chars]
         stops = seq.sampling_params.stop
         return text[:max(0, len(text) - max(map(len, stops)) + 1)] if stops else text
 

@@ -329,6 +329,35 @@ def test_model_folder_tokenizer_json_is_used(tmp_path):
     assert out.prompt_token_ids == [2, 3, 4, 5]
 
 
+def test_text_shown_before_the_end_is_never_taken_back_with_byte_fallback_tokens(tmp_path, monkeypatch):
+    """A SentencePiece tokenizer reads a run of byte-fallback tokens whole, so a character it read (the emoji) turns
+    into replacement characters when a further byte leaves the run invalid. The text of an unfinished output shows
+    only what later tokens cannot change: every output's text begins the final one, so streamed deltas join to it."""
+    from tests.gdn_jax.test_text_stream import _sentencepiece_tokenizer
+
+    folder = tmp_path / "m"
+    shutil.copytree(FIXTURE, folder)
+    tok = _sentencepiece_tokenizer(folder)
+    e = tok.encode("é")[-1]
+    script = [e, *(3 + b for b in "😀".encode()), 3 + 0xF0, e]
+    llm = LLM(str(folder), max_model_len=64, max_num_seqs=2, verbose=False)
+    real = llm.engine.worker.execute
+
+    def scripted(plan, *args, **kwargs):  # the model's tokens replaced by the script's, in order
+        result = real(plan, *args, **kwargs)
+        tokens = result.tokens.copy()
+        for row, s in enumerate(plan.seqs):
+            if s.sample:
+                tokens[row] = script[llm.engine._by_seq[s.seq_id].seq.num_generated]
+        return dataclasses.replace(result, tokens=tokens)
+
+    monkeypatch.setattr(llm.engine.worker, "execute", scripted)
+    llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=len(script), ignore_eos=True))
+    texts = [o.outputs[0].text for _ in range(20) for o in llm.engine.step()]
+    assert texts[-1] == tok.decode(script) == "é" + "\ufffd" * 5 + "é"
+    assert all(texts[-1].startswith(t) for t in texts), texts
+
+
 @pytest.mark.parametrize("listed_in", ["generation_config.json", "config.json"])
 def test_every_end_of_sequence_id_a_model_lists_ends_a_request(tmp_path, listed_in):
     """A chat model's config.json may name one EOS (Qwen3.5: <|endoftext|>) while its generation_config.json lists the
