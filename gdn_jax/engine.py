@@ -593,8 +593,12 @@ class LLMEngine:
         for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
             entry.setdefault(int(tid), Logprob(float(lp), r))
         for tid, lp in entry.items():
-            lp.decoded_token = self.tokenizer.decode([tid])
+            lp.decoded_token = self._decode_token([tid])
         return entry
+
+    def _decode_token(self, ids) -> str:
+        """A logprob's decoded_token: one id's text as vLLM decodes it, a special token's kept."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # ---- prompt logprobs and stop strings ------------------------------------------------------------------
     def _prompt_targets(self, row) -> list[int] | None:
@@ -614,7 +618,7 @@ class LLMEngine:
             if start + 1 + t <= req.prompt_scored:
                 continue  # scored before a preemption: that value stands
             if k == -1:
-                entry = LogprobRow(prompt.rows[row, t], self.tokenizer.decode)
+                entry = LogprobRow(prompt.rows[row, t], self._decode_token)
             else:
                 entry = self._logprob_entry(token, prompt.logprobs[row, t], prompt.ranks[row, t],
                                             prompt.top_ids[row, t, :k], prompt.top_logprobs[row, t, :k])

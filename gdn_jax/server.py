@@ -577,16 +577,20 @@ class _Server:
     def logprobs_block(self, ids: list[int], entries: list, offsets: list[int]) -> dict:
         """The completions API's logprobs object for `ids` (entries: per token a {id: Logprob} dict, or None;
         offsets: where each token's text begins in the choice's text, `TextOffsets`)."""
-        dec = self.engine.tokenizer.decode
+        tok = self.engine.tokenizer
+
+        def dec(t: int) -> str:  # a token's text alone, as vLLM shows it: a special token's kept
+            return tok.decode([t], skip_special_tokens=False)
+
         tokens, lps, tops = [], [], []
         for t, entry in zip(ids, entries):
-            tokens.append(dec([t]))
+            tokens.append(dec(t))
             if entry is None:
                 lps.append(None)
                 tops.append(None)
             else:
                 lps.append(entry[t].logprob)
-                tops.append({lp.decoded_token if lp.decoded_token is not None else dec([k]): lp.logprob
+                tops.append({lp.decoded_token if lp.decoded_token is not None else dec(k): lp.logprob
                              for k, lp in entry.items()})
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": list(offsets)}
 
@@ -600,7 +604,8 @@ class _Server:
         tok = self.engine.tokenizer
 
         def item(t, lp) -> dict:
-            return {"token": tok.decode([t]), "logprob": lp.logprob, "bytes": list(tok.token_bytes(t))}
+            return {"token": tok.decode([t], skip_special_tokens=False), "logprob": lp.logprob,
+                    "bytes": list(tok.token_bytes(t))}
 
         return {"content": [{**item(t, entry[t]), "top_logprobs": [
             item(u, lp) for u, lp in sorted(entry.items(), key=lambda e: e[1].rank) if lp.rank <= k]}

@@ -156,7 +156,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """The text of `ids` (a special id has none, whatever `skip_special_tokens` says)."""
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
@@ -189,15 +190,17 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """The text of `ids`, special tokens left out unless `skip_special_tokens` is False (logprobs' decoded tokens
+        keep them, as vLLM's do)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, i: int) -> bytes:
-        """The bytes id `i` decodes to: its byte-level bytes (which may be part of a character), else the UTF-8 of
-        its decode."""
-        if self._token_bytes is not None:
-            return self._token_bytes.get(i, b"")
-        return self.decode([i]).encode("utf-8")
+        """The bytes id `i` stands for: its byte-level bytes (which may be part of a character), else the UTF-8 of
+        its text alone, a special token's included."""
+        if self._token_bytes is not None and i in self._token_bytes:
+            return self._token_bytes[i]
+        return self.decode([i], skip_special_tokens=False).encode("utf-8")
 
     def stream(self) -> Utf8TextStream | PieceTextStream | TextStream:
         """An incremental decoder of an output. With a byte-level decoder (Qwen's tokenizers) `decode` is the UTF-8

@@ -358,6 +358,24 @@ def test_text_shown_before_the_end_is_never_taken_back_with_byte_fallback_tokens
     assert all(texts[-1].startswith(t) for t in texts), texts
 
 
+def test_logprobs_show_a_special_tokens_text_as_vllm_does(tmp_path):
+    """A logprob's decoded_token is the id's text alone with special tokens kept (vLLM decodes each id with the
+    tokenizer's default, skip_special_tokens=False): "</s>", not "" (two special tokens in the completions API's
+    top_logprobs, keyed by that text, were one entry). The output text still leaves special tokens out."""
+    from tests.gdn_jax.test_text_stream import _sentencepiece_tokenizer
+
+    folder = tmp_path / "m"
+    shutil.copytree(FIXTURE, folder)
+    tok = _sentencepiece_tokenizer(folder)
+    llm = LLM(str(folder), max_model_len=64, max_num_seqs=2, verbose=False)
+    prompt = [5, 2, 1, 3 + ord("A"), 1]
+    for k in (0, -1):  # the prompt token's entry; whole rows
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=k), use_tqdm=False)[0]
+        assert [entry[t].decoded_token for t, entry in zip(prompt[1:], out.prompt_logprobs[1:])] == [
+            "</s>", "<s>", "A", "<s>"]
+    assert tok.decode(prompt) == "\x02A" and tok.token_bytes(2) == b"</s>"
+
+
 @pytest.mark.parametrize("listed_in", ["generation_config.json", "config.json"])
 def test_every_end_of_sequence_id_a_model_lists_ends_a_request(tmp_path, listed_in):
     """A chat model's config.json may name one EOS (Qwen3.5: <|endoftext|>) while its generation_config.json lists the
