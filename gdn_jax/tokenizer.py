@@ -196,10 +196,14 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, i: int) -> bytes:
-        """The bytes id `i` stands for: its byte-level bytes (which may be part of a character), else the UTF-8 of
-        its text alone, a special token's included."""
+        """The bytes id `i` stands for: its byte-level bytes or its byte-fallback byte (which may be part of a
+        character), else the UTF-8 of its text alone, a special token's included."""
         if self._token_bytes is not None and i in self._token_bytes:
             return self._token_bytes[i]
+        if self._pieces is not None and (token := self._pieces[0](i)) is not None:
+            piece = self._pieces[1](token, True)
+            if isinstance(piece, int):
+                return bytes([piece])
         return self.decode([i], skip_special_tokens=False).encode("utf-8")
 
     def stream(self) -> Utf8TextStream | PieceTextStream | TextStream:

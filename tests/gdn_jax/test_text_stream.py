@@ -228,3 +228,13 @@ def test_a_run_of_byte_fallback_tokens_counts_as_text_only_once_it_ends(tmp_path
         assert all(later.startswith(s) for n, s in enumerate(stable) for later in texts[n:]), (texts, stable)
         offsets = text_offsets(tok, ids)
         assert offsets == sorted(offsets) and offsets[-1] <= len(texts[-1])
+
+
+def test_a_byte_fallback_tokens_bytes_are_its_byte(tmp_path):
+    """The chat API's logprob `bytes` let a client put together a character split over tokens: a "<0xXX>" token
+    stands for its byte (its text alone is a replacement character), any other token for the UTF-8 of its text."""
+    tok = _sentencepiece_tokenizer(tmp_path)
+    ids = tok.encode("é😀")[-4:]
+    assert [tok._tok.id_to_token(i) for i in ids] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    assert b"".join(tok.token_bytes(i) for i in ids) == "😀".encode() and tok.decode(ids[:1]) == "\ufffd"
+    assert tok.token_bytes(tok.encode("é")[-1]) == "é".encode() and tok.token_bytes(2) == b"</s>"
