@@ -294,8 +294,8 @@ class LLMEngine:
                  verbose: bool = True):
         """`memory_budget_bytes` bounds the KV and linear-state pools; None sizes it from the device: on a GPU
         `gpu_memory_utilization` of the memory XLA may allocate there (by default 75% of the GPU's,
-        XLA_PYTHON_CLIENT_MEM_FRACTION) minus the weights (or all this process holds there, if more: another engine's
-        weights and pools), on the CPU `CPU_MEMORY_BUDGET_BYTES` (2 GiB).
+        XLA_PYTHON_CLIENT_MEM_FRACTION) minus the weights, a share per engine (`worker.default_memory_budget`), on the
+        CPU `CPU_MEMORY_BUDGET_BYTES` (2 GiB).
         Explicit `num_kv_blocks` / `num_linear_slots` win over the budget.
 
         `unsafe_reuse` ("cold" or "stale") is an ablation for accuracy studies, never for serving: it reuses the whole
@@ -346,7 +346,7 @@ class LLMEngine:
         # SamplingParams keywords of the model's recommended sampling (generation_config="auto")
         self.default_sampling = model_sampling_defaults(folder) if generation_config == "auto" else {}
         has_linear = bool(self.cfg.linear_layer_ids)
-        if memory_budget_bytes is None:
+        if memory_budget_bytes is None and (num_kv_blocks is None or num_linear_slots is None):  # else unused
             params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
             memory_budget_bytes = default_memory_budget(params_bytes, gpu_memory_utilization)
         self.memory = plan_memory(self.cfg, DTYPES[dtype], block_size, max_num_seqs, max_model_len, num_kv_blocks,

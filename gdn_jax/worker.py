@@ -72,25 +72,40 @@ class MemoryPlan:
 
 def default_memory_budget(params_bytes: int, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
                           device=None) -> int:
-    """Bytes for the KV and linear-state pools: on a device that reports its memory (a GPU), the fraction
+    """Bytes for the KV and linear-state pools. On a device that reports its memory (a GPU): this engine's share,
     `gpu_memory_utilization` of what XLA may allocate there (`memory_stats()["bytes_limit"]`: by default 75% of the
-    GPU's memory, XLA_PYTHON_CLIENT_MEM_FRACTION sets it) minus the weights, or minus all the process holds there if
-    that is more (another engine's weights and pools); elsewhere (the CPU) `CPU_MEMORY_BUDGET_BYTES`."""
+    GPU's memory, XLA_PYTHON_CLIENT_MEM_FRACTION sets it), minus its weights (on the device already). The share is
+    per engine, as vLLM's is per instance: two engines of one process at 0.45 each fit where one at 0.9 does; a share
+    that does not fit beside what the process holds there already (another engine's weights and pools) is a
+    ValueError naming both, not an allocation failure later. Elsewhere (the CPU, or a device that reports no limit,
+    which warns) `CPU_MEMORY_BUDGET_BYTES`."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     device = device or jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    limit = (stats or {}).get("bytes_limit")
-    if not limit:
+    if device.platform == "cpu":
         return CPU_MEMORY_BUDGET_BYTES
-    held = max(params_bytes, stats.get("bytes_in_use", 0))
-    budget = int(gpu_memory_utilization * limit) - held
-    if budget <= 0:
-        raise ValueError(f"the weights ({params_bytes / 2**30:.2f} GiB; {held / 2**30:.2f} GiB held on the device in "
-                         f"all) leave no room for the caches in {gpu_memory_utilization:.0%} of the "
-                         f"{limit / 2**30:.2f} GiB XLA may allocate on the device (by default 75% of its memory; "
-                         f"XLA_PYTHON_CLIENT_MEM_FRACTION, set before JAX starts, changes it)")
-    return budget
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        from gdn_jax.engine import _outside_package  # (engine imports this module)
+        warnings.warn(f"the {device.platform} device reports no memory limit (memory_stats: {sorted(stats)}), so the "
+                      f"pools get the CPU's {CPU_MEMORY_BUDGET_BYTES / 2**30:.0f} GiB budget: pass memory_budget_bytes "
+                      f"(or num_kv_blocks and num_linear_slots) to size them", RuntimeWarning,
+                      stacklevel=_outside_package())
+        return CPU_MEMORY_BUDGET_BYTES
+    gib, share = 2**30, int(gpu_memory_utilization * limit)
+    others = max(0, stats.get("bytes_in_use", 0) - params_bytes)  # other engines' weights and pools
+    if share + others > limit:
+        raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization:g} asks for {share / gib:.2f} GiB of the "
+                         f"{limit / gib:.2f} GiB XLA may allocate on the device, but {others / gib:.2f} GiB of it are "
+                         f"held already (another engine's weights and pools): give each engine of a process its "
+                         f"share (e.g. 0.45 for two)")
+    if share <= params_bytes:
+        raise ValueError(f"the weights ({params_bytes / gib:.2f} GiB) leave no room for the caches in "
+                         f"{gpu_memory_utilization:.0%} of the {limit / gib:.2f} GiB XLA may allocate on the device "
+                         f"(by default 75% of its memory; XLA_PYTHON_CLIENT_MEM_FRACTION, set before JAX starts, "
+                         f"changes it)")
+    return share - params_bytes
 
 
 def plan_memory(cfg: ModelConfig, dtype, block_size: int, max_num_seqs: int, max_model_len: int,

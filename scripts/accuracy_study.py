@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLM, SamplingParams
-from study_cli import (environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save, study_parser,
-                       write_json)
+from study_cli import (environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save, share_of,
+                       study_parser, write_json)
 
 MODES = {"no_cache": dict(enable_prefix_caching=False), "exact": dict(enable_prefix_caching=True),
          "unsafe_cold": dict(enable_prefix_caching=True, unsafe_reuse="cold"),
@@ -127,7 +127,7 @@ def make_engines(model: str, dtype: str, chunk_stride: int, max_model_len: int =
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the unsafe modes warn by design
         for name in ("exact", "no_cache", "unsafe_cold", "unsafe_stale"):
-            pools = pools_of(engines["exact"].engine) if engines else {}
+            pools = pools_of(engines["exact"].engine) if engines else share_of(len(MODES))
             engines[name] = LLM(model, dtype=dtype, chunk_stride=chunk_stride, verbose=False,
                                 **{**ENGINE, "max_model_len": max_model_len}, **pools, **MODES[name])
     return {name: engines[name] for name in MODES}

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from study_cli import (environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save, study_parser,
-                       write_json)
+from study_cli import (environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save, share_of,
+                       study_parser, write_json)
 
 
 def run_request(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
@@ -70,8 +70,8 @@ def step_at(steps: list[dict], start: int) -> dict:
 def ab(args) -> dict:
     kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=4,
               max_model_len=args.prompt + 64, num_linear_slots=16, max_num_batched_tokens=args.chunk_stride)
-    engines = {"cache on": LLMEngine(args.model, enable_prefix_caching=True, **kw),
-               "cache off": LLMEngine(args.model, enable_prefix_caching=False, **kw)}
+    engines = {"cache on": LLMEngine(args.model, enable_prefix_caching=True, **kw, **share_of(2)),
+               "cache off": LLMEngine(args.model, enable_prefix_caching=False, **kw, **share_of(2))}
     vocab = engines["cache on"].cfg.vocab_size
     rng = np.random.default_rng(args.seed)
     results = {name: [] for name in engines}
@@ -128,7 +128,7 @@ def prefill(args) -> dict:
                 "promote": dict(checkpoint_mode="promote")}
     kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=16, max_num_seqs=2,
               max_model_len=args.prompt + 64, max_num_batched_tokens=args.prompt, verbose=False)
-    engines = {name: LLMEngine(args.model, **kw, **v) for name, v in variants.items()}
+    engines = {name: LLMEngine(args.model, **kw, **v, **share_of(len(variants))) for name, v in variants.items()}
     worker = next(iter(engines.values())).worker
     # one jitted forward of the same tokens: the engine's model, one row, fresh pools, last-position logits
     T, nb = args.prompt, -(-args.prompt // 16)
@@ -269,7 +269,7 @@ def study(args) -> dict:
     sizes = {**QUICK, "block_size": math.gcd(64, args.chunk_stride)} if q else FULL
     kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=sizes["block_size"], max_num_seqs=8,
               max_model_len=sizes["max_model_len"], verbose=False)
-    on = LLMEngine(args.model, enable_prefix_caching=True, **kw)
+    on = LLMEngine(args.model, enable_prefix_caching=True, **kw, **share_of(2))
     engines = {"on": on, "off": LLMEngine(args.model, enable_prefix_caching=False, **kw, **pools_of(on))}
     tok = on.tokenizer
     names = list(workloads(np.random.default_rng(args.seed), tok, q))

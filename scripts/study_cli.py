@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from gdn_jax.cli import HelpFormatter, nonnegative_int, positive_int  # noqa: F401 - the studies' flag types
+from gdn_jax.worker import GPU_MEMORY_UTILIZATION
 
 DEFAULT_MODEL = "tiny"  # the trained built-in model
 DTYPES = ("float32", "bfloat16")
@@ -87,6 +88,13 @@ def write_json(out: str | Path, name: str, result: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return path
+
+
+def share_of(engines: int) -> dict:
+    """`LLMEngine` arguments that give one of `engines` engines built side by side in this process its part of the
+    default accelerator memory (`gpu_memory_utilization` is per engine; the CPU's budget is fixed, so this changes
+    nothing there). An engine built with `pools_of` another's needs none: its pools are as large."""
+    return {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION / engines}
 
 
 def pools_of(engine) -> dict:

@@ -180,3 +180,22 @@ def test_accuracy_workload_user_turns_follow_the_seed():
         turns = results[1]["tf_tokens"], results[2]["tf_tokens"]
         last_lines.append((turns[0][-13:-1], turns[1][-13:-1]))  # the user line before the forced token
     assert last_lines[0] != last_lines[1] and last_lines[0][0] != last_lines[0][1]
+
+
+def test_the_studies_engines_share_the_accelerators_memory(monkeypatch):
+    """The accuracy study builds four engines side by side: the first sizes its pools from a quarter of the default
+    accelerator share (`gpu_memory_utilization` is per engine), the others copy its pools and ask for no budget (on a
+    GPU a second full share would not fit beside the first)."""
+    import gdn_jax.engine
+    from gdn_jax.worker import CPU_MEMORY_BUDGET_BYTES, GPU_MEMORY_UTILIZATION
+
+    asked = []
+
+    def budget(params_bytes, gpu_memory_utilization):
+        asked.append(gpu_memory_utilization)
+        return CPU_MEMORY_BUDGET_BYTES
+
+    monkeypatch.setattr(gdn_jax.engine, "default_memory_budget", budget)
+    engines = _script("accuracy_study").make_engines("tiny-random", "float32", 32)
+    assert len(engines) == 4 and asked == [GPU_MEMORY_UTILIZATION / 4]
+    assert len({(e.engine.memory.num_kv_blocks, e.engine.memory.num_linear_slots) for e in engines.values()}) == 1

@@ -68,16 +68,28 @@ class _Accelerator:
         return {"bytes_limit": self.limit, "bytes_in_use": self.in_use, "peak_bytes_in_use": self.in_use}
 
 
-def test_the_accelerator_budget_counts_what_the_process_already_holds():
-    """The budget is `gpu_memory_utilization` of what XLA may allocate, minus what is on the device already: this
-    engine's weights, and another engine's weights and pools (a cache-on and a cache-off engine side by side, as the
-    studies build them); counting only this engine's weights, the second engine's pools overran the device."""
+def test_the_accelerator_budget_is_each_engines_share_beside_what_the_process_holds():
+    """On a GPU the budget is this engine's share of what XLA may allocate, less its weights (on the device already):
+    per engine, as vLLM's `gpu_memory_utilization` is per instance, so two engines of one process (cache on and off
+    side by side, as the studies build them) fit at 0.45 each. A share that does not fit beside what other engines
+    hold is refused naming both, not left to fail in XLA's allocator."""
     gib = 1 << 30
     assert default_memory_budget(10 * gib, 0.9, _Accelerator(100 * gib, 10 * gib)) == 80 * gib
-    assert default_memory_budget(10 * gib, 0.9, _Accelerator(100 * gib, 50 * gib)) == 40 * gib
-    assert default_memory_budget(10 * gib, 0.9, _Accelerator(100 * gib, 0)) == 80 * gib  # weights not there yet
+    assert default_memory_budget(10 * gib, 0.45, _Accelerator(100 * gib, 10 * gib)) == 35 * gib
+    # a second engine: the first's 10 GiB of weights and 35 GiB of pools are held, its own 10 GiB loaded
+    assert default_memory_budget(10 * gib, 0.45, _Accelerator(100 * gib, 55 * gib)) == 35 * gib
+    with pytest.raises(ValueError, match=r"asks for 90\.00 GiB of the 100\.00 GiB .* 45\.00 GiB of it are held"):
+        default_memory_budget(10 * gib, 0.9, _Accelerator(100 * gib, 55 * gib))
     assert default_memory_budget(10 * gib, 0.9, type("Cpu", (), {"platform": "cpu"})()) == (
         CPU_MEMORY_BUDGET_BYTES)
+
+
+def test_an_accelerator_that_reports_no_limit_warns_and_gets_the_cpu_budget():
+    """A GPU whose allocator reports no limit (XLA_PYTHON_CLIENT_ALLOCATOR=platform): the CPU's budget, with a
+    warning that says how to size the pools, not silently."""
+    device = type("Gpu", (), {"platform": "gpu", "memory_stats": lambda self: None})()
+    with pytest.warns(RuntimeWarning, match="reports no memory limit.*memory_budget_bytes"):
+        assert default_memory_budget(1 << 30, 0.9, device) == CPU_MEMORY_BUDGET_BYTES
 
 
 def test_an_accelerator_without_room_names_xla_s_share_of_the_device():
