@@ -28,9 +28,20 @@ def _dots(jaxpr, out):
     return out
 
 
-def _forward_dots(monkeypatch, dtype, T: int, dense: bool = False):
-    """The products of the engine's forward of one T-token row (or of the training path's dense forward)."""
+@pytest.fixture
+def accelerator(monkeypatch):
+    """`jax.default_backend()` says "gpu" for the test. JAX's traces of jitted functions are cached without regard to
+    it, so the caches are emptied before (a trace made for the CPU would be reused here) and after (the accelerator's
+    forms must not serve the CPU tests that follow in the process)."""
+    jax.clear_caches()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def _forward_dots(dtype, T: int, dense: bool = False):
+    """The products of the engine's forward of one T-token row (or of the training path's dense forward)."""
     cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg, dtype=dtype)
     if dense:
@@ -43,21 +54,21 @@ def _forward_dots(monkeypatch, dtype, T: int, dense: bool = False):
 
 
 @pytest.mark.parametrize("T,dense", [(1, False), (40, False), (40, True)])
-def test_float32_products_are_float32_on_an_accelerator(monkeypatch, T, dense):
+def test_float32_products_are_float32_on_an_accelerator(accelerator, T, dense):
     """XLA's GPU backend multiplies float32 operands at the default precision in TensorFloat-32 (10-bit mantissas)
     on Ampere and later GPUs (an H100, an H200): a float32 engine would compute every projection, attention product
     and the LM head about 1e-3 off, and drift from the float32 references the tests hold it to. Every float32
     product says HIGHEST (float32 on a GPU; the CPU ignores it), in the training path's forward too."""
-    dots = _forward_dots(monkeypatch, jnp.float32, T, dense)
+    dots = _forward_dots(jnp.float32, T, dense)
     default = {k: n for k, n in dots.items() if k[1] in (None, (jax.lax.Precision.DEFAULT,) * 2)}
     assert dots and not default, default
 
 
 @pytest.mark.parametrize("T", [1, 40])
-def test_bfloat16_products_stay_bfloat16_on_an_accelerator(monkeypatch, T):
+def test_bfloat16_products_stay_bfloat16_on_an_accelerator(accelerator, T):
     """The bfloat16 model's projections and attention multiply bfloat16 operands (float32 accumulation) off the
     CPU: nothing converts them to float32 first. Only the GDN rule's own products are float32 (its state is)."""
-    dots = _forward_dots(monkeypatch, jnp.bfloat16, T)
+    dots = _forward_dots(jnp.bfloat16, T)
     bf16 = sum(n for (dtypes, _), n in dots.items() if dtypes == ("bfloat16", "bfloat16"))
     other = {k: n for k, n in dots.items() if k[0] != ("bfloat16", "bfloat16")}
     assert bf16 and all(prec == (jax.lax.Precision.HIGHEST,) * 2 for _, prec in other), other
