@@ -89,13 +89,14 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
     leaves, treedef = jax.tree.flatten(args)
     spec = [(tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in leaves]
     device = jax.devices()[0]
-    # what changes the compiled program from outside the arguments: XLA's flags, the layer-loop switch, precision
+    # what changes the compiled program from outside the arguments: XLA's flags, the layer-loop switch, precision;
+    # and the runtime it was compiled for (the device's kind, the backend's version: a GPU's CUDA and driver)
     env = [(name, os.environ.get(name)) for name in ENVIRONMENT] + [("precision", jax.config.jax_default_matmul_precision)]
     if device.platform == "cpu" and any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves):
         # a 16-bit model's prefill products take the form this machine multiplies faster (model.upcast_is_faster)
         env.append(("bf16_upcast", model.upcast_is_faster()))
     text = repr((source_digest(), kind, static, str(treedef), spec, sorted((options or {}).items()),
-                 device.platform, device.device_kind, jax.device_count(), env))
+                 device.platform, device.device_kind, device.client.platform_version, jax.device_count(), env))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -174,6 +174,12 @@ def test_the_key_follows_shapes_dtypes_structure_options_and_context(monkeypatch
         with monkeypatch.context() as m:  # the environment that changes a compiled program is part of the key
             m.setenv(name, value)
             others.append(executables.executable_key("step", ("cfg", 64), args, {"o": False}))
+    device = jax.devices()[0]
+    other_runtime = type("Device", (), {"platform": device.platform, "device_kind": device.device_kind,
+                                        "client": type("Client", (), {"platform_version": "cuda 99000"})()})()
+    with monkeypatch.context() as m:  # the same device kind under another backend version (a GPU's CUDA, driver)
+        m.setattr(executables.jax, "devices", lambda: [other_runtime])
+        others.append(executables.executable_key("step", ("cfg", 64), args, {"o": False}))
     assert len({key, *others}) == 1 + len(others)
 
 
