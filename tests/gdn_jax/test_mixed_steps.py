@@ -74,33 +74,48 @@ def test_a_decode_row_and_a_prefill_row_in_one_step_equal_separate_steps(engines
     assert not any(p and d for p, d in separate_steps)
 
 
-def test_mixed_plan_with_a_save_into_a_decode_rows_slot_fails_closed(engines):
-    """The whole step is checked before either sub-batch runs: nothing is dispatched, the pools are untouched."""
-    engine = engines[0]
+def _mixed_plan(engine):
+    """A mixed step's plan: request x decodes while y's 70-token prompt prefills (with checkpoint saves)."""
     assert not engine.has_unfinished_requests()
     engine.add_request("x", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=4))
     engine.step()  # prefill: x decodes next
     engine.add_request("y", list(range(30, 100)), SamplingParams(temperature=0.0, max_tokens=1))
     plan = engine.scheduler.schedule()
     assert plan.is_mixed and plan.saves
+    return plan
+
+
+def _fails_and_leaves_the_pools(engine, plan, bad, message: str):
+    """`bad` (a corrupted `plan`) raises `message` with the GDN pools untouched; then the step is failed and x, y
+    leave the engine."""
+    before = [np.asarray(pool).copy() for pool in (engine.worker.state.conv, engine.worker.state.ssm)]
+    with pytest.raises(ValueError, match=message):
+        engine.worker.execute(bad)
+    for pool, was in zip((engine.worker.state.conv, engine.worker.state.ssm), before):
+        np.testing.assert_array_equal(np.asarray(pool), was)
+    engine.scheduler.fail_step(plan)
+    engine.abort_request(["x", "y"])
+    assert not engine.has_unfinished_requests()
+
+
+def test_mixed_plan_with_a_save_into_a_decode_rows_slot_fails_closed(engines):
+    """The whole step is checked before either sub-batch runs: nothing is dispatched, the pools are untouched."""
+    engine = engines[0]
+    plan = _mixed_plan(engine)
     live = plan.decode_seqs[0].linear_op.linear_state_id
     bad = StepPlan(True, plan.seqs, [type(plan.saves[0])(0, plan.saves[0].offset, plan.saves[0].boundary, live)],
                    num_decode_rows=plan.num_decode_rows)
-    before = np.asarray(engine.worker.state.ssm).copy()
-    with pytest.raises(ValueError, match="decode row"):
-        engine.worker.execute(bad)
-    np.testing.assert_array_equal(np.asarray(engine.worker.state.ssm), before)
-    engine.scheduler.fail_step(plan)
-    engine.abort_request("x")
-    engine.abort_request("y")
-    assert not engine.has_unfinished_requests()
+    _fails_and_leaves_the_pools(engine, plan, bad, "decode row")
 
 
 def test_mixed_plan_whose_decode_half_fails_its_own_checks_dispatches_nothing(engines):
     """A check of the decode sub-batch alone (here: a decode row without its LinearStateCacheOp) fails before the
     prefill sub-batch runs: the pools are untouched, so the failed step can be scheduled again from the same state."""
     engine = engines[0]
-    assert not engine.has_unfinished_requests()
+    plan = _mixed_plan(engine)
+    seqs = plan.seqs[:-1] + [dataclasses.replace(plan.seqs[-1], linear_op=None)]
+    bad = StepPlan(True, seqs, plan.saves, num_decode_rows=plan.num_decode_rows)
+    _fails_and_leaves_the_pools(engine, plan, bad, "LinearStateCacheOp")
     engine.add_request("x", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=4))
     engine.step()  # prefill: x decodes next
     engine.add_request("y", list(range(30, 100)), SamplingParams(temperature=0.0, max_tokens=1))

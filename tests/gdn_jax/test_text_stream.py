@@ -66,14 +66,20 @@ def _random_pieces(tok, rng, n):
 
 def test_byte_level_hf_stream_matches_the_library_decode_after_every_piece(tmp_path):
     tok, rng = _byte_level_tokenizer(tmp_path), np.random.default_rng(1)
+    _stream_matches_decode(tok, rng, _random_pieces)
+
+
+def _stream_matches_decode(tok, rng, make_ids):
+    """300 random id sequences (`make_ids(tok, rng, n)`), each fed to `tok.stream()` 1-3 ids at a time: after every
+    addition the stream's text is the library's decode of the ids so far."""
     for _ in range(300):
-        ids = _random_pieces(tok, rng, int(rng.integers(1, 30)))
+        ids = make_ids(tok, rng, int(rng.integers(1, 30)))
         stream, seen = tok.stream(), 0
         while seen < len(ids):
             k = int(rng.integers(1, 4))
             text = stream.add(ids[seen:seen + k])
             seen = min(len(ids), seen + k)
-            assert text == tok.decode(ids[:seen]), ids[:seen]
+            assert text == tok.decode(ids[:seen]), [tok._tok.id_to_token(i) for i in ids[:seen]]
             assert stream.num_ids == seen
 
 
@@ -187,15 +193,7 @@ def _sentencepiece_ids(tok, rng, n):
 @pytest.mark.parametrize("decoder", _SENTENCEPIECE_DECODERS)
 def test_sentencepiece_stream_matches_the_library_decode_after_every_piece(tmp_path, decoder):
     tok, rng = _sentencepiece_tokenizer(tmp_path, decoder), np.random.default_rng(4)
-    for _ in range(300):
-        ids = _sentencepiece_ids(tok, rng, int(rng.integers(1, 30)))
-        stream, seen = tok.stream(), 0
-        while seen < len(ids):
-            k = int(rng.integers(1, 4))
-            text = stream.add(ids[seen:seen + k])
-            seen = min(len(ids), seen + k)
-            assert text == tok.decode(ids[:seen]), [tok._tok.id_to_token(i) for i in ids[:seen]]
-            assert stream.num_ids == seen
+    _stream_matches_decode(tok, rng, _sentencepiece_ids)
 
 
 @pytest.mark.parametrize("decoder", _SENTENCEPIECE_DECODERS)
