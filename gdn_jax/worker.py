@@ -426,6 +426,8 @@ class Worker:
         rows, offsets, slots = np.zeros(S, np.int32), np.full(S, self.chunk_size, np.int32), np.zeros(S, np.int32)
         busy = set(ops.linear_state_ids.tolist()) | set(ops.restore_src_slot_ids.tolist())
         for i, sv in enumerate(saves):
+            if not 0 <= sv.row < B:  # (a negative row would index the batch from its end)
+                raise ValueError(f"save {i}: row {sv.row} is not a row of this {B}-row step")
             if not (0 < sv.offset <= lengths[sv.row] and sv.offset % self.chunk_size == 0):
                 raise ValueError(f"save {i}: offset {sv.offset} is not a chunk boundary inside row {sv.row}")
             if not 1 <= sv.slot < self.memory.num_linear_slots or sv.slot in busy:

@@ -132,3 +132,15 @@ def test_mixed_plan_whose_decode_half_fails_its_own_checks_dispatches_nothing(en
     engine.abort_request("x")
     engine.abort_request("y")
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("row", [-1, 64])
+def test_a_save_of_a_row_outside_the_step_is_refused(engines, row):
+    """A checkpoint save names a row of its sub-batch: one outside it (an index error, or a negative row taken from
+    the batch's end) is a ValueError naming it, with nothing dispatched."""
+    engine = engines[0]
+    plan = _mixed_plan(engine)
+    sv = plan.saves[0]
+    bad = StepPlan(True, plan.seqs, [type(sv)(row, sv.offset, sv.boundary, sv.slot)],
+                   num_decode_rows=plan.num_decode_rows)
+    _fails_and_leaves_the_pools(engine, plan, bad, f"row {row} is not a row of this")
