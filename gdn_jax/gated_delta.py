@@ -237,6 +237,8 @@ def chunk_gated_delta_rule(
     B, T, H, dk = k.shape
     dv = v.shape[-1]
     Cs = int(chunk_size)
+    if Cs < 1:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     s0 = _initial_state(initial_state, B, H, dk, dv)
     valid = _valid_mask(B, T, lengths)
     g, beta = _inert(valid, g, beta)  # gates are small: mask them here

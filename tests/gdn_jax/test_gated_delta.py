@@ -200,6 +200,13 @@ def test_unknown_solve_method_is_rejected(chunk_size):
         chunk_gated_delta_rule(*_j(q, k, v, g, beta), chunk_size=chunk_size, solve_method="blockd")
 
 
+@pytest.mark.parametrize("chunk_size", [0, -64])
+def test_a_chunk_size_below_one_is_rejected(chunk_size):
+    q, k, v, g, beta, _ = make_inputs(1, 48, seed=6)
+    with pytest.raises(ValueError, match=f"chunk_size must be a positive number of tokens, got {chunk_size}"):
+        chunk_gated_delta_rule(*_j(q, k, v, g, beta), chunk_size=chunk_size)
+
+
 # ------------------------------------------------------------------------------------------
 # continuation, padding, chunk states
 # ------------------------------------------------------------------------------------------
