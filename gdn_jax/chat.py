@@ -149,14 +149,15 @@ class ChatTemplate:
         except Exception as e:  # noqa: BLE001 - a template error is the conversation's (or the template's) problem
             raise ValueError(f"the chat template failed on these messages: {e}") from None
         if continue_final_message:
+            # transformers' cut: the last occurrence of the final message's stripped text (templates may strip it),
+            # its trailing whitespace kept where the template kept it
             final = messages[-1]["content"]
-            # the last occurrence of the final message's text (templates may strip it): the text ends there
-            for part in (final, final.strip()):
-                at = text.rfind(part) if part else -1
-                if at >= 0:
-                    return text[:at + len(part)]
-            raise ValueError("continue_final_message: the rendered conversation does not contain the final "
-                             "message's text")
+            at = text.rfind(final.strip()) if final.strip() else -1
+            if at < 0:
+                raise ValueError("continue_final_message: the rendered conversation does not contain the final "
+                                 "message's text")
+            kept = final.lstrip()
+            return text[:at + (len(kept) if text.startswith(kept, at) else len(final.strip()))]
         return text
 
 

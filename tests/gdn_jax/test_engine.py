@@ -375,3 +375,18 @@ def test_chat_reads_the_model_folders_template_and_special_tokens(llm, tmp_path,
     monkeypatch.setattr(llm, "_chat_templates", {})
     assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
                     use_tqdm=False)[0].prompt == "unused"
+
+
+def test_continue_final_message_ends_after_the_final_message_where_the_template_strips_it():
+    """transformers' cut: at the last occurrence of the final message's stripped text, keeping its trailing
+    whitespace only where the template kept it. A template that trims the content must not cut at an earlier
+    message that happens to hold the final message's whole text ("I think " inside the user's question)."""
+    from gdn_jax.chat import ChatTemplate
+
+    trim = ChatTemplate("{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}<|end|>{% endfor %}")
+    keep = ChatTemplate("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}")
+    convo = [{"role": "user", "content": "What do I think about it?"}, {"role": "assistant", "content": "I think "}]
+    assert trim.render(convo, add_generation_prompt=False, continue_final_message=True) == (
+        "<|user|>What do I think about it?<|end|><|assistant|>I think")
+    assert keep.render(convo, add_generation_prompt=False, continue_final_message=True) == (
+        "<|user|>What do I think about it?<|end|><|assistant|>I think ")
