@@ -759,20 +759,23 @@ class LLM:
         """vLLM's: the replies to a conversation (a list of {"role", "content"} dicts) or to each of a list of
         conversations, in their order. Each is rendered with the model folder's chat template, as transformers'
         `apply_chat_template` renders it (`gdn_jax.chat.ChatTemplate.render`: `add_generation_prompt`,
-        `continue_final_message`, `chat_template_kwargs` such as Qwen3.5's {"enable_thinking": False}), or with
-        `chat_template` (a template's text) instead, then generated as `generate` generates a text prompt (the
-        output's `prompt` is the rendered text). A model without a template, or a bad message, is a ValueError
-        before anything runs."""
+        `continue_final_message`, `chat_template_kwargs` such as Qwen3.5's {"enable_thinking": False}; as in vLLM an
+        add_generation_prompt or continue_final_message there wins over the keyword), or with `chat_template` (a
+        template's text) instead, then generated as `generate` generates a text prompt (the output's `prompt` is the
+        rendered text). A model without a template, or a bad message, is a ValueError before anything runs."""
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
             conversations = list(messages)
         else:
             conversations = [messages]
         template = self._chat_template(chat_template)
+        # vLLM's precedence: chat_template_kwargs update the arguments of the same name
+        kwargs = dict(chat_template_kwargs or {})
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
-                prompts.append(template.render(conversation, add_generation_prompt, continue_final_message,
-                                               chat_template_kwargs))
+                prompts.append(template.render(conversation, add_generation_prompt, continue_final_message, kwargs))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
         return self.generate(prompts, sampling_params, use_tqdm)

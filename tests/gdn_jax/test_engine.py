@@ -390,3 +390,17 @@ def test_continue_final_message_ends_after_the_final_message_where_the_template_
         "<|user|>What do I think about it?<|end|><|assistant|>I think")
     assert keep.render(convo, add_generation_prompt=False, continue_final_message=True) == (
         "<|user|>What do I think about it?<|end|><|assistant|>I think ")
+
+
+def test_chat_template_kwargs_override_the_arguments_of_the_same_name(llm):
+    """vLLM updates the arguments with `chat_template_kwargs`: add_generation_prompt and continue_final_message set
+    there win over the keywords, in the check that both are not true as in the rendering."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    convo = [{"role": "user", "content": "Go on"}, {"role": "assistant", "content": "Sure,"}]
+    for kwargs in (dict(continue_final_message=True, chat_template_kwargs={"add_generation_prompt": False}),
+                   dict(add_generation_prompt=False, chat_template_kwargs={"continue_final_message": True})):
+        out, = llm.chat(convo, greedy, use_tqdm=False, chat_template=CHAT, **kwargs)
+        assert out.prompt == "<|user|>Go on\n<|assistant|>Sure,", kwargs
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(convo, greedy, use_tqdm=False, chat_template=CHAT, add_generation_prompt=False,
+                 continue_final_message=True, chat_template_kwargs={"add_generation_prompt": True})
