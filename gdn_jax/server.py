@@ -55,7 +55,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gdn_jax.chat import ChatTemplate
+from gdn_jax.chat import ChatTemplate, chat_message
 from gdn_jax.engine import EngineStepError, LLMEngine, RequestOutput
 from gdn_jax.tokenizer import TextOffsets, text_offsets
 from scheduler import SamplingParams
@@ -727,12 +727,16 @@ class _Server:
         self.check_model(req)
         if not req.messages:
             raise BadRequest("messages must not be empty", "messages")
+        try:  # the messages are checked first, the template runs after the other fields' checks
+            messages = [chat_message(i, {"role": m.role, "content": m.content, "name": m.name})
+                        for i, m in enumerate(req.messages)]
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from None
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        try:  # a bad message, or the template's own error (raise_exception): the request's problem
-            text = self._chat.render([{"role": m.role, "content": m.content, "name": m.name} for m in req.messages],
-                                     chat_template_kwargs=req.chat_template_kwargs)
+        try:  # the template's own error (raise_exception): the request's problem
+            text = self._chat.render(messages, chat_template_kwargs=req.chat_template_kwargs)
         except ValueError as e:
             raise BadRequest(str(e), "messages") from None
         text, ids = self.validate_prompt(text, SamplingParams(), "messages")

@@ -557,6 +557,15 @@ def test_chat_messages_are_checked_and_logprobs_returned(server):
     assert r["usage"]["total_tokens"] == ENGINE_KW["max_model_len"] and r["choices"][0]["finish_reason"] == "length"
 
 
+def test_chat_checks_its_messages_before_its_other_fields(server):
+    """A bad message is the error of a request that has other bad fields too (top_logprobs without logprobs): the
+    messages are checked first, before anything else of the request."""
+    r = _post(server, {"messages": [{"role": "tool", "content": "x"}], "top_logprobs": 2}, "/v1/chat/completions",
+              server.chat_url)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages" and "role must be one of" in error["message"], r.text
+
+
 def test_n_samples_per_prompt_are_the_choices_in_order(server, offline):
     """n > 1: choice i * n + j is sample j of prompt i, the engine's own samples (seeded: the offline engine's),
     streamed or not; chat returns its n replies as choices 0 .. n - 1."""
