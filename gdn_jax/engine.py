@@ -328,6 +328,8 @@ class LLMEngine:
                 raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
         if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):
             raise ValueError(f"gpu_memory_utilization must be a number, got {gpu_memory_utilization!r}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:  # also where no budget is asked for (both pool counts given)
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if gdn_schedule not in GDN_SCHEDULES:
             raise ValueError(f"gdn_schedule must be one of {GDN_SCHEDULES}, got {gdn_schedule!r}")
         if generation_config not in GENERATION_CONFIGS:

@@ -98,3 +98,14 @@ def test_an_accelerator_without_room_names_xla_s_share_of_the_device():
     gib = 1 << 30
     with pytest.raises(ValueError, match=r"18\.00 GiB XLA may allocate.*XLA_PYTHON_CLIENT_MEM_FRACTION"):
         default_memory_budget(17 * gib, 0.9, _Accelerator(18 * gib, 17 * gib))
+
+
+@pytest.mark.parametrize("pools", [{}, {"num_kv_blocks": 64, "num_linear_slots": 40}])
+def test_gpu_memory_utilization_out_of_range_is_refused_even_when_no_budget_is_asked(pools):
+    """An engine given both pool counts asks for no budget, but a gpu_memory_utilization outside (0, 1] is still a
+    bad argument, refused as vLLM refuses it, not silently accepted."""
+    from gdn_jax.engine import LLMEngine
+
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1\.5"):
+        LLMEngine("tiny-random", max_num_seqs=4, max_model_len=128, gpu_memory_utilization=1.5, verbose=False,
+                  **pools)
