@@ -114,6 +114,20 @@ def chat_message(i: int, m: Any) -> dict:
     return {"role": role, "content": content, **({"name": name} if name is not None else {})}
 
 
+def chat_modes(add_generation_prompt: bool, continue_final_message: bool, chat_template_kwargs: dict | None
+               ) -> tuple[bool, bool, dict]:
+    """(add_generation_prompt, continue_final_message, the other template variables): as vLLM does, the two modes
+    given in `chat_template_kwargs` win over the arguments of the same name. Both true is a ValueError: the first
+    opens a new assistant turn, the second continues the last message."""
+    kwargs = dict(chat_template_kwargs or {})
+    add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+    continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first opens a "
+                         "new assistant turn, the second continues the last message")
+    return add_generation_prompt, continue_final_message, kwargs
+
+
 class ChatTemplate:
     """A compiled chat template and the special tokens it is given (`load_special_tokens`)."""
 
@@ -133,17 +147,16 @@ class ChatTemplate:
         """The prompt text of a conversation (a list of message dicts, `chat_message`). `add_generation_prompt`
         opens the assistant's turn; `continue_final_message` instead ends the text right after the last message's
         content, so that the model continues that message (its end-of-turn left out, as transformers does).
-        `chat_template_kwargs` are more template variables (Qwen3.5's `enable_thinking`, ...); they may set
-        `add_generation_prompt` too, as vLLM lets them. A template's own error (`raise_exception`, an undefined
-        operation) is a ValueError carrying its message."""
+        `chat_template_kwargs` are more template variables (Qwen3.5's `enable_thinking`, ...); an
+        `add_generation_prompt` or `continue_final_message` among them wins over the argument (`chat_modes`). A
+        template's own error (`raise_exception`, an undefined operation) is a ValueError carrying its message."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of message dicts")
         messages = [chat_message(i, m) for i, m in enumerate(messages)]
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first opens "
-                             "a new assistant turn, the second continues the last message")
-        variables = {"add_generation_prompt": add_generation_prompt and not continue_final_message,
-                     **self.special_tokens, **(chat_template_kwargs or {}), "messages": messages}
+        add_generation_prompt, continue_final_message, kwargs = chat_modes(
+            add_generation_prompt, continue_final_message, chat_template_kwargs)
+        variables = {"add_generation_prompt": add_generation_prompt, **self.special_tokens, **kwargs,
+                     "messages": messages}
         try:
             text = self._template.render(variables)
         except Exception as e:  # noqa: BLE001 - a template error is the conversation's (or the template's) problem
@@ -161,5 +174,5 @@ class ChatTemplate:
         return text
 
 
-__all__ = ["CHAT_ROLES", "ChatTemplate", "chat_message", "compile_chat_template", "load_chat_template",
-           "load_special_tokens"]
+__all__ = ["CHAT_ROLES", "ChatTemplate", "chat_message", "chat_modes", "compile_chat_template",
+           "load_chat_template", "load_special_tokens"]

@@ -770,14 +770,11 @@ class LLM:
         else:
             conversations = [messages]
         template = self._chat_template(chat_template)
-        # vLLM's precedence: chat_template_kwargs update the arguments of the same name
-        kwargs = dict(chat_template_kwargs or {})
-        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
-        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
-                prompts.append(template.render(conversation, add_generation_prompt, continue_final_message, kwargs))
+                prompts.append(template.render(conversation, add_generation_prompt, continue_final_message,
+                                               chat_template_kwargs))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -55,7 +55,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gdn_jax.chat import ChatTemplate, chat_message
+from gdn_jax.chat import ChatTemplate, chat_message, chat_modes
 from gdn_jax.engine import EngineStepError, LLMEngine, RequestOutput
 from gdn_jax.tokenizer import TextOffsets, text_offsets
 from scheduler import SamplingParams
@@ -187,6 +187,8 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables (`enable_thinking`, ...)
+    add_generation_prompt: bool = True  # vLLM's: open the assistant's turn after the messages
+    continue_final_message: bool = False  # vLLM's: the reply continues the last (assistant) message
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning parser's `reasoning` out of the reply
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -734,9 +736,13 @@ class _Server:
             raise BadRequest(str(e), "messages") from None
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        try:  # vLLM's: the two modes, also as chat_template_kwargs (which win); not both
+            modes = chat_modes(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+        except ValueError as e:
+            raise BadRequest(str(e), "continue_final_message") from None
         k = (req.top_logprobs or 0) if req.logprobs else None
         try:  # the template's own error (raise_exception): the request's problem
-            text = self._chat.render(messages, chat_template_kwargs=req.chat_template_kwargs)
+            text = self._chat.render(messages, *modes)
         except ValueError as e:
             raise BadRequest(str(e), "messages") from None
         text, ids = self.validate_prompt(text, SamplingParams(), "messages")

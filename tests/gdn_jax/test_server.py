@@ -673,6 +673,24 @@ def test_chat_template_kwargs_reach_the_template(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
+def test_chat_takes_vllms_add_generation_prompt_and_continue_final_message(server):
+    """vLLM's request fields: without the generation prompt the rendered prompt ends after the messages; with
+    continue_final_message the reply continues the last message (its end-of-turn left out). Both true is a 400;
+    given in chat_template_kwargs they win. They were dropped as unknown fields."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    for extra, rendered in (({}, "<|user|>hi\n<|assistant|>Sure\n<|assistant|>"),
+                            ({"add_generation_prompt": False}, "<|user|>hi\n<|assistant|>Sure\n"),
+                            ({"add_generation_prompt": False, "continue_final_message": True},
+                             "<|user|>hi\n<|assistant|>Sure"),
+                            ({"chat_template_kwargs": {"add_generation_prompt": False, "continue_final_message": True}},
+                             "<|user|>hi\n<|assistant|>Sure")):
+        r = _post(server, {"messages": msgs, "max_tokens": 1, **extra}, "/v1/chat/completions", server.chat_url)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(rendered.encode()), (extra, r.text)
+    r = _post(server, {"messages": msgs, "continue_final_message": True}, "/v1/chat/completions", server.chat_url)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    assert "add_generation_prompt" in r.json()["error"]["message"]
+
+
 def test_a_conversation_too_long_for_the_context_names_messages(server):
     """The chat API has no `prompt`: a rendered conversation the engine refuses is the `messages` field's error."""
     r = _post(server, {"messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 1},
