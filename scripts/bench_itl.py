@@ -19,6 +19,7 @@ results/bench_itl.json).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -91,6 +92,8 @@ def main(argv=None):
     from gdn_jax import LLMEngine
     report = {"config": vars(args), "modes": {}}
     for mode in args.modes:
+        engine = None  # the previous mode's engine goes before the next one takes its share of an accelerator
+        gc.collect()
         engine = LLMEngine(args.model, dtype=args.dtype, chunk_stride=args.chunk_stride, max_num_seqs=args.decoders + 1,
                            max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                            mixed_steps=mode == "mixed", verbose=False)
