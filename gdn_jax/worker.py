@@ -98,8 +98,9 @@ def default_memory_budget(params_bytes: int, gpu_memory_utilization: float = GPU
     if share + others > limit:
         raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization:g} asks for {share / gib:.2f} GiB of the "
                          f"{limit / gib:.2f} GiB XLA may allocate on the device, but {others / gib:.2f} GiB of it are "
-                         f"held already (another engine's weights and pools): give each engine of a process its "
-                         f"share (e.g. 0.45 for two)")
+                         f"held already (another engine's weights and pools): release an engine no longer used "
+                         f"before building the next (in a notebook: `del llm; gc.collect()`), or give each engine of "
+                         f"a process its share (e.g. 0.45 for two)")
     if share <= params_bytes:
         raise ValueError(f"the weights ({params_bytes / gib:.2f} GiB) leave no room for the caches in "
                          f"{gpu_memory_utilization:.0%} of the {limit / gib:.2f} GiB XLA may allocate on the device "
