@@ -96,6 +96,8 @@ def chat_message(i: int, m: Any) -> dict:
     if not isinstance(m, dict):
         raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
     role = m.get("role")
+    if m.get("tool_calls"):  # a prompt without them would not be the conversation that was sent
+        raise ValueError(f"messages[{i}].tool_calls: tool calls are not supported")
     if role not in CHAT_ROLES:
         raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (tools are not supported), "
                          f"got {role!r}")
@@ -165,7 +167,9 @@ class ChatTemplate:
             # transformers' cut: the last occurrence of the final message's stripped text (templates may strip it),
             # its trailing whitespace kept where the template kept it
             final = messages[-1]["content"]
-            at = text.rfind(final.strip()) if final.strip() else -1
+            if not final.strip():
+                raise ValueError("continue_final_message: the final message has no text to continue")
+            at = text.rfind(final.strip())
             if at < 0:
                 raise ValueError("continue_final_message: the rendered conversation does not contain the final "
                                  "message's text")

@@ -181,6 +181,7 @@ class ChatMessage(_Body):
     role: str
     content: Any = None  # a string, or a list of text parts ({"type": "text", "text": ...})
     name: str | None = None
+    tool_calls: Any = None  # refused when set (`chat_message`): tools are not supported
 
 
 class ChatRequest(_Sampling):
@@ -730,8 +731,8 @@ class _Server:
         if not req.messages:
             raise BadRequest("messages must not be empty", "messages")
         try:  # the messages are checked first, the template runs after the other fields' checks
-            messages = [chat_message(i, {"role": m.role, "content": m.content, "name": m.name})
-                        for i, m in enumerate(req.messages)]
+            messages = [chat_message(i, {"role": m.role, "content": m.content, "name": m.name,
+                                         "tool_calls": m.tool_calls}) for i, m in enumerate(req.messages)]
         except ValueError as e:
             raise BadRequest(str(e), "messages") from None
         if req.top_logprobs is not None and not req.logprobs:

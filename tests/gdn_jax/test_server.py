@@ -519,7 +519,10 @@ def test_chat_messages_are_checked_and_logprobs_returned(server):
                               ([{"role": "user", "content": None}], "content must be a string"),
                               ([{"role": "wizard", "content": "hi"}], "role must be one of"),
                               ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-                               "only text parts")):
+                               "only text parts"),
+                              ([{"role": "user", "content": "hi"},  # a former turn's call: not silently dropped
+                                {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}],
+                               "messages[1].tool_calls: tool calls are not supported")):
         r = _post(server, {"messages": messages}, "/v1/chat/completions", url)
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     r = _post(server, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "/v1/chat/completions", url)
