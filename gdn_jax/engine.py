@@ -48,7 +48,8 @@ def _outside_package() -> int:
 
 class LogprobRow(Mapping):
     """The whole log-distribution at one prompt position (`prompt_logprobs=-1`): a read-only {token_id: Logprob}
-    mapping over every vocabulary id, backed by one float32 row (`.array`) instead of V Python objects."""
+    mapping over every vocabulary id, backed by one float32 row (`.array`) instead of V Python objects; `decode(id)`
+    gives an entry's decoded_token."""
 
     def __init__(self, row: np.ndarray, decode):
         self.array, self._decode, self._sorted = row, decode, None
@@ -60,7 +61,7 @@ class LogprobRow(Mapping):
             self._sorted = np.sort(self.array)
         lp = self.array[token_id]
         greater = len(self._sorted) - int(np.searchsorted(self._sorted, lp, side="right"))
-        return Logprob(float(lp), 1 + greater, self._decode([int(token_id)]))
+        return Logprob(float(lp), 1 + greater, self._decode(int(token_id)))
 
     def __iter__(self):
         return iter(range(len(self.array)))
@@ -595,12 +596,12 @@ class LLMEngine:
         for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
             entry.setdefault(int(tid), Logprob(float(lp), r))
         for tid, lp in entry.items():
-            lp.decoded_token = self._decode_token([tid])
+            lp.decoded_token = self.decode_token(tid)
         return entry
 
-    def _decode_token(self, ids) -> str:
-        """A logprob's decoded_token: one id's text as vLLM decodes it, a special token's kept."""
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    def decode_token(self, token_id: int) -> str:
+        """One id's text alone, as vLLM shows a logprob's token: a special token's text kept."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ---- prompt logprobs and stop strings ------------------------------------------------------------------
     def _prompt_targets(self, row) -> list[int] | None:
@@ -620,7 +621,7 @@ class LLMEngine:
             if start + 1 + t <= req.prompt_scored:
                 continue  # scored before a preemption: that value stands
             if k == -1:
-                entry = LogprobRow(prompt.rows[row, t], self._decode_token)
+                entry = LogprobRow(prompt.rows[row, t], self.decode_token)
             else:
                 entry = self._logprob_entry(token, prompt.logprobs[row, t], prompt.ranks[row, t],
                                             prompt.top_ids[row, t, :k], prompt.top_logprobs[row, t, :k])

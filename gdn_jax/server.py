@@ -580,11 +580,7 @@ class _Server:
     def logprobs_block(self, ids: list[int], entries: list, offsets: list[int]) -> dict:
         """The completions API's logprobs object for `ids` (entries: per token a {id: Logprob} dict, or None;
         offsets: where each token's text begins in the choice's text, `TextOffsets`)."""
-        tok = self.engine.tokenizer
-
-        def dec(t: int) -> str:  # a token's text alone, as vLLM shows it: a special token's kept
-            return tok.decode([t], skip_special_tokens=False)
-
+        dec = self.engine.decode_token
         tokens, lps, tops = [], [], []
         for t, entry in zip(ids, entries):
             tokens.append(dec(t))
@@ -607,8 +603,7 @@ class _Server:
         tok = self.engine.tokenizer
 
         def item(t, lp) -> dict:
-            return {"token": tok.decode([t], skip_special_tokens=False), "logprob": lp.logprob,
-                    "bytes": list(tok.token_bytes(t))}
+            return {"token": self.engine.decode_token(t), "logprob": lp.logprob, "bytes": list(tok.token_bytes(t))}
 
         return {"content": [{**item(t, entry[t]), "top_logprobs": [
             item(u, lp) for u, lp in sorted(entry.items(), key=lambda e: e[1].rank) if lp.rank <= k]}

@@ -162,7 +162,7 @@ def test_a_whole_row_ranks_every_token_as_a_count_of_likelier_ones():
     rng = np.random.default_rng(5)
     row = np.log(rng.dirichlet(np.ones(300))).astype(np.float32)
     row[[7, 8, 9]] = row[3]  # a tie
-    entries = dict(LogprobRow(row, lambda ids: f"<{ids[0]}>"))
+    entries = dict(LogprobRow(row, lambda i: f"<{i}>"))
     assert len(entries) == 300 and entries[42].decoded_token == "<42>"
     for t, e in entries.items():
         assert e.rank == 1 + int((row > row[t]).sum()) and e.logprob == float(row[t])
