@@ -130,11 +130,17 @@ def _serve(args) -> None:
 def _generate(args) -> None:
     from gdn_jax.engine import LLM
     from scheduler import SamplingParams
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,  # checked first
-                            max_tokens=args.max_tokens, seed=args.seed_sampling, stop=args.stop or None,
-                            logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+    given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
+             if v is not None}
+    fixed = dict(seed=args.seed_sampling, stop=args.stop or None, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+    SamplingParams(**{"temperature": 0.0, **given, **fixed}, max_tokens=args.max_tokens)  # checked before loading
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     llm = LLM(args.model, **_engine_kwargs(args))
+    # as the server: the model's recommended sampling (--generation-config auto) for what the flags leave unset,
+    # greedy where it recommends nothing, and its max_new_tokens as a cap
+    model = llm.engine.default_sampling
+    params = SamplingParams(**{"temperature": 0.0, **model, **given, **fixed,
+                               "max_tokens": min(args.max_tokens, model.get("max_tokens", args.max_tokens))})
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     comp, m = out.outputs[0], out.metrics
     if args.json:  # stdout holds the JSON alone (the engine's start-up line goes to stderr)
@@ -180,10 +186,15 @@ def main(argv=None) -> None:
                        help="generate a completion for one prompt and print it")
     _engine_args(g, max_model_len=4096)
     g.add_argument("prompt", help="prompt text ('-': read it from standard input)")
-    g.add_argument("--max-tokens", type=positive_int, default=32, help="tokens to generate")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: off)")
+    g.add_argument("--max-tokens", type=positive_int, default=32,
+                   help="tokens to generate (at most the model's generation_config.json max_new_tokens)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: the model's generation_config.json value, else 0)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass, 1: off (default: the model's generation_config.json value, else 1)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="keep the k most likely tokens, -1: off (default: the model's generation_config.json "
+                        "value, else -1)")
     g.add_argument("--seed-sampling", type=int, default=None, help="sampling seed of the request")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (in the --json output)")

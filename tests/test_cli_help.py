@@ -157,3 +157,35 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     defaults = inspect.signature(real_engine.__init__).parameters
     kw = seen["engine"][1]
     assert kw == {**{k: defaults[k].default for k in kw}, "max_model_len": 2048} and "warm_up" not in seen
+
+
+def test_generate_takes_the_models_recommended_sampling_for_what_its_flags_leave_unset(monkeypatch, capsys):
+    """`gdn-jax generate` honours --generation-config as the server does: the model folder's generation_config.json
+    sampling fields fill what the command line leaves unset (greedy where the model recommends nothing), and its
+    max_new_tokens caps --max-tokens; with --generation-config vllm the engine reports no such defaults."""
+    import types
+
+    import gdn_jax.engine
+    from gdn_jax.cli import main
+
+    seen = []
+
+    class FakeLLM:
+        def __init__(self, model, **kw):
+            recommended = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "max_tokens": 8}
+            self.engine = types.SimpleNamespace(
+                default_sampling=recommended if kw["generation_config"] == "auto" else {})
+
+        def generate(self, prompt, params, use_tqdm=True):
+            seen.append(params)
+            comp = types.SimpleNamespace(text="", token_ids=[], finish_reason="length", stop_reason=None, logprobs=None)
+            return [types.SimpleNamespace(outputs=[comp], metrics=types.SimpleNamespace(ttft=0.0, finished_time=None),
+                                          prompt_token_ids=[1], num_cached_tokens=0)]
+
+    monkeypatch.setattr(gdn_jax.engine, "LLM", FakeLLM)
+    main(["generate", "x"])
+    main(["generate", "--temperature", "0.8", "--top-k", "5", "--max-tokens", "4", "x"])
+    main(["generate", "--generation-config", "vllm", "x"])
+    capsys.readouterr()
+    got = [(p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) for p in seen]
+    assert got == [(0.6, 0.95, 20, 0.05, 8), (0.8, 0.95, 5, 0.05, 4), (0.0, 1.0, -1, 0.0, 32)]
