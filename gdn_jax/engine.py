@@ -327,6 +327,9 @@ class LLMEngine:
         for name, value in ints.items():  # a float here failed later, in a shape or a slice, naming nothing
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
                 raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        for name, value in dict(enable_prefix_caching=enable_prefix_caching, mixed_steps=mixed_steps).items():
+            if not isinstance(value, (bool, np.bool_)):  # a string such as "false" read as true: the other mode
+                raise ValueError(f"{name} must be a bool, got {value!r}")
         if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):
             raise ValueError(f"gpu_memory_utilization must be a number, got {gpu_memory_utilization!r}")
         if not 0.0 < gpu_memory_utilization <= 1.0:  # also where no budget is asked for (both pool counts given)

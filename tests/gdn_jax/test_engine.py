@@ -137,6 +137,8 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, para
     (dict(max_num_seqs=True), "max_num_seqs must be an int, got True"),
     (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number"),
     (dict(seed=None), "seed must be an int"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be a bool, got 'no'"),  # was read as True
+    (dict(mixed_steps="false"), "mixed_steps must be a bool, got 'false'"),
 ])
 def test_invalid_cache_configuration_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
