@@ -68,8 +68,8 @@ def main(argv=None) -> dict:
                   help='model preset, random weights (default: %(default)s)')
     p.add_argument("--dtypes", default="bfloat16,float32",
                   help='dtypes, comma-separated (default: %(default)s)')
-    p.add_argument("--shapes", default="1x2048,16x1,16x64", help="ROWSxTOKENS,... (tokens 1: decode)")
-    p.add_argument("--context", type=positive_int, default=1024, help="cached tokens before a decode row")
+    p.add_argument("--shapes", default="1x2048,16x1,16x64", help="ROWSxTOKENS,... (tokens 1: decode) (default: %(default)s)")
+    p.add_argument("--context", type=positive_int, default=1024, help="cached tokens before a decode row (default: %(default)s)")
     p.add_argument("--repeats", type=positive_int, default=5,
                   help='timed runs per option set and shape, after a warm-up round (default: %(default)s)')
     p.add_argument("--sets", default="", help="names of the option sets to run, ';'-separated (default: all; "

@@ -54,7 +54,7 @@ def model_config(a) -> ModelConfig:
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(prog="train_tiny.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "gdn_jax" / "models" / "tiny"), help="model folder to write")
+    ap.add_argument("--out", default=str(ROOT / "gdn_jax" / "models" / "tiny"), help="model folder to write (default: %(default)s)")
     ap.add_argument("--log-dir", default=str(ROOT / "results" / "train_tiny"), help="loss curve, log and checkpoints (default: %(default)s)")
     ap.add_argument("--ckpt-dir", default=None, help="orbax checkpoints (default: LOG_DIR/ckpt)")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir, "
@@ -71,7 +71,7 @@ def parse(argv=None):
     g.add_argument("--warmup", type=nonnegative_int, default=TrainConfig.warmup, help="linear warm-up steps (default: %(default)s)")
     g.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay, help="AdamW weight decay (default: %(default)s)")
     g.add_argument("--seed", type=nonnegative_int, default=TrainConfig.seed, help="initialisation and data-order seed (default: %(default)s)")
-    g.add_argument("--dtype", default=TrainConfig.compute_dtype, choices=["bfloat16", "float32"], help="compute dtype")
+    g.add_argument("--dtype", default=TrainConfig.compute_dtype, choices=["bfloat16", "float32"], help="compute dtype (default: %(default)s)")
     g.add_argument("--eval-every", type=positive_int, default=TrainConfig.eval_every, help="steps between held-out evaluations (default: %(default)s)")
     g.add_argument("--eval-window", type=positive_int, default=TrainConfig.eval_window, help="bytes per held-out evaluation window (default: %(default)s)")
     g.add_argument("--ckpt-every", type=positive_int, default=TrainConfig.ckpt_every, help="steps between orbax checkpoints (default: %(default)s)")
