@@ -143,6 +143,8 @@ def _generate(args) -> None:
                                "max_tokens": min(args.max_tokens, model.get("max_tokens", args.max_tokens))})
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     comp, m = out.outputs[0], out.metrics
+    if out.error is not None:  # a device step failed (the engine warned): no completion to print
+        sys.exit(f"gdn-jax generate: the request failed: {out.error}")
     if args.json:  # stdout holds the JSON alone (the engine's start-up line goes to stderr)
         print(json.dumps({"text": comp.text, "token_ids": comp.token_ids, "finish_reason": comp.finish_reason,
                           "stop_reason": comp.stop_reason, "prompt_tokens": len(out.prompt_token_ids),

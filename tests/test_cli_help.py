@@ -180,7 +180,7 @@ def test_generate_takes_the_models_recommended_sampling_for_what_its_flags_leave
             seen.append(params)
             comp = types.SimpleNamespace(text="", token_ids=[], finish_reason="length", stop_reason=None, logprobs=None)
             return [types.SimpleNamespace(outputs=[comp], metrics=types.SimpleNamespace(ttft=0.0, finished_time=None),
-                                          prompt_token_ids=[1], num_cached_tokens=0)]
+                                          prompt_token_ids=[1], num_cached_tokens=0, error=None)]
 
     monkeypatch.setattr(gdn_jax.engine, "LLM", FakeLLM)
     main(["generate", "x"])
@@ -189,3 +189,30 @@ def test_generate_takes_the_models_recommended_sampling_for_what_its_flags_leave
     capsys.readouterr()
     got = [(p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) for p in seen]
     assert got == [(0.6, 0.95, 20, 0.05, 8), (0.8, 0.95, 5, 0.05, 4), (0.0, 1.0, -1, 0.0, 32)]
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_generate_whose_step_failed_says_so_in_one_line(monkeypatch, capsys, json_flag):
+    """A request that a failed device step ended (finish_reason "error", no first token) is an exit naming the error,
+    not a TypeError from its missing TTFT nor an empty completion printed as if it had succeeded."""
+    import types
+
+    import gdn_jax.engine
+    from gdn_jax.cli import main
+
+    class FailingLLM:
+        def __init__(self, model, **kw):
+            self.engine = types.SimpleNamespace(default_sampling={})
+
+        def generate(self, prompt, params, use_tqdm=True):
+            comp = types.SimpleNamespace(text="", token_ids=[], finish_reason="error", stop_reason=None, logprobs=None)
+            metrics = types.SimpleNamespace(ttft=None, finished_time=2.0, arrival_time=1.0)
+            return [types.SimpleNamespace(outputs=[comp], metrics=metrics, prompt_token_ids=[1], num_cached_tokens=0,
+                                          error="RuntimeError: RESOURCE_EXHAUSTED: out of memory")]
+
+    monkeypatch.setattr(gdn_jax.engine, "LLM", FailingLLM)
+    with pytest.raises(SystemExit) as e:
+        main(["generate", *json_flag, "x"])
+    captured = capsys.readouterr()
+    assert e.value.code not in (0, None) and captured.out == ""
+    assert "RESOURCE_EXHAUSTED: out of memory" in str(e.value.code)
