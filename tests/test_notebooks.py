@@ -2,7 +2,12 @@
 mode (GDN_JAX_NOTEBOOK_REDUCED=1: fewer training steps, smaller workloads), prints what it is there to show, and ends
 with the values it claims (read from the notebook's namespace)."""
 
+import ast
+import importlib.metadata
 import json
+import re
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -65,3 +70,45 @@ def test_notebook_runs(path, capsys, monkeypatch):
         assert marker in out, marker
     if check is not None:
         check(namespace)
+
+
+def _requirement_names(reqs) -> set[str]:
+    return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in reqs}
+
+
+def _imported_modules(source: str) -> set[str]:
+    """The dotted names of the modules `source` imports (at any depth: a function's import runs when it is called)."""
+    tree = ast.parse("\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_notebooks_extra_installs_what_the_notebooks_import():
+    """`pip install gdn-jax[notebooks]` is enough to run every notebook: each third-party module a notebook imports
+    (in its cells, or at the top of a script of scripts/ it imports) comes from the core dependencies or that
+    extra."""
+    root = NOTEBOOKS[0].parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    allowed = _requirement_names(project["dependencies"] + project["optional-dependencies"]["notebooks"])
+    scripts = {p.stem: p for p in (root / "scripts").glob("*.py")}
+    distributions = importlib.metadata.packages_distributions()
+    missing = {}
+    for path in NOTEBOOKS:
+        cells = json.loads(path.read_text())["cells"]
+        modules = set().union(*(_imported_modules("".join(c["source"])) for c in cells if c["cell_type"] == "code"))
+        # one level into what the notebook imports of the project: a script, or a module of the package
+        for name in sorted(modules):
+            file = scripts.get(name) or root / (name.replace(".", "/") + ".py")
+            if name.split(".")[0] in {"gdn_jax", "scheduler", *scripts} and file.is_file():
+                modules |= _imported_modules(file.read_text())
+        tops = {name.split(".")[0] for name in modules}
+        for name in sorted(tops - set(sys.stdlib_module_names) - scripts.keys() - {"gdn_jax", "scheduler"}):
+            dists = {d.lower().replace("_", "-") for d in distributions.get(name, [name])}
+            if not dists & allowed:
+                missing.setdefault(path.name, []).append(name)
+    assert not missing, f"imported by notebooks, not in the core dependencies or the notebooks extra: {missing}"
