@@ -696,9 +696,10 @@ class LLMEngine:
             self.scheduler.drop_device_state()
         return n
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached KV block and checkpoint no running request uses (e.g. between A/B rounds)."""
-        self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached KV block and checkpoint no running request uses (e.g. between A/B rounds). Returns
+        True when the prefix cache is then empty, False when running requests still hold part of it (as vLLM's)."""
+        return self.scheduler.reset_prefix_cache()
 
     # ---- statistics -----------------------------------------------------------------------------------------
     def cache_stats(self) -> dict:
@@ -826,5 +827,5 @@ class LLM:
     def cache_stats(self) -> dict:
         return self.engine.cache_stats()
 
-    def reset_prefix_cache(self) -> None:
-        self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()

@@ -174,11 +174,15 @@ class CompositeBlockManager:
         if self.linear is not None:
             self.linear.deallocate(seq)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached KV block and checkpoint not in use."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block and checkpoint not in use. True when the prefix cache is then empty; False
+        when running requests still hold cached blocks or checkpoints (kept, and still matched), or a step in flight
+        is writing checkpoints."""
         self.kv.reset_prefix_cache()
-        if self.linear is not None:
-            self.linear.reset_prefix_cache()
+        if self.linear is None:
+            return self.kv.num_cached_blocks == 0
+        self.linear.reset_prefix_cache()
+        return self.kv.num_cached_blocks == 0 and self.linear.num_checkpoints == 0 and not self.linear.saving
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> dict:

@@ -449,9 +449,10 @@ class Scheduler:
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached KV block and checkpoint not in use (e.g. between A/B runs)."""
-        self.block_manager.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block and checkpoint not in use (e.g. between A/B runs). True when the prefix
+        cache is then empty, False when running requests still hold some of it (`CompositeBlockManager`)."""
+        return self.block_manager.reset_prefix_cache()
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> dict:

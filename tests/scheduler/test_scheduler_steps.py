@@ -181,13 +181,19 @@ def test_reset_prefix_cache_forgets_unused_blocks_and_checkpoints():
     submit(sched, dev, make_seq(1, P[:20], max_tokens=1))
     run(sched, dev)
     assert sched.stats()["checkpoint_slots"] == 2 and sched.stats()["kv_blocks_cached"] == 5
-    sched.reset_prefix_cache()
+    assert sched.reset_prefix_cache() is True  # emptied
     stats = sched.stats()
     assert (stats["checkpoint_slots"], stats["kv_blocks_cached"]) == (0, 0)
     assert stats["free_slots"] == cfg.num_linear_slots - 1
     seq = submit(sched, dev, make_seq(2, P[:20] + [1]))
-    sched.schedule()
+    plan = sched.schedule()
     assert seq.num_cached_tokens == 0
+    sched.postprocess(plan, dev.execute(plan))
+    # a running request keeps its computed blocks: they stay cached, and the reset says so
+    held = sched.stats()["kv_blocks_cached"]
+    assert seq.status.name == "RUNNING" and held > 0
+    assert sched.reset_prefix_cache() is False and sched.stats()["kv_blocks_cached"] == held
+    sched.check_invariants()
 
 
 def test_stats_count_queries_hits_and_reused_tokens():
