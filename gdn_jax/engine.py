@@ -327,6 +327,11 @@ class LLMEngine:
         for name, value in ints.items():  # a float here failed later, in a shape or a slice, naming nothing
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
                 raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if not 0 <= seed < SEED_BOUND:  # silently reduced modulo 2**32 before: seeds 0 and 2**32 gave the same model
+            raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+        if not isinstance(model, (str, os.PathLike, ModelConfig)):  # LLM(3) failed inside pathlib, naming nothing
+            raise ValueError(f"model must be a model name, a folder or a ModelConfig, got {model!r} "
+                             f"({type(model).__name__})")
         for name, value in dict(enable_prefix_caching=enable_prefix_caching, mixed_steps=mixed_steps).items():
             if not isinstance(value, (bool, np.bool_)):  # a string such as "false" read as true: the other mode
                 raise ValueError(f"{name} must be a bool, got {value!r}")

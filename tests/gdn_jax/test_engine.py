@@ -137,12 +137,15 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, para
     (dict(max_num_seqs=True), "max_num_seqs must be an int, got True"),
     (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number"),
     (dict(seed=None), "seed must be an int"),
+    (dict(seed=1 << 32), r"seed must be in \[0, 2\*\*32\), got 4294967296"),  # was the model of seed 0
+    (dict(seed=-1), r"seed must be in \[0, 2\*\*32\), got -1"),
+    (dict(model=3), r"model must be a model name, a folder or a ModelConfig, got 3 \(int\)"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be a bool, got 'no'"),  # was read as True
     (dict(mixed_steps="false"), "mixed_steps must be a bool, got 'false'"),
 ])
 def test_invalid_cache_configuration_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        LLM("tiny-random", max_model_len=64, verbose=False, **kwargs)
+        LLM(kwargs.pop("model", "tiny-random"), max_model_len=64, verbose=False, **kwargs)
 
 
 def test_numpy_token_ids_are_accepted(engine):
