@@ -415,10 +415,11 @@ class Worker:
         per_row = T // self.stride if self.checkpoint_policy == "all" else 1
         return min(B * per_row, self.budget // self.stride)
 
-    def _save_arrays(self, saves, B: int, T: int, lengths, ops: RestoreOps):
+    def _save_arrays(self, saves, B: int, T: int, start, lengths, ops: RestoreOps):
         """Plan saves -> (rows, offsets, slots) [S] int32, padded with writes to slot 0; None for a shape without
-        saves. Checked before dispatch: a save lands on a chunk boundary inside its row, in a slot that no row of
-        the step reads or advances."""
+        saves. Checked before dispatch: a save lands on a chunk boundary inside its row, at the position of the
+        checkpoint boundary it is indexed under (else the checkpoint would hold another position's state, restored
+        as exact), in a slot that no row of the step reads or advances."""
         S = self.num_saves(B, T)
         if len(saves) > S:
             raise ValueError(f"{len(saves)} checkpoint saves for a ({B} x {T}) step with room for {S}")
@@ -431,6 +432,10 @@ class Worker:
                 raise ValueError(f"save {i}: row {sv.row} is not a row of this {B}-row step")
             if not (0 < sv.offset <= lengths[sv.row] and sv.offset % self.chunk_size == 0):
                 raise ValueError(f"save {i}: offset {sv.offset} is not a chunk boundary inside row {sv.row}")
+            if start[sv.row] + sv.offset != sv.boundary or sv.boundary % self.stride:
+                raise ValueError(f"save {i}: row {sv.row} reaches position {start[sv.row] + sv.offset} at offset "
+                                 f"{sv.offset}, not the checkpoint boundary {sv.boundary} (a multiple of chunk_stride "
+                                 f"{self.stride}) the save is indexed under")
             if not 1 <= sv.slot < self.memory.num_linear_slots or sv.slot in busy:
                 raise ValueError(f"save {i}: slot {sv.slot} is out of range or read or advanced by this step")
             rows[i], offsets[i], slots[i] = sv.row, sv.offset, sv.slot
@@ -443,7 +448,7 @@ class Worker:
         z = np.zeros((B, T), np.int32)
         ops = RestoreOps.from_ops([], B)
         batch = host_batch(z, np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, NB), np.int32), z, ops,
-                           self._save_arrays([], B, T, None, ops))
+                           self._save_arrays([], B, T, None, None, ops))
         return batch, SamplingMetadata.padding(B, self.history_width)
 
     def warm_up(self, prompt_logprobs: bool = False, compile_threads: int | None = None) -> int:
@@ -645,7 +650,7 @@ class Worker:
                 raise ValueError("every scheduled row of a model with GDN layers needs a LinearStateCacheOp")
             validate_cache_ops(ops, self.memory.num_linear_slots, in_place=T == 1)
         restore = RestoreOps.from_ops(ops, B)
-        saves = self._save_arrays(getattr(plan, "saves", ()), B, T, lengths, restore)
+        saves = self._save_arrays(getattr(plan, "saves", ()), B, T, start, lengths, restore)
         batch = host_batch(tokens, start, lengths, tables, slot_mapping, restore, saves)
         sampling = SamplingMetadata.from_rows(seqs, B, self.history_width, self.cfg.vocab_size,
                                               self.eos_token_ids, self.seed)

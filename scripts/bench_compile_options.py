@@ -57,7 +57,7 @@ def step_args(worker, rows: int, tokens: int, context: int, rng) -> Batch:
     lengths = np.full(rows, tokens, np.int32)
     ops = RestoreOps.from_ops([], rows)
     ops.linear_state_ids[:] = 1 + np.arange(rows)
-    saves = worker._save_arrays([], rows, tokens, lengths, ops)
+    saves = worker._save_arrays([], rows, tokens, np.full(rows, context, np.int32), lengths, ops)
     return host_batch(rng.integers(0, worker.cfg.vocab_size, (rows, tokens), dtype=np.int32),
                       np.full(rows, context, np.int32), lengths, tables, slot_mapping, ops, saves)
 

@@ -144,3 +144,18 @@ def test_a_save_of_a_row_outside_the_step_is_refused(engines, row):
     bad = StepPlan(True, plan.seqs, [type(sv)(row, sv.offset, sv.boundary, sv.slot)],
                    num_decode_rows=plan.num_decode_rows)
     _fails_and_leaves_the_pools(engine, plan, bad, f"row {row} is not a row of this")
+
+
+@pytest.mark.parametrize("shift", [-1, 1])
+def test_a_save_whose_boundary_is_not_its_position_is_refused(engines, shift):
+    """A save is indexed under its boundary's hash: one whose row reaches another position at its offset (another
+    boundary, or none) would store the state of one position as the checkpoint of another, restored later as exact.
+    It is a ValueError naming both, with nothing dispatched."""
+    engine = engines[0]
+    plan = _mixed_plan(engine)
+    sv = plan.saves[0]
+    boundary = sv.boundary + shift * (engine.worker.stride if shift > 0 else 1)
+    bad = StepPlan(True, plan.seqs, [type(sv)(sv.row, sv.offset, boundary, sv.slot)],
+                   num_decode_rows=plan.num_decode_rows)
+    _fails_and_leaves_the_pools(engine, plan, bad, f"position {sv.boundary} at offset {sv.offset}, not the "
+                                                   f"checkpoint boundary {boundary}")
