@@ -6,8 +6,8 @@ every shape (0.3-1.5 s each for Qwen3.5-9B's step, most of a second start's warm
 executable up. This store keys it by what determines the module instead: the source of the package (every
 `gdn_jax` and `scheduler` file, so any code change misses), the jax and jaxlib versions, the backend and device, the
 compile options, the static context the caller passes (model config, GDN chunk size and schedule), the environment
-that changes a compiled program (`ENVIRONMENT`, the default matmul precision) and the tree structure, shapes and
-dtypes of the arguments. A hit is `jax.experimental.serialize_executable`'s payload, loaded as a `jax.stages.Compiled`
+that changes a compiled program (`ENVIRONMENT`), JAX's settings that do (`jax_settings`: the default matmul
+precision, how random bits are drawn, ...) and the tree structure, shapes and dtypes of the arguments. A hit is `jax.experimental.serialize_executable`'s payload, loaded as a `jax.stages.Compiled`
 (its argument donation included). A corrupt or unreadable entry is a miss; a write that fails leaves no entry.
 
 The folder is `executables/<version>/` beside JAX's persistent cache (engine.enable_compilation_cache; off when that
@@ -46,6 +46,24 @@ from gdn_jax import model
 
 
 ENVIRONMENT = ("XLA_FLAGS", "GDN_JAX_UNROLL_LAYERS")  # environment variables that change a compiled step
+# JAX settings that change a traced program without changing its arguments, when JAX cannot list them itself (below)
+JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_threefry_partitionable",
+                "jax_random_seed_offset", "jax_high_dynamic_range_gumbel", "jax_numpy_dtype_promotion",
+                "jax_numpy_rank_promotion", "jax_default_prng_impl")
+
+
+def jax_settings() -> list[tuple[str, str]]:
+    """The JAX settings a traced program depends on, as (name, repr): those JAX's own trace cache keys by (its trace
+    context: the default matmul precision, how random bits are drawn (threefry_partitionable, the seed offset, the
+    Gumbel sampler), 64-bit types, promotion rules, ...), and the default PRNG implementation."""
+    try:
+        from jax._src.config import trace_context_names
+        names = [*(trace_context_names() if callable(trace_context_names) else trace_context_names),
+                 "jax_default_prng_impl"]
+    except (ImportError, TypeError):  # another jax: the settings known to change a step
+        names = list(JAX_SETTINGS)
+    values = jax.config.values
+    return [(name, repr(values[name])) for name in dict.fromkeys(names) if name in values]
 
 
 @functools.cache
@@ -89,9 +107,10 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
     leaves, treedef = jax.tree.flatten(args)
     spec = [(tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in leaves]
     device = jax.devices()[0]
-    # what changes the compiled program from outside the arguments: XLA's flags, the layer-loop switch, precision;
-    # and the runtime it was compiled for (the device's kind, the backend's version: a GPU's CUDA and driver)
-    env = [(name, os.environ.get(name)) for name in ENVIRONMENT] + [("precision", jax.config.jax_default_matmul_precision)]
+    # what changes the compiled program from outside the arguments: XLA's flags, the layer-loop switch, JAX's
+    # settings (precision, random bits, ...); and the runtime it was compiled for (the device's kind, the backend's
+    # version: a GPU's CUDA and driver)
+    env = [(name, os.environ.get(name)) for name in ENVIRONMENT] + jax_settings()
     if device.platform == "cpu" and any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves):
         # a 16-bit model's prefill products take the form this machine multiplies faster (model.upcast_is_faster)
         env.append(("bf16_upcast", model.upcast_is_faster()))

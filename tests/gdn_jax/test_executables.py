@@ -160,6 +160,34 @@ def test_an_executable_stored_while_jax_cache_holds_its_program_runs_on_the_next
         jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
 
 
+SMALL = dict(verbose=False, max_num_seqs=1, max_model_len=64, chunk_stride=16, max_num_batched_tokens=16)
+
+
+@pytest.mark.slow  # compiles the 3 executables of a one-row grid three times
+def test_a_jax_setting_that_changes_the_program_is_not_served_another_settings_executable(tmp_path):
+    """jax_threefry_partitionable changes how sampling draws its random bits (the program), not the arguments: an
+    engine started with the other value must not load the executables stored under this one, and must sample what it
+    samples without the store."""
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+
+    def start(folder):
+        llm = LLM("tiny-random", **SMALL)
+        llm.engine.worker.executable_dir = folder
+        llm.engine.warm_up()
+        return llm.engine.worker.warm_up_stats, llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    stored, _ = start(str(tmp_path))
+    assert stored["loaded"] == 0
+    flag = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", not flag)
+    try:
+        _, want = start(None)
+        stats, got = start(str(tmp_path))
+    finally:
+        jax.config.update("jax_threefry_partitionable", flag)
+    assert stats == {"loaded": 0, "compiled": stored["compiled"]} and got == want
+
+
 def test_the_key_follows_shapes_dtypes_structure_options_and_context(monkeypatch):
     args = (jnp.zeros((2, 3)), {"a": np.zeros(4, np.int32)})
     key = executables.executable_key("step", ("cfg", 64), args, {"o": False})
@@ -174,6 +202,13 @@ def test_the_key_follows_shapes_dtypes_structure_options_and_context(monkeypatch
         with monkeypatch.context() as m:  # the environment that changes a compiled program is part of the key
             m.setenv(name, value)
             others.append(executables.executable_key("step", ("cfg", 64), args, {"o": False}))
+    for name in ("jax_threefry_partitionable", "jax_high_dynamic_range_gumbel"):  # JAX settings that change a program
+        value = getattr(jax.config, name)
+        jax.config.update(name, not value)
+        try:
+            others.append(executables.executable_key("step", ("cfg", 64), args, {"o": False}))
+        finally:
+            jax.config.update(name, value)
     device = jax.devices()[0]
     other_runtime = type("Device", (), {"platform": device.platform, "device_kind": device.device_kind,
                                         "client": type("Client", (), {"platform_version": "cuda 99000"})()})()
