@@ -8,7 +8,8 @@ executable up. This store keys it by what determines the module instead: the sou
 compile options, the static context the caller passes (model config, GDN chunk size and schedule), the environment
 that changes a compiled program (`ENVIRONMENT`), JAX's settings that do (`jax_settings`: the default matmul
 precision, how random bits are drawn, ...) and the tree structure, shapes and dtypes of the arguments. A hit is `jax.experimental.serialize_executable`'s payload, loaded as a `jax.stages.Compiled`
-(its argument donation included). A corrupt or unreadable entry is a miss; a write that fails leaves no entry.
+(its argument donation included). A corrupt or unreadable entry is a miss (an entry holds its digest); a write that
+fails leaves no entry.
 
 The folder is `executables/<version>/` beside JAX's persistent cache (engine.enable_compilation_cache; off when that
 is off), one subfolder per source digest: every edit of the package writes a new set (~56 MB for Qwen3.5-9B's warm-up
@@ -119,14 +120,20 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+DIGEST = 32  # an entry starts with the SHA-256 of the rest (`save`)
+
+
 def load(folder: str | None, key: str):
-    """The `jax.stages.Compiled` stored under `key`, or None (no folder, no entry, or one that does not load). A hit
-    is marked used (its modification time: what `evict` orders by)."""
+    """The `jax.stages.Compiled` stored under `key`, or None (no folder, no entry, one whose digest does not match,
+    or one that does not load). A hit is marked used (its modification time: what `evict` orders by)."""
     path = Path(folder, key) if folder else None
     if path is None or not path.is_file():
         return None
     try:
-        compiled = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+        data = path.read_bytes()
+        if hashlib.sha256(data[DIGEST:]).digest() != data[:DIGEST]:  # damaged (see `save`)
+            return None
+        compiled = serialize_executable.deserialize_and_load(*pickle.loads(data[DIGEST:]))
     except Exception:  # noqa: BLE001 - a stale or corrupt entry is a miss: the caller compiles
         return None
     with contextlib.suppress(OSError):
@@ -217,14 +224,16 @@ def fresh_compilation():
 
 def save(folder: str | None, key: str, compiled, max_bytes: int | None = None) -> bool:
     """Stores `compiled` under `key` (atomically: a concurrent reader sees the whole entry or none), then keeps the
-    store within `max_bytes` (`evict`; default: JAX's cache bound, `jax_compilation_cache_max_size`)."""
+    store within `max_bytes` (`evict`; default: JAX's cache bound, `jax_compilation_cache_max_size`). The entry
+    starts with its payload's digest, which `load` checks: XLA does not check an executable it deserializes, and a
+    damaged one loaded and computed wrong values, or aborted the process (in the load or at its first call)."""
     if not folder or Path(folder, key + BAD).exists():
         return False
     try:
         os.makedirs(folder, exist_ok=True)
         payload = pickle.dumps(serialize_executable.serialize(compiled))
         with tempfile.NamedTemporaryFile(dir=folder, delete=False, suffix=".tmp") as f:
-            f.write(payload)
+            f.write(hashlib.sha256(payload).digest() + payload)
         os.replace(f.name, os.path.join(folder, key))
     except (OSError, ValueError, TypeError, pickle.PicklingError):
         return False

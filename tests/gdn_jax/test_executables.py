@@ -228,6 +228,40 @@ def test_a_corrupt_or_missing_entry_is_a_miss(tmp_path):
     assert not executables.save(None, "k", compiled)
 
 
+_DAMAGED_CHILD = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from gdn_jax import executables
+folder = sys.argv[1]
+compiled = jax.jit(lambda x: jnp.sin(x) * 2 + jnp.cumsum(x)).lower(jnp.ones(64)).compile()
+assert executables.save(folder, "k", compiled)
+path = folder + "/k"
+data = open(path, "rb").read()
+for at in np.linspace(0.02, 0.98, 25):
+    damaged = bytearray(data)
+    damaged[int(len(data) * at)] ^= 1
+    open(path, "wb").write(bytes(damaged))
+    if executables.load(folder, "k") is not None:  # (not called: it could crash the process)
+        print("loaded", round(at, 2), flush=True)
+open(path, "wb").write(data)
+assert np.array_equal(executables.load(folder, "k")(jnp.ones(64)), compiled(jnp.ones(64)))
+print("done")
+"""
+
+
+def test_an_entry_damaged_in_its_executable_is_a_miss(tmp_path):
+    """A bit changed anywhere in an entry (on the disk, in a copy) is a miss: deserializing does not check the
+    executable, and a damaged one loaded, then computed wrong values or stopped the process at its first call, or
+    stopped it in the load itself (XLA aborts). Run in a process of its own, which such a load would end."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DAMAGED_CHILD, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert done.stdout.split() == ["done"]
+
+
 def test_the_store_keeps_the_most_recently_used_source_versions(tmp_path):
     """One subfolder per source version; opening the store deletes all but the KEEP_VERSIONS most recently used ones
     and the entries of the former flat layout, and never the current version's."""
