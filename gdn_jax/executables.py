@@ -229,13 +229,18 @@ def save(folder: str | None, key: str, compiled, max_bytes: int | None = None) -
     damaged one loaded and computed wrong values, or aborted the process (in the load or at its first call)."""
     if not folder or Path(folder, key + BAD).exists():
         return False
+    partial = None
     try:
         os.makedirs(folder, exist_ok=True)
         payload = pickle.dumps(serialize_executable.serialize(compiled))
         with tempfile.NamedTemporaryFile(dir=folder, delete=False, suffix=".tmp") as f:
+            partial = f.name
             f.write(hashlib.sha256(payload).digest() + payload)
-        os.replace(f.name, os.path.join(folder, key))
+        os.replace(partial, os.path.join(folder, key))
     except (OSError, ValueError, TypeError, pickle.PicklingError):
+        if partial:  # (a full disk: no eviction counts or deletes a partial file)
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
         return False
     evict(folder, jax.config.jax_compilation_cache_max_size if max_bytes is None else max_bytes, keep=key)
     return True

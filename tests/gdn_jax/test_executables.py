@@ -262,6 +262,32 @@ def test_an_entry_damaged_in_its_executable_is_a_miss(tmp_path):
     assert done.stdout.split() == ["done"]
 
 
+def test_a_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A full disk (the write fails halfway) or a failed rename: no entry, and no partial file left behind, which
+    no eviction counts or deletes."""
+    compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile()
+    real = executables.tempfile.NamedTemporaryFile
+
+    def full_disk(*args, **kwargs):
+        f = real(*args, **kwargs)
+
+        def write(data):
+            f.file.write(data[:len(data) // 2])
+            f.file.flush()
+            raise OSError(28, "No space left on device")
+        f.write = write
+        return f
+
+    with monkeypatch.context() as m:
+        m.setattr(executables.tempfile, "NamedTemporaryFile", full_disk)
+        assert not executables.save(str(tmp_path), "k", compiled)
+    with monkeypatch.context() as m:
+        m.setattr(executables.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(18, "Invalid cross-device link")))
+        assert not executables.save(str(tmp_path), "k", compiled)
+    assert list(tmp_path.iterdir()) == []
+    assert executables.save(str(tmp_path), "k", compiled) and [p.name for p in tmp_path.iterdir()] == ["k"]
+
+
 def test_the_store_keeps_the_most_recently_used_source_versions(tmp_path):
     """One subfolder per source version; opening the store deletes all but the KEEP_VERSIONS most recently used ones
     and the entries of the former flat layout, and never the current version's."""
