@@ -7,9 +7,10 @@ executable up. This store keys it by what determines the module instead: the sou
 `gdn_jax` and `scheduler` file, so any code change misses), the jax and jaxlib versions, the backend and device, the
 compile options, the static context the caller passes (model config, GDN chunk size and schedule), the environment
 that changes a compiled program (`ENVIRONMENT`), JAX's settings that do (`jax_settings`: the default matmul
-precision, how random bits are drawn, ...) and the tree structure, shapes and dtypes of the arguments. A hit is `jax.experimental.serialize_executable`'s payload, loaded as a `jax.stages.Compiled`
-(its argument donation included). A corrupt or unreadable entry is a miss (an entry holds its digest); a write that
-fails leaves no entry.
+precision, how random bits are drawn, ...) and the tree structure, shapes and dtypes of the arguments. A hit is
+`jax.experimental.serialize_executable`'s payload, loaded as a `jax.stages.Compiled` (its argument donation included).
+A corrupt or unreadable entry is a miss (an entry holds its digest); a write that fails leaves no entry; either says
+so once (a RuntimeWarning), and the engine compiles.
 
 The folder is `executables/<version>/` beside JAX's persistent cache (engine.enable_compilation_cache; off when that
 is off), one subfolder per source digest: every edit of the package writes a new set (~56 MB for Qwen3.5-9B's warm-up
@@ -35,6 +36,7 @@ import pickle
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
@@ -97,7 +99,7 @@ def default_folder(cache: str | None = None) -> str | None:
         others = sorted((p for p in root.iterdir() if p != folder), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in [p for p in others if not p.is_dir()] + [p for p in others if p.is_dir()][KEEP_VERSIONS - 1:]:
             shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
-    except OSError:  # a read-only or vanished cache folder: the store misses and saving fails quietly
+    except OSError:  # a read-only or vanished cache folder: the store misses and saving fails (`save` says so)
         pass
     return str(folder)
 
@@ -121,6 +123,17 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
 
 
 DIGEST = 32  # an entry starts with the SHA-256 of the rest (`save`)
+_said: set[str] = set()  # what `_say` has said in this process
+
+
+def _say(what: str, message: str) -> None:
+    """Warns `message` once per process for `what` (a folder that cannot be written, a damaged entry): the store's
+    failures are misses, the engine compiles instead, and this says why a start compiled what it could have loaded."""
+    if what in _said:
+        return
+    _said.add(what)
+    from gdn_jax.engine import _outside_package  # (engine imports this module)
+    warnings.warn(message, RuntimeWarning, stacklevel=_outside_package())
 
 
 def load(folder: str | None, key: str):
@@ -132,9 +145,12 @@ def load(folder: str | None, key: str):
     try:
         data = path.read_bytes()
         if hashlib.sha256(data[DIGEST:]).digest() != data[:DIGEST]:  # damaged (see `save`)
-            return None
+            raise ValueError("its digest does not match its content")
         compiled = serialize_executable.deserialize_and_load(*pickle.loads(data[DIGEST:]))
-    except Exception:  # noqa: BLE001 - a stale or corrupt entry is a miss: the caller compiles
+    except FileNotFoundError:  # deleted since (another process evicting it)
+        return None
+    except Exception as exc:  # noqa: BLE001 - a damaged entry is a miss: the caller compiles (and replaces it)
+        _say(str(path), f"the executable store's entry {path} does not load ({exc}): compiled again")
         return None
     with contextlib.suppress(OSError):
         os.utime(path)
@@ -237,7 +253,10 @@ def save(folder: str | None, key: str, compiled, max_bytes: int | None = None) -
             partial = f.name
             f.write(hashlib.sha256(payload).digest() + payload)
         os.replace(partial, os.path.join(folder, key))
-    except (OSError, ValueError, TypeError, pickle.PicklingError):
+    except (OSError, ValueError, TypeError, pickle.PicklingError) as exc:
+        if isinstance(exc, OSError):  # the folder, not this executable
+            _say(folder, f"the executable store {folder} cannot be written ({exc}): what warm-up compiles is not "
+                         f"kept, a later start compiles it again")
         if partial:  # (a full disk: no eviction counts or deletes a partial file)
             with contextlib.suppress(OSError):
                 os.unlink(partial)

@@ -223,7 +223,8 @@ def test_a_corrupt_or_missing_entry_is_a_miss(tmp_path):
     assert executables.save(str(tmp_path), "k", compiled)
     assert np.array_equal(executables.load(str(tmp_path), "k")(jnp.ones(3)), [2.0, 2.0, 2.0])
     (tmp_path / "k").write_bytes(b"not an executable")
-    assert executables.load(str(tmp_path), "k") is None
+    with pytest.warns(RuntimeWarning, match="does not load"):
+        assert executables.load(str(tmp_path), "k") is None
     assert executables.load(str(tmp_path), "absent") is None and executables.load(None, "k") is None
     assert not executables.save(None, "k", compiled)
 
@@ -280,12 +281,38 @@ def test_a_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(executables.tempfile, "NamedTemporaryFile", full_disk)
-        assert not executables.save(str(tmp_path), "k", compiled)
+        with pytest.warns(RuntimeWarning, match="No space left on device"):
+            assert not executables.save(str(tmp_path), "k", compiled)
     with monkeypatch.context() as m:
-        m.setattr(executables.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(18, "Invalid cross-device link")))
+        m.setattr(executables.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(18, "Cross-device link")))
         assert not executables.save(str(tmp_path), "k", compiled)
     assert list(tmp_path.iterdir()) == []
     assert executables.save(str(tmp_path), "k", compiled) and [p.name for p in tmp_path.iterdir()] == ["k"]
+
+
+def test_a_store_that_cannot_be_written_or_holds_a_damaged_entry_says_so_once(tmp_path, monkeypatch):
+    """A read-only folder (or a full disk): every save fails, the engine compiles as without a store, and one warning
+    per folder says why (else every start compiled everything with nothing to say why). A damaged entry: one warning
+    naming it, then a miss (warm-up compiles and replaces it)."""
+    compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile()
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", kwargs.get("dir"))
+
+    with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m.setattr(executables.tempfile, "NamedTemporaryFile", read_only)
+        assert not any([executables.save(str(tmp_path), key, compiled) for key in ("a", "b", "c")])
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and all(part in said[0] for part in (str(tmp_path), "Permission denied", "cannot be written"))
+
+    assert executables.save(str(tmp_path), "k", compiled)
+    (tmp_path / "k").write_bytes((tmp_path / "k").read_bytes()[:-1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert executables.load(str(tmp_path), "k") is None and executables.load(str(tmp_path), "k") is None
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and str(tmp_path / "k") in said[0] and "does not load" in said[0]
 
 
 def test_the_store_keeps_the_most_recently_used_source_versions(tmp_path):
