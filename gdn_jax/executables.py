@@ -127,8 +127,9 @@ _said: set[str] = set()  # what `_say` has said in this process
 
 
 def _say(what: str, message: str) -> None:
-    """Warns `message` once per process for `what` (a folder that cannot be written, a damaged entry): the store's
-    failures are misses, the engine compiles instead, and this says why a start compiled what it could have loaded."""
+    """Warns `message` once per process for `what` (a folder that cannot be read or written, a damaged entry): the
+    store's failures are misses, the engine compiles instead, and this says why a start compiled what it could have
+    loaded."""
     if what in _said:
         return
     _said.add(what)
@@ -139,16 +140,21 @@ def _say(what: str, message: str) -> None:
 def load(folder: str | None, key: str):
     """The `jax.stages.Compiled` stored under `key`, or None (no folder, no entry, one whose digest does not match,
     or one that does not load). A hit is marked used (its modification time: what `evict` orders by)."""
-    path = Path(folder, key) if folder else None
-    if path is None or not path.is_file():
+    if not folder:
         return None
+    path = Path(folder, key)
     try:
         data = path.read_bytes()
+    except FileNotFoundError:  # no entry (or deleted since: another process evicting it)
+        return None
+    except OSError as exc:  # a folder this user may not enter (another user's, mode 700)
+        _say(f"read {folder}", f"the executable store {folder} cannot be read ({exc}): what it holds is compiled "
+                                f"again")
+        return None
+    try:
         if hashlib.sha256(data[DIGEST:]).digest() != data[:DIGEST]:  # damaged (see `save`)
             raise ValueError("its digest does not match its content")
         compiled = serialize_executable.deserialize_and_load(*pickle.loads(data[DIGEST:]))
-    except FileNotFoundError:  # deleted since (another process evicting it)
-        return None
     except Exception as exc:  # noqa: BLE001 - a damaged entry is a miss: the caller compiles (and replaces it)
         _say(str(path), f"the executable store's entry {path} does not load ({exc}): compiled again")
         return None
@@ -243,10 +249,12 @@ def save(folder: str | None, key: str, compiled, max_bytes: int | None = None) -
     store within `max_bytes` (`evict`; default: JAX's cache bound, `jax_compilation_cache_max_size`). The entry
     starts with its payload's digest, which `load` checks: XLA does not check an executable it deserializes, and a
     damaged one loaded and computed wrong values, or aborted the process (in the load or at its first call)."""
-    if not folder or Path(folder, key + BAD).exists():
+    if not folder:
         return False
     partial = None
     try:
+        if Path(folder, key + BAD).exists():
+            return False
         os.makedirs(folder, exist_ok=True)
         payload = pickle.dumps(serialize_executable.serialize(compiled))
         with tempfile.NamedTemporaryFile(dir=folder, delete=False, suffix=".tmp") as f:

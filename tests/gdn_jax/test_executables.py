@@ -315,6 +315,48 @@ def test_a_store_that_cannot_be_written_or_holds_a_damaged_entry_says_so_once(tm
     assert len(said) == 1 and str(tmp_path / "k") in said[0] and "does not load" in said[0]
 
 
+_DENIED_CHILD = """
+import sys, warnings
+import jax, jax.numpy as jnp
+from gdn_jax import executables
+warnings.simplefilter("always")
+compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    print("load", executables.load(sys.argv[1], "k"), "save", executables.save(sys.argv[1], "k", compiled))
+print("warnings", len(caught), *(str(w.message) for w in caught), sep="\\n")
+"""
+
+
+def test_a_store_folder_this_user_may_not_enter_is_a_miss(tmp_path):
+    """A store folder of another user (a shared cache folder, mode 700): looking an entry up is refused (EACCES). A
+    look-up and a save are misses that say so, as for a read-only folder; they raised PermissionError, and warm-up
+    with them. Run in a process of its own: as root it drops the right to pass permission checks (setpriv)."""
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "executables" / "v"
+    folder.mkdir(parents=True)
+    folder.chmod(0)
+    command = [sys.executable, "-c", _DENIED_CHILD, str(folder)]
+    if os.geteuid() == 0:
+        caps = "-dac_override,-dac_read_search"
+        setpriv = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+        if not shutil.which("setpriv") or subprocess.run([*setpriv, "true"], capture_output=True).returncode:
+            pytest.skip("as root, needs setpriv (and the right to drop capabilities) to be refused")
+        command = [*setpriv, *command]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    finally:
+        folder.chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "load None save False" and lines[1] == "warnings" and lines[2] == "2", done.stdout
+    assert all("Permission denied" in line and str(folder) in line for line in lines[3:5]), done.stdout
+
+
 def test_the_store_keeps_the_most_recently_used_source_versions(tmp_path):
     """One subfolder per source version; opening the store deletes all but the KEEP_VERSIONS most recently used ones
     and the entries of the former flat layout, and never the current version's."""
