@@ -261,13 +261,15 @@ def save(folder: str | None, key: str, compiled, max_bytes: int | None = None) -
             partial = f.name
             f.write(hashlib.sha256(payload).digest() + payload)
         os.replace(partial, os.path.join(folder, key))
+        partial = None
     except (OSError, ValueError, TypeError, pickle.PicklingError) as exc:
         if isinstance(exc, OSError):  # the folder, not this executable
             _say(folder, f"the executable store {folder} cannot be written ({exc}): what warm-up compiles is not "
                          f"kept, a later start compiles it again")
-        if partial:  # (a full disk: no eviction counts or deletes a partial file)
+        return False
+    finally:
+        if partial:  # (a full disk, an interrupt: no eviction counts or deletes a partial file)
             with contextlib.suppress(OSError):
                 os.unlink(partial)
-        return False
     evict(folder, jax.config.jax_compilation_cache_max_size if max_bytes is None else max_bytes, keep=key)
     return True

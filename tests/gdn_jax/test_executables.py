@@ -264,8 +264,8 @@ def test_an_entry_damaged_in_its_executable_is_a_miss(tmp_path):
 
 
 def test_a_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
-    """A full disk (the write fails halfway) or a failed rename: no entry, and no partial file left behind, which
-    no eviction counts or deletes."""
+    """A full disk (the write fails halfway), a failed rename or an interrupt: no entry, and no partial file left
+    behind, which no eviction counts or deletes."""
     compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile()
     real = executables.tempfile.NamedTemporaryFile
 
@@ -286,6 +286,16 @@ def test_a_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(executables.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(18, "Cross-device link")))
         assert not executables.save(str(tmp_path), "k", compiled)
+    assert list(tmp_path.iterdir()) == []
+
+    def interrupted(*args, **kwargs):  # Ctrl-C while warm-up writes an entry
+        f = real(*args, **kwargs)
+        f.write = lambda data: (_ for _ in ()).throw(KeyboardInterrupt())
+        return f
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(executables.tempfile, "NamedTemporaryFile", interrupted)
+        executables.save(str(tmp_path), "k", compiled)
     assert list(tmp_path.iterdir()) == []
     assert executables.save(str(tmp_path), "k", compiled) and [p.name for p in tmp_path.iterdir()] == ["k"]
 
