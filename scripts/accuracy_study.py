@@ -142,7 +142,7 @@ def run_all(engines: dict[str, LLM], items, max_tokens: int, progress: bool = Tr
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        n = len(items) + sum(i.get("continue_turns", 0) for i in items)
+        n = len(items) + sum(len(i.get("user_turns", ())) for i in items)  # each user turn is one more request
         bar = tqdm(total=n * len(MODES), desc="accuracy study", unit="req")
     ref = run_mode(engines["no_cache"], items, max_tokens, bar=bar)
     runs = {name: run_mode(engines[name], items, max_tokens, reference=ref, bar=bar)

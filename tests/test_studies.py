@@ -199,3 +199,37 @@ def test_the_studies_engines_share_the_accelerators_memory(monkeypatch):
     engines = _script("accuracy_study").make_engines("tiny-random", "float32", 32)
     assert len(engines) == 4 and asked == [GPU_MEMORY_UTILIZATION / 4]
     assert len({(e.engine.memory.num_kv_blocks, e.engine.memory.num_linear_slots) for e in engines.values()}) == 1
+
+
+def test_accuracy_progress_bar_counts_the_continued_turns(monkeypatch):
+    """The bar's total is every request each mode runs, continued turns included (it counted the first turns only,
+    so the bar ran past its total)."""
+    import types
+
+    import numpy as np
+    import tqdm.auto
+    from gdn_jax.tokenizer import ByteTokenizer
+    study = _script("accuracy_study")
+
+    class Engine:  # answers every prompt with one fixed token
+        def generate(self, prompt, params, use_tqdm=False):
+            out = types.SimpleNamespace(token_ids=[7])
+            return [types.SimpleNamespace(outputs=[out], num_cached_tokens=0, prompt_logprobs=[])]
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **_):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    items = study.make_workload(512, 32, 2, 2, 3, np.random.default_rng(0), ByteTokenizer(512))
+    study.run_all({name: Engine() for name in study.MODES}, items, 1)
+    assert bars[0].n == bars[0].total == len(study.MODES) * study.num_requests(groups=2, per_group=2, turns=3)
