@@ -355,6 +355,9 @@ def main(argv=None) -> dict:
         ap.error(f"--shared ({args.shared}) must be below --prompt ({args.prompt}): request B adds tokens of its own")
     args.model = args.model or ("hybrid-1024" if long else "tiny")
     args.chunk_stride = args.chunk_stride or (256 if long else 64)
+    if args.ab and args.shared < args.chunk_stride:  # B would restore nothing: found at once, not after the rounds
+        ap.error(f"--shared ({args.shared}) is below --chunk-stride ({args.chunk_stride}): request B must share a "
+                 f"checkpoint boundary with A for the A/B to compare a restoring step")
     args.passes = args.passes or (1 if args.quick else 3)
     return ab(args) if args.ab else prefill(args) if args.prefill else study(args)
 

@@ -85,6 +85,8 @@ def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
     ("bench_ttft", ["--ab", "--prefill"], "pass one"),
     ("bench_ttft", ["--prefill", "--quick"], "--quick shrinks the study only"),
     ("bench_ttft", ["--rounds", "0"], "argument --rounds: 0 is below 1"),
+    ("bench_ttft", ["--ab", "--model", "tiny", "--prompt", "64", "--shared", "16", "--chunk-stride", "32"],
+     "--shared (16) is below --chunk-stride (32)"),
 ])
 def test_a_bad_option_is_an_error_naming_it_before_anything_runs(script, argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
