@@ -44,6 +44,18 @@ def conversation_turns(rng, num_convs: int, turns: int, user_len: tuple[int, int
             for _ in range(num_convs)]
 
 
+def user_tokens(tok, message: str) -> list[int]:
+    """What a turn appends to the conversation before the answer."""
+    return tok.encode(f"\nUser: {message}\nAssistant:")
+
+
+def longest_prompt(tok, messages, max_tokens: int) -> int:
+    """The longest last-turn prompt of the workload: the system prompt, every user line, and every answer but the
+    last (greedy, ignore_eos: each is `max_tokens` long)."""
+    return max(len(tok.encode(SYSTEM)) + sum(len(user_tokens(tok, m)) for m in conv) + (len(conv) - 1) * max_tokens
+               for conv in messages)
+
+
 def run_workload(engine: LLMEngine, messages, max_tokens: int):
     """Turn by turn, all conversations submitted together; returns one record per request."""
     tok = engine.tokenizer
@@ -51,8 +63,7 @@ def run_workload(engine: LLMEngine, messages, max_tokens: int):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     records = []
     for t in range(len(messages[0])):
-        prompts = {f"c{c}t{t}": history[c] + tok.encode(f"\nUser: {messages[c][t]}\nAssistant:")
-                   for c in range(len(messages))}
+        prompts = {f"c{c}t{t}": history[c] + user_tokens(tok, messages[c][t]) for c in range(len(messages))}
         for rid, p in prompts.items():
             engine.add_request(rid, p, params)
         done = {}
@@ -77,6 +88,11 @@ def measure(model: str, dtype: str, stride: int, capacity: int, sizes: dict, see
                            max_model_len=sizes["max_model_len"], num_linear_slots=1 + convs * (1 + capacity),
                            verbose=False)
     messages = conversation_turns(np.random.default_rng(seed), convs, sizes["turns"], sizes["user_words"])
+    longest = longest_prompt(engine.tokenizer, messages, sizes["max_tokens"])
+    if longest > sizes["max_model_len"]:  # the engine would refuse that turn only after running the earlier ones
+        raise ValueError(f"--turns {sizes['turns']} and --max-tokens {sizes['max_tokens']} make a last-turn prompt "
+                         f"of {longest} tokens, above max_model_len {sizes['max_model_len']}: take fewer turns or "
+                         f"shorter answers")
     run_workload(engine, messages, sizes["max_tokens"])
     engine.reset_prefix_cache()
     before = engine.cache_stats()

@@ -235,3 +235,18 @@ def test_accuracy_progress_bar_counts_the_continued_turns(monkeypatch):
     items = study.make_workload(512, 32, 2, 2, 3, np.random.default_rng(0), ByteTokenizer(512))
     study.run_all({name: Engine() for name in study.MODES}, items, 1)
     assert bars[0].n == bars[0].total == len(study.MODES) * study.num_requests(groups=2, per_group=2, turns=3)
+
+
+def test_checkpoint_tradeoff_refuses_conversations_longer_than_max_model_len_before_running(monkeypatch):
+    """Each turn's prompt holds every earlier answer: a workload whose last turn outgrows max_model_len is an error
+    naming the flags that make it so, before a step runs (it failed at that turn, after running the earlier ones)."""
+    from gdn_jax import LLMEngine
+    study = _script("checkpoint_tradeoff")
+
+    def step(self):
+        raise AssertionError("a step ran")
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    sizes = dict(conversations=1, turns=2, max_tokens=100, user_words=(4, 5), block_size=64, max_model_len=320)
+    with pytest.raises(ValueError, match=r"--turns 2 and --max-tokens 100 .* max_model_len 320"):
+        study.measure(MODEL, "float32", 64, 1, sizes, 0)
