@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLM, SamplingParams
-from study_cli import (environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save, share_of,
-                       study_parser, write_json)
+from study_cli import (check_length, environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save,
+                       share_of, study_parser, write_json)
 
 MODES = {"no_cache": dict(enable_prefix_caching=False), "exact": dict(enable_prefix_caching=True),
          "unsafe_cold": dict(enable_prefix_caching=True, unsafe_reuse="cold"),
@@ -193,6 +193,7 @@ def main(argv=None) -> dict:
     sizes = dict(SIZES["quick" if args.quick else "full"])
     sizes["max_tokens"] = min(args.max_tokens, sizes["max_tokens"]) if args.quick else args.max_tokens
     max_len = model_len(args.chunk_stride, sizes["turns"], sizes["max_tokens"])
+    check_length(ap, args.model, max_len, f"--chunk-stride {args.chunk_stride} and --max-tokens {sizes['max_tokens']}")
     engines = make_engines(args.model, args.dtype, args.chunk_stride, max_len)
     tok = engines["no_cache"].get_tokenizer()
     vocab = engines["no_cache"].engine.cfg.vocab_size

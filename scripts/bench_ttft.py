@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from study_cli import (environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save, share_of,
-                       study_parser, write_json)
+from study_cli import (check_length, environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save,
+                       share_of, study_parser, write_json)
 
 
 def run_request(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
@@ -359,6 +359,8 @@ def main(argv=None) -> dict:
         ap.error(f"--shared ({args.shared}) is below --chunk-stride ({args.chunk_stride}): request B must share a "
                  f"checkpoint boundary with A for the A/B to compare a restoring step")
     args.passes = args.passes or (1 if args.quick else 3)
+    if long:
+        check_length(ap, args.model, args.prompt + 64, f"--prompt {args.prompt} (and 64 tokens of room)")
     return ab(args) if args.ab else prefill(args) if args.prefill else study(args)
 
 

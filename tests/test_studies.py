@@ -87,6 +87,12 @@ def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
     ("bench_ttft", ["--rounds", "0"], "argument --rounds: 0 is below 1"),
     ("bench_ttft", ["--ab", "--model", "tiny", "--prompt", "64", "--shared", "16", "--chunk-stride", "32"],
      "--shared (16) is below --chunk-stride (32)"),
+    # sequences longer than the model's positions name the flags that ask for them (the engine's error named only
+    # max_model_len, which the studies size themselves)
+    ("accuracy_study", ["--model", "tiny", "--chunk-stride", "2048"],
+     "--chunk-stride 2048 and --max-tokens 24: sequences of up to 7808 tokens, beyond the 4096 positions of model"),
+    ("bench_ttft", ["--prefill", "--model", "tiny-random", "--prompt", "4096", "--shared", "2048"],
+     "--prompt 4096 (and 64 tokens of room): sequences of up to 4160 tokens, beyond the 4096 positions"),
 ])
 def test_a_bad_option_is_an_error_naming_it_before_anything_runs(script, argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
