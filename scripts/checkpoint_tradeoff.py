@@ -164,6 +164,8 @@ def main(argv=None) -> dict:
     args = parse(ap, argv)
 
     strides, caps = ([64, 128], [1, 4]) if args.quick else ([64, 128, 256, 512], [1, 2, 4, 8])
+    if not args.quick and any(s % args.block_size for s in strides):  # else the engine's error names no flag
+        ap.error(f"--block-size ({args.block_size}) must divide every chunk_stride of the sweep ({strides})")
     sizes = QUICK if args.quick else {**FULL, "conversations": args.conversations, "turns": args.turns,
                                       "max_tokens": args.max_tokens, "block_size": args.block_size}
     from tqdm.auto import tqdm

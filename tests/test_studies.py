@@ -81,6 +81,7 @@ def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
     ("accuracy_study", ["--seed", "-1"], "argument --seed: -1 is below 0"),
     ("checkpoint_tradeoff", ["--turns", "0"], "argument --turns: 0 is below 1"),
     ("checkpoint_tradeoff", ["--conversations", "two"], "'two' is not an integer"),
+    ("checkpoint_tradeoff", ["--block-size", "48"], "--block-size (48) must divide every chunk_stride of the sweep"),
     ("bench_ttft", ["--ab", "--shared", "300", "--prompt", "256"], "--shared (300) must be below --prompt (256)"),
     ("bench_ttft", ["--ab", "--prefill"], "pass one"),
     ("bench_ttft", ["--prefill", "--quick"], "--quick shrinks the study only"),
