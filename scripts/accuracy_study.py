@@ -11,7 +11,8 @@ multi-turn continuations) runs through four engines on the same weights:
 Per mode: teacher-forced on the reference continuation, KL(reference || mode) at every position the mode computed
 (from whole log-distributions, `prompt_logprobs=-1`), and the largest |delta logprob| of the reference tokens;
 free-running greedy agreement with the reference, and where the first token differs. Prints a table, writes
-DIR/accuracy_study.json and DIR/accuracy_study.png (KL against the distance from the reuse point, log scale).
+DIR/accuracy_study.json and DIR/accuracy_study.png (KL against the distance from the reuse point, log scale). Whole
+log-distributions need a vocabulary of at most 65,536 ids (not Qwen3.5's 248k).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLM, SamplingParams
-from study_cli import (check_length, environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save,
-                       share_of, study_parser, write_json)
+from gdn_jax.engine import MAX_FULL_ROW_VOCAB
+from study_cli import (check_length, environment, figure, model_config, nonnegative_int, parse, pools_of, positive_int,
+                       run, save, share_of, study_parser, write_json)
 
 MODES = {"no_cache": dict(enable_prefix_caching=False), "exact": dict(enable_prefix_caching=True),
          "unsafe_cold": dict(enable_prefix_caching=True, unsafe_reuse="cold"),
@@ -194,6 +196,10 @@ def main(argv=None) -> dict:
     sizes["max_tokens"] = min(args.max_tokens, sizes["max_tokens"]) if args.quick else args.max_tokens
     max_len = model_len(args.chunk_stride, sizes["turns"], sizes["max_tokens"])
     check_length(ap, args.model, max_len, f"--chunk-stride {args.chunk_stride} and --max-tokens {sizes['max_tokens']}")
+    cfg = model_config(args.model)
+    if cfg is not None and cfg.vocab_size > MAX_FULL_ROW_VOCAB:  # the engine would refuse the first scoring pass
+        ap.error(f"--model {args.model}: a vocabulary of {cfg.vocab_size} ids, above the {MAX_FULL_ROW_VOCAB} whose "
+                 f"whole log-distributions (the KL) the engine returns")
     engines = make_engines(args.model, args.dtype, args.chunk_stride, max_len)
     tok = engines["no_cache"].get_tokenizer()
     vocab = engines["no_cache"].engine.cfg.vocab_size

@@ -48,22 +48,25 @@ def parse(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     return args
 
 
-def check_length(ap: argparse.ArgumentParser, model: str, needed: int, flags: str) -> None:
-    """An argparse error naming `flags` when the sequences they ask for (`needed` tokens, the engines' max_model_len)
-    pass the model's positions: the engine's own error names only max_model_len, which no study takes. The config
-    alone is read; a model the engine cannot load is left to its error."""
+def model_config(model: str):
+    """`model`'s `ModelConfig` read from its config alone (no weights), so that a study can check its settings against
+    the model before it builds an engine; None for a name the engine will refuse with its own error."""
     from gdn_jax.config import PRESETS, ModelConfig
     from gdn_jax.weights import model_folder
 
-    folder = model_folder(model)
     if model in PRESETS:
-        limit = PRESETS[model].max_position_embeddings
-    elif folder is not None and (folder / "config.json").is_file():
-        limit = ModelConfig.from_pretrained(folder).max_position_embeddings
-    else:
-        return
-    if needed > limit:
-        ap.error(f"{flags}: sequences of up to {needed} tokens, beyond the {limit} positions of model {model}")
+        return PRESETS[model]
+    folder = model_folder(model)
+    return ModelConfig.from_pretrained(folder) if folder is not None and (folder / "config.json").is_file() else None
+
+
+def check_length(ap: argparse.ArgumentParser, model: str, needed: int, flags: str) -> None:
+    """An argparse error naming `flags` when the sequences they ask for (`needed` tokens, the engines' max_model_len)
+    pass the model's positions: the engine's own error names only max_model_len, which no study takes."""
+    cfg = model_config(model)
+    if cfg is not None and needed > cfg.max_position_embeddings:
+        ap.error(f"{flags}: sequences of up to {needed} tokens, beyond the {cfg.max_position_embeddings} positions of "
+                 f"model {model}")
 
 
 def environment() -> dict:

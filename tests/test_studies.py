@@ -257,3 +257,16 @@ def test_checkpoint_tradeoff_refuses_conversations_longer_than_max_model_len_bef
     sizes = dict(conversations=1, turns=2, max_tokens=100, user_words=(4, 5), block_size=64, max_model_len=320)
     with pytest.raises(ValueError, match=r"--turns 2 and --max-tokens 100 .* max_model_len 320"):
         study.measure(MODEL, "float32", 64, 1, sizes, 0)
+
+
+def test_accuracy_study_refuses_a_vocabulary_too_large_for_whole_rows_before_building_engines(tmp_path, capsys):
+    """The study compares whole log-distributions (`prompt_logprobs=-1`): a model whose vocabulary is too large for
+    them is an error naming --model at once (the engine refused the first scoring request, after the four engines were
+    built and the reference had begun)."""
+    cfg = json.loads((ROOT / "tests" / "fixtures" / "hf_tiny" / "config.json").read_text())
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 70_000}))
+    with pytest.raises(SystemExit) as e:
+        _script("accuracy_study").main(["--quick", "--model", str(tmp_path / "big"), "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert f"--model {tmp_path / 'big'}: a vocabulary of 70000 ids" in capsys.readouterr().err
