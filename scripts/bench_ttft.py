@@ -335,13 +335,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--ab", action="store_true", help="the A/B restore comparison instead of the study")
     ap.add_argument("--prefill", action="store_true",
                     help="cold and hit TTFT per checkpoint mode and policy against one jitted forward")
-    ap.add_argument("--prompt", type=positive_int, default=2048, help="--ab / --prefill: tokens of each prompt")
-    ap.add_argument("--shared", type=positive_int, default=1792,
-                    help="--ab / --prefill: tokens request B shares with request A")
+    ap.add_argument("--prompt", type=positive_int, default=None,
+                    help="--ab / --prefill: tokens of each prompt (default: 2048)")
+    ap.add_argument("--shared", type=positive_int, default=None,
+                    help="--ab / --prefill: tokens request B shares with request A (default: 1792)")
     ap.add_argument("--chunk-stride", type=positive_int, default=None,
                     help="tokens between checkpoints (default: 64 for the study, 256 for --ab / --prefill)")
-    ap.add_argument("--rounds", type=positive_int, default=3,
-                    help="--ab / --prefill: timed rounds after the warm-up round")
+    ap.add_argument("--rounds", type=positive_int, default=None,
+                    help="--ab / --prefill: timed rounds after the warm-up round (default: 3)")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
     ap.add_argument("--passes", type=positive_int, default=None,
                     help="the study: measured passes per cell, each on fresh tokens (default: 1 with --quick, else 3)")
@@ -351,6 +352,12 @@ def main(argv=None) -> dict:
         ap.error("--ab and --prefill are two different runs: pass one")
     if long and args.quick:
         ap.error("--quick shrinks the study only; --ab / --prefill take --prompt, --shared and --rounds")
+    # a flag of the other kind of run would be ignored: the run would not be the one asked for
+    other = ["--passes"] if long else ["--prompt", "--shared", "--rounds"]
+    given = [flag for flag in other if getattr(args, flag[2:]) is not None]
+    if given:
+        ap.error(f"{', '.join(given)}: for {'the study' if long else '--ab / --prefill'} only")
+    args.prompt, args.shared, args.rounds = args.prompt or 2048, args.shared or 1792, args.rounds or 3
     if long and args.shared >= args.prompt:
         ap.error(f"--shared ({args.shared}) must be below --prompt ({args.prompt}): request B adds tokens of its own")
     args.model = args.model or ("hybrid-1024" if long else "tiny")

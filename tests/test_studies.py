@@ -86,6 +86,11 @@ def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
     ("bench_ttft", ["--ab", "--prefill"], "pass one"),
     ("bench_ttft", ["--prefill", "--quick"], "--quick shrinks the study only"),
     ("bench_ttft", ["--rounds", "0"], "argument --rounds: 0 is below 1"),
+    # a flag of the other runs is an error, not silently ignored
+    ("bench_ttft", ["--quick", "--prompt", "512"], "--prompt: for --ab / --prefill"),
+    ("bench_ttft", ["--quick", "--rounds", "2", "--shared", "100"], "--shared, --rounds: for --ab / --prefill"),
+    ("bench_ttft", ["--ab", "--model", "tiny", "--prompt", "64", "--shared", "32", "--chunk-stride", "32", "--rounds",
+                    "1", "--passes", "2"], "--passes: for the study"),
     ("bench_ttft", ["--ab", "--model", "tiny", "--prompt", "64", "--shared", "16", "--chunk-stride", "32"],
      "--shared (16) is below --chunk-stride (32)"),
     # sequences longer than the model's positions name the flags that ask for them (the engine's error named only
