@@ -41,14 +41,25 @@ OPENINGS = ["The following section of the Python language reference describes",
             "Exceptions are raised when an error is detected during execution, and"]
 
 
-def make_workload(vocab: int, chunk_stride: int, groups: int, per_group: int, turns: int, rng, tokenizer):
+def check_stride(chunk_stride: int, block_size: int) -> None:
+    """A stride of one KV block leaves no KV match between two checkpoints: the unsafe paths could not be measured."""
+    if chunk_stride < 2 * block_size:
+        raise ValueError(f"--chunk-stride ({chunk_stride}) must be at least two KV blocks ({2 * block_size}): with "
+                         f"one, every KV match ends on a checkpoint and unsafe_stale reuses exactly what exact does")
+
+
+def make_workload(vocab: int, chunk_stride: int, groups: int, per_group: int, turns: int, rng, tokenizer,
+                  block_size: int = ENGINE["block_size"]):
     """Requests as token lists, in the order they run. Each group shares a prefix whose length lies strictly between
-    two checkpoint boundaries (so the KV match passes the deepest checkpoint), then distinct suffixes; the last
+    two checkpoint boundaries, at least a KV block past the lower one (so the KV match, in whole blocks, passes the
+    deepest checkpoint: else the unsafe paths would reuse what the exact one does), then distinct suffixes; the last
     request of each group is continued for `turns` more turns (its reference answer + a new user line, `user_turns`,
     drawn from `rng` like the rest)."""
+    check_stride(chunk_stride, block_size)
     items = []
     for g in range(groups):
-        n = chunk_stride * (1 + g % 3) + int(rng.integers(chunk_stride // 4, 3 * chunk_stride // 4))
+        past = int(rng.integers(max(chunk_stride // 4, block_size), 3 * chunk_stride // 4))  # past the boundary
+        n = chunk_stride * (1 + g % 3) + past
         base = tokenizer.encode(OPENINGS[g % len(OPENINGS)] + " ")[:n]  # a short stride's prefix: the opening's start
         prefix = (base * (n // max(len(base), 1) + 1))[:n]
         prefix[len(base):] = [int(t) for t in rng.integers(32, min(vocab, 127), n - len(base))]
@@ -191,6 +202,7 @@ def main(argv=None) -> dict:
                     help="reference continuation length (greedy; --quick caps it at 12)")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
     args = parse(ap, argv)
+    check_stride(args.chunk_stride, ENGINE["block_size"])  # (make_workload's check, before any engine is built)
 
     sizes = dict(SIZES["quick" if args.quick else "full"])
     sizes["max_tokens"] = min(args.max_tokens, sizes["max_tokens"]) if args.quick else args.max_tokens

@@ -129,18 +129,30 @@ def test_study_json_records_the_environment():
     assert env["git_commit"] is None or len(env["git_commit"]) == 40
 
 
-@pytest.mark.parametrize("stride", [16, 32, 64])
+@pytest.mark.parametrize("stride", [32, 48, 64])
 def test_accuracy_workload_prefixes_lie_between_checkpoint_boundaries(stride):
     """Each group's shared prefix passes a boundary without reaching the next, also at strides shorter than the
-    text opening it starts with."""
+    text opening it starts with; so does its KV match (whole 16-token blocks): a KV match that ended on the boundary
+    would make both unsafe paths the exact one (at stride 32 half the groups' did)."""
     import numpy as np
     from gdn_jax.tokenizer import ByteTokenizer
     study = _script("accuracy_study")
-    items = study.make_workload(512, stride, 3, 2, 1, np.random.default_rng(0), ByteTokenizer(512))
-    for g in range(3):
-        a, b = (it["tokens"] for it in items if it["group"] == g)
-        shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # (suffixes may share a first token)
-        assert stride * (1 + g) < shared < stride * (2 + g), (stride, g, shared)
+    for seed in range(5):
+        items = study.make_workload(512, stride, 6, 2, 1, np.random.default_rng(seed), ByteTokenizer(512))
+        for g in range(6):
+            a, b = (it["tokens"] for it in items if it["group"] == g)
+            shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # (suffixes may share a first token)
+            boundary = stride * (1 + g % 3)
+            assert boundary < shared // 16 * 16 <= shared < boundary + stride, (stride, seed, g, shared)
+
+
+def test_accuracy_study_refuses_a_stride_of_one_block(tmp_path, monkeypatch):
+    """With chunk_stride = block_size every KV match ends on a checkpoint boundary: unsafe_stale would reuse exactly
+    what exact does, and the study would report that it does not drift. Refused before any engine is built."""
+    study = _script("accuracy_study")
+    monkeypatch.setattr(study, "make_engines", None)
+    with pytest.raises(ValueError, match=r"--chunk-stride \(16\) must be at least two KV blocks \(32\)"):
+        study.main(["--quick", "--chunk-stride", "16", "--out", str(tmp_path)])
 
 
 def test_ab_pairs_the_restoring_step_with_the_cache_off_step_at_the_same_position():
