@@ -183,10 +183,15 @@ def prefill(args) -> dict:
 
 # ---- the study ------------------------------------------------------------------------------------------------
 def _words(rng, tok, n: int) -> list[int]:
-    """About n tokens of random lowercase words (readable; no sharing beyond what a workload adds on purpose)."""
+    """n tokens of random lowercase words (readable; no sharing beyond what a workload adds on purpose). Words are
+    drawn until their text is n tokens long: a byte-level tokenizer needs about n // 4 of them, one whose tokens are
+    longer more."""
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-    text = " ".join("".join(rng.choice(letters, int(rng.integers(2, 9)))) for _ in range(n // 4 + 2))
-    return tok.encode(text)[:n]
+    words, ids = [], []
+    while len(ids) < n:
+        words += ["".join(rng.choice(letters, int(rng.integers(2, 9)))) for _ in range(n // 4 + 2)]
+        ids = tok.encode(" ".join(words))
+    return ids[:n]
 
 
 def workloads(rng, tok, q: bool):

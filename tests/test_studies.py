@@ -287,3 +287,18 @@ def test_accuracy_study_refuses_a_vocabulary_too_large_for_whole_rows_before_bui
         _script("accuracy_study").main(["--quick", "--model", str(tmp_path / "big"), "--out", str(tmp_path)])
     assert e.value.code == 2
     assert f"--model {tmp_path / 'big'}: a vocabulary of 70000 ids" in capsys.readouterr().err
+
+
+def test_ttft_workload_words_are_as_many_tokens_as_asked_whatever_the_tokenizer():
+    """The TTFT study's prompts (and the shared-prefix lengths its sweep plots) are `n` tokens with a tokenizer whose
+    tokens are longer than bytes too: the text was drawn for a byte-level one (about 1.5 bytes per asked token), so a
+    tokenizer with a token per word gave a third of them."""
+    import numpy as np
+    ttft = _script("bench_ttft")
+
+    class Words:  # one id per word
+        def encode(self, text):
+            return [len(w) for w in text.split()]
+
+    for n in (24, 256):
+        assert len(ttft._words(np.random.default_rng(0), Words(), n)) == n
