@@ -297,4 +297,7 @@ def get_tokenizer(folder: str | None, vocab_size: int, eos_token_id: int | None)
     if other:
         raise ValueError(f"model folder {folder} has no tokenizer.json, only {', '.join(other)}: save the tokenizer "
                          f"with the fast tokenizer (tokenizer.json) to use it here")
+    if folder is not None and vocab_size < 256 + ByteTokenizer.OFFSET:  # else the error names only ByteTokenizer
+        raise ValueError(f"model folder {folder} has no tokenizer.json, and its vocabulary of {vocab_size} ids is too "
+                         f"small for the byte-level tokenizer used without one ({256 + ByteTokenizer.OFFSET} ids)")
     return ByteTokenizer(vocab_size)

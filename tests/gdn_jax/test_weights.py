@@ -267,6 +267,16 @@ def test_a_folder_with_a_vocabulary_but_no_tokenizer_json_is_named(tmp_path):
         get_tokenizer(str(tmp_path), 248320, 1)
 
 
+def test_a_folder_without_a_tokenizer_and_too_few_ids_for_bytes_is_named(tmp_path):
+    """Without a tokenizer.json the byte-level tokenizer stands in; a model with fewer ids than it needs is an error
+    naming the folder and the missing file (it named only a byte tokenizer the user never asked for)."""
+    from gdn_jax.tokenizer import get_tokenizer
+
+    with pytest.raises(ValueError, match=f"model folder {tmp_path} has no tokenizer.json, and its vocabulary of 200 "
+                                         f"ids is too small for the byte-level tokenizer"):
+        get_tokenizer(str(tmp_path), 200, 1)
+
+
 def test_stored_dtype_to_requested_dtype(tmp_path):
     """bfloat16 tensors load into float32 exactly; float32 tensors load into bfloat16 rounded to nearest even (torch's
     `.to(torch.bfloat16)`); A_log and dt_bias stay float32 whatever the requested dtype."""
