@@ -11,7 +11,9 @@ Through `LLM.generate`, bfloat16, prefix caching on, random token ids (no tokeni
   (512), after one warm-up round of each length. It is not the engine's decode step time (scripts/bench_decode.py):
   with mixed steps the rows that finish their prefill first decode while the others prefill, and the decode tokens
   take part of each step's token budget, so the 65-token round's prefill takes longer than the 1-token round's (at
-  16 rows x 512 tokens: one more, padded prefill step), which this difference counts as decoding.
+  16 rows x 512 tokens: one more, padded prefill step), which this difference counts as decoding. vLLM's figure
+  counts the same effect at its own budget (4096 on the CPU): `--max-num-batched-tokens 4096` gives this engine the
+  same.
 `--vllm FILE`: lines `RESULT {...}` printed by vLLM's side (its TTFT and decode runs on the same folder), to print
 the ratio table. Writes JSON (`--out`).
 """
@@ -33,8 +35,9 @@ from gdn_jax.cli import positive_int
 
 def measure(args) -> dict:
     L, S = args.shared, args.suffix
+    budget = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=True, max_model_len=max(2048, L + S + 16),
-              max_num_seqs=16, seed=0)
+              max_num_seqs=16, seed=0, **budget)
     V = llm.engine.cfg.vocab_size
     rng = np.random.default_rng(99)
     one = SamplingParams(max_tokens=1, temperature=0.0)
@@ -62,6 +65,7 @@ def measure(args) -> dict:
         return (timed(65) - timed(1)) / 64
 
     return {"shared": L, "suffix": S, "dtype": args.dtype, "chunk_stride": llm.engine.worker.stride,
+            "max_num_batched_tokens": llm.engine.scheduler_config.max_num_batched_tokens,
             "cold_s": statistics.median(cold), "cold_all_s": cold,
             "hit_s": statistics.median(h[0] for h in hits), "hit_all_s": [h[0] for h in hits],
             "cached": sorted({h[1] for h in hits}),
@@ -90,6 +94,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm", help="file with vLLM's RESULT lines for the same folder and shapes")
     ap.add_argument("--out", default="results/bench_vs_vllm.json", help="JSON output (default: %(default)s)")
     ap.add_argument("--decode-prompt", type=positive_int, default=512, help="prompt tokens of the decode rounds (default: %(default)s)")
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                    help="the engine's token budget per step (default: the engine's, 2048). vLLM-CPU's default is 4096 "
+                         "(its start-up log says so): with the same budget both prefill the decode rounds' prompts "
+                         "in as many steps, which the decode figure counts")
     args = ap.parse_args(argv)
     ours = measure(args)
     peer = read_vllm(args.vllm) if args.vllm else {}

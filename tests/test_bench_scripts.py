@@ -251,9 +251,11 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
                     'RESULT {"decode_step_s_B1": 0.02, "decode_step_s_B16": 0.04}\n')
     out = tmp_path / "vs.json"
     result = _script("bench_vs_vllm").main(["--model", "tiny-random", "--shared", "64", "--suffix", "16", "--n", "1",
-                                            "--decode-prompt", "16", "--vllm", str(peer), "--out", str(out)])
+                                            "--decode-prompt", "16", "--vllm", str(peer), "--out", str(out),
+                                            "--max-num-batched-tokens", "4096"])  # vLLM-CPU's budget
     assert json.loads(out.read_text()) == result
     ours = result["gdn_jax"]
+    assert ours["max_num_batched_tokens"] == 4096
     assert ours["cached"] == [64]  # the hit rounds reused the whole prefix (the default chunk_stride, 64)
     assert all(ours[k] > 0 for k in ("cold_s", "hit_s", "decode_step_s_B1", "decode_step_s_B16"))
     assert result["vllm"] == {"shared": 32, "suffix": 16, "cold": 0.5, "hit": 0.25, "cached": [32],
