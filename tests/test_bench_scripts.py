@@ -297,3 +297,64 @@ def test_bench_compile_options_runs_the_sets_asked_for_beside_xla_defaults(tmp_p
     written = json.loads(out.read_text())
     assert written["option_sets"]["LLVM IR emitters, 512-bit vectors"]["xla_cpu_prefer_vector_width"] == 512
     assert set(written["option_sets"]) == {"xla defaults", "LLVM IR emitters, 512-bit vectors"}
+
+
+class _ScriptedEngine:
+    """A stand-in for `LLMEngine` under bench_itl's workload: the decoders' prompts prefill first, then every step
+    decodes each running request and prefills the rest of the budget (mixed steps); a step takes 1 ms per token it
+    runs on the clock bench_itl reads."""
+
+    def __init__(self, clock, budget):
+        import types
+
+        self.cfg = types.SimpleNamespace(vocab_size=512)
+        self.scheduler = types.SimpleNamespace(reset_prefix_cache=lambda: None)
+        self.clock, self.budget, self.todo, self.last_step_info = clock, budget, {}, {}
+
+    def cache_stats(self):
+        return {"compilations": 0}
+
+    def add_request(self, rid, prompt, sp):
+        self.todo[rid] = [len(prompt), sp.max_tokens]  # prompt tokens left, output tokens left
+
+    def has_unfinished_requests(self):
+        return bool(self.todo)
+
+    def step(self):
+        import types
+
+        decode = [rid for rid, (p, _) in self.todo.items() if p == 0]
+        left, ran = self.budget - len(decode), []
+        for rid, req in self.todo.items():
+            if req[0] and left:
+                n = min(req[0], left)
+                req[0], left = req[0] - n, left - n
+                ran.append((rid, n))
+        tokens = len(decode) + sum(n for _, n in ran)
+        self.clock[0] += 1e-3 * tokens
+        self.last_step_info = {"is_prefill": bool(ran), "decode_rows": len(decode), "rows": len(decode) + len(ran),
+                               "tokens": tokens}
+        sampled = decode + [rid for rid, _ in ran if self.todo[rid][0] == 0]
+        outs = []
+        for rid in sampled:
+            self.todo[rid][1] -= 1
+            outs.append(types.SimpleNamespace(request_id=rid))
+            if self.todo[rid][1] == 0:
+                del self.todo[rid]
+        return outs
+
+
+def test_bench_itl_times_only_the_long_prompts_chunks(monkeypatch):
+    """The long-chunk step time is that of the steps prefilling the long prompt: the decoders' own prompts (16
+    tokens, half the 32-token budget) prefill in a step before it arrives, which is no chunk of it."""
+    import types
+
+    bench = _script("bench_itl")
+    clock = [0.0]
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    args = types.SimpleNamespace(decoders=2, short=8, prompt=64, lead=2, max_tokens=6, max_num_batched_tokens=32)
+    run = bench.one_pass(_ScriptedEngine(clock, 32), args, __import__("numpy").random.default_rng(0))
+    # 64 tokens beside 2 decode rows: chunks of 30, 30 and 4 tokens; the last is below half the budget
+    assert run["mixed_step_ms"] == pytest.approx(32.0)
+    assert run["prefill_step_ms"] is None  # the decoders' 16-token step (16 ms) came before the long prompt
+    assert run["long_ttft_ms"] == pytest.approx(32 + 32 + 6)
