@@ -204,11 +204,14 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             engine.step()
             if not engine.last_step_info["is_prefill"]:
                 break
-        steps, host, python = [], [], []
+        steps, host, python, contexts = [], [], [], []
         for i in range(2 + args.steps):  # 2 untimed: compile + the deferred save at the prompt's end
             for t in (timer, sampler):
                 t.blocked.clear()
                 t.calls.clear()
+            # a row's context in a decode step: its tokens so far, the one the step feeds included (its KV is
+            # written and read in the step); the token the step samples is not
+            context_before = statistics.mean(len(s.token_ids) for s in engine.scheduler.running)
             t0 = time.perf_counter()
             engine.step()
             info = engine.last_step_info
@@ -219,10 +222,10 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
                                  "while the other rows prefilled, or the KV pool is too small for the batch)")
             if i >= 2:
                 steps.append(time.perf_counter() - t0)
+                contexts.append(context_before)
                 host.append(steps[-1] - sum(timer.blocked) - sum(sampler.blocked))
                 python.append(steps[-1] - sum(timer.calls) - sum(sampler.calls))
-        # the rows' mean context at the middle of the timed steps (each step adds one token to every row)
-        context = round(statistics.mean(len(s.token_ids) for s in engine.scheduler.running) - (args.steps - 1) / 2)
+        context = round(statistics.mean(contexts))  # the rows' mean over the timed steps
         prof = (profile_steps(engine, args.profile_steps, module, compiled_text(*timer.last[0]))
                 if args.profile_steps else {"op_ms": {}, "op_count": {}, "part_ms": {}})
         need = decode_bytes(engine, batch, context)

@@ -358,3 +358,41 @@ def test_bench_itl_times_only_the_long_prompts_chunks(monkeypatch):
     assert run["mixed_step_ms"] == pytest.approx(32.0)
     assert run["prefill_step_ms"] is None  # the decoders' 16-token step (16 ms) came before the long prompt
     assert run["long_ttft_ms"] == pytest.approx(32 + 32 + 6)
+
+
+def test_bench_decode_bound_and_floor_count_the_context_of_the_timed_steps(tmp_path):
+    """One row of a 16-token prompt: its first decode step (which ends the prefill loop) feeds token 17, the two
+    untimed steps 18 and 19, the three timed steps 20 to 22, so each of those attends over 20, 21 and 22 tokens (the
+    fed token's included): a mean context of 21. The bytes and multiply-adds at that context, counted by hand from
+    tiny-random's config."""
+    from gdn_jax.config import get_preset
+
+    out = tmp_path / "decode.json"
+    _script("bench_decode").main(["--preset", "tiny-random", "--prompt", "16", "--batches", "1", "--dtypes", "float32",
+                                  "--steps", "3", "--profile-steps", "0", "--chunk-stride", "16", "--max-num-seqs",
+                                  "1", "--probe-mib", "1", "--peak", "float32=100", "--bandwidth", "10",
+                                  "--out", str(out)])
+    (r,) = json.loads(out.read_text())["rows"]
+    assert r["context_tokens"] == 21
+    c = get_preset("tiny-random")
+    D, I, V, ctx = c.hidden_size, c.intermediate_size, c.vocab_size, 21
+    n_lin, n_full = len(c.linear_layer_ids), len(c.full_layer_ids)
+    hk, hv, dk, dv, K = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                         c.linear_value_head_dim, c.linear_conv_kernel_dim)
+    conv_dim = 2 * hk * dk + hv * dv
+    H, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    mlp = 3 * D * I
+    gdn = conv_dim * K + (2 * hk * dk + 2 * hv * dv + 2 * hv) * D + hv * dv * D  # conv taps, in_proj, out_proj
+    attn = (2 * H * hd + 2 * kvh * hd) * D + H * hd * D  # q (+ its gate), k, v; o
+    head = V * D  # untied: the LM head; the embedding table is gathered, one row per decode row
+    vectors = (2 * D * c.num_hidden_layers + D + n_lin * (2 * hv + dv) + n_full * 2 * hd)  # norms, A_log, dt_bias
+    assert not c.tie_word_embeddings
+    assert r["bytes_per_step"] == {
+        "weights": 4 * (c.num_hidden_layers * mlp + n_lin * gdn + n_full * attn + head + vectors + D),
+        "kv": 4 * 2 * n_full * ctx * kvh * hd,
+        "linear_state": 2 * n_lin * 4 * ((K - 1) * conv_dim + hv * dk * dv),
+        "total": r["bytes_per_step"]["weights"] + r["bytes_per_step"]["kv"] + r["bytes_per_step"]["linear_state"]}
+    assert r["bound_ms"] == pytest.approx(1e3 * r["bytes_per_step"]["total"] / 10e9)
+    # 2 FLOPs per multiply-add: the matrices, the scores and values over the context, the GDN rule's 4 per state entry
+    assert r["flops_per_step"] == 2 * (c.num_hidden_layers * mlp + n_lin * gdn + n_full * attn + head
+                                       + n_full * 2 * ctx * H * hd + n_lin * 4 * hv * dk * dv)
