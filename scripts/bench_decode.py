@@ -258,15 +258,27 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     return rows
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0 (a rate: 0 would be no rate at all, and read as "measure it")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive rate")
+    return value
+
+
 def parse_peaks(text: str) -> dict[str, float]:
     """`--peak`: "float32=186,bfloat16=367" -> {dtype: FLOP/s}."""
     peaks = {}
     for item in filter(None, text.split(",")):
         dtype, _, value = item.partition("=")
         try:
-            peaks[dtype] = 1e9 * float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected DTYPE=GFLOPS, e.g. float32=186") from None
+            peaks[dtype] = 1e9 * positive_float(value)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected DTYPE=GFLOPS, GFLOPS above 0, e.g. float32=186"
+                                             ) from None
     return peaks
 
 
@@ -284,7 +296,7 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=positive_int, default=64, help="engine max_num_seqs (default: %(default)s)")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                     help="engine max_num_batched_tokens: prefill tokens per step (default: the engine's)")
-    ap.add_argument("--bandwidth", type=float, default=None,
+    ap.add_argument("--bandwidth", type=positive_float, default=None,
                     help="read bandwidth (GB/s) of the bound (default: the larger of 16 and the measured float32 "
                          "matrix-vector read rate)")
     ap.add_argument("--probe-mib", type=positive_int, default=512,
@@ -296,6 +308,9 @@ def main(argv=None):
                     help="steps traced for the op kinds and parts; 0: no trace (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_decode.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.peak) - set(args.dtypes.split(",")))
+    if unknown:  # a rate for no dtype measured (a misspelt name) would leave the floor measured without a word
+        ap.error(f"--peak: {', '.join(unknown)} not among --dtypes ({args.dtypes})")
 
     bw = measure_read_bandwidth(args.probe_mib)
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(16e9, bw["gemv"])

@@ -396,3 +396,24 @@ def test_bench_decode_bound_and_floor_count_the_context_of_the_timed_steps(tmp_p
     # 2 FLOPs per multiply-add: the matrices, the scores and values over the context, the GDN rule's 4 per state entry
     assert r["flops_per_step"] == 2 * (c.num_hidden_layers * mlp + n_lin * gdn + n_full * attn + head
                                        + n_full * 2 * ctx * H * hd + n_lin * 4 * hv * dk * dv)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bandwidth", "0"], "argument --bandwidth: 0 is not a positive rate"),
+    (["--bandwidth", "-24"], "argument --bandwidth: -24 is not a positive rate"),
+    (["--peak", "float32=-186"], "argument --peak: 'float32=-186': expected DTYPE=GFLOPS"),
+    (["--peak", "float32=0"], "argument --peak: 'float32=0': expected DTYPE=GFLOPS"),
+    (["--peak", "flaot32=186"], "--peak: flaot32 not among --dtypes (float32,bfloat16)"),
+])
+def test_bench_decode_refuses_a_rate_it_cannot_use(argv, message, monkeypatch, capsys):
+    """A rate of 0 was read as none given (the measured one used instead), a negative one gave a negative bound or
+    floor, a rate for a dtype not run was never used: each is an error naming the flag before the probe runs."""
+    bench = _script("bench_decode")
+
+    def probe(*args, **kwargs):
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr(bench, "measure_read_bandwidth", probe)
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
