@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -175,7 +176,7 @@ def measure(a) -> dict:
         out[f"{kind}_shapes"] = sum(map(pick, grid))
         for key in ("lower_s", "compile_s", "total_s", "cpu_s"):
             vals = sorted(r[key] for r in got)
-            out[f"{kind}_{key}"] = ({"min": vals[0], "median": vals[len(vals) // 2], "max": vals[-1],
+            out[f"{kind}_{key}"] = ({"min": vals[0], "median": statistics.median(vals), "max": vals[-1],
                                      "mean": sum(vals) / len(vals)} if vals else None)
     done = {tuple(r["shape"]) for r in rows}
     out["total_extrapolated"] = len(done) < len(grid) or sampling_estimate > 0

@@ -417,3 +417,22 @@ def test_bench_decode_refuses_a_rate_it_cannot_use(argv, message, monkeypatch, c
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_compile_summarises_and_extrapolates_the_shapes_it_timed(tmp_path):
+    """Two of the grid's three prefill shapes, one of its two decode shapes, the sampler of one of its two rows
+    buckets: the median of two shapes is their mean, and the total adds the mean of each kind (and of the sampling
+    shapes) for every shape of it not timed."""
+    out = tmp_path / "compile.json"
+    _script("bench_compile").main(["--preset", "tiny-random", "--dtype", "float32", "--max-num-seqs", "2",
+                                   "--max-model-len", "64", "--chunk-stride", "16", "--max-num-batched-tokens", "32",
+                                   "--shapes", "1x16x4,1x32x4,1x1x4", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["grid"] == [[1, 1, 4], [1, 16, 4], [1, 32, 4], [2, 1, 4], [2, 16, 4]] and r["num_sampling_shapes"] == 2
+    assert r["shapes"] == [[1, 16, 4], [1, 32, 4], [1, 1, 4]] and [s["rows"] for s in r["sampling"]] == [1]
+    (a, b), (d,) = r["per_shape_s"][:2], r["per_shape_s"][2:]
+    assert r["prefill_total_s"]["median"] == pytest.approx((a + b) / 2) == r["prefill_total_s"]["mean"]
+    assert r["decode_total_s"]["median"] == d
+    assert r["measured_total_s"] == pytest.approx(a + b + d + r["sampling_s"])
+    assert r["total_extrapolated"] and r["total_s"] == pytest.approx(r["measured_total_s"] + (a + b) / 2 + d
+                                                                     + r["sampling_s"])
