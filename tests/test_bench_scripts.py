@@ -436,3 +436,21 @@ def test_bench_compile_summarises_and_extrapolates_the_shapes_it_timed(tmp_path)
     assert r["measured_total_s"] == pytest.approx(a + b + d + r["sampling_s"])
     assert r["total_extrapolated"] and r["total_s"] == pytest.approx(r["measured_total_s"] + (a + b) / 2 + d
                                                                      + r["sampling_s"])
+
+
+def test_bench_itl_writes_the_long_chunk_step_its_table_prints(tmp_path, monkeypatch, capsys):
+    import types
+
+    import gdn_jax
+
+    bench = _script("bench_itl")
+    clock = [0.0]
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(gdn_jax, "LLMEngine", lambda *args, **kwargs: _ScriptedEngine(clock, 32))
+    out = tmp_path / "itl.json"
+    bench.main(["--decoders", "2", "--short", "8", "--prompt", "64", "--lead", "2", "--max-tokens", "6",
+                "--max-num-batched-tokens", "32", "--modes", "mixed", "--runs", "2", "--out", str(out)])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("mixed |")]
+    mode = json.loads(out.read_text())["modes"]["mixed"]
+    assert mode["long_chunk_step_ms_median"] == pytest.approx(32.0)  # two 30-token chunks beside 2 decode rows
+    assert row.split("|")[-2].strip() == "32.0"
