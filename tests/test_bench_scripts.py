@@ -454,3 +454,30 @@ def test_bench_itl_writes_the_long_chunk_step_its_table_prints(tmp_path, monkeyp
     mode = json.loads(out.read_text())["modes"]["mixed"]
     assert mode["long_chunk_step_ms_median"] == pytest.approx(32.0)  # two 30-token chunks beside 2 decode rows
     assert row.split("|")[-2].strip() == "32.0"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "scripts").glob("*.py")), ids=lambda p: p.name)
+def test_a_script_run_as_a_command_keeps_its_own_names(path):
+    """`from study_cli import run` in a script's `__main__` block binds `run` in the script's namespace: in a script
+    with a `run` of its own, its `main` then called study_cli's (`run() takes 1 positional argument`), so the
+    command failed whatever its flags."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    own |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    main_blocks = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    imported = {a.asname or a.name for block in main_blocks for n in ast.walk(block)
+                if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not own & imported, f"{path.name}: its __main__ block rebinds {sorted(own & imported)}"
+
+
+def test_bench_host_runs_as_a_command(tmp_path, monkeypatch):
+    import runpy
+
+    out = tmp_path / "host.json"
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.setattr(sys, "argv", ["bench_host.py", "--preset", "tiny-random", "--prompt", "16", "--batches", "1",
+                                      "--steps", "5", "--chunk-stride", "16", "--out", str(out)])
+    runpy.run_path(str(ROOT / "scripts" / "bench_host.py"), run_name="__main__")
+    assert [r["steps"] for r in json.loads(out.read_text())["rows"]] == [5]
