@@ -60,10 +60,11 @@ from flax import nnx
 
 from gdn_jax import LLMEngine, SamplingParams
 from gdn_jax.cli import nonnegative_int, positive_int, positive_ints
-from gdn_jax.config import ModelConfig, get_preset, hybrid_layer_types
+from gdn_jax.config import PRESETS, ModelConfig, get_preset, hybrid_layer_types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from op_profile import compiled_text, op_kind, op_parts, part_times, self_times, trace_events  # noqa: E402
+from study_cli import dtype_names  # noqa: E402
 
 
 def best_time(fn, *args, repeats: int) -> float:
@@ -284,13 +285,13 @@ def parse_peaks(text: str) -> dict[str, float]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="hybrid-1024", help="model preset (default: %(default)s)")
+    ap.add_argument("--preset", default="hybrid-1024", choices=sorted(PRESETS), help="model preset (default: %(default)s)")
     ap.add_argument("--layers", type=nonnegative_int, default=0,
                     help="decoder layers instead of the preset's, in the Qwen3.5 layout (default: the preset's)")
     ap.add_argument("--vocab-size", type=nonnegative_int, default=0, help="vocabulary instead of the preset's")
     ap.add_argument("--prompt", type=positive_int, default=512, help="prompt tokens per request (default: %(default)s)")
     ap.add_argument("--batches", type=positive_ints, default="1,4,16,64", help="decode batch sizes, comma-separated (default: %(default)s)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes, comma-separated (default: %(default)s)")
+    ap.add_argument("--dtypes", type=dtype_names, default="float32,bfloat16", help="dtypes, comma-separated (default: %(default)s)")
     ap.add_argument("--steps", type=positive_int, default=12, help="timed decode steps (default: %(default)s)")
     ap.add_argument("--chunk-stride", type=positive_int, default=256, help="tokens between checkpoints (default: %(default)s)")
     ap.add_argument("--max-num-seqs", type=positive_int, default=64, help="engine max_num_seqs (default: %(default)s)")
@@ -308,16 +309,16 @@ def main(argv=None):
                     help="steps traced for the op kinds and parts; 0: no trace (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_decode.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
-    unknown = sorted(set(args.peak) - set(args.dtypes.split(",")))
+    unknown = sorted(set(args.peak) - set(args.dtypes))
     if unknown:  # a rate for no dtype measured (a misspelt name) would leave the floor measured without a word
-        ap.error(f"--peak: {', '.join(unknown)} not among --dtypes ({args.dtypes})")
+        ap.error(f"--peak: {', '.join(unknown)} not among --dtypes ({','.join(args.dtypes)})")
 
     bw = measure_read_bandwidth(args.probe_mib)
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(16e9, bw["gemv"])
     print(f"read bandwidth measured now: sum {bw['sum'] / 1e9:.1f} GB/s, matrix-vector {bw['gemv'] / 1e9:.1f} GB/s; "
           f"the bound uses {bandwidth / 1e9:.1f} GB/s")
     rows = []
-    for dtype in args.dtypes.split(","):
+    for dtype in args.dtypes:
         rows += run_dtype(args, dtype, bandwidth)
 
     print(f"\n{'dtype':9s} {'batch':>5s} {'step min':>9s} {'step med':>9s} {'host':>6s} {'python':>6s} "

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.cli import positive_int
-from gdn_jax.config import get_preset
+from gdn_jax.config import PRESETS, get_preset
 from gdn_jax.model import Batch, forward, fused_parts, init_model, init_state
 from gdn_jax.weights import hf_tensors
 from gdn_jax.worker import compiler_options
@@ -139,14 +139,14 @@ def time_transformers(cfg, tokens, params, repeats):
     return times, out.logits[0, -1].float().numpy(), torch.get_num_threads()
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(prog="bench_forward.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="hybrid-1024", help="model preset (default: %(default)s)")
+    ap.add_argument("--preset", default="hybrid-1024", choices=sorted(PRESETS), help="model preset (default: %(default)s)")
     ap.add_argument("--tokens", type=positive_int, default=2048, help="tokens in the one-pass forward (default: %(default)s)")
     ap.add_argument("--repeats", type=positive_int, default=3, help="timed repeats after compilation; the minimum is reported (default: %(default)s)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows (they need the reference extra) (default: off)")
     ap.add_argument("--out", default="results/bench_forward.json", help="JSON output (default: %(default)s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     cfg = get_preset(args.preset)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()

@@ -65,7 +65,7 @@ def main(argv=None):
     ap.add_argument("--gdn-layers", type=positive_int, default=2, help="GDN layers of 9B's state shape (default: %(default)s)")
     ap.add_argument("--slots", type=positive_int, default=64, help="linear-state slots in the pools (default: %(default)s)")
     ap.add_argument("--hidden", type=positive_int, default=1024, help="hidden size (default: %(default)s)")
-    ap.add_argument("--dtype", default="float32", help="parameter and activation dtype (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter and activation dtype (default: %(default)s)")
     ap.add_argument("--repeats", type=positive_int, default=25, help="timed steps per variant (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_restore.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)

@@ -28,9 +28,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from op_profile import PARTS, compiled_text, op_parts, part_times, self_times, trace_events  # noqa: E402
 from bench_forward import _batch, forward_jit  # noqa: E402
+from study_cli import dtype_names  # noqa: E402
 
 from gdn_jax.cli import positive_int  # noqa: E402
-from gdn_jax.config import get_preset  # noqa: E402
+from gdn_jax.config import PRESETS, get_preset  # noqa: E402
 from gdn_jax.model import init_model, init_state  # noqa: E402
 
 def profile(cfg, tokens, dtype, runs: int) -> dict:
@@ -64,16 +65,16 @@ def profile(cfg, tokens, dtype, runs: int) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="profile_forward.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="hybrid-1024", help="model preset (default: %(default)s)")
+    ap.add_argument("--preset", default="hybrid-1024", choices=sorted(PRESETS), help="model preset (default: %(default)s)")
     ap.add_argument("--tokens", type=positive_int, default=2048, help="tokens in the one-pass forward (default: %(default)s)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="activation dtypes, comma-separated (default: %(default)s)")
+    ap.add_argument("--dtypes", type=dtype_names, default="float32,bfloat16", help="activation dtypes, comma-separated (default: %(default)s)")
     ap.add_argument("--runs", type=positive_int, default=3, help="traced forwards per dtype (default: %(default)s)")
     ap.add_argument("--out", default="results/profile_forward.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     cfg = get_preset(args.preset)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()
     result = {"preset": args.preset, "tokens": args.tokens, "backend": jax.default_backend(), "runs": args.runs}
-    for name in args.dtypes.split(","):
+    for name in args.dtypes:
         result[name] = r = profile(cfg, tokens, jnp.dtype(name), args.runs)
         print(f"\n{name}: forward of {args.tokens} tokens, preset {args.preset}: wall {r['wall_ms']:.0f} ms per "
               f"forward (traced), op time {r['op_ms_total']:.0f} ms")

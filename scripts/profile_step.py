@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import BlockTimer  # noqa: E402
 from op_profile import PARTS, compiled_text, op_parts, part_times, self_times, trace_events  # noqa: E402
+from study_cli import dtype_names  # noqa: E402
 
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
 from gdn_jax.cli import positive_int  # noqa: E402
@@ -97,13 +98,13 @@ def main(argv=None):
     ap.add_argument("--preset", default="hybrid-1024", help="model preset, random weights (default: %(default)s)")
     ap.add_argument("--tokens", type=positive_int, default=256, help="prompt tokens per row (default: %(default)s)")
     ap.add_argument("--rows", type=positive_int, default=1, help="prompts per step (default: %(default)s)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes, comma-separated (default: %(default)s)")
+    ap.add_argument("--dtypes", type=dtype_names, default="float32,bfloat16", help="dtypes, comma-separated (default: %(default)s)")
     ap.add_argument("--steps", type=positive_int, default=8, help="timed steps per dtype (default: %(default)s)")
     ap.add_argument("--runs", type=positive_int, default=3, help="traced steps per dtype (default: %(default)s)")
     ap.add_argument("--out", default="results/profile_step.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
 
-    results = [profile_dtype(args, dtype) for dtype in args.dtypes.split(",")]
+    results = [profile_dtype(args, dtype) for dtype in args.dtypes]
     print(f"\n{args.preset}: prefill steps of {args.rows} x {args.tokens} new tokens + sampling")
     print(f"{'':22s}" + "".join(f"{r['dtype']:>20s}" for r in results))
     for key, label in (("wall_ms_median", "step wall (median)"), ("host_ms_median", "host (median)"),

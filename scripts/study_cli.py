@@ -22,6 +22,16 @@ DEFAULT_MODEL = "tiny"  # the trained built-in model
 DTYPES = ("float32", "bfloat16")
 
 
+def dtype_names(text: str) -> list[str]:
+    """An argparse type: comma-separated dtypes the engine runs (`DTYPES`), e.g. "float32,bfloat16"; checked when
+    parsed, so that a benchmark refuses a wrong one before it has run the others."""
+    names = text.split(",")
+    wrong = [n for n in names if n not in DTYPES]
+    if wrong:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, wrong))}: expected {' or '.join(DTYPES)}")
+    return names
+
+
 def study_parser(prog: str, doc: str, outputs: str, quick: str, *, model_default: str | None = DEFAULT_MODEL,
                  model_help: str = "preset name or HF folder", dtypes: tuple[str, ...] = DTYPES,
                  model_aliases: tuple[str, ...] = ()) -> argparse.ArgumentParser:

@@ -268,6 +268,11 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
     ("bench_decode", ["--profile-steps", "-1"], "argument --profile-steps: -1 is below 0"),
     ("bench_decode", ["--batches", "1,,4"], "argument --batches: '' is not an integer"),
     ("bench_decode", ["--steps", "0"], "argument --steps: 0 is below 1"),
+    ("profile_step", ["--dtypes", "bf16", "--preset", "tiny-random"], "argument --dtypes: 'bf16': expected"),
+    ("profile_forward", ["--dtypes", "bf16", "--preset", "tiny-random"], "argument --dtypes: 'bf16': expected"),
+    ("profile_forward", ["--preset", "tiny"], "argument --preset: invalid choice: 'tiny'"),
+    ("bench_forward", ["--preset", "tiny"], "argument --preset: invalid choice: 'tiny'"),
+    ("bench_restore", ["--dtype", "bf16"], "argument --dtype: invalid choice: 'bf16'"),
     ("bench_host", ["--batches", "0"], "argument --batches: 0 is below 1"),
     ("bench_itl", ["--lead", "20", "--max-tokens", "8"], "--lead (20) must be below --max-tokens (8)"),
     ("bench_serving", ["--concurrency", "2", "0"], "argument --concurrency: 0 is below 1"),
@@ -404,10 +409,14 @@ def test_bench_decode_bound_and_floor_count_the_context_of_the_timed_steps(tmp_p
     (["--peak", "float32=-186"], "argument --peak: 'float32=-186': expected DTYPE=GFLOPS"),
     (["--peak", "float32=0"], "argument --peak: 'float32=0': expected DTYPE=GFLOPS"),
     (["--peak", "flaot32=186"], "--peak: flaot32 not among --dtypes (float32,bfloat16)"),
+    (["--dtypes", "float32,float16"], "argument --dtypes: 'float16': expected float32 or bfloat16"),
+    (["--preset", "tiny"], "argument --preset: invalid choice: 'tiny'"),
 ])
-def test_bench_decode_refuses_a_rate_it_cannot_use(argv, message, monkeypatch, capsys):
+def test_bench_decode_refuses_a_setting_before_the_probe(argv, message, monkeypatch, capsys):
     """A rate of 0 was read as none given (the measured one used instead), a negative one gave a negative bound or
-    floor, a rate for a dtype not run was never used: each is an error naming the flag before the probe runs."""
+    floor, a rate for a dtype not run was never used; a dtype or preset the engine refuses was found after the
+    probe, and a wrong second dtype after the whole run of the first: each is an error naming the flag before the
+    probe runs."""
     bench = _script("bench_decode")
 
     def probe(*args, **kwargs):
