@@ -490,3 +490,23 @@ def test_bench_host_runs_as_a_command(tmp_path, monkeypatch):
                                       "--steps", "5", "--chunk-stride", "16", "--out", str(out)])
     runpy.run_path(str(ROOT / "scripts" / "bench_host.py"), run_name="__main__")
     assert [r["steps"] for r in json.loads(out.read_text())["rows"]] == [5]
+
+
+def test_forward_flops_counts_the_models_own_matrices():
+    """bench_forward's matmul work for tiny-random at 100 tokens, counted from the model's parameters (every
+    projection matrix once per token, the LM head once: only the last position's logits) and, for attention, the
+    causal triangle summed position by position."""
+    import jax
+    from flax import nnx
+
+    from gdn_jax.config import get_preset
+    from gdn_jax.model import init_model
+
+    cfg, T = get_preset("tiny-random"), 100
+    work = _script("bench_gpu").forward_flops(cfg, T)
+    pure = nnx.to_pure_dict(init_model(cfg)[1])
+    projections = sum(x.size for path, x in jax.tree_util.tree_flatten_with_path(pure["layers"])[0]
+                      if jax.tree_util.keystr(path).endswith("['kernel']"))
+    assert work["dense"] == 2 * T * projections + 2 * pure["lm_head"]["kernel"].size
+    scores_and_values = 2 * cfg.num_attention_heads * cfg.head_dim  # multiply-adds per query and key position
+    assert work["attention"] == 2 * len(cfg.full_layer_ids) * sum(scores_and_values * (t + 1) for t in range(T))
