@@ -250,6 +250,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.chunk_stride % a.block_size:  # the engine's rule (the worker built here from shapes alone skips its checks)
         p.error(f"--chunk-stride ({a.chunk_stride}) must be a multiple of --block-size ({a.block_size})")
+    # flags that would go unused: the run would not be the one asked for
+    if a.shapes and a.limit:
+        p.error("--limit picks shapes from the grid: give it or --shapes, not both")
+    if a.warm_up and (a.shapes or a.limit):
+        p.error(f"--warm-up times the whole grid: {'--shapes' if a.shapes else '--limit'} does not apply")
+    if a.compile_threads is not None and not a.warm_up:
+        p.error("--compile-threads applies to --warm-up (shape by shape, one compilation runs at a time)")
     result = second_start(a, argv) if a.second_start else measure(a)
     result |= {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
                "loadavg": os.getloadavg()}

@@ -280,6 +280,11 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
     ("bench_scheduler", ["--seqs", "-2"], "argument --seqs: -2 is below 1"),
     ("bench_compile", ["--limit", "-1"], "argument --limit: -1 is below 0"),
     ("bench_compile", ["--chunk-stride", "24"], "--chunk-stride (24) must be a multiple of --block-size (16)"),
+    ("bench_compile", ["--preset", "tiny-random", "--shapes", "1x1x8", "--limit", "2"], "give it or --shapes, not both"),
+    ("bench_compile", ["--preset", "tiny-random", "--limit", "1", "--compile-threads", "2"],
+     "--compile-threads applies to --warm-up"),
+    ("bench_compile", ["--preset", "tiny-random", "--warm-up", "--shapes", "1x1x8"], "--warm-up times the whole grid: "
+     "--shapes does not apply"),
     ("bench_serving", ["--system", "200", "--max-model-len", "128"], "exceeds --max-model-len (128)"),
 ])
 def test_a_bad_count_is_an_error_naming_it_before_anything_runs(script, argv, message, capsys):
