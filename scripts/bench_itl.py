@@ -93,6 +93,14 @@ def main(argv=None):
     if args.lead >= args.max_tokens:
         ap.error(f"--lead ({args.lead}) must be below --max-tokens ({args.max_tokens}): the long prompt arrives while "
                  "the decoders still decode")
+    # checked before an engine is built: the engine ends a decoder at --max-model-len tokens without a word (its ITL
+    # then over fewer tokens, or no long prompt at all when they stop before --lead), and refuses a longer prompt
+    # only when it arrives
+    if args.short + args.max_tokens > args.max_model_len:
+        ap.error(f"--short ({args.short}) + --max-tokens ({args.max_tokens}) exceeds --max-model-len "
+                 f"({args.max_model_len}): the decoders would stop early")
+    if args.prompt > args.max_model_len:
+        ap.error(f"--prompt ({args.prompt}) exceeds --max-model-len ({args.max_model_len})")
 
     from gdn_jax import LLMEngine
     report = {"config": vars(args), "modes": {}}
