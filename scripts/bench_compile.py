@@ -110,6 +110,9 @@ def measure(a) -> dict:
         jax.config.update("jax_compilation_cache_dir", a.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    else:  # off, whatever the environment says: a JAX_COMPILATION_CACHE_DIR would turn on JAX's cache and the
+        # executable store beside it, and every shape compiled before would be read from them
+        jax.config.update("jax_compilation_cache_dir", None)
     t0 = time.perf_counter()
     worker = build_worker(a)
     setup_s = time.perf_counter() - t0

@@ -521,3 +521,21 @@ def test_forward_flops_counts_the_models_own_matrices():
     assert work["dense"] == 2 * T * projections + 2 * pure["lm_head"]["kernel"].size
     scores_and_values = 2 * cfg.num_attention_heads * cfg.head_dim  # multiply-adds per query and key position
     assert work["attention"] == 2 * len(cfg.full_layer_ids) * sum(scores_and_values * (t + 1) for t in range(T))
+
+
+def test_bench_compile_without_a_cache_uses_none_the_environment_names(tmp_path):
+    """`--cache-dir off` (the default) compiles every shape afresh: a JAX_COMPILATION_CACHE_DIR in the environment
+    turned JAX's persistent cache (and the executable store beside it) on under it, so a second run read its shapes
+    from there."""
+    import os
+    import subprocess
+
+    cache = tmp_path / "cache"
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_compile.py"), "--preset", "tiny-random",
+                    "--dtype", "float32", "--max-num-seqs", "1", "--max-model-len", "32", "--chunk-stride", "16",
+                    "--max-num-batched-tokens", "16", "--shapes", "1x1x2", "--out", str(tmp_path / "c.json")],
+                   env=env, check=True, capture_output=True)
+    assert json.loads((tmp_path / "c.json").read_text())["shapes"] == [[1, 1, 2]]
+    assert not cache.exists()  # neither JAX's cache nor the executable store beside it
