@@ -42,6 +42,10 @@ from gdn_jax.cli import positive_int  # noqa: E402
 
 def profile_dtype(args, dtype: str) -> dict:
     engine = LLMEngine(args.preset, dtype=dtype, max_num_seqs=args.rows, max_model_len=args.tokens + 16)
+    budget = engine.scheduler_config.max_num_batched_tokens
+    if args.rows * args.tokens > budget:  # found now, not by the first step, after its compilation
+        raise ValueError(f"--rows ({args.rows}) x --tokens ({args.tokens}) exceeds the {budget} tokens the engine "
+                         "prefills in one step")
     worker = engine.worker
     timer = worker._fn = BlockTimer(worker._fn)  # the prefill step's jitted function
     sampler = worker._sample = BlockTimer(worker._sample)

@@ -539,3 +539,13 @@ def test_bench_compile_without_a_cache_uses_none_the_environment_names(tmp_path)
                    env=env, check=True, capture_output=True)
     assert json.loads((tmp_path / "c.json").read_text())["shapes"] == [[1, 1, 2]]
     assert not cache.exists()  # neither JAX's cache nor the executable store beside it
+
+
+def test_profile_step_refuses_a_step_larger_than_the_budget_before_compiling(monkeypatch, tmp_path):
+    """2 x 1500 tokens do not fit the engine's 2048-token budget: the first step prefilled one row, after its
+    compilation, and the script ended in a traceback advising a budget it has no flag for."""
+    bench = _script("profile_step")
+    monkeypatch.setattr(bench.BlockTimer, "__call__", lambda *a: pytest.fail("a step ran"))
+    with pytest.raises(ValueError, match=r"--rows \(2\) x --tokens \(1500\) exceeds the 2048 tokens"):
+        bench.main(["--preset", "tiny-random", "--tokens", "1500", "--rows", "2", "--dtypes", "float32",
+                    "--out", str(tmp_path / "step.json")])
