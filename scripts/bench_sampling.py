@@ -77,11 +77,11 @@ def main(argv=None) -> None:
                                 np.add.at(counts[b], np.asarray(r.history, np.int64), 1.0)
                             jax.block_until_ready(jax.device_put(counts))
                         dense = _timeit(dense_counts, args.repeats)
-                    rec = dict(vocab=V, rows=B, width=W, penalties=penalties,
-                               host_build_ms=[1e3 * t for t in build], device_ms=[1e3 * t for t in dev],
-                               dense_host_counts_ms=[1e3 * t for t in dense] if dense[0] is not None else None)
+                    ms = lambda t: {"min": 1e3 * t[0], "median": 1e3 * t[1]}  # noqa: E731
+                    rec = dict(vocab=V, rows=B, width=W, penalties=penalties, host_build_ms=ms(build),
+                               device_ms=ms(dev), dense_host_counts_ms=ms(dense) if dense[0] is not None else None)
                     table.append(rec)
-                    fmt = lambda p: f"{p[0]:6.2f} /{p[1]:6.2f}"  # noqa: E731
+                    fmt = lambda p: f"{p['min']:6.2f} /{p['median']:6.2f}"  # noqa: E731
                     print(f"{V:>7} {B:>3} {W:>5} {'yes' if penalties else 'no':>4} | {fmt(rec['host_build_ms']):>14} | "
                           f"{fmt(rec['device_ms']):>15} | {fmt(rec['dense_host_counts_ms']) if dense[0] else '':>20}")
     print("(min / median ms; device = the whole jitted sampler at temperature 1: penalties, draw, logprobs)")
