@@ -46,6 +46,9 @@ class Scheduler:
                                 failed_steps=0, failed_requests=0, redone_steps=0)
         # parent seq_id -> (fork point, children not yet forked); the children are in `seqs` only
         self.forks: dict[int, tuple[int, list[Sequence]]] = {}
+        # parent seq_id -> its place in `forks`: a step looks at the running parents only, never every queued one
+        self.fork_rank: dict[int, int] = {}
+        self._num_fork_groups = 0
 
     # -- requests --------------------------------------------------------------------------
     def add(self, seq: Sequence, forks: list[Sequence] = ()) -> None:
@@ -68,6 +71,8 @@ class Scheduler:
         # reads every state before writing any (chunk_stride 1 makes every step a one-token step)
         if forks and point > 0 and self.config.chunk_stride > 1:
             self.forks[seq.seq_id] = (point, forks)
+            self.fork_rank[seq.seq_id] = self._num_fork_groups
+            self._num_fork_groups += 1
         else:  # nothing to share: plain requests
             self.waiting.extend(forks)
 
@@ -97,7 +102,7 @@ class Scheduler:
         if parent is not None:  # a child still waiting for its fork: in no queue
             self.forks[parent][1].remove(seq)
             if not self.forks[parent][1]:
-                del self.forks[parent]
+                self._pop_forks(parent)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self._finish(seq, "abort")
@@ -122,11 +127,10 @@ class Scheduler:
         fork in this step: it decodes next step), then prefill rows within what is left of the budget. Decode rows
         are allocated (and may preempt) before any admission, and the saves are planned once every row of the step
         has its slots."""
-        budget, forked = self.config.max_num_batched_tokens, []
-        pending = {pid: {c.seq_id for c in children} for pid, (_, children) in self.forks.items()}
+        budget, forked, parents = self.config.max_num_batched_tokens, [], set()
         if self.forks:
-            budget = self._schedule_forks(forked, budget)
-        skip = {r.seq_id for r in forked} | {pid for pid, ids in pending.items() if ids & {r.seq_id for r in forked}}
+            budget = self._schedule_forks(forked, budget, parents)
+        skip = {r.seq_id for r in forked} | parents
         ready = [s for s in self.running
                  if s.seq_id not in self.prefilling and s.seq_id not in self.forks and s.seq_id not in skip]
         decode = self._decode_rows(ready[:budget], protect=skip)  # a fork's parent and child are never preempted
@@ -161,20 +165,29 @@ class Scheduler:
         pending = self.forks.get(seq.seq_id)
         return pending[0] if pending is not None else len(seq.token_ids)
 
+    def _pop_forks(self, parent_id: int) -> list[Sequence]:
+        """Forget that `parent_id` has children waiting to fork from it; returns them."""
+        _, children = self.forks.pop(parent_id)
+        del self.fork_rank[parent_id]
+        return children
+
     def _release_forks(self, parent_id: int, at: int) -> None:
         """The children of `parent_id` become ordinary requests, queued at position `at` of the waiting queue."""
-        _, children = self.forks.pop(parent_id)
+        children = self._pop_forks(parent_id)
         for i, child in enumerate(children):
             self.waiting.insert(at + i, child)
         self.counters["fork_fallbacks"] += len(children)
 
-    def _schedule_forks(self, rows: list[ScheduledSequence], budget: int) -> int:
+    def _schedule_forks(self, rows: list[ScheduledSequence], budget: int, parents: set[int] | None = None) -> int:
         """Fork the children of every parent that has just computed its fork point (before anything in this step
-        advances the parent); the ones that do not fit now run as ordinary requests. Returns the budget left."""
-        for parent_id, (point, children) in list(self.forks.items()):
+        advances the parent), in the order the parents were added; the ones that do not fit now run as ordinary
+        requests. Adds to `parents` the parents that forked a child. Returns the budget left. Only running parents
+        are looked at: a queued one cannot fork, and a step's work must not grow with the queue."""
+        ready = [s.seq_id for s in self.running
+                 if s.seq_id in self.forks and s.num_computed_tokens == self.forks[s.seq_id][0]]
+        for parent_id in sorted(ready, key=self.fork_rank.__getitem__):
+            point, children = self.forks[parent_id]
             parent = self.seqs[parent_id]
-            if parent.status != SequenceStatus.RUNNING or parent.num_computed_tokens != point:
-                continue
             left = []
             for child in children:
                 need = len(child.token_ids) - point
@@ -183,6 +196,8 @@ class Scheduler:
                     left.append(child)
                     continue
                 op = self.block_manager.fork(child, parent, point)
+                if parents is not None:
+                    parents.add(parent_id)
                 child.num_computed_tokens = point
                 child.status = SequenceStatus.RUNNING
                 child.kv_match = child.num_cached_tokens = point
@@ -370,7 +385,7 @@ class Scheduler:
             seq.pending_save_hash = None
             self._finish(seq, "error")
             failed.append(seq)
-            for child in self.forks.pop(seq.seq_id, (0, []))[1]:  # samples waiting to fork from it
+            for child in self._pop_forks(seq.seq_id) if seq.seq_id in self.forks else ():  # samples waiting to fork
                 self._finish(child, "error")
                 failed.append(child)
         self.counters["failed_steps"] += 1
@@ -479,6 +494,8 @@ class Scheduler:
         for seq in pending:
             assert seq.status == SequenceStatus.WAITING and self.seqs[seq.seq_id] is seq
             assert not seq.block_table and seq.linear_state_id == -1 and seq.num_computed_tokens == 0
+        assert self.fork_rank.keys() == self.forks.keys()
+        assert sorted(self.forks, key=self.fork_rank.__getitem__) == list(self.forks)
         assert len(self.running) + len(self.waiting) + len(pending) == len(self.seqs)
         if self.inflight is None:
             assert list(self.prefilling.values()) == [s for s in self.running if s.is_prefilling]

@@ -3,7 +3,8 @@ parent's live linear state through a fork op, recompute only the last partial bl
 requests when a fork cannot happen. The fake device checks every state and KV read."""
 import pytest
 
-from scheduler import Scheduler
+from scheduler import SamplingParams, Scheduler, Sequence
+from scheduler.sequence import SequenceStatus
 from tests.scheduler.sched_helpers import FakeDevice, make_seq, run, small_config, submit
 
 PROMPT = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 0, 2, 6, 4, 3, 3, 2, 3, 0, 4, 6, 2, 6, 4, 3, 1]
@@ -180,3 +181,55 @@ def test_add_rejects_a_fork_with_another_prompt_or_a_clashing_id():
     with pytest.raises(ValueError, match="distinct seq_ids"):
         sched.add(make_seq(1, PROMPT[:10]), forks=[make_seq(1, PROMPT[:10])])
     assert not sched.seqs and not sched.waiting and not sched.forks
+
+
+class _Watched(Sequence):
+    """A sequence that counts the attribute reads and comparisons made on it while `watching` is on: the scheduler's
+    work on a request it has no business with in that step."""
+    watching, touches = False, 0
+
+    def __getattribute__(self, name):
+        if _Watched.watching:
+            _Watched.touches += 1
+        return super().__getattribute__(name)
+
+    def __eq__(self, other):
+        if _Watched.watching:
+            _Watched.touches += 1
+        return self is other
+
+    __hash__ = Sequence.__hash__
+
+
+def _queue_groups(sched, dev, first_id: int, groups: int, n: int) -> None:
+    for g in range(groups):
+        sp = SamplingParams(max_tokens=2, temperature=0.0)
+        seqs = [_Watched(first_id + g * n + i, PROMPT[:19], sp) for i in range(n)]
+        sched.add(seqs[0], forks=seqs[1:])
+        for s in seqs:
+            dev.add(s)
+
+
+def test_a_step_does_no_work_on_queued_requests_with_samples_to_fork():
+    """Requests of n > 1 queued behind full running rows are not looked at by a step: each decode step used to visit
+    every queued parent and every sample waiting to fork from it, so a step's host time grew with the queue."""
+    cfg = small_config(max_num_seqs=2)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    running = [submit(sched, dev, make_seq(i, PROMPT[:9], max_tokens=20)) for i in (1, 2)]
+    _queue_groups(sched, dev, 100, groups=30, n=3)
+    for _ in range(3):  # both prefilled and decoding
+        plan = sched.schedule()
+        sched.postprocess(plan, dev.execute(plan))
+    assert all(not s.is_prefilling and s.status == SequenceStatus.RUNNING for s in running)
+    _Watched.touches, _Watched.watching = 0, True
+    try:
+        for _ in range(5):
+            plan = sched.schedule()
+            sched.postprocess(plan, dev.execute(plan))
+    finally:
+        _Watched.watching = False
+    assert _Watched.touches == 0
+    sched.check_invariants()
+    run(sched, dev)
+    assert not sched.seqs and sched.stats()["forks"] + sched.stats()["fork_fallbacks"] == 60
+
