@@ -46,7 +46,9 @@ class Scheduler:
                                 failed_steps=0, failed_requests=0, redone_steps=0)
         # parent seq_id -> (fork point, children not yet forked); the children are in `seqs` only
         self.forks: dict[int, tuple[int, list[Sequence]]] = {}
-        # parent seq_id -> its place in `forks`: a step looks at the running parents only, never every queued one
+        # child seq_id -> its parent's, and parent seq_id -> its place in `forks`: a step and an abort look up only
+        # the requests they touch, never every queued one
+        self.fork_parent: dict[int, int] = {}
         self.fork_rank: dict[int, int] = {}
         self._num_fork_groups = 0
 
@@ -73,6 +75,7 @@ class Scheduler:
             self.forks[seq.seq_id] = (point, forks)
             self.fork_rank[seq.seq_id] = self._num_fork_groups
             self._num_fork_groups += 1
+            self.fork_parent.update((c.seq_id, seq.seq_id) for c in forks)
         else:  # nothing to share: plain requests
             self.waiting.extend(forks)
 
@@ -98,7 +101,7 @@ class Scheduler:
             return True
         if seq_id in self.forks:  # the children no longer have a parent to fork from
             self._release_forks(seq_id, at=0)
-        parent = next((p for p, (_, children) in self.forks.items() if seq in children), None)
+        parent = self.fork_parent.pop(seq_id, None)
         if parent is not None:  # a child still waiting for its fork: in no queue
             self.forks[parent][1].remove(seq)
             if not self.forks[parent][1]:
@@ -169,6 +172,8 @@ class Scheduler:
         """Forget that `parent_id` has children waiting to fork from it; returns them."""
         _, children = self.forks.pop(parent_id)
         del self.fork_rank[parent_id]
+        for child in children:
+            del self.fork_parent[child.seq_id]
         return children
 
     def _release_forks(self, parent_id: int, at: int) -> None:
@@ -196,6 +201,7 @@ class Scheduler:
                     left.append(child)
                     continue
                 op = self.block_manager.fork(child, parent, point)
+                del self.fork_parent[child.seq_id]
                 if parents is not None:
                     parents.add(parent_id)
                 child.num_computed_tokens = point
@@ -494,6 +500,7 @@ class Scheduler:
         for seq in pending:
             assert seq.status == SequenceStatus.WAITING and self.seqs[seq.seq_id] is seq
             assert not seq.block_table and seq.linear_state_id == -1 and seq.num_computed_tokens == 0
+        assert self.fork_parent == {c.seq_id: p for p, (_, children) in self.forks.items() for c in children}
         assert self.fork_rank.keys() == self.forks.keys()
         assert sorted(self.forks, key=self.fork_rank.__getitem__) == list(self.forks)
         assert len(self.running) + len(self.waiting) + len(pending) == len(self.seqs)

@@ -233,3 +233,25 @@ def test_a_step_does_no_work_on_queued_requests_with_samples_to_fork():
     run(sched, dev)
     assert not sched.seqs and sched.stats()["forks"] + sched.stats()["fork_fallbacks"] == 60
 
+
+def test_aborting_a_sample_waiting_to_fork_does_no_work_on_other_requests():
+    """Aborting a sample that waits for its fork used to search every queued request's samples for its parent, so
+    aborting a queue of requests with n > 1 took time quadratic in its length."""
+    cfg = small_config(max_num_seqs=2)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    _queue_groups(sched, dev, 100, groups=30, n=3)
+    parent, children = make_seq(1, PROMPT[:19], max_tokens=2), [make_seq(i, PROMPT[:19], max_tokens=2) for i in (2, 3)]
+    sched.add(parent, forks=children)  # queued behind the others
+    for s in [parent] + children:
+        dev.add(s)
+    _Watched.touches, _Watched.watching = 0, True
+    try:
+        sched.abort(children[1].seq_id)
+        sched.abort(children[0].seq_id)
+    finally:
+        _Watched.watching = False
+    assert _Watched.touches == 0
+    assert children[0].finish_reason == children[1].finish_reason == "abort" and parent.seq_id not in sched.forks
+    sched.check_invariants()
+    run(sched, dev)
+    assert parent.finish_reason == "length" and not sched.seqs
