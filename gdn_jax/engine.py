@@ -143,7 +143,9 @@ class _Request:
     prompt_scored: int = 0                             # prompt positions up to here have their values (None: cached)
     texts: list[str] = dataclasses.field(default_factory=list)                # per sample, cut before a stop string
     stop_reasons: list[str | int | None] = dataclasses.field(default_factory=list)  # per sample
-    stop_from: list[int] = dataclasses.field(default_factory=list)  # per sample: end of the first min_tokens text
+    # per sample: a stop string counts only if it ends past here (the end of the first min_tokens text, then of the
+    # text already searched)
+    stop_from: list[int] = dataclasses.field(default_factory=list)
     streams: list = dataclasses.field(default_factory=list)  # per sample: the tokenizer's incremental text decoder
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)  # shared by every output of the request
 
@@ -667,6 +669,8 @@ class LLMEngine:
                 self.scheduler.abort(seq.seq_id)  # frees its slots and blocks like any finish
                 req.metrics.finished_time = now
             seq.finish_reason = "stop"
+        elif getattr(stream, "appends_only", False):  # that text stays as it is: the next search starts past it
+            req.stop_from[index] = max(req.stop_from[index], stream.num_chars)
 
     def _visible_text(self, req: _Request, index: int) -> str:
         """The text an unfinished sample can show without taking it back later: it holds back what later tokens may

@@ -12,6 +12,8 @@ class TextStream:
     """The text of a growing token sequence, `tokenizer.decode(all ids so far)`, fed a few ids at a time. This generic
     one decodes every id again on each `add` (exact for any tokenizer); `Utf8TextStream` only decodes the new ones."""
 
+    appends_only = False  # a whole decode may rewrite text before `num_chars` (WordPiece's cleanup)
+
     def __init__(self, decode):
         self._decode, self.ids, self._text = decode, [], ""
 
@@ -39,6 +41,8 @@ class Utf8TextStream:
     exactly the one-shot decode of all ids so far, and a decode step's detokenisation does not grow with the output
     length."""
 
+    appends_only = True  # the text before `num_chars` never changes (a stop string search need not cover it again)
+
     def __init__(self, to_bytes):
         self._to_bytes, self._text, self.num_ids = to_bytes, "", 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
@@ -62,6 +66,8 @@ class PieceTextStream:
     (`first`: it is the sequence's first token), or with byte fallback the byte a "<0xXX>" token stands for; a run of
     byte tokens reads as its UTF-8 if that is valid, else as one replacement character per byte; then up to
     `strip[1]` leading `strip[0]` characters of the whole text are left out (Strip after Fuse)."""
+
+    appends_only = True  # the text before `num_chars` never changes (a stop string search need not cover it again)
 
     def __init__(self, token, piece, strip: tuple[str, int]):
         self._token, self._piece, (self._strip_char, self._strip) = token, piece, strip

@@ -157,6 +157,32 @@ def test_stop_strings_cut_the_text_and_free_the_request(tiny_pair):
         SamplingParams(stop=[""])
 
 
+
+def test_stop_strings_are_searched_for_in_the_new_text_only(tiny_pair):
+    """Each step searches for the stop strings in the text its tokens added (and the few characters before it that a
+    stop string may begin in), not in the whole text again: that made the search quadratic in the output length."""
+    eng = tiny_pair[1].engine
+    searched = []
+
+    class Text(str):  # the text the stream returns, counting the characters each search covers
+        def find(self, sub, start=0, *args):
+            searched.append(len(self) - start)
+            return super().find(sub, start, *args)
+
+    stops = ["\x00\x01\x02", "\x03\x04"]
+    eng.add_request("long", "The cache", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, stop=stops))
+    stream = eng._requests["long"].streams[0]
+    add = stream.add
+    stream.add = lambda ids: Text(add(ids))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    out = outs[-1].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 200
+    # per step and stop string: the new characters, a stop string's length before them, and a held-back character
+    assert sum(searched) <= len(stops) * (len(out.text) + 200 * 4)
+
+
 def test_a_whole_row_ranks_every_token_as_a_count_of_likelier_ones():
     """Ties share a rank; the rank is 1 + how many tokens are strictly likelier (what a top-k entry reports)."""
     rng = np.random.default_rng(5)
