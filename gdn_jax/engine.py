@@ -148,6 +148,7 @@ class _Request:
     stop_from: list[int] = dataclasses.field(default_factory=list)
     streams: list = dataclasses.field(default_factory=list)  # per sample: the tokenizer's incremental text decoder
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)  # shared by every output of the request
+    final_only: bool = False  # an output only when it finishes (`LLM.generate` reads no other)
 
     @property
     def seq(self) -> Sequence:
@@ -552,6 +553,8 @@ class LLMEngine:
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
+            if req.final_only and not req.is_finished:
+                continue  # an output copies everything so far: built per step, that grew with the output
             outputs.append(self._output(req))
             if req.is_finished:
                 self._requests.pop(req.request_id, None)
@@ -762,6 +765,7 @@ class LLM:
                 while rid in self.engine._requests:  # an id the caller gave a request of its own on this engine
                     rid = str(next(self._ids))
                 self.engine.add_request(rid, prompt, sp)
+                self.engine._requests[rid].final_only = True
                 ids.append(rid)
         except BaseException:  # interrupted while adding (a long batch): none of it stays to run in a later call
             for i in ids:

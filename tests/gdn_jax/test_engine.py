@@ -318,6 +318,24 @@ def test_the_progress_bar_counts_only_the_batch(llm, monkeypatch):
     assert not llm.engine.has_unfinished_requests()
 
 
+
+def test_generate_builds_each_output_once_but_the_step_api_streams_them(llm, monkeypatch):
+    """`generate` returns only final outputs, so it builds only those (vLLM's FINAL_ONLY): an output per step copies
+    the whole output so far (token ids, logprobs, text), which made generate's host work quadratic in the output
+    length. A request added through the step API still gets an output at every step."""
+    built = []
+    real = llm.engine._output
+    monkeypatch.setattr(llm.engine, "_output", lambda req: built.append(req.request_id) or real(req))
+    llm.engine.add_request("own", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2, n=2, seed=3)
+    outs = llm.generate([[8, 9, 10], [11, 12]], sp, use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [20] * 4
+    assert all(len(c.logprobs) == 20 and c.finished() for o in outs for c in o.outputs)
+    mine = [r for r in built if r != "own"]
+    assert sorted(mine) == sorted(o.request_id for o in outs)  # one each, the final one
+    assert built.count("own") == 20
+
+
 CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is false %}<think></think>{% endif %}"
         "{% endif %}")
