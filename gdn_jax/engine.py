@@ -158,8 +158,11 @@ class _Request:
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
+    def __post_init__(self):
+        self._indices = {s.seq_id: i for i, s in enumerate(self.seqs)}
+
     def index(self, seq_id: int) -> int:
-        return next(i for i, s in enumerate(self.seqs) if s.seq_id == seq_id)
+        return self._indices[seq_id]
 
 
 # Default bound of the persistent compilation cache folder: a step shape's entry is 70-250 KB, Qwen3.5-9B's whole
@@ -553,6 +556,9 @@ class LLMEngine:
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
+            req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)  # once per request, not per row
+            if req.is_finished:
+                req.metrics.finished_time = now
             if req.final_only and not req.is_finished:
                 continue  # an output copies everything so far: built per step, that grew with the output
             outputs.append(self._output(req))
@@ -594,9 +600,6 @@ class LLMEngine:
             m.first_token_time = now
             m.kv_match, m.linear_reach = first.kv_match, first.linear_reach
             m.num_cached_tokens, m.reuse_lost, m.restored = first.num_cached_tokens, first.reuse_lost, first.restored
-        m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
-        if req.is_finished:
-            m.finished_time = now
         req.cumulative_logprob[index] += float(result.logprobs[row])
         k = seq.sampling_params.logprobs
         if k is not None:

@@ -152,3 +152,43 @@ def test_worker_fork_reads_the_parents_state_before_the_step_advances_it():
     for i in range(2):
         np.testing.assert_allclose(both.top_logprobs[i], ref.top_logprobs[0], atol=1e-5)
     assert both.tokens.tolist() == [ref.tokens[0]] * 2
+
+
+def test_the_host_work_of_a_step_per_sample_does_not_grow_with_n(monkeypatch):
+    """Each sampled row of a step recorded its token by searching the request's samples for its own and summing the
+    preemptions of all of them, so a step of a request with n samples did work quadratic in n (n = 256: 4 ms of host
+    time per step). The device is left out: a stub returns the step's tokens."""
+    from gdn_jax import LLMEngine
+    from gdn_jax.worker import StepResult
+    from scheduler import Sequence
+
+    engine = LLMEngine("tiny-random", max_num_seqs=32, max_model_len=128, block_size=16, chunk_stride=32, verbose=False)
+
+    def execute(plan, *args):
+        rows = len(plan.seqs)
+        return StepResult(np.full(rows, 70), np.zeros(rows, np.float32), np.ones(rows, np.int32),
+                          np.zeros((rows, 0), np.int32), np.zeros((rows, 0), np.float32))
+
+    monkeypatch.setattr(engine.worker, "execute", execute)
+    reads = [0]
+
+    class Counted(Sequence):
+        def __getattribute__(self, name):
+            reads[0] += 1
+            return super().__getattribute__(name)
+
+    def reads_per_row(n: int) -> float:
+        rid = f"n{n}"
+        engine.add_request(rid, list(range(10, 50)), SamplingParams(n=n, max_tokens=20, ignore_eos=True, seed=1))
+        while engine.last_step_info.get("rows") != n or engine.last_step_info["is_prefill"]:
+            engine.step()
+        for seq in engine._requests[rid].seqs:
+            seq.__class__ = Counted
+        reads[0] = 0
+        engine.step()
+        assert engine.last_step_info["rows"] == n and not engine.last_step_info["is_prefill"]
+        engine.abort_request(rid)
+        return reads[0] / n
+
+    few, many = reads_per_row(4), reads_per_row(32)
+    assert many <= few + 4, (few, many)
