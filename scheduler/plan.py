@@ -4,6 +4,7 @@ A `StepPlan` holds the step's rows (`ScheduledSequence`, one per scheduled seque
 (which live slot it advances and what is restored into it first), and the `CheckpointSave`s the step writes. The
 names are the ones of the design: `linear_state_id` is a live slot, `restore_src_slot_id` a restore source.
 """
+from array import array
 from dataclasses import asdict, dataclass, field
 
 from scheduler.sampling_params import SamplingParams
@@ -51,7 +52,7 @@ class ScheduledSequence:
     sample: bool                # True when this step's last token completes the known tokens, so a new token is sampled
     sampling_params: SamplingParams
     num_generated: int          # len(output_token_ids) before this step (the worker folds it into the seed)
-    history: list[int] | None = None  # prompt + output so far, only for sampling rows that use penalties
+    history: array | None = None  # prompt + output so far (C integers), only for sampling rows that use penalties
     num_prompt_tokens: int = 0
 
     @property

@@ -329,7 +329,7 @@ class Scheduler:
             block_table=table, slot_mapping=slot_mapping, linear_op=op,
             sample=sample, sampling_params=seq.sampling_params,
             num_generated=seq.num_generated,
-            history=list(seq.token_ids) if sample and seq.sampling_params.uses_penalties else None,
+            history=seq.history() if sample and seq.sampling_params.uses_penalties else None,
             num_prompt_tokens=seq.num_prompt_tokens)
 
     def postprocess(self, plan: StepPlan, sampled_token_ids: list[int | None]) -> list[Sequence]:

@@ -1,3 +1,4 @@
+from array import array
 from enum import Enum, auto
 
 from scheduler.hashing import KV_DOMAIN, LINEAR_DOMAIN, domain_seed, extend_chain
@@ -31,6 +32,8 @@ class Sequence:
         # Deferred save: chain hash of the chunk boundary just reached, saved next step.
         self.pending_save_hash: int | None = None
         self.pending_save_len = 0
+
+        self._history = array("q")  # token_ids as C integers, as far as `history` has needed them
 
         # Two chained hash domains over the known tokens.
         self.block_hashes: list[int] = []  # stride block_size
@@ -84,6 +87,13 @@ class Sequence:
             return  # no new whole chunk
         extend_chain(self.linear_state_hashes, self.token_ids, chunk_stride,
                      domain_seed(LINEAR_DOMAIN, chunk_stride, fingerprint))
+
+    def history(self) -> array:
+        """A copy of the tokens so far (prompt + output) as an array of C integers: the tokens added since the last
+        call are converted, then the array is copied whole (a memory copy), so a decode step's history of a long
+        context costs a copy, not a conversion of every token."""
+        self._history.extend(self.token_ids[len(self._history):])
+        return self._history[:]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))
