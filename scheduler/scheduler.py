@@ -143,13 +143,14 @@ class Scheduler:
         return StepPlan(is_prefill=True, seqs=prefill + decode, saves=self._plan_saves(prefill),
                         num_decode_rows=len(decode))
 
-    def _row_budget(self, rows: list[ScheduledSequence], budget: int) -> int:
-        """Tokens one more prefill row may take. "scan" also bounds the padded batch: the worker pads every row to
-        the longest, so (rows + 1) x longest stays within max_num_batched_tokens (0: no room for another row)."""
-        if self.config.checkpoint_mode == "promote" or not rows:
+    def _row_budget(self, num_rows: int, longest: int, budget: int) -> int:
+        """Tokens one more prefill row may take, after `num_rows` rows of at most `longest` tokens. "scan" also bounds
+        the padded batch: the worker pads every row to the longest, so (rows + 1) x longest stays within
+        max_num_batched_tokens (0: no room for another row)."""
+        if self.config.checkpoint_mode == "promote" or not num_rows:
             return budget
-        cap = self.config.max_num_batched_tokens // (len(rows) + 1)
-        return min(budget, cap) if cap >= max(len(r.token_ids) for r in rows) else 0
+        cap = self.config.max_num_batched_tokens // (num_rows + 1)
+        return min(budget, cap) if cap >= longest else 0
 
     def _chunk_end(self, num_computed: int, num_tokens: int, budget: int) -> int | None:
         """Where a prefill row from `num_computed` ends this step: `num_tokens` if it fits, else the deepest stride
@@ -227,15 +228,18 @@ class Scheduler:
             rows = []
             if self.forks:
                 budget = self._schedule_forks(rows, budget)
+        longest = max((len(r.token_ids) for r in rows), default=0)  # kept as rows are added: each is read once
         # Sequences admitted earlier whose prompt is still being prefilled.
         for seq in self.prefilling.values():
-            end = self._chunk_end(seq.num_computed_tokens, self._target(seq), self._row_budget(rows, budget))
+            end = self._chunk_end(seq.num_computed_tokens, self._target(seq),
+                                  self._row_budget(len(rows), longest, budget))
             if end is None:
                 continue
             assert self.block_manager.can_allocate(seq, end), "KV is taken for the whole prompt at admission"
             budget -= end - seq.num_computed_tokens
             op = self._allocate(seq, end)
             rows.append(self._row(seq, end, op))
+            longest = max(longest, end - seq.num_computed_tokens)
         # New (or preempted) sequences, first come first served.
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -244,7 +248,7 @@ class Scheduler:
                 break
             if seq.seq_id in self.forks and m.reuse >= self.forks[seq.seq_id][0]:
                 self._release_forks(seq.seq_id, at=1)  # the fork point is cached: children restore it as well
-            end = self._chunk_end(m.reuse, self._target(seq), self._row_budget(rows, budget))
+            end = self._chunk_end(m.reuse, self._target(seq), self._row_budget(len(rows), longest, budget))
             if end is None:
                 break
             self.waiting.popleft()
@@ -254,6 +258,7 @@ class Scheduler:
             self.running.append(seq)
             budget -= end - m.reuse
             rows.append(self._row(seq, end, op))
+            longest = max(longest, end - m.reuse)
         return rows
 
     def _plan_saves(self, rows: list[ScheduledSequence]) -> list[CheckpointSave]:

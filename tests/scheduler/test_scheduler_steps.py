@@ -244,3 +244,31 @@ def test_a_penalty_row_reads_only_the_new_tokens_of_its_history():
         assert not plan.is_prefill and len(plan.seqs[0].history) == len(seq.token_ids)
         sched.postprocess(plan, dev.execute(plan))
     assert _CountedTokens.read <= 10 * 4  # a few ids a step (the new token, the row's token), not 150 each
+
+
+def test_admitting_many_rows_in_one_step_reads_each_row_a_bounded_number_of_times(monkeypatch):
+    """Before each further prefill row, a "scan" step bounds it by the longest row so far; that longest was found again
+    over every row already scheduled, so admitting R prompts in one step read R**2 / 2 rows (1024 short prompts: 35 ms
+    for one schedule())."""
+    import scheduler.scheduler as sched_module
+    from scheduler.plan import ScheduledSequence
+
+    reads = [0]
+
+    class Counted(ScheduledSequence):
+        def __getattribute__(self, name):
+            if name == "token_ids":
+                reads[0] += 1
+            return super().__getattribute__(name)
+
+    monkeypatch.setattr(sched_module, "ScheduledSequence", Counted)
+    rows = 40
+    cfg = small_config(max_num_seqs=rows, num_kv_blocks=4 * rows + 20, num_linear_slots=2 * rows + 4,
+                       max_num_batched_tokens=16 * rows)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    for i in range(rows):
+        submit(sched, dev, make_seq(i, [(i * 7 + j) % 5 for j in range(5 + i % 3)]))
+    plan = sched.schedule()
+    assert len(plan.seqs) == rows
+    assert reads[0] <= 3 * rows
+    sched.postprocess(plan, dev.execute(plan))
