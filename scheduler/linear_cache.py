@@ -122,6 +122,7 @@ class LinearStateBlockManager:
         self.free_slots: deque[int] = deque(range(1, num_slots))
         self.live_slots: set[int] = set()
         self.saving: dict[int, int] = {}  # slot -> hash: checkpoints the in-flight step writes ("scan" mode)
+        self.saving_hashes: set[int] = set()  # their hashes (a step may plan thousands: looked up, not searched)
         self.index = LinearStatePrefixCache(chunk_stride) if enable_prefix_caching else None
         self.num_saved = 0
         self.num_save_skipped = 0
@@ -175,7 +176,7 @@ class LinearStateBlockManager:
         """A slot for the in-flight step to write the checkpoint of hash `h` into: a free one, else the LRU unpinned
         checkpoint (never a live, pinned or saving one). None, counted as skipped, when `h` is cached or being saved
         already, or when no slot can be had."""
-        if self.index.contains(h) or h in self.saving.values():
+        if self.index.contains(h) or h in self.saving_hashes:
             self.num_save_skipped += 1
             return None
         if self.free_slots:
@@ -187,11 +188,13 @@ class LinearStateBlockManager:
                 return None
             self.num_evicted += 1
         self.saving[slot] = h
+        self.saving_hashes.add(h)
         return slot
 
     def commit_save(self, slot: int) -> None:
         """The step that wrote `slot` completed: it becomes the checkpoint of its hash."""
         h = self.saving.pop(slot)
+        self.saving_hashes.remove(h)
         if self.index.insert_with_recorded_hash(slot, h):
             self.num_saved += 1
         else:  # cached meanwhile (a reset cannot race a step; kept for safety)
@@ -200,7 +203,7 @@ class LinearStateBlockManager:
 
     def cancel_save(self, slot: int) -> None:
         """The step that should have written `slot` failed: the slot is free again, nothing is indexed."""
-        del self.saving[slot]
+        self.saving_hashes.remove(self.saving.pop(slot))
         self.free_slots.append(slot)
 
     # -- per sequence ----------------------------------------------------------------------
@@ -309,6 +312,7 @@ class LinearStateBlockManager:
         assert free | live | ckpt | saving == set(range(1, self.num_slots)), "slot leaked or slot 0 used"
         assert pins_allowed or not saving, "checkpoint being saved outside a step"
         assert len(set(self.saving.values())) == len(saving), "one hash saved twice in a step"
+        assert self.saving_hashes == set(self.saving.values()), "the hashes being saved differ from the saves'"
         assert saving == set(saves), "slots being saved differ from the in-flight plan's saves"
         if self.index is not None:
             idx = self.index

@@ -113,3 +113,25 @@ def test_an_abort_during_the_step_still_indexes_what_the_step_wrote():
     sched.check_invariants()
     dev.check_checkpoints(sched)
     assert len(sched.block_manager.linear.index) == 3 and not sched.has_unfinished()
+
+
+def test_a_step_checks_each_save_against_the_ones_it_has_planned_in_constant_time():
+    """Whether a boundary's checkpoint is being saved already was a search of every save planned so far in the step,
+    so a step crossing S boundaries did S**2 / 2 comparisons (a 32k-token prompt at a budget of 32768 and a stride of
+    16: 34 ms for one schedule())."""
+    scanned = [0]
+
+    class Saving(dict):
+        def values(self):
+            scanned[0] += len(self)
+            return super().values()
+
+    cfg = big_config(chunk_stride=16, num_linear_slots=140)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    sched.block_manager.linear.saving = Saving()
+    submit(sched, dev, make_seq(1, LONG))
+    plan = sched.schedule()
+    assert len(plan.saves) == 2048 // 16
+    assert scanned[0] <= len(plan.saves)
+    sched.postprocess(plan, dev.execute(plan))
+    dev.check_checkpoints(sched)
