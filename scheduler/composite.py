@@ -114,6 +114,9 @@ class CompositeBlockManager:
         parent advances (or rotates its slot into a checkpoint) in the same step."""
         bs = self.config.block_size
         assert point % bs == 0 and parent.num_computed_tokens == point and not child.block_table
+        assert child.token_ids == parent.token_ids
+        # the same tokens: the same hash chains, taken rather than each sample hashing the whole prompt again
+        child.block_hashes, child.linear_state_hashes = parent.block_hashes[:], parent.linear_state_hashes[:]
         self.kv.allocate_shared(child, parent.block_table[:point // bs])
         self.kv.allocate(child, len(child.token_ids))
         if self.linear is None:
