@@ -695,8 +695,9 @@ class Worker:
                         linear_state_ids if i >= n else decode_linear_state_ids):
                     raise ValueError(f"row {i}: restore_src_slot_id {op.restore_src_slot_id} is a live slot that a "
                                      "decode row of this mixed step advances")
+            decode_slot_ids = decode_linear_state_ids | decode_restore_src_slot_ids  # once, not once per save
             for sv in plan.saves:
-                if sv.slot in decode_linear_state_ids | decode_restore_src_slot_ids:
+                if sv.slot in decode_slot_ids:
                     raise ValueError(f"save into slot {sv.slot}: a decode row of this mixed step reads or advances it")
         prefill = type(plan)(True, plan.prefill_seqs, plan.saves)
         decode = type(plan)(False, plan.decode_seqs)

@@ -159,3 +159,49 @@ def test_a_save_whose_boundary_is_not_its_position_is_refused(engines, shift):
                    num_decode_rows=plan.num_decode_rows)
     _fails_and_leaves_the_pools(engine, plan, bad, f"position {sv.boundary} at offset {sv.offset}, not the "
                                                    f"checkpoint boundary {boundary}")
+
+
+class _CountedSlot(int):
+    """A slot id that counts the comparisons made with it. All share one hash, so a set of them compares its
+    members whenever it is built (a save slot, a plain int, never compares with them)."""
+    comparisons = 0
+
+    def __eq__(self, other):
+        type(self).comparisons += 1
+        return int(self) == int(other)
+
+    def __hash__(self):
+        return -7
+
+
+def test_mixed_step_checks_every_save_against_one_set_of_decode_slots():
+    """The slots a mixed step's decode rows read or advance are gathered once for all its saves: they were gathered
+    again for every save, saves x rows work (2048 saves, 256 decode rows: 4 ms of checks instead of 0.2)."""
+    from types import SimpleNamespace
+
+    from gdn_jax.worker import Worker
+    from scheduler.plan import LinearStateCacheOp
+
+    class Checked(Exception):
+        pass
+
+    def prepare(*args):
+        raise Checked
+
+    rows = 4
+    seqs = [SimpleNamespace(linear_op=LinearStateCacheOp(1, True, -1))] + [
+        SimpleNamespace(linear_op=LinearStateCacheOp(_CountedSlot(2 + i), True, _CountedSlot(2 + rows + i)))
+        for i in range(rows)]
+    worker = SimpleNamespace(cfg=SimpleNamespace(linear_layer_ids=(0,)),
+                             memory=SimpleNamespace(num_linear_slots=1000), _prepare=prepare)
+    comparisons = []
+    for saves in (1, 200):
+        plan = StepPlan(True, seqs, [SimpleNamespace(slot=100 + j) for j in range(saves)], num_decode_rows=rows)
+        _CountedSlot.comparisons = 0
+        with pytest.raises(Checked):  # every check passed
+            Worker._execute_mixed(worker, plan, None, False)
+        comparisons.append(_CountedSlot.comparisons)
+    assert comparisons[0] == comparisons[1] > 0  # no work per save on the decode rows' slots
+    bad = StepPlan(True, seqs, plan.saves + [SimpleNamespace(slot=_CountedSlot(2 + rows))], num_decode_rows=rows)
+    with pytest.raises(ValueError, match=f"save into slot {2 + rows}: a decode row"):
+        Worker._execute_mixed(worker, bad, None, False)
