@@ -32,9 +32,9 @@ def validate_cache_ops(ops, num_slots: int, in_place: bool = False) -> None:
                 raise ValueError(f"op {i}: restore_src_slot_id {op.restore_src_slot_id} outside [1, {num_slots})")
             if op.restore_src_slot_id == op.linear_state_id:
                 raise ValueError(f"op {i}: restore source and live slot are both {op.linear_state_id}")
-    linear_state_ids = [op.linear_state_id for op in ops]
-    if len(set(linear_state_ids)) != len(linear_state_ids):
-        raise ValueError(f"two ops advance the same live slot: {sorted(linear_state_ids)}")
+    linear_state_ids = {op.linear_state_id for op in ops}  # a set: the one-token check below looks up every row
+    if len(linear_state_ids) != len(ops):
+        raise ValueError(f"two ops advance the same live slot: {sorted(op.linear_state_id for op in ops)}")
     # every copy reads the pools as they were before the step: a source that this step also restores into would
     # hand over its stale content
     targets = {op.linear_state_id for op in ops if op.restore_requested and op.restore_src_slot_id != -1}
