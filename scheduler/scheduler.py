@@ -18,12 +18,13 @@ live slot (a fork op), and computes the rest of the prompt itself (at most block
 is recomputed, never copied). A child that cannot be forked at that moment (no row, block, slot or budget), or whose
 parent finds the fork point already in the prefix cache, runs as an ordinary request instead.
 """
-from collections import Counter, deque
+from collections import Counter
 
 from scheduler.composite import CompositeBlockManager, PrefixMatch
 from scheduler.config import SchedulerConfig
 from scheduler.plan import CheckpointSave, LinearStateCacheOp, ScheduledSequence, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.waiting import WaitingQueue
 
 
 class Scheduler:
@@ -31,7 +32,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.block_manager = CompositeBlockManager(config)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()  # an abort removes its sequence in O(1)
         self.running: list[Sequence] = []  # admission order, oldest first
         self.prefilling: dict[int, Sequence] = {}  # running, more than one token left to compute
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
@@ -180,8 +181,7 @@ class Scheduler:
     def _release_forks(self, parent_id: int, at: int) -> None:
         """The children of `parent_id` become ordinary requests, queued at position `at` of the waiting queue."""
         children = self._pop_forks(parent_id)
-        for i, child in enumerate(children):
-            self.waiting.insert(at + i, child)
+        self.waiting.insert(at, children)
         self.counters["fork_fallbacks"] += len(children)
 
     def _schedule_forks(self, rows: list[ScheduledSequence], budget: int, parents: set[int] | None = None) -> int:
