@@ -466,9 +466,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids, params = self.validate_request(prompt, params)
         # sample i of n draws with seed (seed + i) mod 2**32 (vLLM's derivation): sample 0 is the request itself
-        seqs = [Sequence(next(self._seq_ids), ids, dataclasses.replace(
-            params, n=1, seed=None if params.seed is None else (params.seed + i) % SEED_BOUND))
-            for i in range(params.n)]
+        params_of = [dataclasses.replace(params, n=1,
+                                         seed=None if params.seed is None else (params.seed + i) % SEED_BOUND)
+                     for i in range(params.n)]
+        seqs = [Sequence(next(self._seq_ids), ids, params_of[0])]
+        seqs += [seqs[0].sample(next(self._seq_ids), p) for p in params_of[1:]]  # the prompt converted once
         self.scheduler.add(seqs[0], forks=seqs[1:])
         req = _Request(request_id, text, seqs, RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
                        [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs),

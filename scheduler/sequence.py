@@ -48,6 +48,13 @@ class Sequence:
         self.num_preemptions = 0
         self.num_admissions = 0
 
+    def sample(self, seq_id: int, sampling_params: SamplingParams) -> "Sequence":
+        """A further sample of this sequence's prompt (n > 1), made before it has run: the prompt is copied, not
+        converted token by token again, which for many samples of a long prompt was most of adding the request."""
+        seq = Sequence(seq_id, (), sampling_params)
+        seq.token_ids, seq.num_prompt_tokens = self.token_ids[:self.num_prompt_tokens], self.num_prompt_tokens
+        return seq
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

@@ -192,3 +192,30 @@ def test_the_host_work_of_a_step_per_sample_does_not_grow_with_n(monkeypatch):
 
     few, many = reads_per_row(4), reads_per_row(32)
     assert many <= few + 4, (few, many)
+
+
+def test_the_samples_of_a_request_convert_its_prompt_once(cached, monkeypatch):
+    """The n samples of a request copy its converted prompt: each converted the prompt again, token by token
+    (n = 256 samples of a 4000-token prompt: 55 ms to add the request instead of 13)."""
+    import scheduler.sequence
+
+    conversions = [0]
+
+    def counted_int(x):
+        conversions[0] += 1
+        return int(x)
+
+    monkeypatch.setattr(scheduler.sequence, "int", counted_int, raising=False)
+    prompt = list(range(5, 85))
+    engine = cached.engine
+    engine.add_request("samples", prompt, SamplingParams(n=8, max_tokens=1))
+    try:
+        assert conversions[0] == len(prompt)
+        seqs = engine._requests["samples"].seqs
+        assert all(s.token_ids == prompt and s.num_prompt_tokens == len(prompt) for s in seqs)
+        assert len({id(s.token_ids) for s in seqs}) == 8  # each sample appends to a list of its own
+        assert [s.sampling_params.n for s in seqs] == [1] * 8
+        assert all(engine.scheduler.seqs[s.seq_id] is s for s in seqs)
+    finally:
+        engine.abort_request("samples")
+    assert not engine.has_unfinished_requests()
