@@ -36,6 +36,7 @@ import pickle
 import re
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -82,12 +83,15 @@ def source_digest() -> str:
 
 
 KEEP_VERSIONS = 3  # sets of executables (source versions) kept in the store
+STALE_PARTIAL_S = 3600  # a partial write (`save`'s `.tmp` file) untouched this long is left by a process that died
 
 
 def default_folder(cache: str | None = None) -> str | None:
     """`executables/<source version>/` in `cache`, by default JAX's persistent compilation cache folder (None when
     that cache is off). Marks this version as used now and deletes all but the KEEP_VERSIONS most recently used
-    ones (and any entry of the former flat layout)."""
+    ones (and any entry of the former flat layout), and in those kept, the partial writes older than
+    STALE_PARTIAL_S: a process killed while saving (SIGKILL, a power loss) leaves its `.tmp` file, which no bound
+    counts and nothing else deletes; a younger one may be another process's save in progress."""
     cache = cache or jax.config.jax_compilation_cache_dir
     if not cache:
         return None
@@ -99,6 +103,11 @@ def default_folder(cache: str | None = None) -> str | None:
         others = sorted((p for p in root.iterdir() if p != folder), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in [p for p in others if not p.is_dir()] + [p for p in others if p.is_dir()][KEEP_VERSIONS - 1:]:
             shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+        cutoff = time.time() - STALE_PARTIAL_S
+        for partial in (p for d in root.iterdir() if d.is_dir() for p in d.iterdir() if p.name.endswith(".tmp")):
+            with contextlib.suppress(OSError):  # (gone already: another process deleting or renaming it)
+                if partial.stat().st_mtime < cutoff:
+                    partial.unlink()
     except OSError:  # a read-only or vanished cache folder: the store misses and saving fails (`save` says so)
         pass
     return str(folder)

@@ -4,6 +4,7 @@ miss, never an error."""
 
 import os
 import re
+import time
 import warnings
 from pathlib import Path
 
@@ -382,6 +383,26 @@ def test_the_store_keeps_the_most_recently_used_source_versions(tmp_path):
     kept = sorted(p.name for p in root.iterdir())
     assert kept == sorted([Path(folder).name] + ["v3", "v2"][:executables.KEEP_VERSIONS - 1])
     assert executables.default_folder(str(tmp_path)) == folder and Path(folder).is_dir()  # reopened: kept
+
+
+def test_opening_the_store_deletes_partial_writes_left_by_a_killed_process(tmp_path):
+    """A save killed between writing its `.tmp` file and renaming it leaves the file, which no bound counts: opening
+    the store deletes those older than STALE_PARTIAL_S in every version kept, and no younger one (another process may
+    be writing it); they were never deleted."""
+    folder = Path(executables.default_folder(str(tmp_path)))
+    other = folder.parent / "v-other"
+    other.mkdir()
+    stale = [folder / "tmpa1.tmp", other / "tmpb2.tmp"]
+    fresh = [folder / "tmpc3.tmp", folder / "tmpd4.tmp"]
+    old = time.time() - getattr(executables, "STALE_PARTIAL_S", 3600) - 60
+    for path in stale + fresh + [folder / "entry"]:
+        path.write_bytes(b"partial")
+    for path in stale + [folder / "entry"]:
+        os.utime(path, (old, old))
+    os.utime(fresh[1], (old + 120, old + 120))  # written within the last STALE_PARTIAL_S: kept
+    assert executables.default_folder(str(tmp_path)) == str(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["entry", "tmpc3.tmp", "tmpd4.tmp"]
+    assert not list(other.iterdir())
 
 
 def test_the_store_is_bounded_and_deletes_the_least_recently_used_entries(tmp_path):
