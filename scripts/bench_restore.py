@@ -69,10 +69,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=positive_int, default=25, help="timed steps per variant (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_restore.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
+    if args.slots < 1 + 2 * args.rows:  # slot 0 is padding; each row has a live slot and a checkpoint source
+        ap.error(f"--slots ({args.slots}) must be at least 1 + 2 x --rows ({args.rows}) = {1 + 2 * args.rows}")
 
     B, dtype = args.rows, jnp.dtype(args.dtype)
-    if args.slots < 1 + 2 * B:
-        raise ValueError(f"--slots must be at least 1 + 2 * rows = {1 + 2 * B}")
     cfg = gdn_9b_config(args.gdn_layers, args.hidden)
     graphdef, params = init_model(cfg, dtype=dtype)
     state = init_state(cfg, 2, 16, args.slots, dtype)

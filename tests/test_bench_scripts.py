@@ -284,6 +284,7 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
      "--prompt (64) exceeds --max-model-len (32)"),
     ("bench_serving", ["--concurrency", "2", "0"], "argument --concurrency: 0 is below 1"),
     ("bench_restore", ["--repeats", "0"], "argument --repeats: 0 is below 1"),
+    ("bench_restore", ["--rows", "4", "--slots", "8"], "--slots (8) must be at least 1 + 2 x --rows (4) = 9"),
     ("bench_scheduler", ["--seqs", "-2"], "argument --seqs: -2 is below 1"),
     ("bench_compile", ["--limit", "-1"], "argument --limit: -1 is below 0"),
     ("bench_compile", ["--chunk-stride", "24"], "--chunk-stride (24) must be a multiple of --block-size (16)"),
