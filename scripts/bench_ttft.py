@@ -370,7 +370,10 @@ def main(argv=None) -> dict:
     if args.ab and args.shared < args.chunk_stride:  # B would restore nothing: found at once, not after the rounds
         ap.error(f"--shared ({args.shared}) is below --chunk-stride ({args.chunk_stride}): request B must share a "
                  f"checkpoint boundary with A for the A/B to compare a restoring step")
-    args.passes = args.passes or (1 if args.quick else 3)
+    if long:  # passes are the study's: the A/B and prefill runs time rounds, and their JSON records their settings
+        del args.passes
+    else:
+        args.passes = args.passes or (1 if args.quick else 3)
     if long:
         check_length(ap, args.model, args.prompt + 64, f"--prompt {args.prompt} (and 64 tokens of room)")
     return ab(args) if args.ab else prefill(args) if args.prefill else study(args)

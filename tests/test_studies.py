@@ -302,3 +302,15 @@ def test_ttft_workload_words_are_as_many_tokens_as_asked_whatever_the_tokenizer(
 
     for n in (24, 256):
         assert len(ttft._words(np.random.default_rng(0), Words(), n)) == n
+
+
+@pytest.mark.parametrize("run", ["--ab", "--prefill"])
+def test_ttft_ab_and_prefill_record_only_the_settings_that_apply(run, tmp_path, monkeypatch):
+    """The A/B and prefill runs write their settings (`args`) into their JSON: passes, a setting of the study alone,
+    was written there as 3."""
+    ttft = _script("bench_ttft")
+    monkeypatch.setattr(ttft, run[2:], lambda args: vars(args))
+    got = ttft.main([run, "--model", "tiny-random", "--prompt", "64", "--shared", "32", "--chunk-stride", "32",
+                     "--out", str(tmp_path)])
+    assert "passes" not in got
+    assert (got["prompt"], got["shared"], got["rounds"], got["chunk_stride"]) == (64, 32, 3, 32)
