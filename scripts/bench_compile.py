@@ -14,10 +14,11 @@ timed; a table per shape and the totals are printed, and JSON is written with `n
 `per_shape_s` (lower + compile of each measured shape, in the order of `shapes`) and `total_s`. Sampling is its own
 executable, one per rows bucket (`Worker.sample_buckets()`): those are timed too (`sampling`) and count in the total.
 
-Subsets: `--shapes` lists shapes to time; `--limit N` times N shapes spread over the grid, always including the
-largest prefill and the largest decode shape. When not every shape was measured, `total_s` is an extrapolation (the
-measured mean per prefill shape times the grid's prefill shapes, the same for decode) and `total_extrapolated` is
-true; `measured_total_s` is what was actually timed.
+Subsets: `--shapes` lists shapes to time; `--limit N` (N >= 2) times N shapes spread over the grid, always including
+the largest prefill and the largest decode shape. When not every shape was measured, `total_s` is an extrapolation
+(the measured mean per prefill shape times the grid's prefill shapes, the same for decode) and `total_extrapolated`
+is true; `measured_total_s` is what was actually timed. `--shapes` of one kind only (prefill or decode) leave the
+other kind with no mean to extrapolate from: `total_s` is then null, and the printed total says which kind is missing.
 
 The persistent compilation cache is off by default (`--cache-dir off`), so every shape compiles from scratch (the
 figure of a first start). `--cache-dir DIR` turns it on in DIR (every compilation is written, whatever it took).
@@ -183,17 +184,19 @@ def measure(a) -> dict:
                                      "mean": sum(vals) / len(vals)} if vals else None)
     done = {tuple(r["shape"]) for r in rows}
     out["total_extrapolated"] = len(done) < len(grid) or sampling_estimate > 0
-    estimate = sampling_estimate
+    estimate, unmeasured = sampling_estimate, []
     for kind in ("prefill", "decode"):
         missing = sum(1 for s in grid if (s[1] > 1) == (kind == "prefill") and s not in done)
         if missing and out[f"{kind}_total_s"] is None:
-            estimate = float("nan")  # nothing of this kind measured: no honest extrapolation
+            unmeasured.append(kind)  # nothing of this kind measured: no honest extrapolation
         elif missing:
             estimate += missing * out[f"{kind}_total_s"]["mean"]
-    out["total_s"] = out["measured_total_s"] + estimate
+    out["total_s"] = None if unmeasured else out["measured_total_s"] + estimate
     out["process_s"] = time.perf_counter() - T_START
     label = "extrapolated to the whole grid" if out["total_extrapolated"] else "measured"
-    print(f"total {out['total_s']:.1f} s over {len(grid)} step shapes + {len(all_samplers)} sampling shapes ({label}; measured {out['measured_total_s']:.1f} s "
+    total = (f"total {out['total_s']:.1f} s" if out["total_s"] is not None else
+             f"no total: no {' or '.join(unmeasured)} shape timed to extrapolate from")
+    print(f"{total} over {len(grid)} step shapes + {len(all_samplers)} sampling shapes ({label}; measured {out['measured_total_s']:.1f} s "
           f"over {len(rows)}); process {out['process_s']:.1f} s")
     for kind in ("prefill", "decode"):
         st = out[f"{kind}_total_s"]
@@ -216,7 +219,9 @@ def second_start(a, argv: list[str]) -> dict:
             subprocess.run([sys.executable, __file__, *args, "--cache-dir", folder, "--out", str(out)], check=True)
             wall = time.perf_counter() - t0
             runs.append(json.loads(out.read_text()) | {"wall_s": wall})
-        print(f"start {i + 1}: {runs[-1]['total_s']:.1f} s warming up, process wall {wall:.1f} s", flush=True)
+        total = runs[-1]["total_s"]  # None: --shapes of one kind, nothing to extrapolate the other from
+        timed_s = f"{total:.1f} s" if total is not None else f"{runs[-1]['measured_total_s']:.1f} s (shapes timed)"
+        print(f"start {i + 1}: {timed_s} warming up, process wall {wall:.1f} s", flush=True)
     first, second = runs
     size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
     return {"mode": "second_start", "cache_dir": folder, "cache_bytes": size, "first": first, "second": second,
@@ -239,7 +244,8 @@ def main(argv=None):
                    "('promote': prefill rows of at most chunk_stride tokens, no saves)")
     p.add_argument("--checkpoint-policy", default="all", choices=("all", "last"), help="engine checkpoint_policy")
     p.add_argument("--shapes", default="", help="comma-separated ROWSxTOKENSxBLOCKS shapes to time (default: all)")
-    p.add_argument("--limit", type=nonnegative_int, default=0, help="time N shapes spread over the grid (0: all)")
+    p.add_argument("--limit", type=nonnegative_int, default=0, help="time N shapes spread over the grid, the largest "
+                   "prefill and decode shapes among them (N >= 2; 0: all)")
     p.add_argument("--prompt-logprobs", action="store_true", help="also compile the prompt-logprobs step per prefill "
                    "shape (as warm_up(prompt_logprobs=True)); its time counts in the shape's total")
     p.add_argument("--warm-up", action="store_true", help="time Worker.warm_up() as a whole (lowering overlapped "
@@ -260,6 +266,9 @@ def main(argv=None):
         p.error(f"--warm-up times the whole grid: {'--shapes' if a.shapes else '--limit'} does not apply")
     if a.compile_threads is not None and not a.warm_up:
         p.error("--compile-threads applies to --warm-up (shape by shape, one compilation runs at a time)")
+    if a.limit == 1:  # spread() keeps the largest prefill shape and drops the decode ones: no decode total
+        p.error("--limit 1: the largest prefill and the largest decode shape are always timed: give 2 or more "
+                "(0: the whole grid)")
     result = second_start(a, argv) if a.second_start else measure(a)
     result |= {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
                "loadavg": os.getloadavg()}

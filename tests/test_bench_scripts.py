@@ -291,6 +291,10 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
     ("bench_compile", ["--preset", "tiny-random", "--shapes", "1x1x8", "--limit", "2"], "give it or --shapes, not both"),
     ("bench_compile", ["--preset", "tiny-random", "--limit", "1", "--compile-threads", "2"],
      "--compile-threads applies to --warm-up"),
+    # one shape would be the largest prefill shape alone: no decode shape to extrapolate the total from (it was NaN)
+    ("bench_compile", ["--preset", "tiny-random", "--max-num-seqs", "1", "--max-model-len", "32", "--chunk-stride",
+                       "16", "--max-num-batched-tokens", "16", "--limit", "1", "--out", "/dev/null"],
+     "--limit 1: the largest prefill and the largest decode shape are always timed: give 2 or more"),
     ("bench_compile", ["--preset", "tiny-random", "--warm-up", "--shapes", "1x1x8"], "--warm-up times the whole grid: "
      "--shapes does not apply"),
     ("bench_serving", ["--system", "200", "--max-model-len", "128"], "exceeds --max-model-len (128)"),
@@ -458,6 +462,20 @@ def test_bench_compile_summarises_and_extrapolates_the_shapes_it_timed(tmp_path)
     assert r["measured_total_s"] == pytest.approx(a + b + d + r["sampling_s"])
     assert r["total_extrapolated"] and r["total_s"] == pytest.approx(r["measured_total_s"] + (a + b) / 2 + d
                                                                      + r["sampling_s"])
+
+
+def test_bench_compile_of_prefill_shapes_alone_gives_no_total_rather_than_nan(tmp_path, capsys):
+    """With no decode shape timed there is no mean to extrapolate the grid's decode shapes from: the total is left
+    out (null, and a printed line naming the missing kind); it was NaN, printed as "total nan s"."""
+    out = tmp_path / "compile.json"
+    _script("bench_compile").main(["--preset", "tiny-random", "--dtype", "float32", "--max-num-seqs", "1",
+                                   "--max-model-len", "32", "--chunk-stride", "16", "--max-num-batched-tokens", "16",
+                                   "--shapes", "1x16x2", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["shapes"] == [[1, 16, 2]] and r["decode_total_s"] is None and r["total_s"] is None
+    assert r["measured_total_s"] == pytest.approx(r["per_shape_s"][0] + r["sampling_s"])
+    printed = capsys.readouterr().out
+    assert "nan" not in printed.lower() and "no total: no decode shape timed" in printed
 
 
 def test_bench_itl_writes_the_long_chunk_step_its_table_prints(tmp_path, monkeypatch, capsys):
