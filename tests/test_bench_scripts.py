@@ -569,3 +569,30 @@ def test_profile_step_refuses_a_step_larger_than_the_budget_before_compiling(mon
     with pytest.raises(ValueError, match=r"--rows \(2\) x --tokens \(1500\) exceeds the 2048 tokens"):
         bench.main(["--preset", "tiny-random", "--tokens", "1500", "--rows", "2", "--dtypes", "float32",
                     "--out", str(tmp_path / "step.json")])
+
+
+def test_bench_forward_times_compilation_apart_from_the_first_run(monkeypatch):
+    """Every run of the forward moves a clock by 100 s and nothing else does: lowering and compilation take no time on
+    it, the first run and each timed forward 100 s (the compile column held the first run as well)."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from gdn_jax.config import get_preset
+
+    bench = _script("bench_forward")
+    clock = [0.0]
+
+    def advance():
+        clock[0] += 100.0
+
+    def forward(*args):
+        jax.debug.callback(advance)
+        return bench_forward_real(*args)
+
+    bench_forward_real = bench.forward
+    monkeypatch.setattr(bench, "forward", forward)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    setup, times, *_ = bench.time_jax(get_preset("tiny-random"), list(range(4, 20)), jnp.float32, 2)
+    assert setup == {"lower_s": 0.0, "compile_s": 0.0, "first_run_s": 100.0} and times == [100.0, 100.0]
