@@ -8,21 +8,26 @@
 
 For each dtype one engine (`--max-num-seqs` 64 and the default memory budget, so the state pools are as large as a
 serving engine's) prefills `batch` random `--prompt`-token prompts, then runs greedy decode steps; after two
-untimed steps (compilation, the deferred checkpoint save at the prompt's end) `--steps` steps are timed, then
+untimed steps (compilation, the deferred checkpoint save at the prompt's end) `--steps` steps are timed as the engine
+runs them, `--steps` more through wrappers that split each step's time (`host`, `python` below), then
 `--profile-steps` more are traced with the JAX profiler. While the later rows prefill, the first ones already decode
 (mixed steps), so by the timed steps the rows hold different contexts: the bound and the compute floor use their mean
 over the timed steps (`context_tokens`). Each request may generate 256 tokens; a decode step of fewer rows (a row
-that ran out of them during a long prefill, or a KV pool too small for the batch) stops the script with a message.
+that ran out of them during a long prefill, or a KV pool too small for the batch), timed or wrapped, stops the script
+with a message.
 
 Per configuration it reports:
-- `step`: wall time of `engine.step()` (scheduler + worker + postprocess), min and median over the timed steps;
-- `host`: the step's wall time minus the time the host waits for the device (from the return of each asynchronous
-  jitted call, the step's and sampling's, to its outputs being ready): scheduling, padding, argument handling,
-  dispatch, postprocess (median). On the CPU backend the host shares the cores with the device's threads, which
+- `step`: wall time of `engine.step()` (scheduler + worker + postprocess), min and median over the timed steps,
+  which run unwrapped: the engine dispatches sampling while the step's device work still runs;
+- `host` and `python` come from the wrapped steps, which wait for each jitted call's outputs before going on (so a
+  wrapped step takes a little longer than a timed one: sampling's dispatch no longer overlaps the step's work);
+- `host`: the wrapped step's wall time minus the time the host waits for the device (from the return of each
+  asynchronous jitted call, the step's and sampling's, to its outputs being ready): scheduling, padding, argument
+  handling, dispatch, postprocess (median). On the CPU backend the host shares the cores with the device's threads, which
   are still busy or spinning when a call is dispatched (sampling's dispatch: ~0.1 ms on an idle machine, ~0.3 ms
   in a step), so this reads above the host's own work;
-- `python`: the step's wall time minus the whole of the two jitted calls (dispatch included): the engine's own
-  Python work per step, scheduling, argument building and postprocess (median);
+- `python`: the wrapped step's wall time minus the whole of the two jitted calls (dispatch included): the engine's
+  own Python work per step, scheduling, argument building and postprocess (median);
 - `bound`: the bytes a decode step must move (every weight except the embedding table, of which only the batch's
   rows are read; the KV of the real context; the GDN conv + SSM state, read and written) in the model's dtype,
   divided by the read bandwidth: `--bandwidth` GB/s if given, else the larger of 16 GB/s (the development
@@ -186,12 +191,15 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
 
     peak = args.peak.get(dtype) or 1e9 * matmul_peak(engine.cfg, 512, jnp.dtype(dtype))["gflops"]
     print(f"  {dtype} matmul rate: {peak / 1e9:.0f} GFLOP/s ({'given' if args.peak.get(dtype) else 'measured now'})")
-    module = f"jit_{engine.worker._decode_fn.__name__}"  # the decode step executable's name in the profile
-    timer = engine.worker._decode_fn = BlockTimer(engine.worker._decode_fn)
-    # decode steps of many rows are their own jitted function (other compile options): one record for both
-    engine.worker._decode_wide_fn = BlockTimer(engine.worker._decode_wide_fn, timer.blocked, timer.last, timer.calls)
+    worker = engine.worker
+    module = f"jit_{worker._decode_fn.__name__}"  # the decode step executable's name in the profile
+    plain = {name: getattr(worker, name) for name in ("_decode_fn", "_decode_wide_fn", "_sample")}
+    timer = BlockTimer(plain["_decode_fn"])
+    # decode steps of many rows are their own jitted function (other compile options): one record for both;
     # sampling is its own executable: its wait is device time too
-    sampler = engine.worker._sample = BlockTimer(engine.worker._sample)
+    sampler = BlockTimer(plain["_sample"])
+    wrapped = {"_decode_fn": timer, "_sample": sampler,
+               "_decode_wide_fn": BlockTimer(plain["_decode_wide_fn"], timer.blocked, timer.last, timer.calls)}
     vocab = engine.cfg.vocab_size
     rng = np.random.default_rng(0)
     rows = []
@@ -205,15 +213,9 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             engine.step()
             if not engine.last_step_info["is_prefill"]:
                 break
-        steps, host, python, contexts = [], [], [], []
-        for i in range(2 + args.steps):  # 2 untimed: compile + the deferred save at the prompt's end
-            for t in (timer, sampler):
-                t.blocked.clear()
-                t.calls.clear()
-            # a row's context in a decode step: its tokens so far, the one the step feeds included (its KV is
-            # written and read in the step); the token the step samples is not
-            context_before = statistics.mean(len(s.token_ids) for s in engine.scheduler.running)
-            t0 = time.perf_counter()
+
+        def decode_step(batch=batch):
+            """One engine step, which must decode every row of the batch."""
             engine.step()
             info = engine.last_step_info
             if info["rows"] != batch or info["is_prefill"]:
@@ -221,11 +223,28 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
                                  f"{' with prefill' if info['is_prefill'] else ''}, not {batch} decode rows: a row "
                                  f"finished or was preempted (its {room} tokens of room after the prompt ran out "
                                  "while the other rows prefilled, or the KV pool is too small for the batch)")
-            if i >= 2:
-                steps.append(time.perf_counter() - t0)
-                contexts.append(context_before)
-                host.append(steps[-1] - sum(timer.blocked) - sum(sampler.blocked))
-                python.append(steps[-1] - sum(timer.calls) - sum(sampler.calls))
+
+        for _ in range(2):  # untimed: compile + the deferred save at the prompt's end
+            decode_step()
+        steps, host, python, contexts = [], [], [], []
+        for _ in range(args.steps):  # the engine's own steps: `step`
+            # a row's context in a decode step: its tokens so far, the one the step feeds included (its KV is
+            # written and read in the step); the token the step samples is not
+            contexts.append(statistics.mean(len(s.token_ids) for s in engine.scheduler.running))
+            t0 = time.perf_counter()
+            decode_step()
+            steps.append(time.perf_counter() - t0)
+        vars(worker).update(wrapped)
+        for _ in range(args.steps):  # as many again through the wrappers, each waited for: the split of the step
+            for t in (timer, sampler):
+                t.blocked.clear()
+                t.calls.clear()
+            t0 = time.perf_counter()
+            decode_step()
+            wall = time.perf_counter() - t0
+            host.append(wall - sum(timer.blocked) - sum(sampler.blocked))
+            python.append(wall - sum(timer.calls) - sum(sampler.calls))
+        vars(worker).update(plain)
         context = round(statistics.mean(contexts))  # the rows' mean over the timed steps
         prof = (profile_steps(engine, args.profile_steps, module, compiled_text(*timer.last[0]))
                 if args.profile_steps else {"op_ms": {}, "op_count": {}, "part_ms": {}})

@@ -596,3 +596,31 @@ def test_bench_forward_times_compilation_apart_from_the_first_run(monkeypatch):
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     setup, times, *_ = bench.time_jax(get_preset("tiny-random"), list(range(4, 20)), jnp.float32, 2)
     assert setup == {"lower_s": 0.0, "compile_s": 0.0, "first_run_s": 100.0} and times == [100.0, 100.0]
+
+
+def test_bench_decode_times_its_steps_unwrapped(tmp_path, monkeypatch):
+    """The reported step is the engine's own: the wrappers that split it into host and device time wait for the
+    step's device work before sampling is dispatched, which the engine overlaps. Every wrapped call moves the
+    script's clock by 1000 s: a timed step that went through a wrapper reads above it."""
+    import time
+    import types
+
+    bench = _script("bench_decode")
+    offset = [0.0]
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + offset[0]))
+    wrapped = bench.BlockTimer.__call__
+
+    def call(self, *args):
+        offset[0] += 1000.0
+        return wrapped(self, *args)
+
+    monkeypatch.setattr(bench.BlockTimer, "__call__", call)
+    out = tmp_path / "decode.json"
+    bench.main(["--preset", "tiny-random", "--prompt", "16", "--batches", "1", "--dtypes", "float32", "--steps", "3",
+                "--profile-steps", "0", "--chunk-stride", "16", "--max-num-seqs", "1", "--probe-mib", "1",
+                "--peak", "float32=100", "--bandwidth", "10", "--out", str(out)])
+    (r,) = json.loads(out.read_text())["rows"]
+    assert 0 < r["step_ms_min"] <= r["step_ms_median"] < 1e5
+    assert r["context_tokens"] == 21  # the plain steps are the timed ones, the wrapped ones follow them
+    assert r["host_ms_median"] > 1e6  # the split comes from the wrapped steps
+
