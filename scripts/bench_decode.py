@@ -13,8 +13,8 @@ runs them, `--steps` more through wrappers that split each step's time (`host`, 
 `--profile-steps` more are traced with the JAX profiler. While the later rows prefill, the first ones already decode
 (mixed steps), so by the timed steps the rows hold different contexts: the bound and the compute floor use their mean
 over the timed steps (`context_tokens`). Each request may generate 256 tokens; a decode step of fewer rows (a row
-that ran out of them during a long prefill, or a KV pool too small for the batch), timed or wrapped, stops the script
-with a message.
+that ran out of them during a long prefill or the steps before, or a KV pool too small for the batch), timed,
+wrapped or traced, stops the script with a message.
 
 Per configuration it reports:
 - `step`: wall time of `engine.step()` (scheduler + worker + postprocess), min and median over the timed steps,
@@ -153,11 +153,11 @@ class BlockTimer:
         return getattr(self.fn, name)
 
 
-def profile_steps(engine: LLMEngine, n: int, module: str, hlo_text: str) -> dict:
-    """Traces `n` engine steps: the XLA self time of the step executable `module` per step, summed by op kind
+def profile_steps(step, n: int, module: str, hlo_text: str) -> dict:
+    """Traces `n` calls of `step` (an engine step): the XLA self time of the step executable `module` per step, summed by op kind
     (`op_kind`, with the op counts) and by part of the model (`op_profile.op_parts` on the executable's compiled
     text; "unattributed": ops the text does not name)."""
-    events, _ = trace_events(engine.step, n)
+    events, _ = trace_events(step, n)
     ms = self_times(events, module, n)
     calls = collections.Counter(e["args"]["hlo_op"] for e in events
                                 if e.get("ph") == "X" and (e.get("args") or {}).get("hlo_module") == module)
@@ -216,6 +216,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
 
         def decode_step(batch=batch):
             """One engine step, which must decode every row of the batch."""
+            engine.last_step_info = {"rows": 0, "is_prefill": False}  # a step with no rows leaves it as it was
             engine.step()
             info = engine.last_step_info
             if info["rows"] != batch or info["is_prefill"]:
@@ -246,7 +247,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             python.append(wall - sum(timer.calls) - sum(sampler.calls))
         vars(worker).update(plain)
         context = round(statistics.mean(contexts))  # the rows' mean over the timed steps
-        prof = (profile_steps(engine, args.profile_steps, module, compiled_text(*timer.last[0]))
+        prof = (profile_steps(decode_step, args.profile_steps, module, compiled_text(*timer.last[0]))
                 if args.profile_steps else {"op_ms": {}, "op_count": {}, "part_ms": {}})
         need = decode_bytes(engine, batch, context)
         bound = need["total"] / bandwidth

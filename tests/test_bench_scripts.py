@@ -624,3 +624,17 @@ def test_bench_decode_times_its_steps_unwrapped(tmp_path, monkeypatch):
     assert r["context_tokens"] == 21  # the plain steps are the timed ones, the wrapped ones follow them
     assert r["host_ms_median"] > 1e6  # the split comes from the wrapped steps
 
+
+@pytest.mark.parametrize("steps, profiled", [(125, 3), (128, 0)])
+def test_bench_decode_checks_that_the_profiled_and_the_last_steps_run_the_whole_batch(steps, profiled, tmp_path):
+    """A row of a 16-token prompt may generate 256 tokens: the first (prefill), the step ending the prefill loop, 2
+    untimed steps and 125 timed steps twice (plain, then wrapped) leave it 2, so the third profiled step would run no
+    row: an error as in the timed steps (the profile traced fewer rows than the batch without a word). A step that
+    runs no row at all leaves the engine's last_step_info as it was: the check read the step before's (128 timed
+    steps: the last wrapped steps ran no row, unseen)."""
+    bench = _script("bench_decode")
+    with pytest.raises(SystemExit, match="batch 1: a decode step ran 0 rows"):
+        bench.main(["--preset", "tiny-random", "--prompt", "16", "--batches", "1", "--dtypes", "float32", "--steps",
+                    str(steps), "--profile-steps", str(profiled), "--chunk-stride", "16", "--max-num-seqs", "1",
+                    "--probe-mib", "1", "--peak", "float32=100", "--bandwidth", "10",
+                    "--out", str(tmp_path / "decode.json")])
