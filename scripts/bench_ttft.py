@@ -10,7 +10,8 @@ the cache on and off, serially (one request at a time) and concurrently (a wave 
 `LLMEngine`), after a warm-up pass of the same shapes on other tokens (the prefix cache is emptied after it). TTFT is
 client-side: from `add_request` to the step that returns the first token. Reports p50 / p90 / mean TTFT, hit rate,
 reused tokens and the counters; plots TTFT against the shared-prefix length, cache on vs off. Writes
-DIR/bench_ttft.json and DIR/bench_ttft.png.
+DIR/bench_ttft.json and DIR/bench_ttft.png. The engines' max_model_len is 2048 (--quick: 512), or the model's
+positions where it has fewer and the study's sequences (up to 1088 tokens; --quick: 284) fit them.
 
 A/B (`--ab`). Request A (a `--prompt`-token prompt) runs first; request B shares A's first `--shared` tokens and has
 its own tail. With the cache on, B restores the checkpoint at `--shared` and prefills only its tail; with it off, B
@@ -35,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from study_cli import (check_length, environment, figure, nonnegative_int, parse, pools_of, positive_int, run, save,
-                       share_of, study_parser, write_json)
+from study_cli import (check_length, environment, figure, fit_model_len, nonnegative_int, parse, pools_of,
+                       positive_int, run, save, share_of, study_parser, write_json)
 
 
 def run_request(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
@@ -194,15 +195,21 @@ def _words(rng, tok, n: int) -> list[int]:
     return ids[:n]
 
 
+# the workloads' sizes (--quick: True): requests per wave, system prompt and question tokens, conversations and turns
+WORKLOAD = {True: dict(requests=4, system=256, question=24, conversations=3, turns=3),
+            False: dict(requests=8, system=1024, question=48, conversations=4, turns=4)}
+SWEEP_QUESTION = 24  # tokens after the shared prefix in the prefix-length sweep
+
+
 def workloads(rng, tok, q: bool):
     """name -> list of waves; a wave is a list of prompts submitted together in concurrent mode. Multi-turn waves
     are callables that build the next turn from the previous answers."""
-    n_req, sys_len, q_len = (4, 256, 24) if q else (8, 1024, 48)
+    n_req, sys_len, q_len = (WORKLOAD[q][k] for k in ("requests", "system", "question"))
     system = _words(rng, tok, sys_len)
     out = {"shared system prompt": [[system + _words(rng, tok, q_len) for _ in range(n_req)]],
            "repeats": [[system[:sys_len // 2] + _words(rng, tok, q_len)] * n_req],
            "no sharing": [[_words(rng, tok, sys_len // 2 + q_len) for _ in range(n_req)]]}
-    convs, turns = (3, 3) if q else (4, 4)
+    convs, turns = WORKLOAD[q]["conversations"], WORKLOAD[q]["turns"]
     firsts = [system[:sys_len // 4] + _words(rng, tok, q_len) for _ in range(convs)]
     users = [[_words(rng, tok, q_len) for _ in range(turns - 1)] for _ in range(convs)]
     out["multi-turn"] = [firsts] + [lambda prev, t=t: [p + a + users[c][t] for c, (p, a) in enumerate(prev)]
@@ -268,10 +275,20 @@ FULL = dict(block_size=16, max_model_len=2048, max_tokens=16, prefix_lengths=[12
 QUICK = dict(max_model_len=512, max_tokens=4, prefix_lengths=[64, 256])
 
 
+def study_length(q: bool) -> int:
+    """The longest sequence, prompt and answer, of the study's workloads and sweep: the system prompt with a question,
+    the last turn of a conversation (every earlier answer and question in it), the longest swept prefix."""
+    w, sizes = WORKLOAD[q], QUICK if q else FULL
+    conversation = w["system"] // 4 + w["question"] + (w["turns"] - 1) * (sizes["max_tokens"] + w["question"])
+    prompt = max(w["system"] + w["question"], conversation, max(sizes["prefix_lengths"]) + SWEEP_QUESTION)
+    return prompt + sizes["max_tokens"]
+
+
 def study(args) -> dict:
     from tqdm.auto import tqdm
     q = args.quick
-    sizes = {**QUICK, "block_size": math.gcd(64, args.chunk_stride)} if q else FULL
+    sizes = {**QUICK, "block_size": math.gcd(64, args.chunk_stride)} if q else dict(FULL)
+    sizes["max_model_len"] = args.max_model_len  # the model's positions where it has fewer (main)
     kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, block_size=sizes["block_size"], max_num_seqs=8,
               max_model_len=sizes["max_model_len"], verbose=False)
     on = LLMEngine(args.model, enable_prefix_caching=True, **kw, **share_of(2))
@@ -293,7 +310,7 @@ def study(args) -> dict:
         def make(seed, n=n):
             rng = np.random.default_rng(1000 * args.seed + 100 + seed)
             system = _words(rng, tok, n)
-            return [[system + _words(rng, tok, 24) for _ in range(3)]]
+            return [[system + _words(rng, tok, SWEEP_QUESTION) for _ in range(3)]]
         for cache, engine in engines.items():
             s = measured(engine, make, False, max_tokens, args.passes)
             sweep.append({"shared_prefix": n, "cache": cache, **s})
@@ -376,6 +393,10 @@ def main(argv=None) -> dict:
         args.passes = args.passes or (1 if args.quick else 3)
     if long:
         check_length(ap, args.model, args.prompt + 64, f"--prompt {args.prompt} (and 64 tokens of room)")
+    else:  # the study's sizes are fixed: a model of fewer positions gets a max_model_len of its own if they fit
+        check_length(ap, args.model, study_length(args.quick),
+                     "--quick" if args.quick else "the study without --quick (--quick: shorter sequences)")
+        args.max_model_len = fit_model_len(args.model, (QUICK if args.quick else FULL)["max_model_len"])
     return ab(args) if args.ab else prefill(args) if args.prefill else study(args)
 
 

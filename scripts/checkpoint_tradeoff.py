@@ -10,6 +10,8 @@ kept), the checkpoint memory, TTFT p50 after a warm-up round, evictions, and sav
 tokens to alignment but needs more slots: a prefill step that crosses several boundaries saves them shallowest
 first, and when the slots run out the deeper boundaries, the ones a later turn would restore, are skipped (an
 eviction only takes a checkpoint no step is writing). The table and the heat map show where each effect wins.
+The engines' max_model_len is 4096 (--quick: 512), or the model's positions where it has fewer; a workload whose last
+turn does not fit is refused before it runs.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from study_cli import (environment, figure, nonnegative_int, parse, positive_int, run, save, study_parser,
-                       write_json)
+from study_cli import (environment, figure, fit_model_len, nonnegative_int, parse, positive_int, run, save,
+                       study_parser, write_json)
 
 # Workload and engine sizes. --quick keeps the sweep 2 x 2 and makes it cheap to compile: each step shape compiles once
 # per pool size (per capacity), and compilation, not running, is where a quick sweep's time goes. 64-token blocks keep
@@ -90,9 +92,11 @@ def measure(model: str, dtype: str, stride: int, capacity: int, sizes: dict, see
     messages = conversation_turns(np.random.default_rng(seed), convs, sizes["turns"], sizes["user_words"])
     longest = longest_prompt(engine.tokenizer, messages, sizes["max_tokens"])
     if longest > sizes["max_model_len"]:  # the engine would refuse that turn only after running the earlier ones
+        limit = (f"the {sizes['max_model_len']} positions of model {model}"
+                 if sizes["max_model_len"] == engine.cfg.max_position_embeddings
+                 else f"max_model_len {sizes['max_model_len']}")
         raise ValueError(f"--turns {sizes['turns']} and --max-tokens {sizes['max_tokens']} make a last-turn prompt "
-                         f"of {longest} tokens, above max_model_len {sizes['max_model_len']}: take fewer turns or "
-                         f"shorter answers")
+                         f"of {longest} tokens, above {limit}: take fewer turns or shorter answers")
     run_workload(engine, messages, sizes["max_tokens"])
     engine.reset_prefix_cache()
     before = engine.cache_stats()
@@ -168,6 +172,9 @@ def main(argv=None) -> dict:
         ap.error(f"--block-size ({args.block_size}) must divide every chunk_stride of the sweep ({strides})")
     sizes = QUICK if args.quick else {**FULL, "conversations": args.conversations, "turns": args.turns,
                                       "max_tokens": args.max_tokens, "block_size": args.block_size}
+    # a model of fewer positions than the fixed max_model_len: its own (the engine would refuse the fixed one,
+    # naming a setting this script takes no flag for); whether the conversations fit is checked before they run
+    sizes = {**sizes, "max_model_len": fit_model_len(args.model, sizes["max_model_len"])}
     from tqdm.auto import tqdm
     rows = [measure(args.model, args.dtype, s, c, sizes, args.seed)
             for s, c in tqdm([(s, c) for s in strides for c in caps], desc="checkpoint trade-off", unit="config")]

@@ -79,6 +79,17 @@ def check_length(ap: argparse.ArgumentParser, model: str, needed: int, flags: st
                  f"model {model}")
 
 
+def fit_model_len(model: str, default: int) -> int:
+    """A study's max_model_len: `default`, or the model's positions where it has fewer (said on stdout), since the
+    engine refuses a max_model_len beyond them. The study checks first (`check_length`) that its sequences fit."""
+    cfg = model_config(model)
+    if cfg is None or cfg.max_position_embeddings >= default:
+        return default
+    print(f"max_model_len {cfg.max_position_embeddings}: the positions of model {model}, fewer than the study's "
+          f"{default}")
+    return cfg.max_position_embeddings
+
+
 def environment() -> dict:
     """What a run needs beside its settings to be reproduced: the package, its git commit (when run from a
     checkout), JAX and the backend it ran on, Python, the machine."""

@@ -314,3 +314,60 @@ def test_ttft_ab_and_prefill_record_only_the_settings_that_apply(run, tmp_path, 
                      "--out", str(tmp_path)])
     assert "passes" not in got
     assert (got["prompt"], got["shared"], got["rounds"], got["chunk_stride"]) == (64, 32, 3, 32)
+
+
+def _model_of_positions(tmp_path, positions: int) -> str:
+    """tests/fixtures/hf_tiny with `positions` positions."""
+    folder = tmp_path / f"positions{positions}"
+    folder.mkdir()
+    cfg = json.loads((ROOT / "tests" / "fixtures" / "hf_tiny" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": positions}))
+    (folder / "model.safetensors").symlink_to(ROOT / "tests" / "fixtures" / "hf_tiny" / "model.safetensors")
+    return str(folder)
+
+
+class _Built(Exception):
+    pass
+
+
+@pytest.mark.parametrize("script", ["bench_ttft", "checkpoint_tradeoff"])
+def test_a_study_takes_the_positions_of_a_model_that_has_fewer_than_its_max_model_len(script, tmp_path, monkeypatch,
+                                                                                        capsys):
+    """--quick sizes its engines for 512 tokens: a model of 300 positions (the quick sequences fit them) gets engines
+    of max_model_len 300, and the output says so (the engine refused 512, naming max_model_len, a setting no study
+    takes)."""
+    study = _script(script)
+    asked = []
+
+    def engine(model, **kw):
+        asked.append(kw["max_model_len"])
+        raise _Built
+
+    monkeypatch.setattr(study, "LLMEngine", engine)
+    model = _model_of_positions(tmp_path, 300)
+    with pytest.raises(_Built):
+        study.main(["--quick", "--model", model, "--out", str(tmp_path)])
+    assert asked == [300]
+    assert f"max_model_len 300: the positions of model {model}, fewer than the study's 512" in capsys.readouterr().out
+
+
+def test_ttft_study_refuses_a_model_too_short_for_its_sequences(tmp_path, capsys):
+    model = _model_of_positions(tmp_path, 256)
+    with pytest.raises(SystemExit) as e:
+        _script("bench_ttft").main(["--quick", "--model", model, "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert f"--quick: sequences of up to 284 tokens, beyond the 256 positions of model {model}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _script("bench_ttft").main(["--model", model, "--out", str(tmp_path)])
+    assert ("the study without --quick (--quick: shorter sequences): sequences of up to 1088 tokens, beyond the 256 "
+            "positions") in capsys.readouterr().err
+
+
+def test_checkpoint_tradeoff_refuses_conversations_longer_than_the_models_positions(tmp_path, monkeypatch):
+    from gdn_jax import LLMEngine
+    study = _script("checkpoint_tradeoff")
+    monkeypatch.setattr(LLMEngine, "step", lambda self: pytest.fail("a step ran"))
+    model = _model_of_positions(tmp_path, 200)
+    with pytest.raises(ValueError, match=rf"--turns 3 and --max-tokens 8 make a last-turn prompt of \d+ tokens, above "
+                                         rf"the 200 positions of model {model}: take fewer turns"):
+        study.main(["--quick", "--model", model, "--out", str(tmp_path)])
