@@ -25,8 +25,8 @@ import numpy as np
 
 from gdn_jax import LLM, SamplingParams
 from gdn_jax.engine import MAX_FULL_ROW_VOCAB
-from study_cli import (check_length, environment, figure, model_config, nonnegative_int, parse, pools_of, positive_int,
-                       run, save, share_of, study_parser, write_json)
+from study_cli import (check_length, environment, figure, fit_model_len, model_config, nonnegative_int, parse,
+                       pools_of, positive_int, run, save, share_of, study_parser, write_json)
 
 MODES = {"no_cache": dict(enable_prefix_caching=False), "exact": dict(enable_prefix_caching=True),
          "unsafe_cold": dict(enable_prefix_caching=True, unsafe_reuse="cold"),
@@ -123,13 +123,19 @@ def compare(ref, mode):
             "kl_by_distance": {int(d): statistics.fmean(v) for d, v in sorted(by_distance.items())}}
 
 
-def model_len(chunk_stride: int, turns: int, max_tokens: int) -> int:
-    """The engines' max_model_len: ENGINE's, or more if the workload's longest sequence needs it (`make_workload`'s
-    longest prefix and suffix, each later turn's reference answer and user line, the teacher-forced answer and the
-    one token sampled after it), in whole blocks; so that no prompt is refused and no answer cut short."""
+def workload_len(chunk_stride: int, turns: int, max_tokens: int) -> int:
+    """The workload's longest sequence (`make_workload`'s longest prefix and suffix, each later turn's reference
+    answer and user line, the teacher-forced answer and the one token sampled after it), in whole blocks: the least
+    max_model_len with which no prompt is refused and no answer cut short."""
     longest = 3 * chunk_stride + 3 * chunk_stride // 4 + 24 + turns * (max_tokens + 12) + max_tokens + 1
     block = ENGINE["block_size"]
-    return max(ENGINE["max_model_len"], -(-longest // block) * block)
+    return -(-longest // block) * block
+
+
+def model_len(model: str, needed: int) -> int:
+    """The engines' max_model_len: ENGINE's, or the model's positions where it has fewer (said on stdout), or more if
+    the workload needs it (`workload_len`, checked against the model first)."""
+    return max(needed, fit_model_len(model, ENGINE["max_model_len"]))
 
 
 def make_engines(model: str, dtype: str, chunk_stride: int, max_model_len: int = ENGINE["max_model_len"]
@@ -206,8 +212,9 @@ def main(argv=None) -> dict:
 
     sizes = dict(SIZES["quick" if args.quick else "full"])
     sizes["max_tokens"] = min(args.max_tokens, sizes["max_tokens"]) if args.quick else args.max_tokens
-    max_len = model_len(args.chunk_stride, sizes["turns"], sizes["max_tokens"])
-    check_length(ap, args.model, max_len, f"--chunk-stride {args.chunk_stride} and --max-tokens {sizes['max_tokens']}")
+    needed = workload_len(args.chunk_stride, sizes["turns"], sizes["max_tokens"])
+    check_length(ap, args.model, needed, f"--chunk-stride {args.chunk_stride} and --max-tokens {sizes['max_tokens']}")
+    max_len = model_len(args.model, needed)
     cfg = model_config(args.model)
     if cfg is not None and cfg.vocab_size > MAX_FULL_ROW_VOCAB:  # the engine would refuse the first scoring pass
         ap.error(f"--model {args.model}: a vocabulary of {cfg.vocab_size} ids, above the {MAX_FULL_ROW_VOCAB} whose "

@@ -371,3 +371,28 @@ def test_checkpoint_tradeoff_refuses_conversations_longer_than_the_models_positi
     with pytest.raises(ValueError, match=rf"--turns 3 and --max-tokens 8 make a last-turn prompt of \d+ tokens, above "
                                          rf"the 200 positions of model {model}: take fewer turns"):
         study.main(["--quick", "--model", model, "--out", str(tmp_path)])
+
+
+def test_accuracy_study_takes_the_positions_of_a_model_that_has_fewer_than_its_max_model_len(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """The quick workload's sequences (304 tokens at the default stride) fit a model of 512 positions: its engines
+    get max_model_len 512; the study asked for its fixed 1024 and refused the model, naming sequences of 1024
+    tokens that the workload does not make."""
+    study = _script("accuracy_study")
+    asked = []
+
+    def engines(model, dtype, chunk_stride, max_model_len):
+        asked.append(max_model_len)
+        raise _Built
+
+    monkeypatch.setattr(study, "make_engines", engines)
+    model = _model_of_positions(tmp_path, 512)
+    with pytest.raises(_Built):
+        study.main(["--quick", "--model", model, "--out", str(tmp_path)])
+    assert asked == [512]
+    assert f"max_model_len 512: the positions of model {model}, fewer than the study's 1024" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # a workload that does not fit is refused as before, naming its flags
+        study.main(["--quick", "--model", model, "--chunk-stride", "256", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "--chunk-stride 256 and --max-tokens 12: sequences of up to 1024 tokens, beyond the 512 positions" in \
+        capsys.readouterr().err
