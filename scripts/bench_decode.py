@@ -20,7 +20,8 @@ Per configuration it reports:
 - `step`: wall time of `engine.step()` (scheduler + worker + postprocess), min and median over the timed steps,
   which run unwrapped: the engine dispatches sampling while the step's device work still runs;
 - `host` and `python` come from the wrapped steps, which wait for each jitted call's outputs before going on (so a
-  wrapped step takes a little longer than a timed one: sampling's dispatch no longer overlaps the step's work);
+  wrapped step takes a little longer than a timed one: sampling's dispatch no longer overlaps the step's work; their
+  median is `wrapped_step_ms_median` in the JSON);
 - `host`: the wrapped step's wall time minus the time the host waits for the device (from the return of each
   asynchronous jitted call, the step's and sampling's, to its outputs being ready): scheduling, padding, argument
   handling, dispatch, postprocess (median). On the CPU backend the host shares the cores with the device's threads, which
@@ -227,7 +228,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
 
         for _ in range(2):  # untimed: compile + the deferred save at the prompt's end
             decode_step()
-        steps, host, python, contexts = [], [], [], []
+        steps, wrapped_steps, host, python, contexts = [], [], [], [], []
         for _ in range(args.steps):  # the engine's own steps: `step`
             # a row's context in a decode step: its tokens so far, the one the step feeds included (its KV is
             # written and read in the step); the token the step samples is not
@@ -243,6 +244,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             t0 = time.perf_counter()
             decode_step()
             wall = time.perf_counter() - t0
+            wrapped_steps.append(wall)
             host.append(wall - sum(timer.blocked) - sum(sampler.blocked))
             python.append(wall - sum(timer.calls) - sum(sampler.calls))
         vars(worker).update(plain)
@@ -257,6 +259,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
                "vocab_size": engine.cfg.vocab_size, "step_ms_min": 1e3 * min(steps), "step_ms_median": 1e3 * med,
                "host_ms_median": 1e3 * statistics.median(host), "host_ms_min": 1e3 * min(host),
                "python_ms_median": 1e3 * statistics.median(python),
+               "wrapped_step_ms_median": 1e3 * statistics.median(wrapped_steps),  # the steps host and python split
                "tokens_per_s": batch / med, "bytes_per_step": need,
                "bound_ms": 1e3 * bound, "x_bound": med / bound, "flops_per_step": flops,
                "matmul_flops_per_s": peak, "compute_ms": 1e3 * flops / peak, "x_compute": med * peak / flops,

@@ -34,7 +34,8 @@ def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
         ("float32", 1, 5, 300), ("float32", 2, 5, 300), ("bfloat16", 1, 5, 300), ("bfloat16", 2, 5, 300)]
     for r in result["rows"]:
         assert 0 < r["step_ms_min"] <= r["step_ms_median"]
-        assert 0 < r["host_ms_min"] <= r["host_ms_median"] < r["step_ms_median"]
+        # host and python split the wrapped steps (timed apart from `step`: compare them with those)
+        assert 0 < r["host_ms_min"] <= r["host_ms_median"] < r["wrapped_step_ms_median"]
         assert 0 < r["python_ms_median"] < r["host_ms_median"]  # the host's own work, without dispatch
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / (r["step_ms_median"] / 1e3))
         need = r["bytes_per_step"]
