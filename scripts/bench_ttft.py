@@ -389,11 +389,9 @@ def main(argv=None) -> dict:
                  f"checkpoint boundary with A for the A/B to compare a restoring step")
     if long:  # passes are the study's: the A/B and prefill runs time rounds, and their JSON records their settings
         del args.passes
-    else:
-        args.passes = args.passes or (1 if args.quick else 3)
-    if long:
         check_length(ap, args.model, args.prompt + 64, f"--prompt {args.prompt} (and 64 tokens of room)")
     else:  # the study's sizes are fixed: a model of fewer positions gets a max_model_len of its own if they fit
+        args.passes = args.passes or (1 if args.quick else 3)
         check_length(ap, args.model, study_length(args.quick),
                      "--quick" if args.quick else "the study without --quick (--quick: shorter sequences)")
         args.max_model_len = fit_model_len(args.model, (QUICK if args.quick else FULL)["max_model_len"])

@@ -330,23 +330,30 @@ class _Built(Exception):
     pass
 
 
+def _max_model_len_asked(study, builder: str, monkeypatch, argv: list[str], *, keyword: bool) -> list[int]:
+    """The max_model_len `study.main(argv)` builds its first engine with: `study.<builder>` is replaced by one that
+    records it (a keyword argument, or the last positional one) and stops the run."""
+    asked = []
+
+    def build(*args, **kw):
+        asked.append(kw["max_model_len"] if keyword else args[-1])
+        raise _Built
+
+    monkeypatch.setattr(study, builder, build)
+    with pytest.raises(_Built):
+        study.main(argv)
+    return asked
+
+
 @pytest.mark.parametrize("script", ["bench_ttft", "checkpoint_tradeoff"])
 def test_a_study_takes_the_positions_of_a_model_that_has_fewer_than_its_max_model_len(script, tmp_path, monkeypatch,
                                                                                         capsys):
     """--quick sizes its engines for 512 tokens: a model of 300 positions (the quick sequences fit them) gets engines
     of max_model_len 300, and the output says so (the engine refused 512, naming max_model_len, a setting no study
     takes)."""
-    study = _script(script)
-    asked = []
-
-    def engine(model, **kw):
-        asked.append(kw["max_model_len"])
-        raise _Built
-
-    monkeypatch.setattr(study, "LLMEngine", engine)
     model = _model_of_positions(tmp_path, 300)
-    with pytest.raises(_Built):
-        study.main(["--quick", "--model", model, "--out", str(tmp_path)])
+    asked = _max_model_len_asked(_script(script), "LLMEngine", monkeypatch,
+                                 ["--quick", "--model", model, "--out", str(tmp_path)], keyword=True)
     assert asked == [300]
     assert f"max_model_len 300: the positions of model {model}, fewer than the study's 512" in capsys.readouterr().out
 
@@ -379,16 +386,9 @@ def test_accuracy_study_takes_the_positions_of_a_model_that_has_fewer_than_its_m
     get max_model_len 512; the study asked for its fixed 1024 and refused the model, naming sequences of 1024
     tokens that the workload does not make."""
     study = _script("accuracy_study")
-    asked = []
-
-    def engines(model, dtype, chunk_stride, max_model_len):
-        asked.append(max_model_len)
-        raise _Built
-
-    monkeypatch.setattr(study, "make_engines", engines)
     model = _model_of_positions(tmp_path, 512)
-    with pytest.raises(_Built):
-        study.main(["--quick", "--model", model, "--out", str(tmp_path)])
+    asked = _max_model_len_asked(study, "make_engines", monkeypatch,
+                                 ["--quick", "--model", model, "--out", str(tmp_path)], keyword=False)
     assert asked == [512]
     assert f"max_model_len 512: the positions of model {model}, fewer than the study's 1024" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:  # a workload that does not fit is refused as before, naming its flags
