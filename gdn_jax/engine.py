@@ -17,7 +17,7 @@ import numpy as np
 
 from gdn_jax.chat import ChatTemplate
 from gdn_jax.config import ModelConfig, folder_json
-from gdn_jax.executables import StaleExecutable
+from gdn_jax.executables import StaleExecutable, tag_jax_cache_keys
 from gdn_jax.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker import GPU_MEMORY_UTILIZATION, PromptLogprobs, Worker, default_memory_budget, plan_memory
@@ -207,7 +207,10 @@ def enable_compilation_cache() -> str | None:
     `$GDN_JAX_CACHE_DIR`, else `$XDG_CACHE_HOME/gdn_jax/jax`, else `~/.cache/gdn_jax/jax`; `GDN_JAX_CACHE_DIR=off`
     disables it; a folder already configured (jax_compilation_cache_dir) is kept. The folder is bounded
     (`compilation_cache_max_bytes`): past the bound JAX deletes the least recently used entries (a folder this
-    process cannot write is read as it is, unbounded). Returns the folder in use."""
+    process cannot write is read as it is, unbounded). On the CPU its entries are keyed by the host's CPU too
+    (`executables.tag_jax_cache_keys`), so that machines of two kinds can share the folder. Returns the folder in
+    use."""
+    tag_jax_cache_keys()
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current

@@ -4,8 +4,8 @@ its warm-up executables without lowering them first.
 JAX's persistent compilation cache keys an executable by its lowered module: a second start still traces and lowers
 every shape (0.3-1.5 s each for Qwen3.5-9B's step, most of a second start's warm-up) before it can look the
 executable up. This store keys it by what determines the module instead: the source of the package (every
-`gdn_jax` and `scheduler` file, so any code change misses), the jax and jaxlib versions, the backend and device, the
-compile options, the static context the caller passes (model config, GDN chunk size and schedule), the environment
+`gdn_jax` and `scheduler` file, so any code change misses), the jax and jaxlib versions, the backend and device (on
+the CPU, the host's CPU kind: `host_cpu`), the compile options, the static context the caller passes (model config, GDN chunk size and schedule), the environment
 that changes a compiled program (`ENVIRONMENT`), JAX's settings that do (`jax_settings`: the default matmul
 precision, how random bits are drawn, ...) and the tree structure, shapes and dtypes of the arguments. A hit is
 `jax.experimental.serialize_executable`'s payload, loaded as a `jax.stages.Compiled` (its argument donation included).
@@ -33,6 +33,7 @@ import functools
 import hashlib
 import os
 import pickle
+import platform
 import re
 import shutil
 import tempfile
@@ -68,6 +69,63 @@ def jax_settings() -> list[tuple[str, str]]:
         names = list(JAX_SETTINGS)
     values = jax.config.values
     return [(name, repr(values[name])) for name in dict.fromkeys(names) if name in values]
+
+
+# /proc/cpuinfo fields that name the CPU and its instruction sets (x86: vendor, family, model, flags; Arm: implementer,
+# part, features; RISC-V: isa), not those that differ from core to core or over time (clock, core ids)
+CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "flags", "CPU implementer", "CPU architecture",
+              "CPU variant", "CPU part", "Features", "isa", "uarch")
+
+
+def host_cpu(cpuinfo: str | None = None) -> str:
+    """What XLA's CPU backend compiles for on this machine, as a short tag: the architecture and a digest of the CPU's
+    model and instruction-set flags (Linux's /proc/cpuinfo, first processor; elsewhere what `platform` reports).
+
+    XLA compiles CPU code for the host's own features and refuses to load an executable compiled with a feature the
+    host lacks, while a host with more features loads it and runs code tuned for the other CPU (without its wider
+    vectors, say). So a cache folder shared by two kinds of machine (a home folder on a cluster) must keep their
+    executables apart: without the tag each start on one kind replaced the other's entries, or ran them."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    first = cpuinfo.strip().split("\n\n")[0]
+    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    fields = {k.strip(): " ".join(sorted(v.split())) if k.strip() in ("flags", "Features") else v.strip()
+              for k, v in fields.items()}
+    named = [(k, fields[k]) for k in CPU_FIELDS if k in fields]
+    text = repr(named) if named else repr((platform.system(), platform.processor()))
+    return f"{platform.machine() or 'cpu'}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+@functools.cache
+def _host_cpu() -> str:
+    return host_cpu()
+
+
+_jax_key_tagged = False
+
+
+def tag_jax_cache_keys() -> None:
+    """Adds `host_cpu` to the key of every entry JAX's persistent compilation cache writes or reads in this process
+    while the default backend is the CPU (JAX's key holds the backend's name and version, not the CPU's), through
+    the hook JAX's cache key provides for such additions (a hook already set is kept: its string comes first). Once
+    per process; a JAX without the hook is left as it is."""
+    global _jax_key_tagged
+    if _jax_key_tagged:
+        return
+    try:
+        from jax._src import cache_key
+        before = cache_key.custom_hook
+    except (ImportError, AttributeError):
+        return
+
+    def hook() -> str:
+        return before() + (f"host_cpu={_host_cpu()}" if jax.default_backend() == "cpu" else "")
+
+    cache_key.custom_hook = hook
+    _jax_key_tagged = True
 
 
 @functools.cache
@@ -123,6 +181,8 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
     # settings (precision, random bits, ...); and the runtime it was compiled for (the device's kind, the backend's
     # version: a GPU's CUDA and driver)
     env = [(name, os.environ.get(name)) for name in ENVIRONMENT] + jax_settings()
+    if device.platform == "cpu":
+        env.append(("host_cpu", _host_cpu()))  # the machine code is this CPU's (`host_cpu`)
     if device.platform == "cpu" and any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves):
         # a 16-bit model's prefill products take the form this machine multiplies faster (model.upcast_is_faster)
         env.append(("bf16_upcast", model.upcast_is_faster()))

@@ -219,6 +219,67 @@ def test_the_key_follows_shapes_dtypes_structure_options_and_context(monkeypatch
     assert len({key, *others}) == 1 + len(others)
 
 
+CPUINFO = """processor\t: {n}
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 17
+model name\t: AMD EPYC 9B45
+cpu MHz\t\t: {mhz}
+core id\t\t: {n}
+flags\t\t: {flags}
+bogomips\t: 5200.00
+"""
+FLAGS = "fpu sse2 avx2 avx512f avx512_bf16"
+
+
+def test_the_host_cpu_tag_follows_the_cpu_kind_and_its_instruction_sets_not_clock_or_core():
+    one = executables.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags=FLAGS))
+    assert re.fullmatch(r"\S+-[0-9a-f]{12}", one)
+    two_cores = "\n".join(CPUINFO.format(n=n, mhz=mhz, flags=FLAGS) for n, mhz in ((0, "3100.2"), (1, "1500.0")))
+    assert executables.host_cpu(two_cores) == one  # the first processor; clock and core id left out
+    assert executables.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags="avx2 fpu sse2 avx512_bf16 avx512f")) == one
+    fewer = executables.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags="fpu sse2 avx2"))  # no AVX-512
+    other_model = executables.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags=FLAGS).replace("model\t\t: 17",
+                                                                                           "model\t\t: 2"))
+    assert len({one, fewer, other_model}) == 3
+    assert executables.host_cpu() == executables.host_cpu()  # this machine's
+
+
+def test_the_store_key_holds_the_host_cpu(monkeypatch):
+    """Two kinds of machine sharing a store keep their executables apart (one could not load the other's, or would
+    run code tuned for the other CPU)."""
+    args = (jnp.zeros((2, 3)),)
+    keys = set()
+    for tag in ("x86_64-aaaaaaaaaaaa", "x86_64-bbbbbbbbbbbb"):
+        monkeypatch.setattr(executables, "_host_cpu", lambda tag=tag: tag)
+        keys.add(executables.executable_key("step", ("cfg", 64), args, None))
+        assert executables.executable_key("step", ("cfg", 64), args, None) in keys
+    assert len(keys) == 2
+
+
+def test_jax_cache_keys_hold_the_host_cpu_on_the_cpu_and_keep_a_hook_set_before(monkeypatch):
+    from jax._src import cache_key, compiler, xla_bridge
+
+    monkeypatch.setattr(cache_key, "custom_hook", lambda: "set-before;")  # (the original is put back afterwards)
+    monkeypatch.setattr(executables, "_jax_key_tagged", False)
+    module = jax.jit(lambda x: x + 1).lower(1.0).compiler_ir()
+    devices = np.array(jax.devices()[:1])
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+
+    def key():
+        return cache_key.get(module, devices, options, xla_bridge.get_backend())
+
+    untagged = key()
+    executables.tag_jax_cache_keys()
+    executables.tag_jax_cache_keys()  # once per process
+    keys = set()
+    for tag in ("x86_64-aaaaaaaaaaaa", "x86_64-bbbbbbbbbbbb"):
+        monkeypatch.setattr(executables, "_host_cpu", lambda tag=tag: tag)
+        assert cache_key.custom_hook() == f"set-before;host_cpu={tag}"
+        keys.add(key())
+    assert len({untagged, *keys}) == 3
+
+
 def test_a_corrupt_or_missing_entry_is_a_miss(tmp_path):
     compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile()
     assert executables.save(str(tmp_path), "k", compiled)
