@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -91,17 +93,21 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
 
 
 def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jnp.float32):
-    """Loads a HF Qwen3.5 folder; returns (cfg, graphdef, params). Errors name the missing or mis-shaped tensor."""
+    """Loads a HF Qwen3.5 folder; returns (cfg, graphdef, params). Errors name the missing or mis-shaped tensor. A
+    checkpoint that stores an lm_head.weight of its own under tie_word_embeddings true comes back untied (a warning
+    says so), as transformers loads it."""
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_pretrained(folder)
     graphdef, abstract = abstract_model(cfg, dtype)
     flat = dict(nnx.to_flat_state(abstract))
     expected = _hf_names(cfg)
     loaded = {}  # param path -> {rows start (0 for a whole param): array}
+    head = None  # a tied model's stored lm_head.weight
     for name, arr in _open_tensors(folder):
         name = _canonical(name)
         if name not in expected:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                head = arr
                 continue
             raise ValueError(f"unexpected tensor {name!r} in {folder} (not part of the {cfg.name} layout)")
         path, rows = expected[name]
@@ -119,6 +125,14 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     missing = [n for n, (p, rows) in expected.items() if (0 if rows is None else rows.start) not in loaded.get(p, {})]
     if missing:
         raise ValueError(f"missing tensor(s) in {folder}: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    embed = loaded[("embed_tokens",)][0]
+    if head is not None and not (head.shape == embed.shape and bool(jnp.array_equal(jnp.asarray(head, embed.dtype),
+                                                                                     embed))):
+        # transformers ties no lm_head.weight stored with values of its own: it computes with it, untied (compared
+        # in the dtype the model runs in, where equal values are the tied model)
+        warnings.warn(f"{folder}: tie_word_embeddings is true but the checkpoint stores an lm_head.weight other than "
+                      f"its embeddings; it is used untied, as transformers does", stacklevel=2)
+        return load_hf_weights(folder, dataclasses.replace(cfg, tie_word_embeddings=False), dtype)
     for path, parts in loaded.items():  # a fused projection's parts stacked in row order
         flat[path] = flat[path].replace(parts[0] if len(parts) == 1 else
                                         jnp.concatenate([parts[k] for k in sorted(parts)], axis=0))

@@ -38,9 +38,10 @@ def step():
     return jax.jit(forward, static_argnums=(0, 4))
 
 
-def _multimodal_copy(tmp: Path) -> Path:
-    """Re-saves the fixture in the released multimodal layout, with vision and MTP tensors to skip."""
-    text_cfg = json.loads((FIXTURE / "config.json").read_text())
+def _multimodal_copy(tmp: Path, text_tie: bool = False) -> Path:
+    """Re-saves the fixture in the released multimodal layout, with vision and MTP tensors to skip. `text_tie`: the
+    text_config's tie_word_embeddings (the top level's stays false, as the fixture's lm_head.weight is its own)."""
+    text_cfg = dict(json.loads((FIXTURE / "config.json").read_text()), tie_word_embeddings=text_tie)
     cfg = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
            "text_config": text_cfg, "vision_config": {"depth": 1}, "tie_word_embeddings": False}
     tensors = {}
@@ -63,9 +64,33 @@ def _multimodal_copy(tmp: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("layout", ["text", "multimodal"])
+def _tied_copy(tmp: Path) -> Path:
+    """The fixture with tie_word_embeddings true in its config.json, its own lm_head.weight still stored."""
+    out = tmp / "tied"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes((FIXTURE / "model.safetensors").read_bytes())
+    cfg = dict(json.loads((FIXTURE / "config.json").read_text()), tie_word_embeddings=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _load(layout, text_model, tmp_path):
+    if layout == "text":
+        return text_model
+    if layout == "multimodal":
+        return load_hf_weights(_multimodal_copy(tmp_path))
+    folder = _tied_copy(tmp_path) if layout == "tied_with_lm_head" else _multimodal_copy(tmp_path, text_tie=True)
+    with pytest.warns(UserWarning, match="tie_word_embeddings is true .* lm_head.weight"):
+        return load_hf_weights(folder)
+
+
+@pytest.mark.parametrize("layout", ["text", "multimodal", "multimodal_text_tie", "tied_with_lm_head"])
 def test_one_pass_logits_match_transformers(layout, ref, text_model, step, tmp_path):
-    cfg, graphdef, params = text_model if layout == "text" else load_hf_weights(_multimodal_copy(tmp_path))
+    """tied_with_lm_head: transformers ties no lm_head.weight that the checkpoint stores with values of its own,
+    whatever tie_word_embeddings says: its logits are the fixture's, from the lm_head.weight it stores. The same in
+    the multimodal layout with the text_config's tie_word_embeddings true and the top level's false
+    (multimodal_text_tie)."""
+    cfg, graphdef, params = _load(layout, text_model, tmp_path)
     state = init_state(cfg, NUM_BLOCKS + 1, BLOCK_SIZE, 4)
     logits, _ = step(graphdef, params, single_row_batch(ref["prompt_ids"], 0, NUM_BLOCKS), state, True)
     np.testing.assert_allclose(np.asarray(logits[0]), ref["logits_full"], atol=ATOL, rtol=0)

@@ -320,6 +320,18 @@ def test_a_tied_multimodal_checkpoint_loads_without_lm_head(tmp_path):
     np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(params)["embed_tokens"]), embed)
 
 
+def test_a_tied_checkpoint_storing_its_embeddings_as_lm_head_stays_tied(tmp_path, recwarn):
+    """An lm_head.weight equal to the embeddings is the tied model: no warning, no lm_head param."""
+    def copy_embed(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].copy()
+
+    folder = _copy_with(tmp_path, edit_tensors=copy_embed,
+                        edit_config=lambda c: c.__setitem__("tie_word_embeddings", True))
+    cfg, _, params = load_hf_weights(folder)
+    assert cfg.tie_word_embeddings and "lm_head" not in nnx.to_pure_dict(params)
+    assert not [w for w in recwarn if "tie_word_embeddings" in str(w.message)]
+
+
 def test_a_model_folder_given_from_the_home_directory_is_found(tmp_path, monkeypatch):
     from gdn_jax.weights import model_folder
     (tmp_path / "models" / "q").mkdir(parents=True)
