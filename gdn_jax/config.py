@@ -113,12 +113,20 @@ class ModelConfig:
                 method = quant.get("quant_method") if isinstance(quant, dict) else None
                 raise ValueError(f"a quantized checkpoint (quantization_config, quant_method {method!r}) is not "
                                  f"supported: load the unquantized model")
-        tie = cfg.get("tie_word_embeddings", False)
+        ties = [cfg.get("tie_word_embeddings")]
         if model_type == "qwen3_5":
             if not isinstance(cfg.get("text_config"), dict):
                 raise ValueError("a qwen3_5 config needs its text_config (a JSON object)")
-            tie = cfg["text_config"].get("tie_word_embeddings", tie)
+            # Tied where either field says so. transformers' Qwen3_5ForConditionalGeneration (the class these
+            # checkpoints name) ties as the top-level field says, and its save_pretrained writes a tied model with
+            # false in text_config; its AutoModelForCausalLM builds the text model, tied as text_config says. A
+            # checkpoint that stores an lm_head.weight of its own is untied either way (`load_hf_weights`).
+            ties.append(cfg["text_config"].get("tie_word_embeddings"))
             cfg = cfg["text_config"]
+        for tie in ties:
+            if tie is not None and not isinstance(tie, bool):
+                raise ValueError(f"model config field 'tie_word_embeddings' must be true or false, got {tie!r}")
+        tie = any(ties)  # a null is an absent value: untied, transformers' default
         try:
             return cls._from_text_config(cfg, tie, name)
         except KeyError as e:

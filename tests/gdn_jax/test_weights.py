@@ -332,6 +332,17 @@ def test_a_tied_checkpoint_storing_its_embeddings_as_lm_head_stays_tied(tmp_path
     assert not [w for w in recwarn if "tie_word_embeddings" in str(w.message)]
 
 
+@pytest.mark.parametrize("top, text, tied", [(True, False, True), (False, True, True), (None, True, True),
+                                             (True, None, True), (False, False, False), (None, None, False)])
+def test_a_multimodal_config_is_tied_where_either_field_says_so(top, text, tied):
+    """transformers' save_pretrained of a tied Qwen3_5ForConditionalGeneration writes tie_word_embeddings true at the
+    top level and false in text_config (and stores no lm_head.weight); its text model alone reads text_config's."""
+    mm = {"model_type": "qwen3_5", "text_config": _fixture_config(tie_word_embeddings=text)}
+    if top is not None:
+        mm["tie_word_embeddings"] = top
+    assert ModelConfig.from_hf_config(mm).tie_word_embeddings is tied
+
+
 def test_a_model_folder_given_from_the_home_directory_is_found(tmp_path, monkeypatch):
     from gdn_jax.weights import model_folder
     (tmp_path / "models" / "q").mkdir(parents=True)
