@@ -150,6 +150,9 @@ class ModelConfig:
         act = cfg.get("hidden_act") or "silu"
         if act not in ("silu", "swish"):  # the MLP's and the GDN conv's activation; this model computes SiLU only
             raise ValueError(f"unsupported hidden_act {act!r} in the model config: only 'silu' is implemented")
+        if cfg.get("attention_bias"):  # biases on q/k/v/o_proj in transformers; the checkpoint would hold them
+            raise ValueError(f"unsupported attention_bias {cfg['attention_bias']!r} in the model config: the attention "
+                             f"projections here have no biases")
         rope_theta, prf = _rope_fields(cfg)
         n = cfg["num_hidden_layers"]
         layer_types = cfg.get("layer_types")

@@ -214,13 +214,14 @@ def test_rope_fields_are_read_as_transformers_reads_them():
     ({"rope_parameters": {"rope_theta": "1e7"}}, "'rope_theta' must be a positive number, got '1e7'"),
     ({"rope_parameters": {"partial_rotary_factor": 2}}, "'partial_rotary_factor' must be at most 1"),
     ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ({"attention_bias": True}, "unsupported attention_bias True"),
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
      "quantized checkpoint .*quant_method 'fp8'"),
 ])
 def test_a_config_this_model_does_not_compute_is_named(edit, message):
     """A scaled RoPE (YaRN for a longer context, say) or another activation was ignored: the model ran with the plain
     rotation and SiLU, silently another model than the config's. A quantized checkpoint is named as such, not by the
-    first scale tensor the loader does not know."""
+    first scale tensor the loader does not know, and attention biases by the field, not by the first bias tensor."""
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_config(_fixture_config(**edit))
 
