@@ -13,6 +13,8 @@ from gdn_jax.weights import load_hf_weights
 from tests.gdn_jax.helpers import BLOCK_SIZE, single_row_batch
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
+# transformers' own save of a tied multimodal model, with shapes the first fixture lacks (see its README)
+FIXTURE_MM = FIXTURE.parent / "hf_tiny_mm"
 NUM_BLOCKS = 12  # 192 positions >= 150 prompt tokens
 # Tolerances: about 4x the worst case seen by scripts/tolerance_audit.py (default XLA flags, single-threaded Eigen, one
 # core, no compilation cache: all four gave the same figures on the development machine) or reported from another
@@ -122,3 +124,27 @@ def test_token_by_token_decode_matches_transformers(ref, text_model, step):
         rows.append(np.asarray(logits[0]))
     np.testing.assert_allclose(np.stack(rows), ref["logits_decode"], atol=ATOL_DECODE, rtol=0)
 
+
+@pytest.mark.parametrize("path", ["full", "continue", "decode"])
+def test_tied_multimodal_fixture_matches_transformers(path, step):
+    """Qwen3_5ForConditionalGeneration's logits with tied embeddings (no lm_head.weight stored; text_config says
+    untied, the top level tied), one kv head, as many GDN value heads as key heads, head_dim 24 with half of it
+    rotated, conv kernel 3, and the G A G A layer loop: one pass, a continuation on a prefix's state, and decode."""
+    ref = np.load(FIXTURE_MM / "reference.npz")
+    cfg, graphdef, params = load_hf_weights(FIXTURE_MM)
+    assert cfg.tie_word_embeddings and cfg.layer_types == ("linear_attention", "full_attention") * 2
+    ids, p = ref["prompt_ids"], int(ref["prefix_len"])
+    state = init_state(cfg, NUM_BLOCKS + 1, BLOCK_SIZE, 4)
+    if path == "full":
+        logits, _ = step(graphdef, params, single_row_batch(ids, 0, NUM_BLOCKS), state, True)
+        np.testing.assert_allclose(np.asarray(logits[0]), ref["logits_full"], atol=ATOL, rtol=0)
+    elif path == "continue":
+        _, state = step(graphdef, params, single_row_batch(ids[:p], 0, NUM_BLOCKS), state, True)
+        logits, _ = step(graphdef, params, single_row_batch(ids[p:], p, NUM_BLOCKS), state, True)
+        np.testing.assert_allclose(np.asarray(logits[0]), ref["logits_continue"], atol=ATOL, rtol=0)
+    else:
+        rows = []
+        for t in range(len(ids)):
+            logits, state = step(graphdef, params, single_row_batch(ids[t:t + 1], t, NUM_BLOCKS), state, False)
+            rows.append(np.asarray(logits[0]))
+        np.testing.assert_allclose(np.stack(rows), ref["logits_decode"], atol=ATOL_DECODE, rtol=0)
