@@ -32,8 +32,8 @@ executable store; it times one compilation at a time, so its `total_s` is the su
 time on a machine of several cores.
 
 Timings on a shared machine are noisy: repeat a run and read the minimum. `cpu s` (the process's CPU time over all
-its threads, `time.process_time`) moves less with the load of other processes than the wall time does.
-"""
+its threads, `time.process_time`) moves less with the load of other processes than the wall time does; `lower cpu s`
+is the part of it spent lowering (JSON `lower_cpu_s`)."""
 
 from __future__ import annotations
 
@@ -85,14 +85,15 @@ def timed(lower) -> dict:
     both (over all threads)."""
     t0, c0 = time.perf_counter(), time.process_time()
     lowered = lower()
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     lowered.compile()
     t2, c2 = time.perf_counter(), time.process_time()
-    return {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0, "cpu_s": c2 - c0}
+    return {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0, "cpu_s": c2 - c0, "lower_cpu_s": c1 - c0}
 
 
 def row_times(r: dict) -> str:
-    return f"{r['lower_s']:>8.2f} {r['compile_s']:>9.2f} {r['total_s']:>8.2f} {r['cpu_s']:>7.2f}"
+    return (f"{r['lower_s']:>8.2f} {r['compile_s']:>9.2f} {r['total_s']:>8.2f} {r['cpu_s']:>7.2f} "
+            f"{r['lower_cpu_s']:>11.2f}")
 
 
 def build_worker(a) -> Worker:
@@ -142,7 +143,8 @@ def measure(a) -> dict:
                 "num_shapes": len(grid), "grid": [list(s) for s in grid], "per_shape_s": [], "total_s": wall,
                 "cpu_s": cpu, "compile_threads": threads, "total_extrapolated": False,
                 "process_s": time.perf_counter() - T_START, "warm_up_stats": stats}
-    print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'saves':>5} {'lower s':>8} {'compile s':>9} {'total s':>8} {'cpu s':>7}")
+    print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'saves':>5} {'lower s':>8} {'compile s':>9} {'total s':>8} "
+          f"{'cpu s':>7} {'lower cpu s':>11}")
     # sampling: its own executable per rows bucket, shared by the step shapes with that many rows
     # (a worker that samples inside its step, as before the split, has none)
     all_samplers = worker.sample_buckets() if hasattr(worker, "sample_buckets") else []
@@ -178,7 +180,7 @@ def measure(a) -> dict:
     for kind, pick in (("prefill", lambda s: s[1] > 1), ("decode", lambda s: s[1] == 1)):
         got = [r for r in rows if pick(r["shape"])]
         out[f"{kind}_shapes"] = sum(map(pick, grid))
-        for key in ("lower_s", "compile_s", "total_s", "cpu_s"):
+        for key in ("lower_s", "compile_s", "total_s", "cpu_s", "lower_cpu_s"):
             vals = sorted(r[key] for r in got)
             out[f"{kind}_{key}"] = ({"min": vals[0], "median": statistics.median(vals), "max": vals[-1],
                                      "mean": sum(vals) / len(vals)} if vals else None)

@@ -460,6 +460,7 @@ def test_bench_compile_summarises_and_extrapolates_the_shapes_it_timed(tmp_path)
     (a, b), (d,) = r["per_shape_s"][:2], r["per_shape_s"][2:]
     assert r["prefill_total_s"]["median"] == pytest.approx((a + b) / 2) == r["prefill_total_s"]["mean"]
     assert r["decode_total_s"]["median"] == d
+    assert all(0 < row["lower_cpu_s"] < row["cpu_s"] for row in r["rows"] + r["sampling"])  # lowering is a part
     assert r["measured_total_s"] == pytest.approx(a + b + d + r["sampling_s"])
     assert r["total_extrapolated"] and r["total_s"] == pytest.approx(r["measured_total_s"] + (a + b) / 2 + d
                                                                      + r["sampling_s"])
