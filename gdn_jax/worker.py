@@ -18,8 +18,10 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import gc
 import math
 import os
+import threading
 import warnings
 
 import jax
@@ -230,6 +232,32 @@ def compiler_options(kind: str) -> dict | None:
     if kind == "decode_wide" or jax.default_backend() != "cpu":
         return None
     return dict(DECODE_CPU_COMPILER_OPTIONS if kind == "decode" else LLVM_IR_CPU_COMPILER_OPTIONS)
+
+
+# Lowering a step (tracing it, then emitting its StableHLO) allocates hundreds of thousands of Python objects that
+# live until it ends, and so sets off Python's cyclic garbage collector over and over, its full collections included:
+# each of those walks every object of the process (~550k once a Qwen3.5-9B warm-up is under way, 0.3-0.5 s each on
+# the development machine) and finds almost nothing to free (a lowering leaves a few thousand objects in cycles). So
+# the collector is paused while a step or sampling executable is lowered (`gc_paused`); it runs again afterwards.
+_gc_lock = threading.Lock()
+_gc_pausers = [0, False]  # lowerings under way, whether the collector was enabled before the first
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's garbage collector off inside (as it was before, after the last of concurrent users leaves)."""
+    with _gc_lock:
+        if _gc_pausers[0] == 0:
+            _gc_pausers[1] = gc.isenabled()
+            gc.disable()
+        _gc_pausers[0] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers[0] -= 1
+            if _gc_pausers[0] == 0 and _gc_pausers[1]:
+                gc.enable()
 
 
 # Most threads `Worker.warm_up` compiles on (each compilation holds its own working memory).
@@ -538,12 +566,15 @@ class Worker:
         """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
         state is not touched."""
         batch = self._padding_args(*shape)[0]
-        return self._fn_for(batch.tokens).lower(self._param_leaves, self.state, batch)
+        with gc_paused():
+            return self._fn_for(batch.tokens).lower(self._param_leaves, self.state, batch)
 
     def lowered_prompt_step(self, shape: tuple[int, int, int]):
         """The prompt-logprobs forward (top-k, not whole rows) lowered for one prefill bucket."""
         batch = self._padding_args(*shape)[0]
-        return self._prompt_fn.lower(self._param_leaves, self.state, batch, np.zeros(shape[:2], np.int32), False)
+        with gc_paused():
+            return self._prompt_fn.lower(self._param_leaves, self.state, batch, np.zeros(shape[:2], np.int32),
+                                         False)
 
     def sample_buckets(self) -> list[int]:
         """The row counts sampling is compiled for: one executable per rows bucket, shared by its step shapes."""
@@ -551,7 +582,8 @@ class Worker:
 
     def lowered_sample(self, rows: int):
         """Sampling lowered for one rows bucket."""
-        return self._sample.lower(*self._sample_key_args(rows))
+        with gc_paused():
+            return self._sample.lower(*self._sample_key_args(rows))
 
     def compiled_step(self, shape: tuple[int, int, int]):
         """The step's XLA executable for one (rows, tokens, blocks) bucket, compiled ahead of time (for inspection:

@@ -513,6 +513,33 @@ def test_compile_threads_and_executable_kinds(monkeypatch):
         w.compiler_options("prompt")
 
 
+def test_lowering_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    import gc
+
+    from gdn_jax import worker as w
+
+    traced = []
+    real = w.forward
+    monkeypatch.setattr(w, "forward", lambda *args, **kw: (traced.append(gc.isenabled()), real(*args, **kw))[1])
+    w.step_function.cache_clear()  # jitted afresh: lowering traces the step (calls forward) again
+    worker = LLM("tiny-random", **KW).engine.worker
+    assert gc.isenabled()
+    worker.lowered_step(worker.shape_buckets()[0])
+    assert traced == [False] and gc.isenabled()
+    with w.gc_paused():  # nested (or concurrent) users: the collector runs again once the last one leaves
+        with w.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()  # a collector its caller turned off stays off
+    try:
+        with w.gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_warm_up_rejects_no_compile_threads():
     llm = LLM("tiny-random", **KW)
     for bad in (0, -1):
