@@ -311,6 +311,14 @@ class PromptLogprobs:
     rows: np.ndarray | None     # [rows, T, V] the whole log-distribution, when a row asked for it
 
 
+# The step uses every argument, so the steps are jitted with keep_unused: JAX's search for unused arguments is then
+# skipped, a dead-code pass over the whole program, through every branch of the layer switches, at each loop level
+# until nothing changes (~15% of the emission of a Qwen3.5-9B step, 20-25 ms a shape). What it would still have
+# dropped are two batch arrays the layer loops carry unread; XLA drops them as well, and the compiled program is the
+# same instruction for instruction (docs/design.md, "Compiling the step").
+KEEP_UNUSED = True
+
+
 @functools.lru_cache(maxsize=None)
 def step_function(graphdef, params_def, chunk_size: int = 64, kind: str = "prefill", gdn_schedule: str = "auto"):
     """The jitted step for one model structure: `(param_leaves, state, batch)`, the state donated. Cached per
@@ -320,7 +328,7 @@ def step_function(graphdef, params_def, chunk_size: int = 64, kind: str = "prefi
     def step(param_leaves, state, *args):
         return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule), state, *args)
 
-    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind))
+    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind), keep_unused=KEEP_UNUSED)
 
 
 @functools.lru_cache(maxsize=None)
@@ -332,7 +340,8 @@ def prompt_step_function(graphdef, params_def, chunk_size: int = 64, gdn_schedul
                                      (chunk_size, gdn_schedule), state,
                                      *args)
 
-    return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options("prefill"))
+    return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options("prefill"),
+                   keep_unused=KEEP_UNUSED)
 
 
 @dataclasses.dataclass
