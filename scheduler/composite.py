@@ -49,6 +49,11 @@ class CompositeBlockManager:
             return PrefixMatch([], 0, 0, 0, -1)  # (a skipping sequence still hashes and caches what it computes)
         seq.update_block_hashes(cfg.block_size, cfg.state_fingerprint)
         kv_blocks = self.kv.match(seq.token_ids, seq.block_hashes)
+        if seq.num_admissions and seq.sampling_params.prompt_logprobs is not None:
+            # re-admitted after a preemption: its prompt logprobs exist up to where it had computed (and the first
+            # admission's reuse); a prefix that another request cached further since would leave the positions
+            # past that without their logprobs, so the reuse stops there
+            kv_blocks = kv_blocks[:seq.max_num_computed_tokens // cfg.block_size]
         kv_match = len(kv_blocks) * cfg.block_size
         if self.linear is None:  # plain KV path: every matched block is reused
             return PrefixMatch(kv_blocks, kv_match, 0, kv_match, -1)

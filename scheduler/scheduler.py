@@ -461,6 +461,7 @@ class Scheduler:
         self.prefilling.pop(seq.seq_id, None)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
+        seq.max_num_computed_tokens = max(seq.max_num_computed_tokens, seq.num_computed_tokens)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.counters["preemptions"] += 1

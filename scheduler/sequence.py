@@ -47,6 +47,9 @@ class Sequence:
         self.restored = False
         self.num_preemptions = 0
         self.num_admissions = 0
+        # The most tokens computed in an admission that a preemption ended: the positions whose logits the request
+        # has had (its prompt logprobs up to there are scored).
+        self.max_num_computed_tokens = 0
 
     def sample(self, seq_id: int, sampling_params: SamplingParams) -> "Sequence":
         """A further sample of this sequence's prompt (n > 1), made before it has run: the prompt is copied, not

@@ -113,6 +113,38 @@ def test_a_prompt_preempted_while_it_prefills_is_scored_at_every_position(tiny_p
             assert abs(got[t].logprob - want[t].logprob) <= 1e-4 and got[t].rank == want[t].rank
 
 
+def test_a_preempted_prompt_re_admitted_on_a_prefix_cached_since_is_scored_past_its_first_reuse(tiny_pair):
+    """A request that reads the cache (skip_reading_prefix_cache=False) is preempted after one chunk of its prompt,
+    while an older request has computed and cached more of that prompt. Re-admitted, it reuses no more than it had
+    computed, so every position is scored and equals a cache-off run (it used to reuse the longer prefix, leaving the
+    positions between its chunk and that prefix None, past its num_cached_tokens of 0)."""
+    engine = LLMEngine("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=3, max_model_len=160,
+                       num_kv_blocks=15, num_linear_slots=7, max_num_batched_tokens=128, verbose=False)
+    rng = np.random.default_rng(11)
+    prompt = random_ids(rng, 130)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=1, skip_reading_prefix_cache=False, **greedy)
+    engine.add_request("decoding", random_ids(rng, 15), SamplingParams(max_tokens=30, **greedy))
+    engine.step()
+    # next step: the shorter request computes prompt[:64] (4 blocks), the scored one its first 32 tokens; the step
+    # after, the decoding request needs a block and preempts the newest, the scored one, which is re-admitted at
+    # once on the cached 64 tokens
+    engine.add_request("shorter", prompt[:64], SamplingParams(max_tokens=30, **greedy))
+    engine.add_request("scored", prompt, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    out = done["scored"]
+    assert out.metrics.num_preemptions == 1 and out.num_cached_tokens == 0
+    ref = tiny_pair[1].generate([prompt], sp, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert out.prompt_logprobs[0] is None and all(e is not None for e in out.prompt_logprobs[1:])
+    for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+        assert got.keys() == want.keys()
+        for t in want:
+            assert abs(got[t].logprob - want[t].logprob) <= 1e-4 and got[t].rank == want[t].rank
+
+
 def test_prompt_logprobs_compile_only_their_own_variant():
     llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=64, verbose=False)
     plain = 2 * 4 * 1                           # rows {1,2} x tokens {1,16,32,64} (up to max_model_len) x blocks {8}
