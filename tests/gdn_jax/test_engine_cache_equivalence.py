@@ -8,7 +8,7 @@ import pytest
 
 import gdn_jax.model as model_mod
 import gdn_jax.worker as worker_mod
-from gdn_jax import LLM, SamplingParams
+from gdn_jax import LLM, LLMEngine, SamplingParams
 from gdn_jax.config import FULL, LINEAR, get_preset
 from tests.gdn_jax.helpers import random_ids
 
@@ -209,3 +209,88 @@ def test_gdn_schedule_reaches_the_chunked_rule(schedule, monkeypatch):
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert llm.engine.cfg.linear_layer_ids and seen and set(seen) == {schedule}  # (the layers trace it once)
+
+
+def _random_workload(rng, num_requests: int) -> list[tuple[int, str, list[int], SamplingParams, int | None]]:
+    """(arrival step, id, prompt, params, abort step or None): prompts grown from shared system prompts, repeats and
+    continuations of earlier prompts, and unrelated ones; greedy and seeded sampling, n > 1, stops and penalties."""
+    systems = [random_ids(rng, int(rng.integers(20, 80))) for _ in range(2)]
+    out, prompts, step = [], [], 0
+    for i in range(num_requests):
+        step += int(rng.integers(0, 3))
+        u = rng.random()
+        if u < 0.25 and prompts:
+            prompt = prompts[int(rng.integers(len(prompts)))] + random_ids(rng, int(rng.integers(1, 40)))
+        elif u < 0.4 and prompts:
+            prompt = list(prompts[int(rng.integers(len(prompts)))])
+        elif u < 0.85:
+            prompt = systems[int(rng.integers(2))] + random_ids(rng, int(rng.integers(0, 50)))
+        else:
+            prompt = random_ids(rng, int(rng.integers(1, 120)))
+        prompt = prompt[:120]
+        prompts.append(prompt)
+        kw = dict(max_tokens=int(rng.integers(1, 24)), logprobs=1)
+        if rng.random() < 0.5:
+            kw.update(temperature=0.0)
+        else:
+            kw.update(temperature=1.0, seed=int(rng.integers(2**32)), top_p=float(rng.choice([0.8, 1.0])),
+                      top_k=int(rng.choice([-1, 20])), n=int(rng.choice([1, 1, 2, 3])))
+        if rng.random() < 0.3:
+            kw.update(stop_token_ids=random_ids(rng, 2), ignore_eos=True)
+        if rng.random() < 0.3:
+            kw.update(repetition_penalty=1.3, frequency_penalty=0.5)
+        abort = step + int(rng.integers(0, 8)) if rng.random() < 0.15 else None
+        out.append((step, f"q{i}", prompt, SamplingParams(**kw), abort))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engines", ["scan"], indirect=True)
+def test_random_workloads_under_memory_pressure_equal_each_request_alone_without_the_cache(engines):
+    """Random mixed workloads on an engine with so few KV blocks and linear slots that blocks and checkpoints are
+    evicted and requests preempted all the time: every request that is not aborted ends exactly as it does alone on
+    the cache-off engine (tokens, finish reason, logprobs), whatever its batch; after every step the scheduler's
+    invariants hold and the counters agree; no request is lost, duplicated or heard from after its abort."""
+    plain = engines[1].engine
+    tight = LLMEngine("tiny-random", enable_prefix_caching=True, num_kv_blocks=18, num_linear_slots=9,
+                      max_num_batched_tokens=64, **ENGINE_KW)
+    alone = {}
+    for seed in range(2):
+        work = _random_workload(np.random.default_rng(seed), 16)
+        finished, aborted, step = {}, set(), 0
+        while step <= max(w[0] for w in work) or tight.has_unfinished_requests():
+            for arrival, rid, prompt, params, abort in work:
+                if arrival == step:
+                    tight.add_request(rid, prompt, params)
+                if abort == step and rid not in finished:
+                    tight.abort_request(rid)
+                    aborted.add(rid)
+            for out in tight.step():
+                assert out.request_id not in aborted and out.request_id not in finished
+                if out.finished:
+                    finished[out.request_id] = out
+            tight.scheduler.check_invariants()
+            s = tight.cache_stats()
+            assert s["hits"] <= s["queries"] and s["reused_tokens"] <= s["query_tokens"]
+            assert s["live_slots"] + s["checkpoint_slots"] + s["free_slots"] == tight.memory.num_linear_slots - 1
+            step += 1
+        assert finished.keys() | aborted == {w[1] for w in work} and tight.get_num_unfinished_requests() == 0
+        for _, rid, prompt, params, _ in work:
+            if rid in aborted:
+                continue
+            got, m = finished[rid], finished[rid].metrics
+            assert got.num_cached_tokens % STRIDE == 0 and got.num_cached_tokens <= min(m.kv_match, m.linear_reach)
+            key = (tuple(prompt), repr(params))
+            if key not in alone:
+                plain.add_request("alone", prompt, params)
+                while plain.has_unfinished_requests():
+                    alone.update({key: o for o in plain.step() if o.finished})
+            want = alone[key]
+            for a, b in zip(got.outputs, want.outputs, strict=True):
+                assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), rid
+                np.testing.assert_allclose([lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)],
+                                           [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], atol=1e-5,
+                                           err_msg=rid)
+    s = tight.cache_stats()
+    assert s["live_slots"] == 0
+    assert min(s["hits"], s["preemptions"], s["checkpoints_evicted"], s["kv_blocks_evicted"], s["forks"]) > 0, s
