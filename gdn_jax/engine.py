@@ -518,36 +518,19 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns an output for every request that got a token or finished."""
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return []
-        now = time.perf_counter()
-        for s in plan.seqs:
-            m = self._by_seq[s.seq_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-        targets = [self._prompt_targets(s) for s in plan.seqs] if plan.is_prefill else None
-        full = any(t is not None and self._by_seq[s.seq_id].seq.sampling_params.prompt_logprobs == -1
-                   for s, t in zip(plan.seqs, targets or ()))
         try:
-            result = (self.worker.execute(plan, targets, full) if targets and any(targets)
-                      else self.worker.execute(plan))
-        except StaleExecutable:  # (the worker warned) the step is recomputed with that shape compiled again
-            self.scheduler.redo_step(plan)
-            self.worker.reset_state()
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return []
+            ran = self._execute(plan)
+        except Exception:  # a failed step was released (EngineStepError); another error leaves its plan to the
+            raise          # caller, which retires it (the server's engine loop)
+        except BaseException:  # e.g. Ctrl-C in a notebook, wherever it landed
+            self._abandon_step()
+            raise
+        if ran is None:
             return []
-        except Exception as exc:
-            self._fail_step(plan, exc)  # raises EngineStepError
-        if result.prompt is not None:
-            for i, (s, t) in enumerate(zip(plan.seqs, targets)):
-                if t is not None:
-                    self._record_prompt_logprobs(self._by_seq[s.seq_id], s.start_pos, t, result.prompt, i)
-        self.last_step_info = {
-            "is_prefill": plan.is_prefill, "decode_rows": len(plan.decode_seqs), "rows": len(plan.seqs),
-            "tokens": sum(len(s.token_ids) for s in plan.seqs),
-            "warm_restores": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.restores_checkpoint),
-            "forks": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.fork)}
-        sampled = [int(result.tokens[i]) if s.sample else None for i, s in enumerate(plan.seqs)]
+        result, sampled = ran
         self.scheduler.postprocess(plan, sampled)
         now = time.perf_counter()
         touched: dict[str, _Request] = {}  # one output per request, however many of its samples stepped
@@ -572,6 +555,53 @@ class LLMEngine:
                 for seq in req.seqs:
                     self._by_seq.pop(seq.seq_id, None)
         return outputs
+
+    def _execute(self, plan) -> tuple | None:
+        """Runs `plan` on the worker: (its result, the token sampled per row, None where a row samples none), or
+        None when the step is to be recomputed (a stale executable). A step that raises is failed here
+        (`_fail_step`)."""
+        now = time.perf_counter()
+        for s in plan.seqs:
+            m = self._by_seq[s.seq_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        targets = [self._prompt_targets(s) for s in plan.seqs] if plan.is_prefill else None
+        full = any(t is not None and self._by_seq[s.seq_id].seq.sampling_params.prompt_logprobs == -1
+                   for s, t in zip(plan.seqs, targets or ()))
+        try:
+            result = (self.worker.execute(plan, targets, full) if targets and any(targets)
+                      else self.worker.execute(plan))
+        except StaleExecutable:  # (the worker warned) the step is recomputed with that shape compiled again
+            self.scheduler.redo_step(plan)
+            self.worker.reset_state()
+            return None
+        except Exception as exc:
+            self._fail_step(plan, exc)  # raises EngineStepError
+        if result.prompt is not None:
+            for i, (s, t) in enumerate(zip(plan.seqs, targets)):
+                if t is not None:
+                    self._record_prompt_logprobs(self._by_seq[s.seq_id], s.start_pos, t, result.prompt, i)
+        self.last_step_info = {
+            "is_prefill": plan.is_prefill, "decode_rows": len(plan.decode_seqs), "rows": len(plan.seqs),
+            "tokens": sum(len(s.token_ids) for s in plan.seqs),
+            "warm_restores": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.restores_checkpoint),
+            "forks": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.fork)}
+        sampled = [int(result.tokens[i]) if s.sample else None for i, s in enumerate(plan.seqs)]
+        return result, sampled
+
+    def _abandon_step(self) -> None:
+        """A step was interrupted between the start of its planning and its postprocess (a KeyboardInterrupt, or any
+        other BaseException, wherever it landed: the scheduler may have admitted sequences, the device may have
+        advanced the rows' live slots and written the step's checkpoints, or consumed the donated pools, and no
+        result was kept). Nothing of the step is kept and no request fails: as after a stale executable, every
+        running request is recomputed from scratch (the prefix cache is emptied) and the pools are rebuilt if they
+        were lost, so that the next step computes from a state the scheduler describes."""
+        if self.scheduler.inflight is not None:
+            self.scheduler.redo_step(self.scheduler.inflight)
+        else:  # interrupted while planning
+            self.scheduler.drop_device_state()
+        if self.worker.state_lost():
+            self.worker.reset_state()
 
     def _fail_step(self, plan, exc: Exception) -> None:
         """Finish the step's requests with "error" (every sample of them), release what they held, and re-raise as an

@@ -246,6 +246,93 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_servin
     assert engine.worker.state_lost() is False
 
 
+def _interrupt_at(monkeypatch, obj, name, at, when=lambda *args: True):
+    """Raises KeyboardInterrupt right after the `at`-th call of obj.name for which `when(*args)` holds (its work
+    done: a plan made, a device step run), as Ctrl-C in a notebook lands wherever Python is."""
+    real, calls = getattr(obj, name), []
+
+    def interrupted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if when(*args):
+            calls.append(1)
+            if len(calls) == at:
+                raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(obj, name, interrupted)
+
+
+def _interrupt_workload():
+    """Prompts sharing a prefix past two checkpoint boundaries, one sampled twice (a fork), all decoding."""
+    rng = np.random.default_rng(21)
+    system = random_ids(rng, 70)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1, ignore_eos=True)
+    forked = SamplingParams(temperature=0.9, seed=4, n=2, max_tokens=5, logprobs=1, ignore_eos=True)
+    return [(system + random_ids(rng, 9), greedy), (system + random_ids(rng, 20), forked),
+            (random_ids(rng, 40), greedy)]
+
+
+def _samples(outs):
+    return {rid: [(c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) for c in o.outputs]
+            for rid, o in outs.items()}
+
+
+def _assert_same_samples(got, want):
+    assert got.keys() == want.keys()
+    for rid in want:
+        for (tokens, lps), (want_tokens, want_lps) in zip(got[rid], want[rid], strict=True):
+            assert tokens == want_tokens
+            np.testing.assert_allclose(lps, want_lps, atol=1e-5)
+
+
+@pytest.mark.parametrize("where, at", [("planned", 2), ("ran", 2), ("ran", 4), ("pools-consumed", 3)])
+def test_a_step_interrupted_before_its_postprocess_is_recomputed_and_the_engine_keeps_serving(engine, monkeypatch,
+                                                                                             where, at):
+    """Ctrl-C after the scheduler planned a step (`schedule` returned), after the device ran it (the live slots
+    advanced, the checkpoints written, the result not yet kept), or between the call that consumed the donated pools
+    and the worker keeping the new ones: the step was left in flight, so every later `step` failed on the
+    scheduler's assertion. Now nothing of it is kept and every request goes on to the outputs it would have had."""
+    work = _interrupt_workload()
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    want = _samples(_drain(engine))
+    engine.reset_prefix_cache()
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    if where == "planned":
+        _interrupt_at(monkeypatch, engine.scheduler, "schedule", at)
+    elif where == "ran":
+        _interrupt_at(monkeypatch, engine.worker, "_run", at)
+    else:
+        _interrupt_at(monkeypatch, engine.worker, "_call", at, when=lambda name, *_: name[0] == "step")
+    outs = {}
+    with pytest.raises(KeyboardInterrupt):
+        _drain(engine, outs)
+    monkeypatch.undo()
+    engine.scheduler.check_invariants()
+    assert engine.scheduler.inflight is None and not engine.worker.state_lost()
+    _assert_same_samples(_samples(_drain(engine, outs)), want)
+    s = engine.cache_stats()
+    assert s["live_slots"] == 0 and s["num_running"] == 0 and s["kv_blocks_free"] == engine.memory.num_kv_blocks - 1
+    assert s["free_slots"] + s["checkpoint_slots"] == engine.memory.num_linear_slots - 1
+
+
+@pytest.mark.parametrize("where, at", [("planned", 3), ("ran", 2)])
+def test_generate_interrupted_inside_a_step_gives_the_same_outputs_next_time(llm, monkeypatch, where, at):
+    """`generate` aborts its batch when interrupted; a step left in flight made every later call fail."""
+    prompts, params = zip(*_interrupt_workload())
+    want = llm.generate(prompts, list(params), use_tqdm=False)
+    _interrupt_at(monkeypatch, *((llm.engine.scheduler, "schedule") if where == "planned"
+                                 else (llm.engine.worker, "_run")), at)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, list(params), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests() and llm.cache_stats()["live_slots"] == 0
+    got = llm.generate(prompts, list(params), use_tqdm=False)
+    _assert_same_samples(_samples(dict(enumerate(got))), _samples(dict(enumerate(want))))
+    llm.engine.scheduler.check_invariants()
+
+
 def test_unsafe_reuse_warns_and_drifts_while_the_exact_cache_does_not():
     rng = np.random.default_rng(11)
     shared = random_ids(rng, 60)   # checkpoints every 32: a later prompt shares 60 tokens, KV matches 48, reach 32
