@@ -474,15 +474,23 @@ class LLMEngine:
                      for i in range(params.n)]
         seqs = [Sequence(next(self._seq_ids), ids, params_of[0])]
         seqs += [seqs[0].sample(next(self._seq_ids), p) for p in params_of[1:]]  # the prompt converted once
-        self.scheduler.add(seqs[0], forks=seqs[1:])
         req = _Request(request_id, text, seqs, RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
                        [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs),
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
                        texts=[""] * len(seqs), stop_reasons=[None] * len(seqs), stop_from=[0] * len(seqs),
                        streams=[text_stream(self.tokenizer) for _ in seqs], prompt_token_ids=list(ids))
+        # the engine knows the request before the scheduler does: interrupted after the scheduler's `add` (Ctrl-C),
+        # it is an ordinary request of the engine, which `abort_request` removes, not a sequence no step can look up
         self._requests[request_id] = req
-        for seq in seqs:
-            self._by_seq[seq.seq_id] = req
+        self._by_seq.update((seq.seq_id, req) for seq in seqs)
+        try:
+            self.scheduler.add(seqs[0], forks=seqs[1:])
+        except BaseException:
+            if not any(seq.seq_id in self.scheduler.seqs for seq in seqs):  # refused, or interrupted before it began
+                del self._requests[request_id]
+                for seq in seqs:
+                    self._by_seq.pop(seq.seq_id, None)
+            raise
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Aborts one request or several (an id, or an iterable of ids, as vLLM's engines take them); an id not in
@@ -802,9 +810,9 @@ class LLM:
                 rid = str(next(self._ids))
                 while rid in self.engine._requests:  # an id the caller gave a request of its own on this engine
                     rid = str(next(self._ids))
+                ids.append(rid)  # before it is added: an interrupt right after the add still aborts it
                 self.engine.add_request(rid, prompt, sp)
                 self.engine._requests[rid].final_only = True
-                ids.append(rid)
         except BaseException:  # interrupted while adding (a long batch): none of it stays to run in a later call
             for i in ids:
                 self.engine.abort_request(i)

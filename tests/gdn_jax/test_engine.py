@@ -381,6 +381,21 @@ def test_generate_interrupted_while_adding_leaves_nothing_of_its_batch(llm, monk
     assert not llm.engine.has_unfinished_requests() and not llm.engine._requests
 
 
+@pytest.mark.parametrize("at", [1, 2])
+def test_generate_interrupted_right_after_the_scheduler_took_a_request_leaves_nothing_of_it(llm, monkeypatch, at):
+    """Ctrl-C after the scheduler's `add` returned, before the engine (or `generate`) recorded the request: the
+    scheduler kept a sequence no one could abort, which ran in the next call and failed its step on a lookup."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    want = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    _interrupt_at(monkeypatch, llm.engine.scheduler, "add", at)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests() and not llm.engine._requests and not llm.engine._by_seq
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    llm.engine.scheduler.check_invariants()
+
+
 def test_the_progress_bar_counts_only_the_batch(llm, monkeypatch):
     import tqdm.auto
 
