@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -291,6 +294,26 @@ def model_sampling_defaults(folder: Path | None) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _interrupts_held():
+    """Holds back a Ctrl-C (SIGINT) that arrives inside the block, and hands it to its handler when the block ends
+    (a KeyboardInterrupt raised there): for the engine's host work that must run to its end or leave its state half
+    changed. Only the main thread receives signals, and only a Python handler can be held: elsewhere the block runs
+    as it is."""
+    if threading.current_thread() is not threading.main_thread() or not callable(handler := signal.getsignal(
+            signal.SIGINT)):
+        yield
+        return
+    held = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if held:
+            handler(*held[0])
+
+
 class LLMEngine:
     """Step-level engine: `add_request`, `step`, `abort_request`, `has_unfinished_requests`."""
 
@@ -398,6 +421,7 @@ class LLMEngine:
                           f"under full concurrency most boundaries cannot be saved", stacklevel=_outside_package())
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
+        self._undelivered: dict[str, RequestOutput] = {}  # outputs of a step an interrupt ended: the next step's
         self._seq_ids = itertools.count(1)
         self.max_model_len = max_model_len
         self.last_step_info: dict = {}
@@ -501,6 +525,7 @@ class LLMEngine:
             self._abort(rid)
 
     def _abort(self, request_id: str) -> None:
+        self._undelivered.pop(request_id, None)
         req = self._requests.pop(request_id, None)
         if req is not None:
             for seq in reversed(req.seqs):  # samples waiting for their fork first, then the one they fork from
@@ -513,7 +538,7 @@ class LLMEngine:
         return SamplingParams(**self.default_sampling)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._undelivered)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
@@ -525,20 +550,33 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns an output for every request that got a token or finished."""
+        """Schedules and runs one step; returns an output for every request that got a token or finished.
+
+        An interrupt (Ctrl-C) may land anywhere. While the device step is prepared, runs or is read back it stops the
+        step, which is then recomputed (`_abandon_step`); the host's work before and after it (planning; advancing
+        the sequences and building the outputs) is held to its end and the interrupt raised after it, and the
+        outputs of a step so interrupted come with the next step's (`has_unfinished_requests` stays true until
+        they did)."""
         try:
-            plan = self.scheduler.schedule()
-            if plan is None:
-                return []
-            ran = self._execute(plan)
+            with _interrupts_held():  # planning takes a moment: half-planned, the scheduler would hold no queue
+                plan = self.scheduler.schedule()
+            ran = None if plan is None else self._execute(plan)
+            if ran is not None:
+                with _interrupts_held():  # half-postprocessed, some live slots would be a step ahead of their rows
+                    for out in self._postprocess(plan, *ran):
+                        self._undelivered.pop(out.request_id, None)  # this one holds everything the older one did
+                        self._undelivered[out.request_id] = out
         except Exception:  # a failed step was released (EngineStepError); another error leaves its plan to the
             raise          # caller, which retires it (the server's engine loop)
-        except BaseException:  # e.g. Ctrl-C in a notebook, wherever it landed
+        except BaseException:  # e.g. Ctrl-C while the device step ran
             self._abandon_step()
             raise
-        if ran is None:
-            return []
-        result, sampled = ran
+        outputs, self._undelivered = list(self._undelivered.values()), {}
+        return outputs
+
+    def _postprocess(self, plan, result, sampled: list[int | None]) -> list[RequestOutput]:
+        """The host's part of a step that ran: the scheduler advances its sequences, the requests record their
+        tokens, logprobs and text; returns their outputs (finished requests leave the engine)."""
         self.scheduler.postprocess(plan, sampled)
         now = time.perf_counter()
         touched: dict[str, _Request] = {}  # one output per request, however many of its samples stepped
@@ -598,16 +636,15 @@ class LLMEngine:
         return result, sampled
 
     def _abandon_step(self) -> None:
-        """A step was interrupted between the start of its planning and its postprocess (a KeyboardInterrupt, or any
-        other BaseException, wherever it landed: the scheduler may have admitted sequences, the device may have
-        advanced the rows' live slots and written the step's checkpoints, or consumed the donated pools, and no
-        result was kept). Nothing of the step is kept and no request fails: as after a stale executable, every
-        running request is recomputed from scratch (the prefix cache is emptied) and the pools are rebuilt if they
-        were lost, so that the next step computes from a state the scheduler describes."""
-        if self.scheduler.inflight is not None:
-            self.scheduler.redo_step(self.scheduler.inflight)
-        else:  # interrupted while planning
-            self.scheduler.drop_device_state()
+        """A step was interrupted between its planning and its postprocess (a KeyboardInterrupt, or any other
+        BaseException, wherever it landed: the device may have advanced its rows' live slots and written its
+        checkpoints, or consumed the donated pools, and no result was kept). Nothing of it is kept and no request
+        fails: as after a stale executable, every running request is recomputed from scratch (the prefix cache is
+        emptied) and the pools are rebuilt if they were lost, so that the next step computes from a state the
+        scheduler describes. Nothing to do when no step is in flight (it was postprocessed, or never planned)."""
+        if self.scheduler.inflight is None:
+            return
+        self.scheduler.redo_step(self.scheduler.inflight)
         if self.worker.state_lost():
             self.worker.reset_state()
 

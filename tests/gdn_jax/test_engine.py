@@ -1,6 +1,7 @@
 """Engine behaviour: pressure (eviction, preemption), transformers' greedy, compile count, bad input."""
 
 import dataclasses
+import signal
 
 import numpy as np
 import pytest
@@ -247,8 +248,9 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_servin
 
 
 def _interrupt_at(monkeypatch, obj, name, at, when=lambda *args: True):
-    """Raises KeyboardInterrupt right after the `at`-th call of obj.name for which `when(*args)` holds (its work
-    done: a plan made, a device step run), as Ctrl-C in a notebook lands wherever Python is."""
+    """Ctrl-C (SIGINT, as a notebook's interrupt button sends it) right after the `at`-th call of obj.name for which
+    `when(*args)` holds (its work done: a plan made, a device step run, a row advanced): Python raises
+    KeyboardInterrupt there, wherever that is, unless the engine holds the signal back."""
     real, calls = getattr(obj, name), []
 
     def interrupted(*args, **kwargs):
@@ -256,7 +258,7 @@ def _interrupt_at(monkeypatch, obj, name, at, when=lambda *args: True):
         if when(*args):
             calls.append(1)
             if len(calls) == at:
-                raise KeyboardInterrupt
+                signal.raise_signal(signal.SIGINT)
         return out
 
     monkeypatch.setattr(obj, name, interrupted)
@@ -315,6 +317,32 @@ def test_a_step_interrupted_before_its_postprocess_is_recomputed_and_the_engine_
     s = engine.cache_stats()
     assert s["live_slots"] == 0 and s["num_running"] == 0 and s["kv_blocks_free"] == engine.memory.num_kv_blocks - 1
     assert s["free_slots"] + s["checkpoint_slots"] == engine.memory.num_linear_slots - 1
+
+
+@pytest.mark.parametrize("where, at", [("postprocess", 3), ("postprocess", 9), ("text", 3), ("text", 12)])
+def test_ctrl_c_in_a_steps_host_work_waits_for_its_end_and_its_outputs_come_next(engine, monkeypatch, where, at):
+    """Ctrl-C while the scheduler advanced the step's rows (some done, the others' live slots a step ahead of what
+    the scheduler recorded) or while the engine recorded their tokens (logprobs and text of some rows only, finished
+    requests never returned): the next steps computed from that state, lost outputs, or failed. Now the host's part
+    of the step runs to its end, the interrupt is raised after it, and the next step returns its outputs."""
+    work = _interrupt_workload()
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    want = _samples(_drain(engine))
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    if where == "postprocess":
+        _interrupt_at(monkeypatch, engine.scheduler.block_manager, "on_computed", at)
+    else:
+        _interrupt_at(monkeypatch, engine, "_update_text", at)
+    outs = {}
+    with pytest.raises(KeyboardInterrupt):
+        _drain(engine, outs)
+    monkeypatch.undo()
+    engine.scheduler.check_invariants()
+    assert engine.has_unfinished_requests()  # at least the interrupted step's outputs are owed
+    _assert_same_samples(_samples(_drain(engine, outs)), want)
+    assert not engine._requests and engine.cache_stats()["live_slots"] == 0 and engine.step() == []
 
 
 @pytest.mark.parametrize("where, at", [("planned", 3), ("ran", 2)])
