@@ -521,8 +521,9 @@ class LLMEngine:
         the engine (unknown, or finished already) is ignored. An aborted request gives no further output."""
         if isinstance(request_id, str) or not isinstance(request_id, Iterable):
             request_id = [request_id]
-        for rid in list(request_id):
-            self._abort(rid)
+        with _interrupts_held():  # half-aborted, a request would hold its slots with no one to free them
+            for rid in list(request_id):
+                self._abort(rid)
 
     def _abort(self, request_id: str) -> None:
         self._undelivered.pop(request_id, None)
@@ -851,8 +852,7 @@ class LLM:
                 self.engine.add_request(rid, prompt, sp)
                 self.engine._requests[rid].final_only = True
         except BaseException:  # interrupted while adding (a long batch): none of it stays to run in a later call
-            for i in ids:
-                self.engine.abort_request(i)
+            self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
 
@@ -915,9 +915,7 @@ class LLM:
             if bar is not None:
                 bar.close()
             if not complete:  # interrupted: the batch's requests leave the engine, their slots and blocks freed
-                for i in ids:
-                    if i not in done:
-                        self.engine.abort_request(i)
+                self.engine.abort_request([i for i in ids if i not in done])
         return [done[i] for i in ids if i in done]
 
     def cache_stats(self) -> dict:

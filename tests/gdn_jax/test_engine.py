@@ -424,6 +424,22 @@ def test_generate_interrupted_right_after_the_scheduler_took_a_request_leaves_no
     llm.engine.scheduler.check_invariants()
 
 
+def test_a_second_ctrl_c_while_generate_aborts_its_batch_still_aborts_all_of_it(llm, monkeypatch):
+    """Pressed twice: the second interrupt landed in `generate`'s abort of the interrupted batch, and the requests
+    not yet aborted stayed in the engine, running in the next call."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    want = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    _interrupt_at(monkeypatch, llm.engine.worker, "_run", 2)
+    _interrupt_at(monkeypatch, llm.engine.scheduler, "abort", 1)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests() and not llm.engine._requests
+    assert llm.cache_stats()["live_slots"] == 0
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    llm.engine.scheduler.check_invariants()
+
+
 def test_the_progress_bar_counts_only_the_batch(llm, monkeypatch):
     import tqdm.auto
 
