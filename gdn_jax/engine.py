@@ -787,10 +787,13 @@ class LLMEngine:
         """Compiles every step shape now, so that no request pays a compilation later. The prompt-logprobs variant
         of the prefill shapes is compiled lazily (on the first step that has such a row) unless `prompt_logprobs`."""
         resets = self.worker.state_resets
-        n = self.worker.warm_up(prompt_logprobs)
-        if self.worker.state_resets != resets:  # a stored executable failed on the pools (`Worker._drop_stale`)
-            self.scheduler.drop_device_state()
-        return n
+        try:
+            return self.worker.warm_up(prompt_logprobs)
+        finally:
+            if self.worker.state_lost():  # interrupted (Ctrl-C) after a step consumed the pools, before they were kept
+                self.worker.reset_state()
+            if self.worker.state_resets != resets:  # a stored executable failed on the pools (`Worker._drop_stale`)
+                self.scheduler.drop_device_state()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached KV block and checkpoint no running request uses (e.g. between A/B rounds). Returns

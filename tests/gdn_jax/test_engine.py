@@ -361,6 +361,23 @@ def test_generate_interrupted_inside_a_step_gives_the_same_outputs_next_time(llm
     llm.engine.scheduler.check_invariants()
 
 
+def test_warm_up_interrupted_after_a_step_consumed_the_pools_leaves_fresh_ones(engine, monkeypatch):
+    """Ctrl-C in warm-up between a padding step's call (its donated pools consumed) and the worker keeping the pools
+    it returned: the engine kept the deleted pools, and the next step failed every request of it with an error."""
+    prompt, greedy = list(range(20, 60)), SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
+    engine.add_request("w", prompt, greedy)
+    want = _samples(_drain(engine))
+    monkeypatch.setattr(engine.worker, "shape_buckets", lambda: [(1, 16, engine.worker.max_blocks)])  # one compile
+    _interrupt_at(monkeypatch, engine.worker, "_call", 1, when=lambda name, *_: name[0] == "step")
+    with pytest.raises(KeyboardInterrupt):
+        engine.warm_up()
+    monkeypatch.undo()
+    assert not engine.worker.state_lost()
+    engine.add_request("w", prompt, greedy)
+    _assert_same_samples(_samples(_drain(engine)), want)  # (a failed step raises EngineStepError)
+    engine.scheduler.check_invariants()
+
+
 def test_unsafe_reuse_warns_and_drifts_while_the_exact_cache_does_not():
     rng = np.random.default_rng(11)
     shared = random_ids(rng, 60)   # checkpoints every 32: a later prompt shares 60 tokens, KV matches 48, reach 32
