@@ -508,7 +508,8 @@ class LLMEngine:
         self._requests[request_id] = req
         self._by_seq.update((seq.seq_id, req) for seq in seqs)
         try:
-            self.scheduler.add(seqs[0], forks=seqs[1:])
+            with _interrupts_held():  # half-added, a sample would be in no queue the scheduler or an abort reads
+                self.scheduler.add(seqs[0], forks=seqs[1:])
         except BaseException:
             if not any(seq.seq_id in self.scheduler.seqs for seq in seqs):  # refused, or interrupted before it began
                 del self._requests[request_id]

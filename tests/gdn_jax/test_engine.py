@@ -441,6 +441,26 @@ def test_generate_interrupted_right_after_the_scheduler_took_a_request_leaves_no
     llm.engine.scheduler.check_invariants()
 
 
+def test_ctrl_c_while_the_scheduler_adds_a_forked_request_waits_for_the_add(llm, monkeypatch):
+    """Ctrl-C inside the scheduler's `add` of an n > 1 request, its samples known but not yet filed as waiting for
+    their fork: `generate`'s abort of its batch then failed on them ("not waiting"), and they stayed."""
+    prompt, params = list(range(30, 70)), SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=3, ignore_eos=True)
+    want = [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+
+    class Interrupting(dict):
+        def update(self, *args):
+            signal.raise_signal(signal.SIGINT)  # before the children are filed under their parent
+            super().update(*args)
+
+    monkeypatch.setattr(llm.engine.scheduler, "fork_parent", Interrupting(llm.engine.scheduler.fork_parent))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt], params, use_tqdm=False)
+    monkeypatch.setattr(llm.engine.scheduler, "fork_parent", dict(llm.engine.scheduler.fork_parent))
+    assert not llm.engine.has_unfinished_requests() and not llm.engine._requests
+    llm.engine.scheduler.check_invariants()
+    assert [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs] == want
+
+
 def test_a_second_ctrl_c_while_generate_aborts_its_batch_still_aborts_all_of_it(llm, monkeypatch):
     """Pressed twice: the second interrupt landed in `generate`'s abort of the interrupted batch, and the requests
     not yet aborted stayed in the engine, running in the next call."""
