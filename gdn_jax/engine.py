@@ -916,10 +916,10 @@ class LLM:
                             bar.update(1)
             complete = True
         finally:
+            if not complete:  # interrupted: the batch's requests leave the engine, their slots and blocks freed
+                self.engine.abort_request([i for i in ids if i not in done])  # (first: a second Ctrl-C may come)
             if bar is not None:
                 bar.close()
-            if not complete:  # interrupted: the batch's requests leave the engine, their slots and blocks freed
-                self.engine.abort_request([i for i in ids if i not in done])
         return [done[i] for i in ids if i in done]
 
     def cache_stats(self) -> dict:

@@ -477,6 +477,32 @@ def test_a_second_ctrl_c_while_generate_aborts_its_batch_still_aborts_all_of_it(
     llm.engine.scheduler.check_invariants()
 
 
+def test_a_second_ctrl_c_while_generate_closes_its_progress_bar_still_aborts_the_batch(llm, monkeypatch):
+    """The bar was closed before the interrupted batch was aborted: a second interrupt there skipped the abort, and
+    the batch ran on in the next call."""
+    import tqdm.auto
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            pass
+
+        def update(self, n=1):
+            pass
+
+        def close(self):
+            signal.raise_signal(signal.SIGINT)
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    _interrupt_at(monkeypatch, llm.engine.worker, "_run", 2)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=True)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests() and not llm.engine._requests
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+
+
 def test_the_progress_bar_counts_only_the_batch(llm, monkeypatch):
     import tqdm.auto
 
