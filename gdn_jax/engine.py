@@ -643,10 +643,12 @@ class LLMEngine:
         checkpoints, or consumed the donated pools, and no result was kept). Nothing of it is kept and no request
         fails: as after a stale executable, every running request is recomputed from scratch (the prefix cache is
         emptied) and the pools are rebuilt if they were lost, so that the next step computes from a state the
-        scheduler describes. Nothing to do when no step is in flight (it was postprocessed, or never planned)."""
-        if self.scheduler.inflight is None:
-            return
-        self.scheduler.redo_step(self.scheduler.inflight)
+        scheduler describes. With no step in flight (it was postprocessed, failed or redone, or never planned) only
+        pools that a failed step consumed and the interrupt kept from being rebuilt are replaced."""
+        if self.scheduler.inflight is not None:
+            self.scheduler.redo_step(self.scheduler.inflight)
+        elif self.worker.state_lost():  # interrupted in `_fail_step` or a redo, before the pools were rebuilt
+            self.scheduler.drop_device_state()
         if self.worker.state_lost():
             self.worker.reset_state()
 

@@ -378,6 +378,32 @@ def test_warm_up_interrupted_after_a_step_consumed_the_pools_leaves_fresh_ones(e
     engine.scheduler.check_invariants()
 
 
+def test_ctrl_c_while_a_failed_step_is_released_still_rebuilds_the_pools_it_consumed(engine, monkeypatch):
+    """A step failed after consuming the donated pools, and Ctrl-C landed while its requests were released, before
+    the pools were rebuilt: the engine kept the deleted pools, and the next step failed every request in it too."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
+    engine.add_request("later", list(range(20, 60)), greedy)
+    want = _samples(_drain(engine))
+    real = engine.worker.execute
+
+    def consume_and_fail(plan, *args):
+        jax.tree_util.tree_map(lambda x: x.delete(), engine.worker.state)
+        raise RuntimeError("injected device failure")
+
+    monkeypatch.setattr(engine.worker, "execute", consume_and_fail)
+    _interrupt_at(monkeypatch, engine.scheduler, "fail_step", 1)
+    engine.add_request("victim", [5, 6, 7], greedy)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.setattr(engine.worker, "execute", real)
+    monkeypatch.undo()
+    assert not engine.worker.state_lost()
+    engine.abort_request("victim")
+    engine.add_request("later", list(range(20, 60)), greedy)
+    _assert_same_samples(_samples(_drain(engine)), want)  # (a failed step raises EngineStepError)
+    engine.scheduler.check_invariants()
+
+
 def test_unsafe_reuse_warns_and_drifts_while_the_exact_cache_does_not():
     rng = np.random.default_rng(11)
     shared = random_ids(rng, 60)   # checkpoints every 32: a later prompt shares 60 tokens, KV matches 48, reach 32
