@@ -247,6 +247,16 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_servin
     assert engine.worker.state_lost() is False
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """SIGINT raises KeyboardInterrupt in these tests, as in a notebook or a terminal: a process started with SIGINT
+    ignored (a background job of a non-interactive shell, some CI runners) has no Python handler for it, and the
+    signals the interrupt tests send would be dropped."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _interrupt_at(monkeypatch, obj, name, at, when=lambda *args: True):
     """Ctrl-C (SIGINT, as a notebook's interrupt button sends it) right after the `at`-th call of obj.name for which
     `when(*args)` holds (its work done: a plan made, a device step run, a row advanced): Python raises
