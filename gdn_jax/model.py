@@ -308,15 +308,25 @@ def _product(x, kernel):
       prompt logprobs) is multiplied as it is.
     Many rows (prefill) amortise the library's packing of the weight either way. Elsewhere (GPU) the product is left
     alone, at `float32_precision`."""
-    lead, m, cpu = x.shape[:-1], math.prod(x.shape[:-1]), jax.default_backend() == "cpu"
-    if cpu and m == 1:
+    lead = x.shape[:-1]
+    if jax.default_backend() == "cpu" and math.prod(lead) == 1:
         return _one_row(x.reshape(x.shape[-1]), kernel).reshape(*lead, -1)
-    lo, hi = WEIGHT_LHS_ROWS.get(jnp.dtype(x.dtype), (0, -1))
-    if cpu and lo <= m <= hi:
-        y = jnp.einsum("vd,md->vm", kernel, x.reshape(m, x.shape[-1]), preferred_element_type=jnp.float32)
-        return jax.lax.optimization_barrier(y).T.reshape(*lead, kernel.shape[0])
+    if _weight_left(x):
+        return _weight_left_product(x.reshape(-1, x.shape[-1]), kernel).T.reshape(*lead, kernel.shape[0])
     return jnp.einsum("...d,vd->...v", x, kernel, preferred_element_type=jnp.float32,
                       precision=float32_precision(jnp.result_type(x, kernel)))
+
+
+def _weight_left(x) -> bool:
+    """Whether `_product` multiplies x as W @ x.T (on CPU, WEIGHT_LHS_ROWS rows of the activation's dtype)."""
+    lo, hi = WEIGHT_LHS_ROWS.get(jnp.dtype(x.dtype), (0, -1))
+    return jax.default_backend() == "cpu" and lo <= math.prod(x.shape[:-1]) <= hi
+
+
+def _weight_left_product(x, kernel):
+    """kernel [n_out, n_in] @ x[m, n_in].T -> [n_out, m] float32. The optimisation barrier keeps XLA from folding
+    the transpose that follows (`_product`) back into the dot."""
+    return jax.lax.optimization_barrier(jnp.einsum("vd,md->vm", kernel, x, preferred_element_type=jnp.float32))
 
 
 @jax.jit
@@ -324,6 +334,12 @@ def _products(x, kernels: tuple) -> tuple:
     """_product(x, k) for each kernel. Jitted so that the switch branches of `LayerKernel` (one per layer, same
     shapes) reuse one trace."""
     return tuple(_product(x, k) for k in kernels)
+
+
+@jax.jit
+def _weight_left_products(x, kernels: tuple) -> tuple:
+    """_weight_left_product(x, k) for each kernel, jitted for the same reason as `_products`."""
+    return tuple(_weight_left_product(x, k) for k in kernels)
 
 
 def dense(x, kernel):
@@ -368,6 +384,12 @@ def dense_all(x, kernels) -> list:
         return [y[0].reshape(*lead, -1) for y in dense_all(jnp.concatenate([x, jnp.zeros_like(x)]), kernels)]
     if not isinstance(kernels[0], LayerKernel):
         return list(_products(x, tuple(kernels)))
+    if _weight_left(x):
+        # the transposes of the results follow the switch: one per call site, not one per layer and call site in
+        # its branches (each a kernel of the step for XLA to generate: 128 of Qwen3.5-9B's 16-row decode step)
+        lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        ys = _together(kernels).select(lambda ks, x: _weight_left_products(x, ks), x)
+        return [y.T.reshape(*lead, -1) for y in ys]
     return list(_together(kernels).select(lambda ks, x: _products(x, ks), x))
 
 
