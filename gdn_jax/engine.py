@@ -641,12 +641,14 @@ class LLMEngine:
         """A step was interrupted between its planning and its postprocess (a KeyboardInterrupt, or any other
         BaseException, wherever it landed: the device may have advanced its rows' live slots and written its
         checkpoints, or consumed the donated pools, and no result was kept). Nothing of it is kept and no request
-        fails: as after a stale executable, every running request is recomputed from scratch (the prefix cache is
-        emptied) and the pools are rebuilt if they were lost, so that the next step computes from a state the
-        scheduler describes. With no step in flight (it was postprocessed, failed or redone, or never planned) only
-        pools that a failed step consumed and the interrupt kept from being rebuilt are replaced."""
+        fails: every running request is preempted and computed again, so that the next step computes from a state
+        the scheduler describes. The prefix cache stays while the worker holds its pools (those before the step or
+        after it: the step wrote nothing the cache indexes, `Scheduler.redo_step`), so the requests match it again;
+        if the pools were consumed, they are rebuilt and the cache is emptied. With no step in flight (it was
+        postprocessed, failed or redone, or never planned) only pools that a failed step consumed and the interrupt
+        kept from being rebuilt are replaced."""
         if self.scheduler.inflight is not None:
-            self.scheduler.redo_step(self.scheduler.inflight)
+            self.scheduler.redo_step(self.scheduler.inflight, pools_kept=not self.worker.state_lost())
         elif self.worker.state_lost():  # interrupted in `_fail_step` or a redo, before the pools were rebuilt
             self.scheduler.drop_device_state()
         if self.worker.state_lost():

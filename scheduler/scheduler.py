@@ -403,10 +403,14 @@ class Scheduler:
         self.counters["failed_requests"] += len(failed)
         return failed
 
-    def redo_step(self, plan: StepPlan) -> None:
-        """The device step of `plan` raised without fault of its sequences (an executable that must be compiled again)
-        and may have consumed the device state: nothing of the step is kept, and every running sequence, the step's
-        too, is recomputed from scratch (`drop_device_state`); none fails."""
+    def redo_step(self, plan: StepPlan, pools_kept: bool = False) -> None:
+        """The device step of `plan` raised without fault of its sequences (an executable that must be compiled
+        again), or was interrupted before its postprocess: nothing of the step is kept, and every running sequence,
+        the step's too, is preempted and computed again; none fails. Unless `pools_kept`, the device state may have
+        been lost or replaced, so the prefix cache is emptied too (`drop_device_state`). With `pools_kept` (the pools
+        are those before the step or after it: a step writes only its rows' live slots, the KV positions they had
+        not computed, and the checkpoint slots it saves into, none of them indexed yet) the prefix cache stays, and
+        the preempted sequences match it again when they are readmitted."""
         assert plan is self.inflight, "redo_step takes the plan of the last schedule()"
         self.inflight = None
         self.block_manager.finish_step(plan, completed=False)
@@ -416,17 +420,24 @@ class Scheduler:
             if seq is not None:
                 seq.pending_save_hash = None
         self.counters["redone_steps"] += 1
-        self.drop_device_state()
+        if pools_kept:
+            self._preempt_running()
+        else:
+            self.drop_device_state()
 
     def drop_device_state(self) -> None:
         """The device pools were lost (e.g. a failed step had consumed its donated buffers): nothing cached and no
         running sequence's state can be trusted. Running sequences are preempted (recomputed from scratch) and the
         prefix cache is emptied. Call with no plan in flight."""
         assert self.inflight is None, "fail or postprocess the in-flight plan first"
-        for seq in list(reversed(self.running)):
-            seq.pending_save_hash = None  # its live state is lost: nothing of it becomes a checkpoint (nor counts)
-            self._preempt(seq)
+        self._preempt_running()
         self.reset_prefix_cache()
+
+    def _preempt_running(self) -> None:
+        """Preempt every running sequence: its live state is not trusted, so nothing of it becomes a checkpoint."""
+        for seq in list(reversed(self.running)):
+            seq.pending_save_hash = None
+            self._preempt(seq)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling_params

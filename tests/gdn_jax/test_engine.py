@@ -329,6 +329,49 @@ def test_a_step_interrupted_before_its_postprocess_is_recomputed_and_the_engine_
     assert s["free_slots"] + s["checkpoint_slots"] == engine.memory.num_linear_slots - 1
 
 
+@pytest.mark.parametrize("where, at", [("planned", 1), ("ran", 1), ("ran", 3), ("pools-consumed", 2)])
+def test_an_interrupted_step_keeps_the_prefix_cache_while_the_pools_survive(engine, monkeypatch, where, at):
+    """The workload again over a warm prefix cache, interrupted in a step: it emptied the whole cache, so a notebook
+    user's next run after Ctrl-C recomputed every prompt (and a study's hit rates changed). A step writes nothing
+    the cache indexes, so the cache now stays while the worker keeps its pools (those before or after the step), and
+    the requests match it again with the same outputs; only pools the interrupted call consumed empty it."""
+    work = _interrupt_workload()
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    want = _samples(_drain(engine))
+    cached = {k: engine.cache_stats()[k] for k in ("checkpoint_slots", "hits", "queries")}
+    assert cached["checkpoint_slots"] > 0
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    if where == "planned":
+        _interrupt_at(monkeypatch, engine.scheduler, "schedule", at)
+    elif where == "ran":
+        _interrupt_at(monkeypatch, engine.worker, "_run", at)
+    else:
+        _interrupt_at(monkeypatch, engine.worker, "_call", at, when=lambda name, *_: name[0] == "step")
+    outs = {}
+    with pytest.raises(KeyboardInterrupt):
+        _drain(engine, outs)
+    monkeypatch.undo()
+    engine.scheduler.check_invariants()
+    kept = where != "pools-consumed"
+    assert engine.scheduler.inflight is None and not engine.worker.state_lost()
+    assert (engine.cache_stats()["checkpoint_slots"] > 0) == kept
+    readmitted, record = [], engine.scheduler._record_admission
+
+    def recorded(seq, m):
+        readmitted.append(m.reuse)
+        record(seq, m)
+
+    monkeypatch.setattr(engine.scheduler, "_record_admission", recorded)
+    _assert_same_samples(_samples(_drain(engine, outs)), want)
+    assert readmitted and all(readmitted) == kept, readmitted  # every preempted request matched its prompt again
+    s = engine.cache_stats()
+    assert s["live_slots"] == 0 and s["num_running"] == 0 and s["kv_blocks_free"] == engine.memory.num_kv_blocks - 1
+    assert s["free_slots"] + s["checkpoint_slots"] == engine.memory.num_linear_slots - 1
+    engine.scheduler.check_invariants()
+
+
 @pytest.mark.parametrize("where, at", [("postprocess", 3), ("postprocess", 9), ("text", 3), ("text", 12)])
 def test_ctrl_c_in_a_steps_host_work_waits_for_its_end_and_its_outputs_come_next(engine, monkeypatch, where, at):
     """Ctrl-C while the scheduler advanced the step's rows (some done, the others' live slots a step ahead of what
