@@ -4,7 +4,7 @@
         [--shapes 1x2048,16x1,16x64] [--context 1024] [--sets "NAME;NAME"] [--out results/bench_compile_options.json]
 
 Each option set (`OPTION_SETS`: XLA's defaults, the engine's options `worker.LLVM_IR_CPU_COMPILER_OPTIONS`, those
-with LLVM's O1 and O0 pipelines, and with 512-bit vectors: `worker.DECODE_CPU_COMPILER_OPTIONS`; `--sets` picks some)
+with LLVM's O1 and O0 pipelines, XLA's defaults with O1, and with 512-bit vectors: `worker.DECODE_CPU_COMPILER_OPTIONS`; `--sets` picks some)
 compiles the engine's step (`Worker.lowered_step(...).compile(compiler_options=...)`, with JAX's persistent cache off)
 for each shape on real (random) weights; then the executables run in turn, A B C A B C ...,
 `--repeats` times each, so that the load of other processes falls on every set alike. A prefill shape runs full rows
@@ -38,6 +38,7 @@ OPTION_SETS = {
     "LLVM IR emitters": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256,  # the engine's prefill steps and sampling
     "LLVM IR emitters, LLVM O1": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | {"xla_backend_optimization_level": 1},
     "LLVM IR emitters, LLVM O0": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | {"xla_backend_optimization_level": 0},
+    "xla defaults, LLVM O1": {"xla_cpu_use_fusion_emitters": True, "xla_backend_optimization_level": 1} | WIDTH_256,
     "xla defaults, 512-bit vectors": {"xla_cpu_use_fusion_emitters": True, "xla_cpu_prefer_vector_width": 512},
     # the engine's decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows
     "LLVM IR emitters, 512-bit vectors": DECODE_CPU_COMPILER_OPTIONS,
