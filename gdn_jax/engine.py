@@ -124,12 +124,13 @@ class RequestOutput:
 
 
 class EngineStepError(RuntimeError):
-    """A device step raised. The requests of that step were finished with finish_reason "error" (their final outputs
-    are in `outputs`) and everything they held was released; the engine goes on serving the others."""
+    """A step raised: its device step, or the host's work between its planning and its postprocess. The requests of
+    that step were finished with finish_reason "error" (their final outputs are in `outputs`) and everything they held
+    was released; the engine goes on serving the others."""
 
     def __init__(self, request_ids: list[str], outputs: list[RequestOutput], cause: BaseException):
         self.request_ids, self.outputs = request_ids, outputs
-        super().__init__(f"device step failed for request(s) {', '.join(map(repr, request_ids))}: "
+        super().__init__(f"step failed for request(s) {', '.join(map(repr, request_ids))}: "
                          f"{type(cause).__name__}: {cause}")
 
 
@@ -568,8 +569,22 @@ class LLMEngine:
                     for out in self._postprocess(plan, *ran):
                         self._undelivered.pop(out.request_id, None)  # this one holds everything the older one did
                         self._undelivered[out.request_id] = out
-        except Exception:  # a failed step was released (EngineStepError); another error leaves its plan to the
-            raise          # caller, which retires it (the server's engine loop)
+        except EngineStepError as err:  # the worker's step raised: those requests ended (`_fail_step`)
+            for rid in err.request_ids:
+                self._undelivered.pop(rid, None)  # an interrupted step's output for them would come after the error
+            raise
+        except Exception as exc:
+            if self.scheduler.inflight is None:  # planning, or the host's work after the scheduler advanced the rows
+                raise
+            # raised between the planning and the postprocess, outside the worker (recording prompt logprobs, say):
+            # the step's requests fail as if the device step had, nothing of the step is indexed (the device may
+            # not have run it), and the engine goes on; the plan left in flight made every later step fail
+            try:
+                self._fail_step(self.scheduler.inflight, exc)
+            except EngineStepError as err:
+                for rid in err.request_ids:
+                    self._undelivered.pop(rid, None)
+                raise
         except BaseException:  # e.g. Ctrl-C while the device step ran
             self._abandon_step()
             raise

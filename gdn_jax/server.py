@@ -353,8 +353,9 @@ class EngineLoop:
         sink.put(out)
 
     def _fail_step(self, exc: Exception) -> None:
-        """The requests of the failed step get the error and are aborted; if the step died between schedule and
-        postprocess, the dead plan is retired (all its sequences are aborted by then) so scheduling can go on."""
+        """The requests of the failed step get the error and are aborted. The engine fails a step that raised
+        between its planning and its postprocess itself (EngineStepError); should a plan still be in flight, it is
+        retired as failed (all its sequences aborted by then, nothing of it indexed) so scheduling can go on."""
         self.step_failures.inc()
         self.consecutive_failures += 1
         log.exception("engine step failed")
@@ -377,7 +378,7 @@ class EngineLoop:
             self.engine.abort_request(rid)
             self.finished.labels("error").inc()
         if sched.inflight is not None:
-            sched.postprocess(sched.inflight, [None] * len(sched.inflight.seqs))
+            sched.fail_step(sched.inflight)
         self._snapshot()
 
 

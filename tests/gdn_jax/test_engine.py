@@ -247,6 +247,51 @@ def test_a_failing_step_ends_its_requests_with_error_and_the_engine_keeps_servin
     assert engine.worker.state_lost() is False
 
 
+@pytest.mark.parametrize("where", ["before the device step", "after the device step"])
+def test_a_host_error_between_planning_and_postprocess_fails_that_step_alone(engine, monkeypatch, where):
+    """An error of the host's work between a step's planning and its postprocess (here injected where the engine
+    reads a prefill row's prompt-logprob targets, or where the scheduler would advance the rows) left the plan in
+    flight: every later step, and every later `LLM.generate`, failed on the scheduler's assertion (the server's
+    loop retired the plan as completed, its checkpoint saves indexed though the device may not have run). Now that
+    step's requests end with finish_reason "error" (an EngineStepError naming them), nothing of it is indexed, and
+    the same prompts then give the outputs they gave before."""
+    rng = np.random.default_rng(5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
+    work = _interrupt_workload() + [(random_ids(rng, 30), greedy), (random_ids(rng, 25), greedy)]  # 2 wait (4 rows)
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    want = _samples(_drain(engine))
+    engine.reset_prefix_cache()
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    obj, name = (engine, "_prompt_targets") if where == "before the device step" else (engine.scheduler, "postprocess")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected host error")
+
+    monkeypatch.setattr(obj, name, broken)
+    planned = []
+    real_schedule = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: planned.append(real_schedule()) or planned[-1])
+    seq_ids = {rid: engine.seq_id_of(rid) for rid in want}
+    with pytest.raises(EngineStepError, match="injected host error") as err:
+        engine.step()
+    monkeypatch.undo()
+    in_step = {rid for rid, sid in seq_ids.items() if sid in {s.seq_id for s in planned[0].seqs}}
+    assert in_step and set(err.value.request_ids) == in_step and in_step != set(want)
+    assert all(o.finished and o.outputs[0].finish_reason == "error" and "injected" in o.error
+               for o in err.value.outputs)
+    assert engine.scheduler.inflight is None and engine.cache_stats()["checkpoint_slots"] == 0
+    engine.scheduler.check_invariants()
+    outs = _drain(engine)  # the requests the step did not hold go on
+    assert set(outs) == set(want) - in_step
+    _assert_same_samples(_samples(outs), {rid: want[rid] for rid in outs})
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    _assert_same_samples(_samples(_drain(engine)), want)
+    engine.scheduler.check_invariants()
+
+
 @pytest.fixture(autouse=True)
 def python_sigint_handler():
     """SIGINT raises KeyboardInterrupt in these tests, as in a notebook or a terminal: a process started with SIGINT

@@ -347,17 +347,24 @@ def test_chat_completions_with_and_without_a_template(server, client):
     assert full.usage.prompt_tokens == len(rendered.encode())
 
 
-def test_a_failing_step_errors_its_requests_and_the_loop_keeps_serving(server, client):
-    worker = server.loop.engine.worker
-    real = worker.execute
+@pytest.mark.parametrize("where", ["device step", "host work after planning"])
+def test_a_failing_step_errors_its_requests_and_the_loop_keeps_serving(server, client, monkeypatch, where):
+    """A step that raises in the worker, or in the engine's host work between the step's planning and its
+    postprocess (the engine now fails that step itself), errors its requests alone; the server goes on serving."""
     poison = [7, 7, 7, 7, 7]
+    if where == "device step":
+        obj, name, poisoned = server.loop.engine.worker, "execute", lambda plan, *a, **kw: plan.seqs
+    else:
+        obj, name, poisoned = server.loop.engine, "_prompt_targets", lambda row: [row]
+    real = getattr(obj, name)
 
-    def execute(plan, *a, **kw):
-        if any(s.token_ids[:5] == poison for s in plan.seqs):
+    def failing(*args, **kw):
+        if any(s.token_ids[:5] == poison for s in poisoned(*args, **kw)):
             raise RuntimeError("injected device failure")
-        return real(plan, *a, **kw)
+        return real(*args, **kw)
 
-    worker.execute = execute
+    failures = _metrics(server).get("gdn_jax_step_failures_total", 0)
+    monkeypatch.setattr(obj, name, failing)
     try:
         with pytest.raises(openai.InternalServerError, match="injected device failure"):
             client.completions.create(model="tiny", prompt=poison + [9, 10], max_tokens=3)
@@ -368,12 +375,12 @@ def test_a_failing_step_errors_its_requests_and_the_loop_keeps_serving(server, c
             if line.startswith("data: {")]
         assert "injected device failure" in events[-1]["error"]["message"]
     finally:
-        worker.execute = real
+        monkeypatch.undo()
     ok = client.completions.create(model="tiny", prompt=poison + [9, 10], max_tokens=3, temperature=0.0)
     assert ok.usage.completion_tokens >= 1
     assert httpx.get(server.url + "/health").text == "ok"
     m = _assert_no_leak(server)
-    assert m["gdn_jax_step_failures_total"] == 2
+    assert m["gdn_jax_step_failures_total"] == failures + 2
 
 
 @pytest.mark.slow
