@@ -569,9 +569,7 @@ class LLMEngine:
                     for out in self._postprocess(plan, *ran):
                         self._undelivered.pop(out.request_id, None)  # this one holds everything the older one did
                         self._undelivered[out.request_id] = out
-        except EngineStepError as err:  # the worker's step raised: those requests ended (`_fail_step`)
-            for rid in err.request_ids:
-                self._undelivered.pop(rid, None)  # an interrupted step's output for them would come after the error
+        except EngineStepError:  # the worker's step raised: those requests ended (`_fail_step`)
             raise
         except Exception as exc:
             if self.scheduler.inflight is None:  # planning, or the host's work after the scheduler advanced the rows
@@ -579,12 +577,7 @@ class LLMEngine:
             # raised between the planning and the postprocess, outside the worker (recording prompt logprobs, say):
             # the step's requests fail as if the device step had, nothing of the step is indexed (the device may
             # not have run it), and the engine goes on; the plan left in flight made every later step fail
-            try:
-                self._fail_step(self.scheduler.inflight, exc)
-            except EngineStepError as err:
-                for rid in err.request_ids:
-                    self._undelivered.pop(rid, None)
-                raise
+            self._fail_step(self.scheduler.inflight, exc)
         except BaseException:  # e.g. Ctrl-C while the device step ran
             self._abandon_step()
             raise
@@ -691,6 +684,7 @@ class LLMEngine:
                 seq.finish_reason = "error"
                 self._by_seq.pop(seq.seq_id, None)
             self._requests.pop(req.request_id, None)
+            self._undelivered.pop(req.request_id, None)  # an interrupted step's output would come after the error
             req.error, req.metrics.finished_time = text, now
             outputs.append(self._output(req))
         raise EngineStepError([o.request_id for o in outputs], outputs, exc) from exc

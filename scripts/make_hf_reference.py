@@ -208,17 +208,22 @@ def independent_forward_f64(sd: dict, cfg: Qwen3_5TextConfig, ids: np.ndarray) -
     return (h @ head.T).numpy()
 
 
-@torch.no_grad()
-def main() -> None:
-    ap = argparse.ArgumentParser(prog="make_hf_reference.py", description=__doc__.split("\n\n")[0],
+def parse_args_and_seed(prog: str, doc: str, out: str) -> argparse.Namespace:
+    """The reference scripts' command line (--out, --seed), with torch seeded and deterministic."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--out", default="tests/fixtures/hf_tiny", help="folder for the checkpoint and reference.npz")
+    ap.add_argument("--out", default=out, help="folder for the checkpoint and reference.npz")
     ap.add_argument("--seed", type=int, default=0, help="torch seed of the random weights and prompt")
     args = ap.parse_args()
-
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    return args
+
+
+@torch.no_grad()
+def main() -> None:
+    args = parse_args_and_seed("make_hf_reference.py", __doc__, "tests/fixtures/hf_tiny")
 
     cfg = make_config()
     model = Qwen3_5ForCausalLM(cfg).to(torch.float32).eval()

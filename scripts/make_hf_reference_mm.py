@@ -26,7 +26,6 @@ Weights are perturbed as in the first fixture (``make_hf_reference.perturb``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -36,7 +35,7 @@ import transformers
 from transformers import GenerationConfig
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from make_hf_reference import perturb
+from make_hf_reference import parse_args_and_seed, perturb
 
 PROMPT_LEN, PREFIX_LEN, GREEDY_PROMPT_LEN, GREEDY_NEW = 100, 40, 20, 16
 VOCAB = 256
@@ -62,14 +61,7 @@ def make_config() -> Qwen3_5Config:
 
 @torch.no_grad()
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="make_hf_reference_mm.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--out", default="tests/fixtures/hf_tiny_mm", help="folder for the checkpoint and reference.npz")
-    ap.add_argument("--seed", type=int, default=0, help="torch seed of the random weights and prompt")
-    args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    args = parse_args_and_seed("make_hf_reference_mm.py", __doc__, "tests/fixtures/hf_tiny_mm")
 
     model = Qwen3_5ForConditionalGeneration(make_config()).to(torch.float32).eval()
     perturb(model, torch.Generator().manual_seed(args.seed + 1))
