@@ -124,9 +124,10 @@ class RequestOutput:
 
 
 class EngineStepError(RuntimeError):
-    """A step raised: its device step, or the host's work between its planning and its postprocess. The requests of
-    that step were finished with finish_reason "error" (their final outputs are in `outputs`) and everything they held
-    was released; the engine goes on serving the others."""
+    """A step raised: its device step, or the host's work between its planning and its postprocess (the requests of
+    that step), or the host's work for some requests after the scheduler advanced the rows (those requests). They
+    were finished with finish_reason "error" (their final outputs are in `outputs`) and everything they held was
+    released; the engine goes on serving the others."""
 
     def __init__(self, request_ids: list[str], outputs: list[RequestOutput], cause: BaseException):
         self.request_ids, self.outputs = request_ids, outputs
@@ -566,13 +567,18 @@ class LLMEngine:
             ran = None if plan is None else self._execute(plan)
             if ran is not None:
                 with _interrupts_held():  # half-postprocessed, some live slots would be a step ahead of their rows
-                    for out in self._postprocess(plan, *ran):
+                    outputs, broken = self._postprocess(plan, *ran)
+                    for out in outputs:
                         self._undelivered.pop(out.request_id, None)  # this one holds everything the older one did
                         self._undelivered[out.request_id] = out
-        except EngineStepError:  # the worker's step raised: those requests ended (`_fail_step`)
+                    if broken:  # the others' outputs come with the next step (`has_unfinished_requests` stays true)
+                        reqs = [req for req, _ in broken.values()]
+                        self.scheduler.counters["failed_requests"] += sum(len(req.seqs) for req in reqs)
+                        self._end_with_error(reqs, next(iter(broken.values()))[1])
+        except EngineStepError:  # the step raised, or the host's work for some of its requests: those ended
             raise
         except Exception as exc:
-            if self.scheduler.inflight is None:  # planning, or the host's work after the scheduler advanced the rows
+            if self.scheduler.inflight is None:  # planning (a request's postprocess raising is `_end_with_error`'s)
                 raise
             # raised between the planning and the postprocess, outside the worker (recording prompt logprobs, say):
             # the step's requests fail as if the device step had, nothing of the step is indexed (the device may
@@ -584,33 +590,46 @@ class LLMEngine:
         outputs, self._undelivered = list(self._undelivered.values()), {}
         return outputs
 
-    def _postprocess(self, plan, result, sampled: list[int | None]) -> list[RequestOutput]:
+    def _postprocess(self, plan, result, sampled: list[int | None]) -> tuple[list[RequestOutput], dict]:
         """The host's part of a step that ran: the scheduler advances its sequences, the requests record their
-        tokens, logprobs and text; returns their outputs (finished requests leave the engine)."""
+        tokens, logprobs and text; returns their outputs (finished requests leave the engine) and {request: what
+        it raised} for the requests whose own part raised (a defect of the host's code, a tokenizer's error): the
+        step went on for the others, and `step` ends those with "error" (`_end_with_error`)."""
         self.scheduler.postprocess(plan, sampled)
         now = time.perf_counter()
         touched: dict[str, _Request] = {}  # one output per request, however many of its samples stepped
+        broken: dict[str, tuple[_Request, Exception]] = {}
         for i, s in enumerate(plan.seqs):
             req = self._by_seq.get(s.seq_id)
-            if req is None or not s.sample:
+            if req is None or not s.sample or req.request_id in broken:
                 continue
-            index = req.index(s.seq_id)
-            self._record_token(req, index, sampled[i], result, i, now)
-            self._update_text(req, index, now)
+            try:
+                index = req.index(s.seq_id)
+                self._record_token(req, index, sampled[i], result, i, now)
+                self._update_text(req, index, now)
+            except Exception as exc:
+                broken[req.request_id] = req, exc
+                touched.pop(req.request_id, None)
+                continue
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
-            req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)  # once per request, not per row
-            if req.is_finished:
-                req.metrics.finished_time = now
-            if req.final_only and not req.is_finished:
-                continue  # an output copies everything so far: built per step, that grew with the output
-            outputs.append(self._output(req))
+            try:
+                req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)  # once per request, not per row
+                if req.is_finished:
+                    req.metrics.finished_time = now
+                if req.final_only and not req.is_finished:
+                    continue  # an output copies everything so far: built per step, that grew with the output
+                out = self._output(req)
+            except Exception as exc:
+                broken[req.request_id] = req, exc
+                continue
+            outputs.append(out)
             if req.is_finished:
                 self._requests.pop(req.request_id, None)
                 for seq in req.seqs:
                     self._by_seq.pop(seq.seq_id, None)
-        return outputs
+        return outputs, broken
 
     def _execute(self, plan) -> tuple | None:
         """Runs `plan` on the worker: (its result, the token sampled per row, None where a row samples none), or
@@ -670,14 +689,19 @@ class LLMEngine:
         if self.worker.state_lost():
             self.scheduler.drop_device_state()
             self.worker.reset_state()
-        now, text = time.perf_counter(), f"{type(exc).__name__}: {exc}"
         reqs = {}
         for seq in failed:
             req = self._by_seq.get(seq.seq_id)
             if req is not None:
                 reqs[req.request_id] = req
+        self._end_with_error(list(reqs.values()), exc)
+
+    def _end_with_error(self, reqs: list[_Request], exc: Exception) -> None:
+        """Finish `reqs` with "error" (every sample; the unfinished ones leave the scheduler, which frees their slots
+        and blocks as for any finish) and raise an EngineStepError with their final outputs."""
+        now, text = time.perf_counter(), f"{type(exc).__name__}: {exc}"
         outputs = []
-        for req in reqs.values():
+        for req in reqs:
             for seq in req.seqs:  # the request's other samples end with it
                 if not seq.is_finished:
                     self.scheduler.abort(seq.seq_id)

@@ -292,6 +292,56 @@ def test_a_host_error_between_planning_and_postprocess_fails_that_step_alone(eng
     engine.scheduler.check_invariants()
 
 
+def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, monkeypatch):
+    """The host's work after the scheduler advanced a step's rows (recording a token, decoding text, looking for stop
+    strings) raising for one request ended the step half built: that request went on in a half-recorded state and
+    the step's outputs of the others were lost (here two requests finish in that step: their final outputs never
+    came). Now that request alone ends with "error" (an EngineStepError naming it), the others' outputs of that
+    step come with the next one, and they, and the same prompts run again, give the outputs they gave before."""
+    rng = np.random.default_rng(8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
+    work = _interrupt_workload() + [(random_ids(rng, 12), greedy)]
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    want = _samples(_drain(engine))
+    engine.reset_prefix_cache()
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    real = engine._update_text
+
+    def update_text(req, index, now):
+        if req.request_id == "r1" and index == 0 and len(req.seqs[0].output_token_ids) == 4:
+            raise RuntimeError("injected text error")  # r1's first sample, in the step where r0 and r2 finish
+        real(req, index, now)
+
+    monkeypatch.setattr(engine, "_update_text", update_text)
+    failed_before, steps = engine.cache_stats()["failed_requests"], engine.cache_stats()["failed_steps"]
+    streamed, failed = {}, None
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except EngineStepError as err:
+            assert failed is None
+            failed, pending = err, {o.request_id: o.finished for o in engine._undelivered.values()}
+            continue
+        streamed.update({o.request_id: o for o in outs if o.finished})
+    monkeypatch.undo()
+    assert failed is not None and failed.request_ids == ["r1"] and "injected text error" in str(failed)
+    (out,) = failed.outputs
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["error", "error"] and "injected" in out.error
+    assert len(out.outputs[0].token_ids) == 4  # the scheduler had advanced the row
+    assert pending and "r1" not in pending and all(pending.values())  # requests that finished in the failed step
+    assert set(streamed) == {"r0", "r2", "r3"}
+    _assert_same_samples(_samples(streamed), {rid: want[rid] for rid in streamed})
+    engine.scheduler.check_invariants()
+    stats = engine.cache_stats()
+    assert stats["live_slots"] == 0 and stats["failed_requests"] - failed_before == 2 and stats["failed_steps"] == steps
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+    _assert_same_samples(_samples(_drain(engine)), want)
+    engine.scheduler.check_invariants()
+
+
 @pytest.fixture(autouse=True)
 def python_sigint_handler():
     """SIGINT raises KeyboardInterrupt in these tests, as in a notebook or a terminal: a process started with SIGINT
