@@ -84,6 +84,24 @@ def engine():
     return LLMEngine("tiny-random", **KW)
 
 
+@pytest.fixture(autouse=True)
+def shared_engines_left_idle(request):
+    """The module's engines (`engine`, `llm`) serve many tests: one that fails half way (or forgets a request) would
+    leave requests that later tests see, and they would fail too. After each test its requests are aborted and the
+    engine drained, and a test that passed with requests left fails here, naming them."""
+    yield
+    for name in ("engine", "llm"):
+        if name not in request.fixturenames:
+            continue
+        obj = request.getfixturevalue(name)
+        eng = obj.engine if name == "llm" else obj
+        left = sorted(eng._requests)
+        eng.abort_request(left)
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert not left, f"the test left requests {left} in the shared `{name}`"
+
+
 @pytest.mark.parametrize("prompt, params, message", [
     ([], None, "empty prompt"),
     ("", None, "empty prompt"),
