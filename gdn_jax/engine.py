@@ -127,12 +127,15 @@ class EngineStepError(RuntimeError):
     """A step raised: its device step, or the host's work between its planning and its postprocess (the requests of
     that step), or the host's work for some requests after the scheduler advanced the rows (those requests). They
     were finished with finish_reason "error" (their final outputs are in `outputs`) and everything they held was
-    released; the engine goes on serving the others."""
+    released; the engine goes on serving the others. `step_failed` is False in the last case: the step itself ran,
+    and the others' outputs of it come with the next step."""
 
-    def __init__(self, request_ids: list[str], outputs: list[RequestOutput], cause: BaseException):
-        self.request_ids, self.outputs = request_ids, outputs
-        super().__init__(f"step failed for request(s) {', '.join(map(repr, request_ids))}: "
-                         f"{type(cause).__name__}: {cause}")
+    def __init__(self, request_ids: list[str], outputs: list[RequestOutput], cause: BaseException,
+                 step_failed: bool = True):
+        self.request_ids, self.outputs, self.step_failed = request_ids, outputs, step_failed
+        ids = ", ".join(map(repr, request_ids))
+        where = f"step failed for request(s) {ids}" if step_failed else f"request(s) {ids} failed after their step"
+        super().__init__(f"{where}: {type(cause).__name__}: {cause}")
 
 
 @dataclasses.dataclass
@@ -574,7 +577,7 @@ class LLMEngine:
                     if broken:  # the others' outputs come with the next step (`has_unfinished_requests` stays true)
                         reqs = [req for req, _ in broken.values()]
                         self.scheduler.counters["failed_requests"] += sum(len(req.seqs) for req in reqs)
-                        self._end_with_error(reqs, next(iter(broken.values()))[1])
+                        self._end_with_error(reqs, next(iter(broken.values()))[1], step_failed=False)
         except EngineStepError:  # the step raised, or the host's work for some of its requests: those ended
             raise
         except Exception as exc:
@@ -696,7 +699,7 @@ class LLMEngine:
                 reqs[req.request_id] = req
         self._end_with_error(list(reqs.values()), exc)
 
-    def _end_with_error(self, reqs: list[_Request], exc: Exception) -> None:
+    def _end_with_error(self, reqs: list[_Request], exc: Exception, step_failed: bool = True) -> None:
         """Finish `reqs` with "error" (every sample; the unfinished ones leave the scheduler, which frees their slots
         and blocks as for any finish) and raise an EngineStepError with their final outputs."""
         now, text = time.perf_counter(), f"{type(exc).__name__}: {exc}"
@@ -711,7 +714,7 @@ class LLMEngine:
             self._undelivered.pop(req.request_id, None)  # an interrupted step's output would come after the error
             req.error, req.metrics.finished_time = text, now
             outputs.append(self._output(req))
-        raise EngineStepError([o.request_id for o in outputs], outputs, exc) from exc
+        raise EngineStepError([o.request_id for o in outputs], outputs, exc, step_failed) from exc
 
     def _record_token(self, req: _Request, index: int, token: int, result, row: int, now: float) -> None:
         m, first, seq = req.metrics, req.seq, req.seqs[index]

@@ -355,11 +355,17 @@ class EngineLoop:
     def _fail_step(self, exc: Exception) -> None:
         """The requests of the failed step get the error and are aborted. The engine fails a step that raised
         between its planning and its postprocess itself (EngineStepError); should a plan still be in flight, it is
-        retired as failed (all its sequences aborted by then, nothing of it indexed) so scheduling can go on."""
-        self.step_failures.inc()
-        self.consecutive_failures += 1
-        log.exception("engine step failed")
-        err = EngineError(f"engine step failed: {type(exc).__name__}: {exc}")
+        retired as failed (all its sequences aborted by then, nothing of it indexed) so scheduling can go on. A
+        request whose own part of a step's postprocess raised gets the error too, but the step ran: it counts as no
+        step failure and leaves the health check as it was."""
+        if isinstance(exc, EngineStepError) and not exc.step_failed:
+            log.exception("engine step: request(s) failed in the postprocess")
+            err = EngineError(f"engine: {type(exc).__name__}: {exc}")
+        else:
+            self.step_failures.inc()
+            self.consecutive_failures += 1
+            log.exception("engine step failed")
+            err = EngineError(f"engine step failed: {type(exc).__name__}: {exc}")
         if isinstance(exc, EngineStepError):  # the engine ended those requests and released what they held
             for rid in exc.request_ids:
                 sink = self._sinks.pop(rid, None)

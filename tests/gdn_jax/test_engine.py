@@ -344,7 +344,8 @@ def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, m
             continue
         streamed.update({o.request_id: o for o in outs if o.finished})
     monkeypatch.undo()
-    assert failed is not None and failed.request_ids == ["r1"] and "injected text error" in str(failed)
+    assert failed is not None and failed.request_ids == ["r1"] and not failed.step_failed
+    assert "request(s) 'r1' failed after their step: RuntimeError: injected text error" in str(failed)
     (out,) = failed.outputs
     assert out.finished and [c.finish_reason for c in out.outputs] == ["error", "error"] and "injected" in out.error
     assert len(out.outputs[0].token_ids) == 4  # the scheduler had advanced the row
