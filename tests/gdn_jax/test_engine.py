@@ -208,6 +208,22 @@ def test_add_and_abort_take_vllms_forms(engine):
     assert s["live_slots"] == 0 and s["num_running"] == 0 and s["kv_blocks_free"] == engine.memory.num_kv_blocks - 1
 
 
+def _add(engine, work):
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, params)
+
+
+def _run_and_add_again(engine, work, cold: bool = True):
+    """Runs `work` (requests r0, r1, ...) to its end, then adds it again, over an emptied prefix cache if `cold`;
+    returns the first run's samples: what the second must give."""
+    _add(engine, work)
+    want = _samples(_drain(engine))
+    if cold:
+        engine.reset_prefix_cache()
+    _add(engine, work)
+    return want
+
+
 def _drain(engine, outs=None):
     outs = {} if outs is None else outs
     while engine.has_unfinished_requests():
@@ -276,12 +292,7 @@ def test_a_host_error_between_planning_and_postprocess_fails_that_step_alone(eng
     rng = np.random.default_rng(5)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
     work = _interrupt_workload() + [(random_ids(rng, 30), greedy), (random_ids(rng, 25), greedy)]  # 2 wait (4 rows)
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
-    want = _samples(_drain(engine))
-    engine.reset_prefix_cache()
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
+    want = _run_and_add_again(engine, work)
     obj, name = (engine, "_prompt_targets") if where == "before the device step" else (engine.scheduler, "postprocess")
 
     def broken(*args, **kwargs):
@@ -304,8 +315,7 @@ def test_a_host_error_between_planning_and_postprocess_fails_that_step_alone(eng
     outs = _drain(engine)  # the requests the step did not hold go on
     assert set(outs) == set(want) - in_step
     _assert_same_samples(_samples(outs), {rid: want[rid] for rid in outs})
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
+    _add(engine, work)
     _assert_same_samples(_samples(_drain(engine)), want)
     engine.scheduler.check_invariants()
 
@@ -319,12 +329,7 @@ def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, m
     rng = np.random.default_rng(8)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
     work = _interrupt_workload() + [(random_ids(rng, 12), greedy)]
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
-    want = _samples(_drain(engine))
-    engine.reset_prefix_cache()
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
+    want = _run_and_add_again(engine, work)
     real = engine._update_text
 
     def update_text(req, index, now):
@@ -355,8 +360,7 @@ def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, m
     engine.scheduler.check_invariants()
     stats = engine.cache_stats()
     assert stats["live_slots"] == 0 and stats["failed_requests"] - failed_before == 2 and stats["failed_steps"] == steps
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
+    _add(engine, work)
     _assert_same_samples(_samples(_drain(engine)), want)
     engine.scheduler.check_invariants()
 
@@ -426,13 +430,7 @@ def test_a_step_interrupted_before_its_postprocess_is_recomputed_and_the_engine_
     nothing the cache indexes, so the cache now stays while the worker keeps its pools (those before or after the
     step), and the preempted requests match it again; only pools the interrupted call consumed empty it."""
     work = _interrupt_workload()
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
-    want = _samples(_drain(engine))
-    if not warm:
-        engine.reset_prefix_cache()
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
+    want = _run_and_add_again(engine, work, cold=not warm)
     if where == "planned":
         _interrupt_at(monkeypatch, engine.scheduler, "schedule", at)
     elif where == "ran":
@@ -471,11 +469,7 @@ def test_ctrl_c_in_a_steps_host_work_waits_for_its_end_and_its_outputs_come_next
     requests never returned): the next steps computed from that state, lost outputs, or failed. Now the host's part
     of the step runs to its end, the interrupt is raised after it, and the next step returns its outputs."""
     work = _interrupt_workload()
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
-    want = _samples(_drain(engine))
-    for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
+    want = _run_and_add_again(engine, work, cold=False)
     if where == "postprocess":
         _interrupt_at(monkeypatch, engine.scheduler.block_manager, "on_computed", at)
     else:
