@@ -320,12 +320,14 @@ def test_a_host_error_between_planning_and_postprocess_fails_that_step_alone(eng
     engine.scheduler.check_invariants()
 
 
-def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, monkeypatch):
+@pytest.mark.parametrize("at", [1, 4])
+def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, monkeypatch, at):
     """The host's work after the scheduler advanced a step's rows (recording a token, decoding text, looking for stop
     strings) raising for one request ended the step half built: that request went on in a half-recorded state and
-    the step's outputs of the others were lost (here two requests finish in that step: their final outputs never
-    came). Now that request alone ends with "error" (an EngineStepError naming it), the others' outputs of that
-    step come with the next one, and they, and the same prompts run again, give the outputs they gave before."""
+    the step's outputs of the others were lost (at its 4th token two requests finish in that step: their final
+    outputs never came). Now that request alone ends with "error" (an EngineStepError naming it), the others'
+    outputs of that step come with the next one, and they, and the same prompts run again, give the outputs they
+    gave before. At its first token its second sample still waits to fork from it, and ends with it."""
     rng = np.random.default_rng(8)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
     work = _interrupt_workload() + [(random_ids(rng, 12), greedy)]
@@ -333,8 +335,8 @@ def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, m
     real = engine._update_text
 
     def update_text(req, index, now):
-        if req.request_id == "r1" and index == 0 and len(req.seqs[0].output_token_ids) == 4:
-            raise RuntimeError("injected text error")  # r1's first sample, in the step where r0 and r2 finish
+        if req.request_id == "r1" and index == 0 and len(req.seqs[0].output_token_ids) == at:
+            raise RuntimeError("injected text error")  # r1's first sample (at 4: in the step where r0 and r2 end)
         real(req, index, now)
 
     monkeypatch.setattr(engine, "_update_text", update_text)
@@ -346,6 +348,7 @@ def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, m
         except EngineStepError as err:
             assert failed is None
             failed, pending = err, {o.request_id: o.finished for o in engine._undelivered.values()}
+            engine.scheduler.check_invariants()
             continue
         streamed.update({o.request_id: o for o in outs if o.finished})
     monkeypatch.undo()
@@ -353,8 +356,8 @@ def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, m
     assert "request(s) 'r1' failed after their step: RuntimeError: injected text error" in str(failed)
     (out,) = failed.outputs
     assert out.finished and [c.finish_reason for c in out.outputs] == ["error", "error"] and "injected" in out.error
-    assert len(out.outputs[0].token_ids) == 4  # the scheduler had advanced the row
-    assert pending and "r1" not in pending and all(pending.values())  # requests that finished in the failed step
+    assert len(out.outputs[0].token_ids) == at  # the scheduler had advanced the row
+    assert pending and "r1" not in pending and all(pending.values()) == (at == 4)  # (4: they finished in that step)
     assert set(streamed) == {"r0", "r2", "r3"}
     _assert_same_samples(_samples(streamed), {rid: want[rid] for rid in streamed})
     engine.scheduler.check_invariants()
