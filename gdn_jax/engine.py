@@ -575,9 +575,8 @@ class LLMEngine:
                         self._undelivered.pop(out.request_id, None)  # this one holds everything the older one did
                         self._undelivered[out.request_id] = out
                     if broken:  # the others' outputs come with the next step (`has_unfinished_requests` stays true)
-                        reqs = [req for req, _ in broken.values()]
-                        self.scheduler.counters["failed_requests"] += sum(len(req.seqs) for req in reqs)
-                        self._end_with_error(reqs, next(iter(broken.values()))[1], step_failed=False)
+                        reqs, errors = zip(*broken.values())
+                        self._end_with_error(list(reqs), errors[0], step_failed=False)
         except EngineStepError:  # the step raised, or the host's work for some of its requests: those ended
             raise
         except Exception as exc:
@@ -617,12 +616,12 @@ class LLMEngine:
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
+            req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)  # once per request, not per row
+            if req.is_finished:
+                req.metrics.finished_time = now
+            if req.final_only and not req.is_finished:
+                continue  # an output copies everything so far: built per step, that grew with the output
             try:
-                req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)  # once per request, not per row
-                if req.is_finished:
-                    req.metrics.finished_time = now
-                if req.final_only and not req.is_finished:
-                    continue  # an output copies everything so far: built per step, that grew with the output
                 out = self._output(req)
             except Exception as exc:
                 broken[req.request_id] = req, exc
@@ -702,6 +701,8 @@ class LLMEngine:
     def _end_with_error(self, reqs: list[_Request], exc: Exception, step_failed: bool = True) -> None:
         """Finish `reqs` with "error" (every sample; the unfinished ones leave the scheduler, which frees their slots
         and blocks as for any finish) and raise an EngineStepError with their final outputs."""
+        if not step_failed:  # a failed step's samples are counted by `Scheduler.fail_step`
+            self.scheduler.counters["failed_requests"] += sum(len(req.seqs) for req in reqs)
         now, text = time.perf_counter(), f"{type(exc).__name__}: {exc}"
         outputs = []
         for req in reqs:

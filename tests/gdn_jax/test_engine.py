@@ -340,7 +340,8 @@ def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, m
         real(req, index, now)
 
     monkeypatch.setattr(engine, "_update_text", update_text)
-    failed_before, steps = engine.cache_stats()["failed_requests"], engine.cache_stats()["failed_steps"]
+    before = engine.cache_stats()
+    failed_before, steps = before["failed_requests"], before["failed_steps"]
     streamed, failed = {}, None
     while engine.has_unfinished_requests():
         try:
