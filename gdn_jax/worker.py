@@ -22,6 +22,7 @@ import gc
 import math
 import os
 import threading
+import time
 import warnings
 
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 
 from gdn_jax import executables
 from gdn_jax.config import ModelConfig
-from gdn_jax.model import Batch, forward, init_state
+from gdn_jax.model import Batch, dense, forward, init_state
 from gdn_jax.restore import RestoreOps, validate_cache_ops
 from gdn_jax.sampling import SamplingMetadata, sample
 from scheduler.sampling_params import MAX_LOGPROBS
@@ -208,12 +209,67 @@ def _step_prompt_logprobs(graphdef, params, rule, state, batch: Batch, targets, 
 # "Compiling the step"). The options are part of the persistent cache's key and of the executable store's.
 LLVM_IR_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 DECODE_DEFAULT_EMITTER_ROWS = 16
-# Those decode steps also let LLVM vectorise with 512-bit registers where the CPU has them (XLA prefers 256 bits): a
-# one-row step's time is its matrix-vector products, loops that stream the weights, and with 512-bit registers they
-# run 11-15% faster on an AVX-512 Xeon (hybrid-1024, 1 row: bfloat16 16.0 -> 14.3 ms, float32 22.0 -> 18.8 ms,
-# median; 2-16 rows and prefill: the same within 1-2%, so only these steps take it). A CPU without AVX-512
-# vectorises as before. docs/design.md, "Compiling the step".
-DECODE_CPU_COMPILER_OPTIONS = LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_cpu_prefer_vector_width": 512}
+# Those decode steps also choose LLVM's vector width (XLA prefers 256 bits; `decode_vector_bits`). A one-row step's
+# time is its matrix-vector products, loops that stream the weights, and which width streams them faster depends on the
+# CPU and the dtype: on an AVX-512 Xeon 512-bit registers run a one-row step 11-15% faster in either dtype
+# (hybrid-1024: bfloat16 16.0 -> 14.3 ms, float32 22.0 -> 18.8 ms, median), on an AMD EPYC (Zen 4, whose 512-bit
+# operations take two passes) float32 runs 1.5x slower with them and bfloat16 ~25% faster. So the width is measured,
+# once per process and dtype, on the step's own form of product. 2-16 rows and prefill: the same within 1-2% either
+# way, so only these steps take it. A CPU without AVX-512 vectorises at 256 bits either way. docs/design.md,
+# "Compiling the step".
+DECODE_VECTOR_BITS_ENV = "GDN_JAX_DECODE_VECTOR_BITS"  # "256" or "512": no measurement
+DECODE_VECTOR_BITS = (256, 512)
+DECODE_VECTOR_ROUNDS, DECODE_VECTOR_MARGIN = 15, 0.05
+
+
+def decode_compiler_options(dtype) -> dict:
+    """The XLA options of a narrow decode step of a `dtype` model on the CPU backend: the LLVM IR emitters, vectorised
+    at `decode_vector_bits(dtype)` bits."""
+    return LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_cpu_prefer_vector_width": decode_vector_bits(jnp.dtype(dtype).name)}
+
+
+@functools.cache
+def decode_vector_bits(dtype: str, timer=None) -> int:
+    """LLVM's vector width (256 or 512 bits) under which this CPU streams a one-row product of `dtype` weights faster:
+    `DECODE_VECTOR_BITS_ENV` if set, else measured once per process and dtype (256 off the CPU, where the width means
+    nothing). The probe is the step's own form of product (`model.dense` of one row, compiled with the LLVM IR emitters
+    at each width) over 8 matrices of 4096 x 1024 in `dtype` (128 MB in float32: more than the caches of the
+    development machines hold, as a model's weights are). The two compiled forms run in turn `DECODE_VECTOR_ROUNDS`
+    times; 512 bits only if the median of the rounds' time ratios is `DECODE_VECTOR_MARGIN` below 1 (a tie keeps
+    XLA's preference, so that a machine where the widths tie does not switch between them, and between stored
+    executables, from one start to the next). `timer(bits, fn, *args) -> seconds` replaces the clock (tests). About
+    0.5 s, on a thread of its own (called while a step is traced, the products would be staged into that trace)."""
+    env = os.environ.get(DECODE_VECTOR_BITS_ENV)
+    if env not in (None, "", "256", "512"):
+        raise ValueError(f"{DECODE_VECTOR_BITS_ENV} must be 256 or 512 (unset: measured), got {env!r}")
+    if env:
+        return int(env)
+    if jax.default_backend() != "cpu":
+        return DECODE_VECTOR_BITS[0]
+
+    def measure():
+        weights = tuple(jnp.full((4096, 1024), 0.01 * (i + 1), dtype) for i in range(8))
+        x = jnp.full((1, 1024), 0.5, dtype)
+        lowered = jax.jit(lambda x, ws: [dense(x, w) for w in ws]).lower(x, weights)
+        fns = {bits: lowered.compile(LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_cpu_prefer_vector_width": bits})
+               for bits in DECODE_VECTOR_BITS}
+        for fn in fns.values():
+            jax.block_until_ready(fn(x, weights))
+        ratios = []  # each round's 512-bit time over its 256-bit time: a load that comes and goes hits both alike
+        for _ in range(DECODE_VECTOR_ROUNDS):
+            t256, t512 = ((timer or _seconds)(bits, fns[bits], x, weights) for bits in DECODE_VECTOR_BITS)
+            ratios.append(t512 / t256)
+        return 512 if np.median(ratios) <= 1 - DECODE_VECTOR_MARGIN else 256
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(measure).result()
+
+
+def _seconds(bits: int, fn, *args) -> float:
+    """Wall seconds of one call of `fn` (compiled at `bits`), its outputs ready."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
 
 
 def executable_kind(rows: int, tokens: int) -> str:
@@ -222,16 +278,19 @@ def executable_kind(rows: int, tokens: int) -> str:
     return "prefill" if tokens > 1 else "decode" if rows < DECODE_DEFAULT_EMITTER_ROWS else "decode_wide"
 
 
-@functools.cache
-def compiler_options(kind: str) -> dict | None:
-    """On the CPU backend: `DECODE_CPU_COMPILER_OPTIONS` for a "decode" step (`executable_kind`),
-    `LLVM_IR_CPU_COMPILER_OPTIONS` for a "prefill" step or "sample"; XLA's defaults otherwise ("decode_wide", and
-    every kind on an accelerator)."""
+def compiler_options(kind: str, dtype=None) -> dict | None:
+    """On the CPU backend: `decode_compiler_options(dtype)` for a "decode" step (`executable_kind`; `dtype`, the
+    model's, is then required), `LLVM_IR_CPU_COMPILER_OPTIONS` for a "prefill" step or "sample"; XLA's defaults
+    otherwise ("decode_wide", and every kind on an accelerator)."""
     if kind not in ("prefill", "decode", "decode_wide", "sample"):
         raise ValueError(f"kind must be 'prefill', 'decode', 'decode_wide' or 'sample', got {kind!r}")
     if kind == "decode_wide" or jax.default_backend() != "cpu":
         return None
-    return dict(DECODE_CPU_COMPILER_OPTIONS if kind == "decode" else LLVM_IR_CPU_COMPILER_OPTIONS)
+    if kind == "decode":
+        if dtype is None:
+            raise ValueError("a 'decode' step's options depend on the model's dtype: pass it")
+        return decode_compiler_options(dtype)
+    return dict(LLVM_IR_CPU_COMPILER_OPTIONS)
 
 
 # Lowering a step (tracing it, then emitting its StableHLO) allocates hundreds of thousands of Python objects that
@@ -320,15 +379,17 @@ KEEP_UNUSED = True
 
 
 @functools.lru_cache(maxsize=None)
-def step_function(graphdef, params_def, chunk_size: int = 64, kind: str = "prefill", gdn_schedule: str = "auto"):
+def step_function(graphdef, params_def, chunk_size: int = 64, kind: str = "prefill", gdn_schedule: str = "auto",
+                  dtype=None):
     """The jitted step for one model structure: `(param_leaves, state, batch)`, the state donated. Cached per
-    (graphdef, params treedef, GDN chunk size and schedule, `executable_kind`: their compile options differ), so
+    (graphdef, params treedef, GDN chunk size and schedule, `executable_kind` and the model's dtype: their compile
+    options differ), so
     workers of the same model share compiled executables, and the structure is hashed here, once, not per call."""
 
     def step(param_leaves, state, *args):
         return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule), state, *args)
 
-    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind), keep_unused=KEEP_UNUSED)
+    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind, dtype), keep_unused=KEEP_UNUSED)
 
 
 @functools.lru_cache(maxsize=None)
@@ -395,7 +456,7 @@ class Worker:
         self.abstract = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in self._param_leaves)
         self.state = self._new_state()
         self._fn = step_function(graphdef, params_def, self.chunk_size, gdn_schedule=gdn_schedule)
-        self._decode_fn = step_function(graphdef, params_def, self.chunk_size, "decode", gdn_schedule)
+        self._decode_fn = step_function(graphdef, params_def, self.chunk_size, "decode", gdn_schedule, dtype)
         self._decode_wide_fn = step_function(graphdef, params_def, self.chunk_size, "decode_wide", gdn_schedule)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
         self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size, gdn_schedule)
@@ -509,7 +570,7 @@ class Worker:
         shapes = self.shape_buckets()
         extra = [(B, T, NB) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
         folder, static = self.executable_dir, (repr(self.cfg), self.chunk_size, self.gdn_schedule)
-        jobs = ([(("step", B, T), self._key_args(B, T), compiler_options(executable_kind(B, T)),
+        jobs = ([(("step", B, T), self._key_args(B, T), compiler_options(executable_kind(B, T), self.dtype),
                   functools.partial(self.lowered_step, (B, T, NB))) for B, T, NB in shapes]
                 + [(("sample", B), self._sample_key_args(B), compiler_options("sample"),
                     functools.partial(self.lowered_sample, B))

@@ -4,7 +4,8 @@
         [--shapes 1x2048,16x1,16x64] [--context 1024] [--sets "NAME;NAME"] [--out results/bench_compile_options.json]
 
 Each option set (`OPTION_SETS`: XLA's defaults, the engine's options `worker.LLVM_IR_CPU_COMPILER_OPTIONS`, those
-with LLVM's O1 and O0 pipelines, XLA's defaults with O1, and with 512-bit vectors: `worker.DECODE_CPU_COMPILER_OPTIONS`; `--sets` picks some)
+with LLVM's O1 and O0 pipelines, XLA's defaults with O1, and with 512-bit vectors: the engine's narrow decode steps where
+that width is the faster, `worker.decode_compiler_options`; `--sets` picks some)
 compiles the engine's step (`Worker.lowered_step(...).compile(compiler_options=...)`, with JAX's persistent cache off)
 for each shape on real (random) weights; then the executables run in turn, A B C A B C ...,
 `--repeats` times each, so that the load of other processes falls on every set alike. A prefill shape runs full rows
@@ -28,20 +29,24 @@ from gdn_jax.cli import positive_int
 from gdn_jax.engine import LLMEngine
 from gdn_jax.model import Batch
 from gdn_jax.restore import RestoreOps
-from gdn_jax.worker import DECODE_CPU_COMPILER_OPTIONS, LLVM_IR_CPU_COMPILER_OPTIONS, host_batch
+from gdn_jax.worker import LLVM_IR_CPU_COMPILER_OPTIONS, host_batch
 
 # each set overrides the jitted step's own options (worker.compiler_options: JAX appends a set's options to those), so
 # every option is spelled out; 256 bits is XLA's preferred vector width
 WIDTH_256 = {"xla_cpu_prefer_vector_width": 256}
+WIDTH_512 = {"xla_cpu_prefer_vector_width": 512}
 OPTION_SETS = {
     "xla defaults": {"xla_cpu_use_fusion_emitters": True} | WIDTH_256,
     "LLVM IR emitters": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256,  # the engine's prefill steps and sampling
     "LLVM IR emitters, LLVM O1": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | {"xla_backend_optimization_level": 1},
     "LLVM IR emitters, LLVM O0": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | {"xla_backend_optimization_level": 0},
     "xla defaults, LLVM O1": {"xla_cpu_use_fusion_emitters": True, "xla_backend_optimization_level": 1} | WIDTH_256,
-    "xla defaults, 512-bit vectors": {"xla_cpu_use_fusion_emitters": True, "xla_cpu_prefer_vector_width": 512},
-    # the engine's decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows
-    "LLVM IR emitters, 512-bit vectors": DECODE_CPU_COMPILER_OPTIONS,
+    "xla defaults, 512-bit vectors": {"xla_cpu_use_fusion_emitters": True} | WIDTH_512,
+    # the engine's decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows: the LLVM IR emitters at the width
+    # `worker.decode_vector_bits` measures the faster (256 bits: "LLVM IR emitters")
+    "LLVM IR emitters, 512-bit vectors": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_512,
+    "LLVM IR emitters, 512-bit vectors, LLVM O1": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_512
+    | {"xla_backend_optimization_level": 1},
 }
 
 

@@ -141,6 +141,34 @@ def test_the_faster_many_row_form_is_measured_unless_the_environment_says(monkey
         model.upcast_is_faster.__wrapped__()
 
 
+def test_the_faster_decode_vector_width_is_measured_unless_the_environment_says(monkeypatch):
+    """`decode_vector_bits` runs the one-row product compiled at 256 and at 512 bits in turn and takes 512 only when
+    the median round is at least DECODE_VECTOR_MARGIN faster with it (one fast round decides nothing, a tie keeps
+    256); GDN_JAX_DECODE_VECTOR_BITS=256 / 512 decides without measuring; another value is an error naming it."""
+    from gdn_jax import worker
+
+    monkeypatch.delenv(worker.DECODE_VECTOR_BITS_ENV, raising=False)
+    rounds = worker.DECODE_VECTOR_ROUNDS
+    for ratios, want in (([0.8] * rounds, 512), ([0.97] * rounds, 256), ([1.0] * rounds, 256),
+                         ([1.6] * rounds, 256), ([0.5] + [1.0] * (rounds - 1), 256), ([1.6] + [0.9] * (rounds - 1), 512)):
+        seen, ratio = [], iter(ratios)
+
+        def timer(bits, fn, x, weights):
+            seen.append((bits, x.shape, x.dtype, len(weights), weights[0].shape, weights[0].dtype))
+            return 1.0 if bits == 256 else next(ratio)
+
+        assert worker.decode_vector_bits.__wrapped__("bfloat16", timer) == want, ratios
+        assert seen[:2] == [(bits, (1, 1024), jnp.bfloat16, 8, (4096, 1024), jnp.bfloat16) for bits in (256, 512)]
+        assert len(seen) == 2 * rounds
+    assert worker.decode_vector_bits.__wrapped__("float32") in (256, 512)  # the real probe compiles and runs
+    for value in ("256", "512"):
+        monkeypatch.setenv(worker.DECODE_VECTOR_BITS_ENV, value)
+        assert worker.decode_vector_bits.__wrapped__("float32", lambda *a: pytest.fail("measured")) == int(value)
+    monkeypatch.setenv(worker.DECODE_VECTOR_BITS_ENV, "1024")
+    with pytest.raises(ValueError, match="GDN_JAX_DECODE_VECTOR_BITS must be 256 or 512"):
+        worker.decode_vector_bits.__wrapped__("float32")
+
+
 @pytest.mark.parametrize("width", [64, 4096])
 def test_single_row_bfloat16_decode_reads_the_weights_as_they_are(width):
     """A one-row bfloat16 decode step multiplies every projection matrix without converting it: no float32 copy of

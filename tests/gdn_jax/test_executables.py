@@ -505,10 +505,15 @@ def test_compile_threads_and_executable_kinds(monkeypatch):
     assert [w.executable_kind(B, T) for B, T in ((1, 16), (wide, 64), (1, 1), (wide - 1, 1), (wide, 1), (64, 1))] == \
         ["prefill", "prefill", "decode", "decode", "decode_wide", "decode_wide"]
     # on the CPU backend: the LLVM IR emitters everywhere but wide decode steps, which keep XLA's defaults; narrow
-    # decode steps also vectorise with 512-bit registers
+    # decode steps also vectorise at the width measured the faster for the model's dtype
     assert w.compiler_options("decode_wide") is None
     assert all(w.compiler_options(k) == {"xla_cpu_use_fusion_emitters": False} for k in ("prefill", "sample"))
-    assert w.compiler_options("decode") == {"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": 512}
+    monkeypatch.setattr(w, "decode_vector_bits", lambda dtype: {"float32": 256, "bfloat16": 512}[dtype])
+    for dtype, bits in ((jnp.float32, 256), ("bfloat16", 512), (jnp.bfloat16, 512)):
+        assert w.compiler_options("decode", dtype) == {"xla_cpu_use_fusion_emitters": False,
+                                                       "xla_cpu_prefer_vector_width": bits}
+    with pytest.raises(ValueError, match="dtype"):
+        w.compiler_options("decode")
     with pytest.raises(ValueError, match="kind"):
         w.compiler_options("prompt")
 
