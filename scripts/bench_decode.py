@@ -32,8 +32,9 @@ Per configuration it reports:
 - `bound`: the bytes a decode step must move (every weight except the embedding table, of which only the batch's
   rows are read; the KV of the real context; the GDN conv + SSM state, read and written) in the model's dtype,
   divided by the read bandwidth: `--bandwidth` GB/s if given, else the larger of 16 GB/s (the development
-  machine's figure) and the matrix-vector probe measured at the start (on a quiet machine ~24 GB/s; a busy one
-  reads low). `x bound` = median step / bound;
+  machine's figure) and the fastest read probe measured at the start (`measure_read_bandwidth`: the engine's own
+  one-row product among them, at either vector width; on the AMD EPYC development machines ~40 GB/s, where XLA's
+  library matrix-vector routine reads ~25; a busy machine reads low). `x bound` = median step / bound;
 - `compute`: the step's multiply-adds (every matrix, the LM head included, times the batch's rows; attention over
   the real context; the GDN rule) divided by the machine's matmul rate in the model's dtype, measured at the start
   on the model's projection shapes at 512 rows (`bench_forward.matmul_peak`; `--peak` GFLOP/s per dtype overrides
@@ -67,6 +68,8 @@ from flax import nnx
 from gdn_jax import LLMEngine, SamplingParams
 from gdn_jax.cli import nonnegative_int, positive_int, positive_ints
 from gdn_jax.config import PRESETS, ModelConfig, get_preset, hybrid_layer_types
+from gdn_jax.model import dense
+from gdn_jax.worker import DECODE_VECTOR_BITS, LLVM_IR_CPU_COMPILER_OPTIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from op_profile import compiled_text, op_kind, op_parts, part_times, self_times, trace_events  # noqa: E402
@@ -85,8 +88,11 @@ def best_time(fn, *args, repeats: int) -> float:
 
 
 def measure_read_bandwidth(mib: int = 512, repeats: int = 7) -> dict:
-    """Read bandwidth (bytes/s) of two streaming kernels over `mib` MiB of float32: a column sum, and a
-    matrix-vector product (the access pattern of a decode step)."""
+    """Read bandwidth (bytes/s) of streaming kernels over `mib` MiB of float32: a column sum ("sum"), a vector-matrix
+    product ("gemv", XLA's library routine) and, on the CPU, the engine's own one-row product (`model.dense` of one
+    row: XLA's loop over the weight's rows, the form in which a decode step streams its weights) compiled with the
+    LLVM IR emitters at 256- and 512-bit vectors ("rows_256", "rows_512"). "best": the fastest of them, the rate this
+    machine is shown to read at."""
     n = mib * (1 << 20) // 4
     x = jnp.ones((n // 4096, 4096), jnp.float32)
     v = jnp.ones((1, n // 4096), jnp.float32)
@@ -95,6 +101,13 @@ def measure_read_bandwidth(mib: int = 512, repeats: int = 7) -> dict:
     for name, fn in probes.items():
         args = (x,) if name == "sum" else (x, v)
         out[name] = x.nbytes / best_time(fn, *args, repeats=repeats)
+    if jax.default_backend() == "cpu":
+        w, row = x.reshape(-1, 2048), jnp.ones((1, 2048), jnp.float32)  # rows under model.FUSED_MATVEC_COLUMNS
+        lowered = jax.jit(dense).lower(row, w)
+        for bits in DECODE_VECTOR_BITS:
+            fn = lowered.compile(LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_cpu_prefer_vector_width": bits})
+            out[f"rows_{bits}"] = x.nbytes / best_time(fn, row, w, repeats=repeats)
+    out["best"] = max(out.values())
     return out
 
 
@@ -321,8 +334,8 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                     help="engine max_num_batched_tokens: prefill tokens per step (default: the engine's)")
     ap.add_argument("--bandwidth", type=positive_float, default=None,
-                    help="read bandwidth (GB/s) of the bound (default: the larger of 16 and the measured float32 "
-                         "matrix-vector read rate)")
+                    help="read bandwidth (GB/s) of the bound (default: the larger of 16 and the fastest float32 "
+                         "read probe measured at the start)")
     ap.add_argument("--probe-mib", type=positive_int, default=512,
                     help="MiB of float32 the bandwidth probe reads (default: %(default)s)")
     ap.add_argument("--peak", default="", type=parse_peaks,
@@ -337,9 +350,9 @@ def main(argv=None):
         ap.error(f"--peak: {', '.join(unknown)} not among --dtypes ({','.join(args.dtypes)})")
 
     bw = measure_read_bandwidth(args.probe_mib)
-    bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(16e9, bw["gemv"])
-    print(f"read bandwidth measured now: sum {bw['sum'] / 1e9:.1f} GB/s, matrix-vector {bw['gemv'] / 1e9:.1f} GB/s; "
-          f"the bound uses {bandwidth / 1e9:.1f} GB/s")
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(16e9, bw["best"])
+    print("read bandwidth measured now: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items() if k != "best")
+          + f"; the bound uses {bandwidth / 1e9:.1f} GB/s")
     rows = []
     for dtype in args.dtypes:
         rows += run_dtype(args, dtype, bandwidth)
