@@ -233,12 +233,13 @@ def decode_vector_bits(dtype: str, timer=None) -> int:
     """LLVM's vector width (256 or 512 bits) under which this CPU streams a one-row product of `dtype` weights faster:
     `DECODE_VECTOR_BITS_ENV` if set, else measured once per process and dtype (256 off the CPU, where the width means
     nothing). The probe is the step's own form of product (`model.dense` of one row, compiled with the LLVM IR emitters
-    at each width) over 8 matrices of 4096 x 1024 in `dtype` (128 MB in float32: more than the caches of the
-    development machines hold, as a model's weights are). The two compiled forms run in turn `DECODE_VECTOR_ROUNDS`
-    times; 512 bits only if the median of the rounds' time ratios is `DECODE_VECTOR_MARGIN` below 1 (a tie keeps
-    XLA's preference, so that a machine where the widths tie does not switch between them, and between stored
-    executables, from one start to the next). `timer(bits, fn, *args) -> seconds` replaces the clock (tests). About
-    0.5 s, on a thread of its own (called while a step is traced, the products would be staged into that trace)."""
+    at each width) over 8 matrices of 4096 x 1024 in `dtype` (128 MB in float32, 64 in bfloat16: more than the 32 MB
+    L3 cache of the AMD EPYC development machines, as a model's weights are). The two compiled forms run in turn
+    `DECODE_VECTOR_ROUNDS` times; 512 bits only if the median of the rounds' time ratios is `DECODE_VECTOR_MARGIN`
+    below 1 (a tie keeps XLA's preference, so that a machine where the widths tie does not switch between them, and
+    between stored executables, from one start to the next). `timer(bits, fn, *args) -> seconds` replaces the clock
+    (tests). About 0.5 s, on a thread of its own (called while a step is traced, the products would be staged into
+    that trace)."""
     env = os.environ.get(DECODE_VECTOR_BITS_ENV)
     if env not in (None, "", "256", "512"):
         raise ValueError(f"{DECODE_VECTOR_BITS_ENV} must be 256 or 512 (unset: measured), got {env!r}")
@@ -383,8 +384,8 @@ def step_function(graphdef, params_def, chunk_size: int = 64, kind: str = "prefi
                   dtype=None):
     """The jitted step for one model structure: `(param_leaves, state, batch)`, the state donated. Cached per
     (graphdef, params treedef, GDN chunk size and schedule, `executable_kind` and the model's dtype: their compile
-    options differ), so
-    workers of the same model share compiled executables, and the structure is hashed here, once, not per call."""
+    options differ), so workers of the same model share compiled executables, and the structure is hashed here, once,
+    not per call."""
 
     def step(param_leaves, state, *args):
         return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule), state, *args)
