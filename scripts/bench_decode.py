@@ -33,8 +33,8 @@ Per configuration it reports:
   rows are read; the KV of the real context; the GDN conv + SSM state, read and written) in the model's dtype,
   divided by the read bandwidth: `--bandwidth` GB/s if given, else the larger of 16 GB/s (the development
   machine's figure) and the fastest read probe measured at the start (`measure_read_bandwidth`: the engine's own
-  one-row product among them, at either vector width; on the AMD EPYC development machines ~40 GB/s, where XLA's
-  library matrix-vector routine reads ~25; a busy machine reads low). `x bound` = median step / bound;
+  one-row product among them, at either vector width; on the AMD EPYC development machines 31-40 GB/s, where XLA's
+  library matrix-vector routine reads 21-26; a busy machine reads low). `x bound` = median step / bound;
 - `compute`: the step's multiply-adds (every matrix, the LM head included, times the batch's rows; attention over
   the real context; the GDN rule) divided by the machine's matmul rate in the model's dtype, measured at the start
   on the model's projection shapes at 512 rows (`bench_forward.matmul_peak`; `--peak` GFLOP/s per dtype overrides
