@@ -222,10 +222,15 @@ DECODE_VECTOR_BITS = (256, 512)
 DECODE_VECTOR_ROUNDS, DECODE_VECTOR_MARGIN = 15, 0.05
 
 
+def vector_width_options(bits: int) -> dict:
+    """The LLVM IR emitters, vectorised at `bits` bits: a narrow decode step's XLA options on the CPU backend."""
+    return LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_cpu_prefer_vector_width": bits}
+
+
 def decode_compiler_options(dtype) -> dict:
     """The XLA options of a narrow decode step of a `dtype` model on the CPU backend: the LLVM IR emitters, vectorised
     at `decode_vector_bits(dtype)` bits."""
-    return LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_cpu_prefer_vector_width": decode_vector_bits(jnp.dtype(dtype).name)}
+    return vector_width_options(decode_vector_bits(jnp.dtype(dtype).name))
 
 
 @functools.cache
@@ -252,8 +257,7 @@ def decode_vector_bits(dtype: str, timer=None) -> int:
         weights = tuple(jnp.full((4096, 1024), 0.01 * (i + 1), dtype) for i in range(8))
         x = jnp.full((1, 1024), 0.5, dtype)
         lowered = jax.jit(lambda x, ws: [dense(x, w) for w in ws]).lower(x, weights)
-        fns = {bits: lowered.compile(LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_cpu_prefer_vector_width": bits})
-               for bits in DECODE_VECTOR_BITS}
+        fns = {bits: lowered.compile(vector_width_options(bits)) for bits in DECODE_VECTOR_BITS}
         for fn in fns.values():
             jax.block_until_ready(fn(x, weights))
         ratios = []  # each round's 512-bit time over its 256-bit time: a load that comes and goes hits both alike

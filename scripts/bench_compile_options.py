@@ -29,7 +29,7 @@ from gdn_jax.cli import positive_int
 from gdn_jax.engine import LLMEngine
 from gdn_jax.model import Batch
 from gdn_jax.restore import RestoreOps
-from gdn_jax.worker import LLVM_IR_CPU_COMPILER_OPTIONS, host_batch
+from gdn_jax.worker import LLVM_IR_CPU_COMPILER_OPTIONS, host_batch, vector_width_options
 
 # each set overrides the jitted step's own options (worker.compiler_options: JAX appends a set's options to those), so
 # every option is spelled out; 256 bits is XLA's preferred vector width
@@ -44,9 +44,8 @@ OPTION_SETS = {
     "xla defaults, 512-bit vectors": {"xla_cpu_use_fusion_emitters": True} | WIDTH_512,
     # the engine's decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows: the LLVM IR emitters at the width
     # `worker.decode_vector_bits` measures the faster (256 bits: "LLVM IR emitters")
-    "LLVM IR emitters, 512-bit vectors": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_512,
-    "LLVM IR emitters, 512-bit vectors, LLVM O1": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_512
-    | {"xla_backend_optimization_level": 1},
+    "LLVM IR emitters, 512-bit vectors": vector_width_options(512),
+    "LLVM IR emitters, 512-bit vectors, LLVM O1": vector_width_options(512) | {"xla_backend_optimization_level": 1},
 }
 
 

@@ -69,7 +69,7 @@ from gdn_jax import LLMEngine, SamplingParams
 from gdn_jax.cli import nonnegative_int, positive_int, positive_ints
 from gdn_jax.config import PRESETS, ModelConfig, get_preset, hybrid_layer_types
 from gdn_jax.model import dense
-from gdn_jax.worker import DECODE_VECTOR_BITS, LLVM_IR_CPU_COMPILER_OPTIONS
+from gdn_jax.worker import DECODE_VECTOR_BITS, vector_width_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from op_profile import compiled_text, op_kind, op_parts, part_times, self_times, trace_events  # noqa: E402
@@ -105,7 +105,7 @@ def measure_read_bandwidth(mib: int = 512, repeats: int = 7) -> dict:
         w, row = x.reshape(-1, 2048), jnp.ones((1, 2048), jnp.float32)  # rows under model.FUSED_MATVEC_COLUMNS
         lowered = jax.jit(dense).lower(row, w)
         for bits in DECODE_VECTOR_BITS:
-            fn = lowered.compile(LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_cpu_prefer_vector_width": bits})
+            fn = lowered.compile(vector_width_options(bits))
             out[f"rows_{bits}"] = x.nbytes / best_time(fn, row, w, repeats=repeats)
     out["best"] = max(out.values())
     return out
