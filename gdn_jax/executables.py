@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import pickle
 import platform
@@ -204,6 +205,64 @@ def _say(what: str, message: str) -> None:
     _said.add(what)
     from gdn_jax.engine import _outside_package  # (engine imports this module)
     warnings.warn(message, RuntimeWarning, stacklevel=_outside_package())
+
+
+def choices_file(cache: str | None = None) -> Path | None:
+    """Where this machine's measured choices are kept (`remembered`): `machine/<host_cpu>.json` in `cache`, by
+    default JAX's persistent compilation cache folder; None when that cache is off."""
+    cache = cache or jax.config.jax_compilation_cache_dir
+    return Path(cache, "machine", f"{_host_cpu()}.json") if cache else None
+
+
+def choice_key(name: str) -> str:
+    """A measured choice's key in its file (`remembered`): `name`, the jax and jaxlib versions, and the number of cores
+    this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name} jax={jax.__version__} jaxlib={jaxlib.__version__} cores={cores}"
+
+
+def remembered(name: str, measure, valid, cache: str | None = None):
+    """What this machine measured for `name` at an earlier start, else `measure()`, then kept for later starts.
+
+    The engine measures a few choices on the machine it runs on (a narrow decode step's vector width, whether a
+    bfloat16 prefill multiplies faster in float32): ~0.5 s each at the first step that needs one, and near a tie a
+    measurement can come out either way from one start to the next. Each choice is part of the executables' key, so a
+    start that chose otherwise would miss the store (and JAX's cache) for those shapes and compile them again. Kept,
+    a choice is measured once per machine: in `choices_file(cache)` (one per CPU kind, `host_cpu`), under `name` and
+    the jax and jaxlib versions and the number of cores this process may use. Delete the file to measure again.
+
+    A stored value that `valid(value)` refuses, or a file that does not read as JSON, is measured again; a file that
+    cannot be written keeps the choice for this process only (said once, a RuntimeWarning). Off (every start
+    measures) when JAX's cache is off."""
+    path = choices_file(cache)
+    if path is None:
+        return measure()
+    key = choice_key(name)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet (or unreadable: measured, and written again below)
+        stored = {}
+    stored = stored if isinstance(stored, dict) else {}
+    entry = stored.get(key)
+    if isinstance(entry, dict) and "value" in entry and valid(entry["value"]):
+        return entry["value"]
+    value = measure()
+    stored[key] = {"value": value, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    tmp = None
+    try:  # written whole, then renamed: a reader sees the old file or the new one (two writers: the last one wins,
+        # and what the other measured is measured again at a later start)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            tmp = f.name
+            json.dump(stored, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        _say(f"write {path}", f"the engine's measured choices cannot be kept in {path} ({exc}): each start "
+                              f"measures them again")
+    return value
 
 
 def load(folder: str | None, key: str):

@@ -222,10 +222,11 @@ def upcast_is_faster(timer=_best_seconds) -> bool:
     conversion included) than with XLA's bfloat16 routine (float32 accumulation). Which one wins depends on the
     machine: on the 2-core AVX-512 Xeons without AMX the converted product (1024 x 6144 weight: 231 against 149
     GFLOP/s at 2048 rows), on a 2-core AMD EPYC with AVX-512 BF16 the bfloat16 routine, by about 2x (the bfloat16
-    2048-token forward of hybrid-1024 in 1.8 s against 3.1-3.6 s). So it is measured once per process, on a
-    prefill-sized product (1024 rows of a 1024 x 2048 weight, best of 5 each, ~0.4 s with compiling), unless
-    `UPCAST_ENV` says "1" or "0". The values agree either way to float32 rounding (exact products, float32 sums in
-    another order)."""
+    2048-token forward of hybrid-1024 in 1.8 s against 3.1-3.6 s). So it is measured once per machine
+    (`executables.remembered`: kept beside JAX's persistent cache, else measured once per process; a `timer` other
+    than the default keeps nothing), on a prefill-sized product (1024 rows of a 1024 x 2048 weight, best of 5 each,
+    ~0.4 s with compiling), unless `UPCAST_ENV` says "1" or "0". The values agree either way to float32 rounding (exact
+    products, float32 sums in another order)."""
     env = os.environ.get(UPCAST_ENV)
     if env not in (None, "", "0", "1"):
         raise ValueError(f"{UPCAST_ENV} must be 0 or 1 (unset: measured), got {env!r}")
@@ -240,10 +241,16 @@ def upcast_is_faster(timer=_best_seconds) -> bool:
         converted = jax.jit(lambda x, w: jnp.einsum("md,vd->mv", x.astype(jnp.float32), w.astype(jnp.float32)))
         return timer(converted, x, w) < timer(native, x, w)
 
-    # on a thread of its own: called while a step is traced, the products would be staged into that trace (JAX's
-    # trace context is per thread), not run
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(measure).result()
+    def run():
+        # on a thread of its own: called while a step is traced, the products would be staged into that trace (JAX's
+        # trace context is per thread), not run
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(measure).result()
+
+    if timer is not _best_seconds:
+        return run()
+    from gdn_jax import executables  # (it imports this module)
+    return executables.remembered("bf16_upcast", run, lambda faster: isinstance(faster, bool))
 
 
 # XLA's CPU backend fuses a matrix-vector product into a loop over the matrix only while the vector, in float32, is

@@ -236,15 +236,15 @@ def decode_compiler_options(dtype) -> dict:
 @functools.cache
 def decode_vector_bits(dtype: str, timer=None) -> int:
     """LLVM's vector width (256 or 512 bits) under which this CPU streams a one-row product of `dtype` weights faster:
-    `DECODE_VECTOR_BITS_ENV` if set, else measured once per process and dtype (256 off the CPU, where the width means
-    nothing). The probe is the step's own form of product (`model.dense` of one row, compiled with the LLVM IR emitters
+    `DECODE_VECTOR_BITS_ENV` if set, else measured once per machine and dtype (`executables.remembered`: kept beside
+    JAX's persistent cache, else measured once per process; 256 off the CPU, where the width means nothing). The probe is the step's own form of product (`model.dense` of one row, compiled with the LLVM IR emitters
     at each width) over 8 matrices of 4096 x 1024 in `dtype` (128 MB in float32, 64 in bfloat16: more than the 32 MB
     L3 cache of the AMD EPYC development machines, as a model's weights are). The two compiled forms run in turn
     `DECODE_VECTOR_ROUNDS` times; 512 bits only if the median of the rounds' time ratios is `DECODE_VECTOR_MARGIN`
     below 1 (a tie keeps XLA's preference, so that a machine where the widths tie does not switch between them, and
     between stored executables, from one start to the next). `timer(bits, fn, *args) -> seconds` replaces the clock
-    (tests). About 0.5 s, on a thread of its own (called while a step is traced, the products would be staged into
-    that trace)."""
+    (tests; then nothing is kept). About 0.5 s, on a thread of its own (called while a step is traced, the products
+    would be staged into that trace)."""
     env = os.environ.get(DECODE_VECTOR_BITS_ENV)
     if env not in (None, "", "256", "512"):
         raise ValueError(f"{DECODE_VECTOR_BITS_ENV} must be 256 or 512 (unset: measured), got {env!r}")
@@ -266,8 +266,13 @@ def decode_vector_bits(dtype: str, timer=None) -> int:
             ratios.append(t512 / t256)
         return 512 if np.median(ratios) <= 1 - DECODE_VECTOR_MARGIN else 256
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(measure).result()
+    def run():
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(measure).result()
+
+    if timer is not None:
+        return run()
+    return executables.remembered(f"decode_vector_bits {dtype}", run, lambda bits: bits in DECODE_VECTOR_BITS)
 
 
 def _seconds(bits: int, fn, *args) -> float:

@@ -145,7 +145,7 @@ def test_the_faster_decode_vector_width_is_measured_unless_the_environment_says(
     """`decode_vector_bits` runs the one-row product compiled at 256 and at 512 bits in turn and takes 512 only when
     the median round is at least DECODE_VECTOR_MARGIN faster with it (one fast round decides nothing, a tie keeps
     256); GDN_JAX_DECODE_VECTOR_BITS=256 / 512 decides without measuring; another value is an error naming it."""
-    from gdn_jax import worker
+    from gdn_jax import executables, worker
 
     monkeypatch.delenv(worker.DECODE_VECTOR_BITS_ENV, raising=False)
     rounds = worker.DECODE_VECTOR_ROUNDS
@@ -160,6 +160,7 @@ def test_the_faster_decode_vector_width_is_measured_unless_the_environment_says(
         assert worker.decode_vector_bits.__wrapped__("bfloat16", timer) == want, ratios
         assert seen[:2] == [(bits, (1, 1024), jnp.bfloat16, 8, (4096, 1024), jnp.bfloat16) for bits in (256, 512)]
         assert len(seen) == 2 * rounds
+    monkeypatch.setattr(executables, "choices_file", lambda cache=None: None)  # nothing kept from another start
     assert worker.decode_vector_bits.__wrapped__("float32") in (256, 512)  # the real probe compiles and runs
     for value in ("256", "512"):
         monkeypatch.setenv(worker.DECODE_VECTOR_BITS_ENV, value)

@@ -2,6 +2,7 @@
 generates exactly what the first did; a key changes with anything that changes the executable; a bad entry is a
 miss, never an error."""
 
+import json
 import os
 import re
 import time
@@ -488,6 +489,75 @@ def test_the_store_is_bounded_and_deletes_the_least_recently_used_entries(tmp_pa
     (tmp_path / "bystander").write_bytes(b"x" * (4 * size))
     assert executables.save(str(outside), "f", compiled, max_bytes=size)
     assert (tmp_path / "bystander").exists() and [p.name for p in outside.iterdir()] == ["f"]
+
+
+def test_a_measured_choice_is_kept_per_machine_and_measured_again_when_unusable(tmp_path):
+    """`remembered` measures a choice once and serves later starts from `choices_file` (one file per CPU kind, an
+    entry per name, jax versions and cores); a stored value the caller refuses, or a file that is not JSON, is
+    measured again and written anew; with JAX's cache off (this file's fixture) every call measures."""
+    calls = []
+
+    def measure(value):
+        return lambda: calls.append(value) or value
+
+    either = lambda v: v in (256, 512)  # noqa: E731
+    cache = str(tmp_path)
+    assert executables.remembered("width float32", measure(512), either, cache) == 512
+    assert executables.remembered("width float32", measure(256), either, cache) == 512  # kept: not measured
+    assert executables.remembered("width bfloat16", measure(256), either, cache) == 256  # a choice of its own
+    assert calls == [512, 256]
+    path = executables.choices_file(cache)
+    assert path == tmp_path / "machine" / f"{executables.host_cpu()}.json"
+    stored = json.loads(path.read_text())
+    key = executables.choice_key("width float32")
+    assert sorted(stored) == sorted([key, executables.choice_key("width bfloat16")])
+    assert stored[key]["value"] == 512 and f"jax={jax.__version__} " in key and "cores=" in key
+
+    assert executables.remembered("width float32", measure(256), lambda v: v == 256, cache) == 256  # refused: measured
+    assert json.loads(path.read_text())[key]["value"] == 256
+    path.write_text("{not json")
+    assert executables.remembered("width float32", measure(512), either, cache) == 512
+    assert json.loads(path.read_text())[key]["value"] == 512 and calls == [512, 256, 256, 512]
+    assert not list(path.parent.glob("*.tmp"))
+
+    assert executables.choices_file() is None
+    assert [executables.remembered("width float32", measure(v), either) for v in (256, 512)] == [256, 512]
+    assert calls[-2:] == [256, 512]
+
+
+def test_a_choice_that_cannot_be_kept_is_measured_and_said_once(tmp_path):
+    """A cache folder where the file cannot be written: the measured value is used, one warning names the file, and
+    each call measures again."""
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the folder would be")
+    calls = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for value in (512, 256):
+            assert executables.remembered("width float32", lambda v=value: calls.append(v) or v, lambda v: True,
+                                          str(blocker)) == value
+    said = [str(w.message) for w in caught]
+    assert calls == [512, 256] and len(said) == 1 and "cannot be kept" in said[0] and str(blocker) in said[0]
+
+
+def test_the_decode_width_and_the_bf16_form_are_read_from_the_kept_choices(tmp_path, monkeypatch):
+    """With JAX's cache on, `decode_vector_bits` and `upcast_is_faster` serve what the machine's choices file holds
+    (whatever it holds: both values come back as written), without measuring; the environment still decides first."""
+    from gdn_jax import model, worker
+
+    monkeypatch.delenv(worker.DECODE_VECTOR_BITS_ENV, raising=False)
+    monkeypatch.delenv(model.UPCAST_ENV, raising=False)
+    monkeypatch.setattr(worker, "_seconds", lambda *a: pytest.fail("measured"))
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))  # (the fixture turns it off again)
+    path = executables.choices_file()
+    path.parent.mkdir(parents=True)
+    for bits, faster in ((512, True), (256, False)):
+        path.write_text(json.dumps({executables.choice_key("decode_vector_bits float32"): {"value": bits},
+                                    executables.choice_key("bf16_upcast"): {"value": faster}}))
+        assert worker.decode_vector_bits.__wrapped__("float32") == bits
+        assert model.upcast_is_faster.__wrapped__() is faster
+    monkeypatch.setenv(worker.DECODE_VECTOR_BITS_ENV, "512")
+    assert worker.decode_vector_bits.__wrapped__("float32") == 512
 
 
 def test_compile_threads_and_executable_kinds(monkeypatch):
