@@ -17,6 +17,7 @@ from scipy import stats
 from gdn_jax import LLM, SamplingParams
 from gdn_jax.sampling import MAX_LOGPROBS, SamplingMetadata, _keys, first_argmax, process_logits, sample
 from gdn_jax.tokenizer import ByteTokenizer
+from scheduler import ScheduledSequence
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 N = 20_000
@@ -243,7 +244,7 @@ def test_top_k_above_the_vocabulary_is_off():
 
 def test_logprobs_are_log_softmax_and_sorted():
     logits = jax.random.normal(jax.random.PRNGKey(1), (3, 64))
-    toks, chosen, top_ids, top_lp, rank = sample_jit(logits, metadata(3))
+    toks, chosen, top_ids, top_lp, rank = sample_jit(logits, metadata(3, num_logprobs=MAX_LOGPROBS))
     ref = jax.nn.log_softmax(logits, -1)
     np.testing.assert_allclose(np.asarray(chosen), np.asarray(ref.max(-1)), rtol=1e-6)
     assert np.asarray(rank).tolist() == [1, 1, 1]  # greedy: the likeliest token
@@ -254,11 +255,35 @@ def test_logprobs_are_log_softmax_and_sorted():
 def test_a_drawn_token_is_ranked_over_the_whole_vocabulary():
     """The rank of a sampled token counts every likelier token, not only those of the top MAX_LOGPROBS."""
     logits = jax.random.normal(jax.random.PRNGKey(2), (64, 400)) * 0.1  # nearly flat: draws land far down
-    toks, chosen, _, _, rank = sample_jit(logits, metadata(64, temperature=1.0))
+    toks, chosen, _, _, rank = sample_jit(logits, metadata(64, temperature=1.0, num_logprobs=0))
     ref = np.asarray(jax.nn.log_softmax(logits, -1))
     toks, rank = np.asarray(toks), np.asarray(rank)
     want = 1 + (ref > ref[np.arange(64), toks][:, None]).sum(-1)
     assert rank.tolist() == want.tolist() and rank.max() > 100
+
+
+def test_top_entries_and_ranks_are_computed_only_when_a_row_asks_for_logprobs():
+    """A step in which no row asks for logprobs skips the top-k and the ranks (zeros); the tokens and the chosen
+    logprobs are those of the same step with a row that asks, and one row asking (even for 0 top entries) gives every
+    row its top entries and rank."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (4, 300))
+    ref = np.asarray(jax.nn.log_softmax(logits, -1))
+    fields = dict(temperature=np.array([0.0, 1.0, 0.7, 0.0], np.float32))
+    none = sample_jit(logits, metadata(4, **fields))
+    assert not np.asarray(none[2]).any() and not np.asarray(none[3]).any() and not np.asarray(none[4]).any()
+    for asked in ([-1, 0, -1, -1], [-1, -1, -1, 5]):
+        some = sample_jit(logits, metadata(4, num_logprobs=np.array(asked, np.int32), **fields))
+        for a, b in zip(none[:2], some[:2]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        toks, chosen, top_ids, top_lp, rank = map(np.asarray, some)
+        assert rank.tolist() == (1 + (ref > ref[np.arange(4), toks][:, None]).sum(-1)).tolist()
+        assert (top_ids == np.argsort(-ref, axis=-1, kind="stable")[:, :MAX_LOGPROBS]).all()
+        np.testing.assert_allclose(top_lp, np.take_along_axis(ref, top_ids, -1), rtol=1e-6)
+    rows = [ScheduledSequence(seq_id=i, token_ids=[5], start_pos=0, block_table=[1], slot_mapping=[16],
+                              linear_op=None, sample=True, sampling_params=SamplingParams(logprobs=k), num_generated=0)
+            for i, k in enumerate((None, 3, 0))]
+    md = SamplingMetadata.from_rows(rows, 4, 8, 300, (1,), 0)
+    assert md.num_logprobs.tolist() == [-1, 3, 0, -1]
 
 
 @pytest.fixture(scope="module")
