@@ -15,6 +15,7 @@ from gdn_jax.model import Batch, DeviceState, forward, init_model, init_state
 from gdn_jax.restore import restore_linear_state_slots
 from gdn_jax.worker import Worker, plan_memory
 from scheduler import LinearStateCacheOp, SamplingParams, ScheduledSequence, StepPlan
+from scheduler.sampling_params import MAX_LOGPROBS
 
 BS, NB, SLOTS = 16, 3, 8
 
@@ -77,7 +78,9 @@ def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
 
 def _row(tokens, start, op, seq_id=1, table=(1, 2, 3, 4)):
     slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
-    return ScheduledSequence(seq_id, tokens, start, list(table), slots, op, True, SamplingParams(temperature=0.0), 0)
+    # every row asks for its top logprobs: the tests compare them (a step where no row asks computes none)
+    return ScheduledSequence(seq_id, tokens, start, list(table), slots, op, True,
+                             SamplingParams(temperature=0.0, logprobs=MAX_LOGPROBS), 0)
 
 
 def _materialised_shapes(hlo: str) -> set[tuple[str, tuple[int, ...]]]:

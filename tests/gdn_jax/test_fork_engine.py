@@ -133,6 +133,7 @@ def test_worker_fork_reads_the_parents_state_before_the_step_advances_it():
     from gdn_jax.model import init_model
     from gdn_jax.worker import Worker, plan_memory
     from scheduler import LinearStateCacheOp, ScheduledSequence, StepPlan
+    from scheduler.sampling_params import MAX_LOGPROBS
 
     cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg)
@@ -141,7 +142,8 @@ def test_worker_fork_reads_the_parents_state_before_the_step_advances_it():
 
     def row(seq_id, tokens, start, table, op):
         slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
-        return ScheduledSequence(seq_id, tokens, start, table, slots, op, True, SamplingParams(temperature=0.0), 0)
+        return ScheduledSequence(seq_id, tokens, start, table, slots, op, True,
+                                 SamplingParams(temperature=0.0, logprobs=MAX_LOGPROBS), 0)  # top logprobs compared
 
     toks = random_ids(np.random.default_rng(1), 48)
     ref = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=2, max_model_len=64, chunk_stride=64,

@@ -97,6 +97,7 @@ def test_worker_cold_start_ignores_garbage_and_warm_restore_continues_exactly():
     from gdn_jax.model import init_model
     from gdn_jax.worker import Worker, plan_memory
     from scheduler import SamplingParams, ScheduledSequence, StepPlan
+    from scheduler.sampling_params import MAX_LOGPROBS
 
     cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg)
@@ -108,7 +109,8 @@ def test_worker_cold_start_ignores_garbage_and_warm_restore_continues_exactly():
 
     def row(tokens, start, table, op):
         slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
-        return ScheduledSequence(1, tokens, start, table, slots, op, True, SamplingParams(temperature=0.0), 0)
+        return ScheduledSequence(1, tokens, start, table, slots, op, True,
+                                 SamplingParams(temperature=0.0, logprobs=MAX_LOGPROBS), 0)  # top logprobs compared
 
     toks = np.random.default_rng(0).integers(4, 500, 48).tolist()
     one_pass = worker(64).execute(StepPlan(True, [row(toks, 0, [1, 2, 3], LinearStateCacheOp(1, True, -1))]))
