@@ -214,11 +214,15 @@ def choices_file(cache: str | None = None) -> Path | None:
     return Path(cache, "machine", f"{_host_cpu()}.json") if cache else None
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may use (its affinity where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def choice_key(name: str) -> str:
     """A measured choice's key in its file (`remembered`): `name`, the jax and jaxlib versions, and the number of cores
     this process may use."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name} jax={jax.__version__} jaxlib={jaxlib.__version__} cores={cores}"
+    return f"{name} jax={jax.__version__} jaxlib={jaxlib.__version__} cores={usable_cores()}"
 
 
 def remembered(name: str, measure, valid, cache: str | None = None):

@@ -214,7 +214,7 @@ DECODE_DEFAULT_EMITTER_ROWS = 16
 # CPU and the dtype: on an AVX-512 Xeon 512-bit registers run a one-row step 11-15% faster in either dtype
 # (hybrid-1024: bfloat16 16.0 -> 14.3 ms, float32 22.0 -> 18.8 ms, median), on an AMD EPYC (Zen 4, whose 512-bit
 # operations take two passes) float32 runs 1.5x slower with them and bfloat16 ~25% faster. So the width is measured,
-# once per process and dtype, on the step's own form of product. 2-16 rows and prefill: the same within 1-2% either
+# once per machine and dtype (kept beside the persistent cache), on the step's own form of product. 2-16 rows and prefill: the same within 1-2% either
 # way, so only these steps take it. A CPU without AVX-512 vectorises at 256 bits either way. docs/design.md,
 # "Compiling the step".
 DECODE_VECTOR_BITS_ENV = "GDN_JAX_DECODE_VECTOR_BITS"  # "256" or "512": no measurement
@@ -237,8 +237,9 @@ def decode_compiler_options(dtype) -> dict:
 def decode_vector_bits(dtype: str, timer=None) -> int:
     """LLVM's vector width (256 or 512 bits) under which this CPU streams a one-row product of `dtype` weights faster:
     `DECODE_VECTOR_BITS_ENV` if set, else measured once per machine and dtype (`executables.remembered`: kept beside
-    JAX's persistent cache, else measured once per process; 256 off the CPU, where the width means nothing). The probe is the step's own form of product (`model.dense` of one row, compiled with the LLVM IR emitters
-    at each width) over 8 matrices of 4096 x 1024 in `dtype` (128 MB in float32, 64 in bfloat16: more than the 32 MB
+    JAX's persistent cache, else measured once per process; 256 off the CPU, where the width means nothing). The
+    probe is the step's own form of product (`model.dense` of one row, compiled with the LLVM IR emitters at each
+    width) over 8 matrices of 4096 x 1024 in `dtype` (128 MB in float32, 64 in bfloat16: more than the 32 MB
     L3 cache of the AMD EPYC development machines, as a model's weights are). The two compiled forms run in turn
     `DECODE_VECTOR_ROUNDS` times; 512 bits only if the median of the rounds' time ratios is `DECODE_VECTOR_MARGIN`
     below 1 (a tie keeps XLA's preference, so that a machine where the widths tie does not switch between them, and
@@ -341,8 +342,7 @@ def compile_threads_default() -> int:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"GDN_JAX_COMPILE_THREADS must be a positive integer, got {env!r}")
         return int(env)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, COMPILE_THREADS_MAX))
+    return max(1, min(executables.usable_cores(), COMPILE_THREADS_MAX))
 
 
 # Sampling, compiled per (rows, vocabulary, history width) and shared by every step shape of that many rows: a
