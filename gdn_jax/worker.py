@@ -732,8 +732,9 @@ class Worker:
             raise
 
     def _execute_one(self, plan, prompt_targets, full_rows: bool) -> StepResult:
-        """An all-prefill or all-decode plan (or one sub-batch of a mixed plan): one step executable."""
-        return self._dispatch(*self._prepare(plan, prompt_targets), full_rows)
+        """An all-prefill or all-decode plan: one step executable."""
+        n, *prepared = self._prepare(plan, prompt_targets)
+        return self._collect(n, self._launch(*prepared, full_rows), full_rows)
 
     def _prepare(self, plan, prompt_targets) -> tuple:
         """The host side of `_execute_one`: every check (fail closed) and the step's arrays, nothing dispatched.
@@ -773,15 +774,28 @@ class Worker:
                 targets[i, :len(t or ())] = t or ()
         return n, batch, sampling, targets
 
-    def _dispatch(self, n: int, batch: Batch, sampling: SamplingMetadata, targets, full_rows: bool) -> StepResult:
-        """Runs a `_prepare`d step and returns its first n rows."""
-        args = (batch, sampling)
+    def _launch(self, batch: Batch, sampling: SamplingMetadata, targets, full_rows: bool) -> tuple:
+        """Dispatches a `_prepare`d step and its sampling; returns their device results at once, while the device
+        runs them (JAX dispatches asynchronously): (the packed samples[, prompt logprobs])."""
         if targets is not None:
-            packed, prompt = jax.device_get(self._run(*args, targets, full_rows, fn=self._prompt_fn))
-            rows = prompt[4][:n] if full_rows else None
-            return StepResult(*(a[:n] for a in unpack_sampled(packed)),
-                              PromptLogprobs(*(a[:n] for a in prompt[:4]), rows))
-        return StepResult(*(a[:n] for a in unpack_sampled(jax.device_get(self._run(*args)[0]))))
+            return self._run(batch, sampling, targets, full_rows, fn=self._prompt_fn)
+        return self._run(batch, sampling)
+
+    @staticmethod
+    def _fetch(launched: tuple) -> tuple:
+        """Waits for a launched step and returns its results as host arrays. `np.asarray` gives the same read-only
+        view of the result buffer as `jax.device_get`, at a fraction of its cost (~30 against ~160 us per decode
+        step of 16 rows)."""
+        return jax.tree.map(np.asarray, launched)
+
+    def _collect(self, n: int, launched: tuple, full_rows: bool) -> StepResult:
+        """A launched step's first n rows, on the host."""
+        packed, *prompt = self._fetch(launched)
+        if not prompt:
+            return StepResult(*(a[:n] for a in unpack_sampled(packed)))
+        prompt = prompt[0]
+        rows = prompt[4][:n] if full_rows else None
+        return StepResult(*(a[:n] for a in unpack_sampled(packed)), PromptLogprobs(*(a[:n] for a in prompt[:4]), rows))
 
     def _execute_mixed(self, plan, prompt_targets, full_rows: bool) -> StepResult:
         """A mixed plan runs as its prefill sub-batch, then its decode sub-batch: the two executables of the
@@ -814,9 +828,11 @@ class Worker:
         prefill = type(plan)(True, plan.prefill_seqs, plan.saves)
         decode = type(plan)(False, plan.decode_seqs)
         # both sub-batches pass every check of their own before either is dispatched
-        prepared = self._prepare(prefill, prompt_targets[:n] if prompt_targets else None), self._prepare(decode, None)
-        first = self._dispatch(*prepared[0], full_rows)
-        second = self._dispatch(*prepared[1], False)
+        (m, *first), (k, *second) = (self._prepare(prefill, prompt_targets[:n] if prompt_targets else None),
+                                     self._prepare(decode, None))
+        # the decode sub-batch is dispatched while the device runs the prefill one, and both are waited for together
+        launched = self._launch(*first, full_rows), self._launch(*second, False)
+        first, second = self._collect(m, launched[0], full_rows), self._collect(k, launched[1], False)
         fields = ("tokens", "logprobs", "ranks", "top_ids", "top_logprobs")
         return StepResult(*(np.concatenate([getattr(first, f), getattr(second, f)]) for f in fields),
                           prompt=first.prompt)

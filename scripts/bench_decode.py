@@ -29,6 +29,11 @@ Per configuration it reports:
   in a step), so this reads above the host's own work;
 - `python`: the wrapped step's wall time minus the whole of the two jitted calls (dispatch included): the engine's
   own Python work per step, scheduling, argument building and postprocess (median);
+- `critical`: the host's part of an unwrapped timed step's critical path, nothing waited for (`Marks`): from the
+  step's start until the step executable's call returned (scheduling, padding, dispatch) plus from the results'
+  arrival on the host until the step's end (postprocess, outputs); sampling's dispatch, between them, runs while the
+  device computes (median). On the CPU backend that dispatch still takes a core from the step's threads, so the
+  device part reads a little longer than it would run alone;
 - `bound`: the bytes a decode step must move (every weight except the embedding table, of which only the batch's
   rows are read; the KV of the real context; the GDN conv + SSM state, read and written) in the model's dtype,
   divided by the read bandwidth: `--bandwidth` GB/s if given, else the larger of 16 GB/s (the development
@@ -167,6 +172,40 @@ class BlockTimer:
         return getattr(self.fn, name)
 
 
+class Marks:
+    """Times an unwrapped engine step's critical path: when the step executable's call returned (the device has the
+    step; `launched`) and when the worker had its results on the host (`fetched`, after `Worker._fetch`). The host
+    work before the first and after the second is what the device waits for; the sampling's dispatch between them
+    runs while the device computes the step (JAX dispatches asynchronously). Nothing is waited for here."""
+
+    def __init__(self, worker, plain: dict):
+        self.worker, self.launched, self.fetched = worker, None, None
+        fetch = worker._fetch
+
+        def fetched(launched):
+            out = fetch(launched)
+            self.fetched = time.perf_counter()
+            return out
+
+        vars(worker)["_fetch"] = fetched
+        for name in ("_decode_fn", "_decode_wide_fn"):
+            vars(worker)[name] = self._stamp(plain[name])
+
+    def _stamp(self, fn):
+        def call(*args):
+            out = fn(*args)
+            self.launched = time.perf_counter()
+            return out
+        call._cache_size = fn._cache_size
+        return call
+
+    def clear(self):
+        self.launched = self.fetched = None
+
+    def remove(self):
+        vars(self.worker).pop("_fetch")
+
+
 def profile_steps(step, n: int, module: str, hlo_text: str) -> dict:
     """Traces `n` calls of `step` (an engine step): the XLA self time of the step executable `module` per step, summed by op kind
     (`op_kind`, with the op counts) and by part of the model (`op_profile.op_parts` on the executable's compiled
@@ -241,14 +280,19 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
 
         for _ in range(2):  # untimed: compile + the deferred save at the prompt's end
             decode_step()
-        steps, wrapped_steps, host, python, contexts = [], [], [], [], []
+        steps, wrapped_steps, host, python, contexts, critical = [], [], [], [], [], []
+        marks = Marks(worker, plain)
         for _ in range(args.steps):  # the engine's own steps: `step`
             # a row's context in a decode step: its tokens so far, the one the step feeds included (its KV is
             # written and read in the step); the token the step samples is not
             contexts.append(statistics.mean(len(s.token_ids) for s in engine.scheduler.running))
+            marks.clear()
             t0 = time.perf_counter()
             decode_step()
-            steps.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            steps.append(t1 - t0)
+            critical.append(marks.launched - t0 + t1 - marks.fetched)
+        marks.remove()
         vars(worker).update(wrapped)
         for _ in range(args.steps):  # as many again through the wrappers, each waited for: the split of the step
             for t in (timer, sampler):
@@ -272,6 +316,8 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
                "vocab_size": engine.cfg.vocab_size, "step_ms_min": 1e3 * min(steps), "step_ms_median": 1e3 * med,
                "host_ms_median": 1e3 * statistics.median(host), "host_ms_min": 1e3 * min(host),
                "python_ms_median": 1e3 * statistics.median(python),
+               "critical_host_ms_median": 1e3 * statistics.median(critical),
+               "critical_host_ms_min": 1e3 * min(critical),
                "wrapped_step_ms_median": 1e3 * statistics.median(wrapped_steps),  # the steps host and python split
                "tokens_per_s": batch / med, "bytes_per_step": need,
                "bound_ms": 1e3 * bound, "x_bound": med / bound, "flops_per_step": flops,
@@ -281,7 +327,8 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
         for i in range(batch):
             engine.abort_request(f"{batch}-{i}")
         print(f"  {dtype:9s} batch {batch:3d}: step {row['step_ms_min']:7.1f} min {row['step_ms_median']:7.1f} med ms"
-              f" | host {row['host_ms_median']:5.2f} ms (python {row['python_ms_median']:4.2f})"
+              f" | host {row['host_ms_median']:5.2f} ms (python {row['python_ms_median']:4.2f}, critical "
+              f"{row['critical_host_ms_median']:4.2f})"
               f" | {row['tokens_per_s']:7.1f} tok/s"
               f" | bound {row['bound_ms']:5.1f} ms ({need['total'] / 1e6:.0f} MB) x{row['x_bound']:.2f}"
               f" | compute {row['compute_ms']:5.1f} ms ({flops / 1e9:.2f} GFLOP) x{row['x_compute']:.2f}", flush=True)
@@ -358,11 +405,12 @@ def main(argv=None):
         rows += run_dtype(args, dtype, bandwidth)
 
     print(f"\n{'dtype':9s} {'batch':>5s} {'step min':>9s} {'step med':>9s} {'host':>6s} {'python':>6s} "
-          f"{'tok/s':>8s} "
+          f"{'critical':>8s} {'tok/s':>8s} "
           f"{'MB/step':>8s} {'bound':>6s} {'x bound':>7s} {'compute':>7s} {'x compute':>9s}")
     for r in rows:
         print(f"{r['dtype']:9s} {r['batch']:5d} {r['step_ms_min']:8.1f}m {r['step_ms_median']:8.1f}m "
-              f"{r['host_ms_median']:5.2f}m {r['python_ms_median']:5.2f}m {r['tokens_per_s']:8.1f} "
+              f"{r['host_ms_median']:5.2f}m {r['python_ms_median']:5.2f}m {r['critical_host_ms_median']:7.2f}m "
+              f"{r['tokens_per_s']:8.1f} "
               f"{r['bytes_per_step']['total'] / 1e6:8.0f} "
               f"{r['bound_ms']:5.1f}m {r['x_bound']:7.2f} {r['compute_ms']:6.1f}m {r['x_compute']:9.2f}")
     out = Path(args.out)

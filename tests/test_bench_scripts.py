@@ -41,6 +41,8 @@ def test_bench_decode_reports_every_batch_and_dtype(tmp_path):
         # host and python split the wrapped steps (timed apart from `step`: compare them with those)
         assert 0 < r["host_ms_min"] <= r["host_ms_median"] < r["wrapped_step_ms_median"]
         assert 0 < r["python_ms_median"] < r["host_ms_median"]  # the host's own work, without dispatch
+        # the host's part of the unwrapped steps' critical path: some of each step, not all of it
+        assert 0 < r["critical_host_ms_min"] <= r["critical_host_ms_median"] < r["step_ms_median"]
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / (r["step_ms_median"] / 1e3))
         need = r["bytes_per_step"]
         assert need["total"] == need["weights"] + need["kv"] + need["linear_state"] and need["kv"] > 0
