@@ -28,6 +28,7 @@ which call failed), compiles those shapes again, and recomputes the step (`Stale
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -267,6 +268,17 @@ def remembered(name: str, measure, valid, cache: str | None = None):
         _say(f"write {path}", f"the engine's measured choices cannot be kept in {path} ({exc}): each start "
                               f"measures them again")
     return value
+
+
+def measured_choice(name: str, measure, valid, keep: bool = True):
+    """`measure()`, run on a thread of its own (called while a step is traced, its products would be staged into
+    that trace, JAX's trace context being per thread, not run), kept per machine (`remembered`) unless `keep` is
+    false (a test's own timer)."""
+    def run():
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(measure).result()
+
+    return remembered(name, run, valid) if keep else run()
 
 
 def load(folder: str | None, key: str):

@@ -14,7 +14,6 @@ Batch layout: `B` rows (sequences), `T` tokens per row (a prefill chunk, or 1 fo
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -241,16 +240,9 @@ def upcast_is_faster(timer=_best_seconds) -> bool:
         converted = jax.jit(lambda x, w: jnp.einsum("md,vd->mv", x.astype(jnp.float32), w.astype(jnp.float32)))
         return timer(converted, x, w) < timer(native, x, w)
 
-    def run():
-        # on a thread of its own: called while a step is traced, the products would be staged into that trace (JAX's
-        # trace context is per thread), not run
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(measure).result()
-
-    if timer is not _best_seconds:
-        return run()
     from gdn_jax import executables  # (it imports this module)
-    return executables.remembered("bf16_upcast", run, lambda faster: isinstance(faster, bool))
+    return executables.measured_choice("bf16_upcast", measure, lambda faster: isinstance(faster, bool),
+                                       keep=timer is _best_seconds)
 
 
 # XLA's CPU backend fuses a matrix-vector product into a loop over the matrix only while the vector, in float32, is

@@ -214,9 +214,9 @@ DECODE_DEFAULT_EMITTER_ROWS = 16
 # CPU and the dtype: on an AVX-512 Xeon 512-bit registers run a one-row step 11-15% faster in either dtype
 # (hybrid-1024: bfloat16 16.0 -> 14.3 ms, float32 22.0 -> 18.8 ms, median), on an AMD EPYC (Zen 4, whose 512-bit
 # operations take two passes) float32 runs 1.5x slower with them and bfloat16 ~25% faster. So the width is measured,
-# once per machine and dtype (kept beside the persistent cache), on the step's own form of product. 2-16 rows and prefill: the same within 1-2% either
-# way, so only these steps take it. A CPU without AVX-512 vectorises at 256 bits either way. docs/design.md,
-# "Compiling the step".
+# once per machine and dtype (kept beside the persistent cache), on the step's own form of product. 2-16 rows and
+# prefill: the same within 1-2% either way, so only these steps take it. A CPU without AVX-512 vectorises at 256 bits
+# either way. docs/design.md, "Compiling the step".
 DECODE_VECTOR_BITS_ENV = "GDN_JAX_DECODE_VECTOR_BITS"  # "256" or "512": no measurement
 DECODE_VECTOR_BITS = (256, 512)
 DECODE_VECTOR_ROUNDS, DECODE_VECTOR_MARGIN = 15, 0.05
@@ -267,13 +267,8 @@ def decode_vector_bits(dtype: str, timer=None) -> int:
             ratios.append(t512 / t256)
         return 512 if np.median(ratios) <= 1 - DECODE_VECTOR_MARGIN else 256
 
-    def run():
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(measure).result()
-
-    if timer is not None:
-        return run()
-    return executables.remembered(f"decode_vector_bits {dtype}", run, lambda bits: bits in DECODE_VECTOR_BITS)
+    return executables.measured_choice(f"decode_vector_bits {dtype}", measure, lambda bits: bits in DECODE_VECTOR_BITS,
+                                       keep=timer is None)
 
 
 def _seconds(bits: int, fn, *args) -> float:
@@ -791,11 +786,11 @@ class Worker:
     def _collect(self, n: int, launched: tuple, full_rows: bool) -> StepResult:
         """A launched step's first n rows, on the host."""
         packed, *prompt = self._fetch(launched)
+        sampled = (a[:n] for a in unpack_sampled(packed))
         if not prompt:
-            return StepResult(*(a[:n] for a in unpack_sampled(packed)))
-        prompt = prompt[0]
-        rows = prompt[4][:n] if full_rows else None
-        return StepResult(*(a[:n] for a in unpack_sampled(packed)), PromptLogprobs(*(a[:n] for a in prompt[:4]), rows))
+            return StepResult(*sampled)
+        rows = prompt[0][4][:n] if full_rows else None
+        return StepResult(*sampled, PromptLogprobs(*(a[:n] for a in prompt[0][:4]), rows))
 
     def _execute_mixed(self, plan, prompt_targets, full_rows: bool) -> StepResult:
         """A mixed plan runs as its prefill sub-batch, then its decode sub-batch: the two executables of the
