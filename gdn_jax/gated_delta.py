@@ -39,7 +39,11 @@ Two forms of the rule, with the same inputs and outputs:
 Numerics: gates and state are float32 whatever the input dtype (inputs are upcast); every matmul
 uses ``precision=HIGHEST``; pairwise decays are ``exp`` of the *masked* difference ``G_i - G_j`` (the
 upper triangle is set to ``-inf`` before ``exp``; never factored as ``exp(G_i) * exp(-G_j)``).
-All other exponents used are ``G <= 0`` and ``G_last - G <= 0`` (no overflow).
+All other exponents used are ``G <= 0`` and ``G_last - G <= 0`` (no overflow). The chunked form
+first raises every ``g`` to at least ``G_FLOOR`` (-128): ``exp`` of it, or of any in-chunk sum holding
+it, is already 0 in float32, so the rule is unchanged, while ``g = -inf`` (a full reset) no longer
+gives ``-inf - (-inf) = NaN`` in ``G_i - G_j``, nor a huge finite ``g`` (-1e30) differences that
+cancel to 0 (a decay of 1) for the chunk's later tokens.
 
 Padding: with ``lengths``, tokens at ``t >= lengths[b]`` are made inert (``g = 0, beta = 0,
 k = 0``; ``q`` and ``v`` are zeroed too, so garbage there cannot make NaN), so the final state is
@@ -62,6 +66,9 @@ __all__ = [
 
 _HI = lax.Precision.HIGHEST
 _F32 = jnp.float32
+# the least log-decay per token the chunked form uses: exp(-128) underflows to 0 in float32 (below its least
+# subnormal, ~1.4e-45), as exp(-inf) does, and the in-chunk sums of a few such terms keep their small differences
+G_FLOOR = -128.0
 
 
 def _mm(spec, a, b):
@@ -242,6 +249,7 @@ def chunk_gated_delta_rule(
     s0 = _initial_state(initial_state, B, H, dk, dv)
     valid = _valid_mask(B, T, lengths)
     g, beta = _inert(valid, g, beta)  # gates are small: mask them here
+    g = jnp.maximum(g, G_FLOOR)  # a reset (g = -inf) is a decay of exactly 0 here too, not NaN (module docstring)
     N = max(1, -(-T // Cs))
     if impl == "auto":
         impl = "fused" if jax.default_backend() == "cpu" else "parallel"

@@ -148,6 +148,23 @@ def test_strong_decay_finite_and_close():
         _close(S, S_ref, rtol=0, atol=1e-3)
 
 
+def test_a_full_reset_gate_equals_the_recurrence():
+    """g = -inf (exp(g) = 0: the state is wiped) and a finite g too negative for float32 differences (-1e30): the
+    chunked form's in-chunk cumulative decays would subtract -inf from -inf (NaN) or lose every later token's decay
+    to cancellation; it must give what the token-by-token rule gives."""
+    q, k, v, g, beta, s0 = make_inputs(2, 150, seed=5, with_state=True)
+    g[0, 3], g[0, 70:72], g[1, 40] = -np.inf, -np.inf, -1e30  # in a chunk, across chunks, mid-chunk
+    g[1, 128] = -np.inf  # the first token of a chunk
+    o_ref, _, S_ref = oracle_rule(q, k, v, g, beta, s0)
+    o_rec, S_rec = rec_jit(*_j(q, k, v, g, beta, s0))
+    _close(o_rec, o_ref)
+    _close(S_rec, S_ref)
+    for kw in (dict(), dict(impl="parallel"), dict(chunk_size=32), dict(solve_method="trsm")):
+        o, S = chunk_jit(*_j(q, k, v, g, beta, s0), **kw)
+        _close(o, o_ref)
+        _close(S, S_ref)
+
+
 def test_repeated_keys_ill_conditioned_chunk():
     """Repeated text gives identical keys: with beta ~ 1 the UT system's inverse is well behaved
     but power-series inverses blow up; the blocked inverse and trsm must both stay accurate."""
