@@ -34,7 +34,7 @@ from gdn_jax.cli import positive_int
 from gdn_jax.config import PRESETS, get_preset
 from gdn_jax.model import Batch, forward, fused_parts, init_model, init_state
 from gdn_jax.weights import hf_tensors
-from gdn_jax.worker import compiler_options
+from gdn_jax.worker import compiler_options, executable_kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import best_time  # noqa: E402
@@ -50,11 +50,11 @@ def _batch(tokens, block_size):
                  linear_state_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool)), nb
 
 
-def forward_jit(options: dict | None = None):
-    """The jitted forward, with the XLA options of the engine's prefill step (`worker.compiler_options`) unless
-    `options` are given."""
+def forward_jit(tokens: int, options: dict | None = None):
+    """The jitted forward, with the XLA options of the engine's prefill step of one row of `tokens` tokens
+    (`worker.compiler_options`) unless `options` are given."""
     return jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,),
-                   compiler_options=compiler_options("prefill") if options is None else options)
+                   compiler_options=compiler_options(executable_kind(1, tokens)) if options is None else options)
 
 
 def time_jax(cfg, tokens, dtype, repeats, seed=0):
@@ -65,7 +65,7 @@ def time_jax(cfg, tokens, dtype, repeats, seed=0):
     batch, nb = _batch(tokens, 16)
     state = init_state(cfg, nb + 1, 16, 2, dtype)
     t0 = time.perf_counter()
-    lowered = forward_jit().lower(graphdef, params, batch, state, False)
+    lowered = forward_jit(len(tokens)).lower(graphdef, params, batch, state, False)
     t1 = time.perf_counter()
     fn = lowered.compile()  # called without the static arguments (graphdef, the flag)
     t2 = time.perf_counter()

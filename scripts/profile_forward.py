@@ -38,7 +38,7 @@ def profile(cfg, tokens, dtype, runs: int) -> dict:
     graphdef, params = init_model(cfg, seed=0, dtype=dtype)
     batch, nb = _batch(tokens, 16)
     state = init_state(cfg, nb + 1, 16, 2, dtype)
-    fn = forward_jit()
+    fn = forward_jit(len(tokens))
     parts = op_parts(compiled_text(fn, (graphdef, params, batch, state, False)))[0]
     box = {"state": state}
 
