@@ -153,8 +153,8 @@ def test_a_full_reset_gate_equals_the_recurrence():
     chunked form's in-chunk cumulative decays would subtract -inf from -inf (NaN) or lose every later token's decay
     to cancellation; it must give what the token-by-token rule gives."""
     q, k, v, g, beta, s0 = make_inputs(2, 150, seed=5, with_state=True)
-    g[0, 3], g[0, 70:72], g[1, 40] = -np.inf, -np.inf, -1e30  # in a chunk, across chunks, mid-chunk
-    g[1, 128] = -np.inf  # the first token of a chunk
+    g[0, 3], g[0, 70:72], g[1, 40] = -np.inf, -np.inf, -1e30  # early in a chunk, two in a row, a finite one
+    g[1, 128] = -np.inf  # the first token of a chunk (of 64 and of 32 tokens)
     o_ref, _, S_ref = oracle_rule(q, k, v, g, beta, s0)
     o_rec, S_rec = rec_jit(*_j(q, k, v, g, beta, s0))
     _close(o_rec, o_ref)
