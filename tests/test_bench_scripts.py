@@ -153,6 +153,31 @@ def test_bench_scheduler_reports_each_concurrency(tmp_path):
         assert r["decode"]["p50_ms"] > 0 and 0 <= r["hit_rate"] <= 1
 
 
+def test_bench_kernel_ceiling_checks_its_kernel_and_reports_both_products(tmp_path):
+    """The peaks, then each rows count timed by the kernel and by the engine's product; on a CPU without AVX-512 BF16
+    or a machine without a C compiler, a refusal that says which."""
+    import shutil
+
+    script = _script("bench_kernel_ceiling")
+    out = tmp_path / "kernel.json"
+    argv = ["--k", "256", "--n", "80", "--matrices", "2", "--rows", "1", "9", "16", "--repeats", "2",
+            "--peak-iterations", "1000", "--out", str(out)]
+    if not script.cpu_has_avx512_bf16() or not (shutil.which("cc") or shutil.which("gcc")):
+        with pytest.raises(SystemExit, match="AVX-512 BF16|no C compiler"):
+            script.main(argv)
+        return
+    result = script.main(argv)
+    assert json.loads(out.read_text()) == result
+    assert all(v > 0 for v in result["peaks"].values())
+    assert [(r["rows"], r["impl"]) for r in result["rows"]] == [(1, "kernel"), (1, "engine"), (9, "kernel"),
+                                                                (9, "engine"), (16, "kernel"), (16, "engine")]
+    for r in result["rows"]:
+        assert 0 < r["ms_min"] <= r["ms_median"] and r["gflop_per_s"] > 0
+        assert r["impl"] == "engine" or r["max_relative_error"] < 1e-4  # 9 rows: a partial tile; 80: overlapping blocks
+    with pytest.raises(SystemExit):
+        script.main(argv[:-2] + ["--n", "40", "--out", str(out)])  # fewer than 3 blocks of 16 columns
+
+
 def test_bench_sampling_reports_each_cell(tmp_path):
     out = tmp_path / "sampling.json"
     _script("bench_sampling").main(["--vocab", "512", "--rows", "1", "2", "--width", "32", "--repeats", "2",

@@ -1,0 +1,228 @@
+"""What a hand-written CPU product could reach at decode's shapes, against XLA's: the evidence for (or against) a
+custom kernel for the decode step on an AVX-512 BF16 CPU.
+
+    python scripts/bench_kernel_ceiling.py [--k 1024] [--n 4096] [--matrices 8] [--rows 1 16] [--threads 2]
+        [--repeats 30] [--out results/bench_kernel_ceiling.json]
+
+It compiles a small C file with the system's C compiler (`cc -O3 -march=native -fopenmp`, into a temporary folder;
+nothing is installed, the package never uses it) and measures, on this machine:
+- the peak rate of one core's register-only loops of `vdpbf16ps` (bfloat16 pairs into float32) and of float32 FMA:
+  the compute ceilings a decode step's products have on this CPU;
+- `--matrices` bfloat16 matrices of `--k` x `--n` (together larger than the L3 cache, as a model's weights are)
+  multiplied by `rows` rows: by a hand-written kernel (weights repacked once as bfloat16 pairs, a register tile of
+  8 rows x 3 blocks of 16 columns, `--threads` OpenMP threads over the column blocks) and by the engine's own
+  product (`model.dense`, jitted: the forms its decode steps compile to on this backend), in turn, `--repeats` times
+  each; the kernel's results are checked against float32 products first.
+Prints a table (min and median ms, GB/s of weights, GFLOP/s) and writes JSON. A CPU without AVX-512 BF16, or a
+machine without a C compiler, is refused with a message that says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from gdn_jax.cli import positive_int
+from gdn_jax.model import dense
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sampling import _timeit  # noqa: E402  (min and median seconds of repeated calls)
+
+KERNEL_C = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <time.h>
+
+void set_threads(int n) { omp_set_num_threads(n); }
+
+static double now(void) {
+  struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+/* GFLOP/s of one core: 16 independent chains of vdpbf16ps (64 flops each) or of float32 FMA (32 flops each). */
+double peak_bf16(long n) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; i++) acc[i] = _mm512_set1_ps((float)i);
+  __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x00010001);
+  double t0 = now();
+  for (long i = 0; i < n; i++) {
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; m++) acc[m] = _mm512_dpbf16_ps(acc[m], a, b);
+    __asm__ volatile("" : "+v"(a));
+  }
+  double s = now() - t0;
+  float sink = 0; for (int i = 0; i < 16; i++) sink += _mm512_reduce_add_ps(acc[i]);
+  __asm__ volatile("" : : "x"(sink));
+  return n * 16.0 * 64 / s / 1e9;
+}
+
+double peak_f32(long n) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; i++) acc[i] = _mm512_set1_ps((float)i);
+  __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(0.001f);
+  double t0 = now();
+  for (long i = 0; i < n; i++) {
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; m++) acc[m] = _mm512_fmadd_ps(acc[m], x, y);
+    __asm__ volatile("" : "+v"(x));
+  }
+  double s = now() - t0;
+  float sink = 0; for (int i = 0; i < 16; i++) sink += _mm512_reduce_add_ps(acc[i]);
+  __asm__ volatile("" : : "x"(sink));
+  return n * 16.0 * 32 / s / 1e9;
+}
+
+/* Y[16][N] = X[16][K] W[K][N], bfloat16 in, float32 out. Wp: W repacked as [N/16][K/2][16][2] (the pairs
+   vdpbf16ps multiplies); Xt: X as bfloat16 pairs, [K/2][16] (rows beyond the caller's are zeros). */
+#define R 8
+#define NBK 3
+static void tile(const uint32_t* xt, const uint16_t* w0, size_t wstride, int KP, float* Y, int N, int r0, int rows,
+                 int nb0) {
+  __m512 acc[NBK][R];
+  for (int j = 0; j < NBK; j++) for (int m = 0; m < R; m++) acc[j][m] = _mm512_setzero_ps();
+  for (int kp = 0; kp < KP; kp++) {
+    __m512bh w[NBK];
+    for (int j = 0; j < NBK; j++) w[j] = (__m512bh)_mm512_loadu_si512((const void*)(w0 + j * wstride + (size_t)kp * 32));
+    const uint32_t* x = xt + (size_t)kp * 16 + r0;
+#pragma GCC unroll 8
+    for (int m = 0; m < R; m++) {
+      __m512bh b = (__m512bh)_mm512_set1_epi32(x[m]);
+#pragma GCC unroll 3
+      for (int j = 0; j < NBK; j++) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], b, w[j]);
+    }
+  }
+  for (int j = 0; j < NBK; j++)
+    for (int m = 0; m < R && r0 + m < rows; m++) _mm512_storeu_ps(Y + (size_t)(r0 + m) * N + (nb0 + j) * 16, acc[j][m]);
+}
+
+void gemm_bf16(const uint32_t* Xt, const uint16_t* Wp, float* Y, int rows, int K, int N) {
+  int NB = N / 16, KP = K / 2, G = (NB + NBK - 1) / NBK;
+  size_t ws = (size_t)KP * 32;
+#pragma omp parallel for schedule(static)
+  for (int g = 0; g < G; g++) {
+    int nb0 = g * NBK;
+    if (nb0 + NBK > NB) nb0 = NB - NBK;  /* the last group overlaps the one before: the same values again */
+    for (int r0 = 0; r0 < rows; r0 += R) tile(Xt, Wp + (size_t)nb0 * ws, ws, KP, Y, N, r0, rows, nb0);
+  }
+}
+"""
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def build(folder: Path) -> ctypes.CDLL:
+    """The kernel, compiled by the system's C compiler into `folder`."""
+    if not cpu_has_avx512_bf16():
+        raise SystemExit("bench_kernel_ceiling: this CPU has no AVX-512 BF16 (avx512_bf16 in /proc/cpuinfo); the "
+                         "kernel is written for it")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("bench_kernel_ceiling: no C compiler (cc or gcc) on PATH")
+    src, lib = folder / "kernel.c", folder / "kernel.so"
+    src.write_text(KERNEL_C)
+    subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    so = ctypes.CDLL(str(lib))
+    so.peak_bf16.restype = so.peak_f32.restype = ctypes.c_double
+    so.peak_bf16.argtypes = so.peak_f32.argtypes = [ctypes.c_long]
+    so.gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
+    so.set_threads.argtypes = [ctypes.c_int]
+    return so
+
+
+def pack_weights(w: np.ndarray) -> np.ndarray:
+    """[K, N] bfloat16 -> [N/16, K/2, 16, 2]: for each block of 16 columns, the K/2 pairs of rows in order."""
+    K, N = w.shape
+    return np.ascontiguousarray(w.reshape(K // 2, 2, N // 16, 16).transpose(2, 0, 3, 1))
+
+
+def pack_rows(x: np.ndarray) -> np.ndarray:
+    """[rows, K] bfloat16 (rows <= 16) -> [K/2, 16] uint32 pairs, zero rows below."""
+    padded = np.zeros((16, x.shape[1]), x.dtype)
+    padded[:len(x)] = x
+    return np.ascontiguousarray(padded.view(np.uint32).T)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="bench_kernel_ceiling.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--k", type=positive_int, default=1024, help="inner dimension, even (default: %(default)s)")
+    ap.add_argument("--n", type=positive_int, default=4096, help="columns, a multiple of 48 or of 16 from 48 (default: %(default)s)")
+    ap.add_argument("--matrices", type=positive_int, default=8, help="weight matrices per call (default: %(default)s)")
+    ap.add_argument("--rows", type=positive_int, nargs="+", default=[1, 16], help="rows multiplied, at most 16 (default: 1 16)")
+    ap.add_argument("--threads", type=positive_int, default=2, help="kernel threads (default: %(default)s)")
+    ap.add_argument("--repeats", type=positive_int, default=30, help="timed calls of each (default: %(default)s)")
+    ap.add_argument("--peak-iterations", type=positive_int, default=100_000_000,
+                    help="iterations of the register-only peak loops (default: %(default)s)")
+    ap.add_argument("--out", default="results/bench_kernel_ceiling.json", help="JSON output (default: %(default)s)")
+    a = ap.parse_args(argv)
+    if a.k % 2 or a.n % 16 or a.n < 48:
+        ap.error(f"--k must be even and --n a multiple of 16 of at least 48, got {a.k} and {a.n}")
+    if max(a.rows) > 16:
+        ap.error(f"--rows must be at most 16, got {max(a.rows)}")
+    with tempfile.TemporaryDirectory() as folder:
+        so = build(Path(folder))
+        so.set_threads(a.threads)
+        peaks = {"bf16_dot_gflops_per_core": so.peak_bf16(a.peak_iterations),
+                 "f32_fma_gflops_per_core": so.peak_f32(a.peak_iterations)}
+        rng = np.random.default_rng(0)
+        # the HF layout [n_out, n_in] = [N, K], as the engine holds its weights
+        weights = [(rng.standard_normal((a.n, a.k)) * 0.02).astype(ml_dtypes.bfloat16) for _ in range(a.matrices)]
+        packed = [pack_weights(np.ascontiguousarray(w.T)) for w in weights]
+        device = [jnp.asarray(w) for w in weights]
+        xla = jax.jit(lambda x, ws: [dense(x, w) for w in ws])
+        weight_bytes = a.matrices * a.k * a.n * 2
+        rows_out = []
+        for rows in a.rows:
+            x = rng.standard_normal((rows, a.k)).astype(ml_dtypes.bfloat16)
+            xt, y = pack_rows(x), np.zeros((rows, a.n), np.float32)
+
+            def kernel(xt=xt, y=y, rows=rows):
+                for wp in packed:
+                    so.gemm_bf16(xt.ctypes.data, wp.ctypes.data, y.ctypes.data, rows, a.k, a.n)
+
+            so.gemm_bf16(xt.ctypes.data, packed[0].ctypes.data, y.ctypes.data, rows, a.k, a.n)
+            want = x.astype(np.float32) @ weights[0].astype(np.float32).T
+            err = float(np.abs(y - want).max() / np.abs(want).max())
+            if err > 1e-4:
+                raise SystemExit(f"bench_kernel_ceiling: the kernel's products are wrong (relative error {err:.2e})")
+            xd = jnp.asarray(x)
+            flops = 2 * rows * a.k * a.n * a.matrices
+            for name, fn in (("kernel", kernel), ("engine", lambda: jax.block_until_ready(xla(xd, device)))):
+                t_min, t_med = _timeit(fn, a.repeats)
+                rows_out.append({"rows": rows, "impl": name, "ms_min": 1e3 * t_min, "ms_median": 1e3 * t_med,
+                                 "gb_per_s": weight_bytes / t_min / 1e9, "gflop_per_s": flops / t_min / 1e9,
+                                 **({"max_relative_error": err} if name == "kernel" else {})})
+    print(f"peaks, one core: bfloat16 pairs (vdpbf16ps) {peaks['bf16_dot_gflops_per_core']:.1f} GFLOP/s, "
+          f"float32 FMA {peaks['f32_fma_gflops_per_core']:.1f} GFLOP/s")
+    print(f"{a.matrices} bfloat16 matrices of {a.k} x {a.n} ({weight_bytes / 2**20:.0f} MiB), kernel on {a.threads} threads")
+    print(f"{'rows':>4}  {'impl':<6} {'min ms':>8} {'median ms':>10} {'GB/s':>7} {'GFLOP/s':>8}")
+    for r in rows_out:
+        print(f"{r['rows']:>4}  {r['impl']:<6} {r['ms_min']:8.2f} {r['ms_median']:10.2f} {r['gb_per_s']:7.1f} "
+              f"{r['gflop_per_s']:8.1f}")
+    result = {"k": a.k, "n": a.n, "matrices": a.matrices, "threads": a.threads, "peaks": peaks, "rows": rows_out,
+              "jax": jax.__version__, "cpus": os.cpu_count()}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
