@@ -281,7 +281,7 @@ def _seconds(bits: int, fn, *args) -> float:
 # Prefill steps of PREFILL_O1_TOKENS tokens per row or more ("prefill_long") compile at optimisation level 1 (LLVM's O1
 # pipeline) instead of XLA's default, 3: their time is the library's matmuls, and the code LLVM generates for their
 # elementwise fusions runs as fast at O1, while a shape compiles 20-45% faster (hybrid-1024, 64-2048 tokens, 1-16 rows,
-# both dtypes; run time within the noise, the logits the same) and a Qwen3.5-9B prefill shape takes ~20% less CPU time.
+# both dtypes; run time within the noise, the logits as at level 3) and a Qwen3.5-9B prefill shape takes ~20% less CPU time.
 # Shorter chunks keep level 3: more of their time is in those fusions, and O1 cost them up to 7% of CPU time. An
 # optimisation level named in XLA_FLAGS (`--xla_backend_optimization_level`) holds for them too
 # (scripts/bench_compile_options.py; docs/design.md, "Compiling the step").
