@@ -683,9 +683,10 @@ class Worker:
         return self.lowered_step(shape).compile()
 
     def _fn_for(self, tokens):
-        kind = executable_kind(*tokens.shape)
-        return {"prefill": self._fn, "prefill_long": self._long_fn, "decode": self._decode_fn}.get(kind,
-                                                                                                self._decode_wide_fn)
+        kind = executable_kind(*tokens.shape)  # per step: no mapping built per call
+        if kind == "prefill_long":
+            return self._long_fn
+        return self._fn if kind == "prefill" else self._decode_fn if kind == "decode" else self._decode_wide_fn
 
 
     def _run(self, batch: Batch, sampling: SamplingMetadata, *extra, fn=None):
