@@ -34,7 +34,9 @@ Two forms of the rule, with the same inputs and outputs:
   - ``"parallel"`` (default on accelerators): all intra-chunk work as large batched ops over every
     chunk at once, then a ``lax.scan`` over chunks carrying only the state (2 small matmuls per
     step), then the output as one batched matmul.
-* :func:`recurrent_gated_delta_rule`: token by token under ``lax.scan`` (decode).
+* :func:`recurrent_gated_delta_rule`: token by token under ``lax.scan`` (decode). Each token reads the state
+  entering it twice: one product with ``[k, q]``, then the update, ``o = exp(g) S^T q + (k . q) delta`` (the
+  same as ``S_new^T q``), so the new state is written and never read again.
 
 Numerics: gates and state are float32 whatever the input dtype (inputs are upcast); every matmul
 uses ``precision=HIGHEST``; pairwise decays are ``exp`` of the *masked* difference ``G_i - G_j`` (the
@@ -343,11 +345,13 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, lengths=Non
 
     def step(S, x):
         q_t, k_t, v_t, g_t, b_t = x  # [B,H,dk], [B,H,dk], [B,H,dv], [B,H], [B,H]
-        S = S * jnp.exp(g_t)[..., None, None]
-        pred = _mm("bhkv,bhk->bhv", S, k_t)
-        delta = (v_t - pred) * b_t[..., None]
-        S = S + k_t[..., :, None] * delta[..., None, :]
-        return S, _mm("bhkv,bhk->bhv", S, q_t)
+        e = jnp.exp(g_t)[..., None]
+        # S^T k and S^T q in one product (module docstring): the prediction is e * S^T k, the output e * S^T q
+        # + (k . q) * delta, and the new state is only written
+        kq = _mm("bhkv,bhnk->bhnv", S, jnp.stack([k_t, q_t], -2))
+        delta = (v_t - e * kq[:, :, 0]) * b_t[..., None]
+        o = e * kq[:, :, 1] + jnp.sum(k_t * q_t, -1, keepdims=True) * delta
+        return S * e[..., None] + k_t[..., :, None] * delta[..., None, :], o
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
     S_final, o = lax.scan(step, s0, xs)

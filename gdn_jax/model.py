@@ -536,16 +536,26 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
     states of all GDN layers are live at once (256 KiB per row and layer at hidden 1024, 2 MiB at Qwen3.5-9B):
     tens of MB of temporaries (hidden 1024, float32, batch 16: 34 -> 7.5 MB, ~15% off the step). Rows are
     independent, and no row reads a slot another row writes (in a one-token step a restore source is never a live
-    slot: `validate_cache_ops`), so the order does not matter."""
+    slot: `validate_cache_ops`), so the order does not matter.
+
+    One row at a time (a state of 2 MiB or more, as in Qwen3.5-9B, or a batch of one) reads its state with a dynamic
+    slice rather than `read_slots`' gather, which reads a padding slot besides (twice the state). The rule's output
+    comes from its product with the state it read (`recurrent_gated_delta_rule`), never from the new state, so
+    nothing reads the pool after the write: XLA keeps the update in place."""
     B = q.shape[0]
     chunk = rows_per_iteration(B, math.prod(pool.shape[2:]) * pool.dtype.itemsize, "gdn_decode")
 
     def rows(i, a):
         return jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk)
 
+    def read(pool, ids):
+        if chunk > 1:
+            return read_slots(pool, ids, layer)
+        return jax.lax.dynamic_slice(pool, (layer, ids[0]) + (0,) * (pool.ndim - 2), (1, 1) + pool.shape[2:])[0]
+
     def body(i, carry):
         pool, o = carry
-        s0 = jnp.where(rows(i, warm)[:, None, None, None], read_slots(pool, rows(i, src), layer), 0.0)
+        s0 = jnp.where(rows(i, warm)[:, None, None, None], read(pool, rows(i, src)), 0.0)
         oi, s1 = recurrent_gated_delta_rule(*(rows(i, a) for a in (q, k, v, g, beta)), initial_state=s0,
                                             lengths=rows(i, lengths))
         ids = rows(i, live)
