@@ -262,3 +262,31 @@ def test_layer_switch_branches_generate_no_code(dtype, rows, tokens):
     assert len(products) >= 2 * cfg.num_hidden_layers, sorted(bodies)  # several products per layer, one branch each
     generated = {n: b for n, b in bodies.items() if "kind=kLoop" in b or "kind=kInput" in b or "kind=kOutput" in b}
     assert not generated, next(iter(generated.values()))
+
+
+def _products_reading(hlo: str, dims: tuple[int, ...]) -> list[str]:
+    """The dot instructions (library fusions' included) of which an operand is float32 shaped [..., *dims] (unit
+    axes aside)."""
+    shapes = {m.group(1): (m.group(2), tuple(int(d) for d in m.group(3).split(",") if d and d != "1"))
+              for m in re.finditer(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]", hlo)}
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r" dot\(([^)]*)\)", line)
+        if m and any(shapes.get(op.strip().lstrip("%"), ("", ()))[0] == "f32"
+                     and shapes[op.strip().lstrip("%")][1][-len(dims):] == dims for op in m.group(1).split(",")):
+            found.append(line.strip())
+    return found
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_the_decode_rule_reads_the_state_in_one_product(rows):
+    """A GDN layer's decode step multiplies each row's state once: its products with k and q are one contraction,
+    and the output comes from it, not from the new state (`gated_delta.recurrent_gated_delta_rule`), so the state is
+    read by that product and by the update that writes it to its pool, not four times as before."""
+    cfg = dataclasses.replace(get_preset("tiny-random"), linear_key_head_dim=24, linear_value_head_dim=40)
+    graphdef, params = init_model(cfg)
+    mem = plan_memory(cfg, jnp.float32, 16, 16, 64, num_kv_blocks=70, num_linear_slots=33, memory_budget_bytes=1 << 26)
+    w = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=16, max_model_len=64, chunk_stride=32, dtype=jnp.float32)
+    hlo = w.compiled_step((rows, 1, w.max_blocks)).as_text()
+    state = (cfg.linear_num_value_heads, 24, 40)
+    assert len(_products_reading(hlo, state)) == 1, _products_reading(hlo, state)
