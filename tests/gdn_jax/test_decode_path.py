@@ -272,8 +272,8 @@ def _products_reading(hlo: str, dims: tuple[int, ...]) -> list[str]:
     found = []
     for line in hlo.splitlines():
         m = re.search(r" dot\(([^)]*)\)", line)
-        if m and any(shapes.get(op.strip().lstrip("%"), ("", ()))[0] == "f32"
-                     and shapes[op.strip().lstrip("%")][1][-len(dims):] == dims for op in m.group(1).split(",")):
+        operands = [shapes.get(op.strip().lstrip("%"), ("", ())) for op in m.group(1).split(",")] if m else []
+        if any(dtype == "f32" and shape[-len(dims):] == dims for dtype, shape in operands):
             found.append(line.strip())
     return found
 
