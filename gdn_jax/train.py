@@ -16,6 +16,7 @@ faster in bfloat16 on the 2-core development CPU, but a training step of the sma
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -224,6 +225,29 @@ def make_train_step(fwd: Forward, tx):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+# The TrainConfig fields the optimizer, so the jitted step, depends on (beside the model config and compute dtype)
+OPTIMIZER_FIELDS = ("steps", "lr", "min_lr_ratio", "warmup", "weight_decay", "clip")
+
+
+@functools.lru_cache(maxsize=8)
+def forward_for(cfg: ModelConfig, compute_dtype: str) -> Forward:
+    """The `Forward` of a config and compute dtype ("float32" or "bfloat16"), one per process: its jitted
+    evaluation is traced and compiled once, however many runs (a notebook's re-run cell, a resume) evaluate."""
+    return Forward(cfg, jnp.bfloat16 if compute_dtype == "bfloat16" else jnp.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _step_for(cfg: ModelConfig, compute_dtype: str, optimizer: tuple):
+    tc = TrainConfig(**dict(zip(OPTIMIZER_FIELDS, optimizer)))
+    return make_train_step(forward_for(cfg, compute_dtype), make_optimizer(tc)[0])
+
+
+def train_step_for(cfg: ModelConfig, tc: TrainConfig):
+    """`make_train_step` of the config's `forward_for` and `tc`'s optimizer, one per process for the same settings:
+    a second run (a resume, a re-run) calls the step the first one compiled."""
+    return _step_for(cfg, tc.compute_dtype, tuple(getattr(tc, f) for f in OPTIMIZER_FIELDS))
+
+
 def init_params(cfg: ModelConfig, seed: int = 0):
     """Float32 master params for training: normal(0.02) projections, zero-centred norms at identity, the GDN decay
     rates of `model.Qwen35Model`; output projections scaled down by sqrt(2 * layers) (residual-stream init)."""
@@ -292,7 +316,7 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
                          f"id b + {ByteTokenizer.OFFSET}, so a byte-level vocabulary needs {256 + ByteTokenizer.OFFSET})")
     if len(heldout) < tc.eval_window:
         raise ValueError(f"eval_window {tc.eval_window} is longer than the held-out slice of {len(heldout)} tokens")
-    fwd = Forward(cfg, jnp.bfloat16 if tc.compute_dtype == "bfloat16" else jnp.float32)
+    fwd = forward_for(cfg, tc.compute_dtype)
     tx, sched = make_optimizer(tc)
     history, start = [], 0
     mngr, latest, settings = None, None, run_settings(cfg, tc, corpus)
@@ -311,7 +335,8 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
                 raise ValueError(f"checkpoint folder {ckpt_dir} holds a run with other settings; resuming it with "
                                  f"these would not continue it: {', '.join(changed)}")
     params = init_params(cfg, tc.seed)
-    opt_state = tx.init(params)
+    # committed to the device, as orbax's restored arrays are: a resumed run calls the program a fresh run compiled
+    params, opt_state = jax.device_put((params, tx.init(params)), jax.devices()[0])
     if mngr is not None:
         if resume and latest is not None:
             start = latest
@@ -321,7 +346,7 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, ckpt_dir: str | Pat
             params, opt_state = restored.state["params"], restored.state["opt_state"]
             history = list(restored.history)
             log(f"resumed from step {start}")
-    step_fn = make_train_step(fwd, tx)
+    step_fn = train_step_for(cfg, tc)
     t0, t_eval, t_compile, pending = time.perf_counter(), 0.0, 0.0, []
     t_before = history[-1]["time"] if history else 0.0
     end = tc.steps if stop_after is None else min(tc.steps, start + stop_after)

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from gdn_jax.cli import nonnegative_int, positive_int  # noqa: E402
 from gdn_jax.config import ModelConfig, hybrid_layer_types  # noqa: E402
 from gdn_jax.tokenizer import ByteTokenizer  # noqa: E402
-from gdn_jax.train import (LN2, Forward, TrainConfig, bits_per_byte, load_corpus, param_count,  # noqa: E402
+from gdn_jax.train import (LN2, TrainConfig, bits_per_byte, forward_for, load_corpus, param_count,  # noqa: E402
                            steady_tokens_per_s, train)
 from gdn_jax.weights import save_hf_weights  # noqa: E402
 
@@ -210,8 +209,8 @@ def main(argv=None) -> dict:
         print(json.dumps(summary))
         return summary
     t = time.perf_counter()
-    bpb = {name: bits_per_byte(Forward(cfg, dt), params, corpus.heldout, a.eval_window)
-           for name, dt in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16))}
+    bpb = {name: bits_per_byte(forward_for(cfg, name), params, corpus.heldout, a.eval_window)
+           for name in ("float32", "bfloat16")}
     print(f"held-out bits/byte: float32 {bpb['float32']:.4f}, bfloat16 {bpb['bfloat16']:.4f} "
           f"({time.perf_counter() - t:.0f} s)")
     out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from gdn_jax.config import get_preset
 from gdn_jax.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 from gdn_jax.model import forward, init_model, init_state
 from gdn_jax.train import (Corpus, Forward, TrainConfig, cast_params, encode, load_corpus, make_optimizer,
-                           reference_documents, run_settings, train)
+                           reference_documents, run_settings, train, train_step_for)
 from gdn_jax.tokenizer import ByteTokenizer
 from gdn_jax.weights import abstract_model, load_hf_weights, save_hf_weights
 from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
@@ -209,8 +209,13 @@ def test_reduced_training_run_lowers_the_loss_and_resumes_at_the_same_step(tmp_p
     first = train_tiny.main(common + ["--stop-after", "12"])
     assert (first["start_step"], first["end_step"]) == (0, 12)
     assert not (out / "model.safetensors").exists()  # interrupted: nothing exported
+    step = train_step_for(train_tiny.model_config(train_tiny.parse(common)), TrainConfig(steps=24, lr=3e-3, warmup=4))
+    traced = step._cache_size()
     second = train_tiny.main(common + ["--resume"])
     assert (second["start_step"], second["end_step"]) == (12, 24)
+    # the resumed run called the program the first one compiled (orbax's arrays are committed to the device: a
+    # fresh run's arrays are too, or the resume traced and compiled its own)
+    assert step._cache_size() == traced
     history = json.loads((logs / "loss_curve.json").read_text())["history"]
     assert [r["step"] for r in history] == [6, 12, 18, 24]  # one history across both runs
     sched = make_optimizer(TrainConfig(steps=24, lr=3e-3, warmup=4))[1]  # each row: its last step's rate
@@ -235,6 +240,7 @@ def test_reduced_training_run_lowers_the_loss_and_resumes_at_the_same_step(tmp_p
                      log=lambda s: None)
     # a checkpoint logs the losses since the last row: a resume from step 10 or 20 loses none of them
     assert [r["step"] for r in straight["history"]] == [10, 20, 24]
+    assert step._cache_size() == traced
     _, _, exported = load_hf_weights(out)
     for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(exported)), jax.tree.leaves(nnx.to_pure_dict(straight["params"]))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
