@@ -6,8 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.model import Batch
+from gdn_jax.worker import compiler_options
 
 BLOCK_SIZE = 16
+# What the engine compiles its prefill steps with (on the CPU, the LLVM IR emitters): the tests' own jits of the model
+# and its kernels compile with it too, as the engine would, in about two thirds of XLA's default compile time.
+PREFILL_OPTIONS = compiler_options("prefill")
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 
 

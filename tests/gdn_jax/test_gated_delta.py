@@ -16,6 +16,7 @@ from gdn_jax.gated_delta import (
     l2norm,
     recurrent_gated_delta_rule,
 )
+from tests.gdn_jax.helpers import PREFILL_OPTIONS
 
 H, DK, DV = 2, 16, 8  # dk != dv so a transposed state cannot pass
 RTOL, ATOL = 1e-4, 1e-5
@@ -24,9 +25,10 @@ RTOL, ATOL = 1e-4, 1e-5
 chunk_jit = jax.jit(
     chunk_gated_delta_rule,
     static_argnames=("chunk_size", "output_chunk_states", "impl", "chunks_per_step", "solve_method"),
+    compiler_options=PREFILL_OPTIONS,
 )
-rec_jit = jax.jit(recurrent_gated_delta_rule)
-conv_jit = jax.jit(causal_conv1d)
+rec_jit = jax.jit(recurrent_gated_delta_rule, compiler_options=PREFILL_OPTIONS)
+conv_jit = jax.jit(causal_conv1d, compiler_options=PREFILL_OPTIONS)
 
 
 # ------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import gdn_jax.model as model
 from gdn_jax.config import FULL, LINEAR, get_preset, hybrid_layer_types
 from gdn_jax.model import Batch, forward, init_model, init_state, layer_groups
 from gdn_jax.train import dense_forward
-from tests.gdn_jax.helpers import BLOCK_SIZE, single_row_batch
+from tests.gdn_jax.helpers import BLOCK_SIZE, PREFILL_OPTIONS, single_row_batch
 
 NB = 8
 
@@ -27,7 +27,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def step():
-    return jax.jit(forward, static_argnums=(0, 4))
+    return jax.jit(forward, static_argnums=(0, 4), compiler_options=PREFILL_OPTIONS)
 
 
 def test_tiny_preset_is_hybrid_and_deterministic(tiny):
@@ -113,9 +113,9 @@ def test_layer_loop_computes_what_the_layers_one_by_one_compute(layer_types):
     cfg = dataclasses.replace(get_preset("tiny-random"), layer_types=layer_types)
     graphdef, params = init_model(cfg)
     tokens = np.random.default_rng(3).integers(4, 500, 100)
-    logits, _ = jax.jit(forward, static_argnums=(0, 4))(graphdef, params, single_row_batch(tokens, 0, NB),
-                                                        init_state(cfg, NB + 1, BLOCK_SIZE, 4), True)
-    dense = jax.jit(dense_forward)(nnx.merge(graphdef, params), tokens[None])
+    logits, _ = jax.jit(forward, static_argnums=(0, 4), compiler_options=PREFILL_OPTIONS)(
+        graphdef, params, single_row_batch(tokens, 0, NB), init_state(cfg, NB + 1, BLOCK_SIZE, 4), True)
+    dense = jax.jit(dense_forward, compiler_options=PREFILL_OPTIONS)(nnx.merge(graphdef, params), tokens[None])
     np.testing.assert_allclose(np.asarray(logits), np.asarray(dense), atol=2e-5, rtol=0)
 
 
@@ -143,7 +143,8 @@ def test_attention_in_chunks_equals_attention_in_one_chunk(monkeypatch, tiny, T)
     results = []
     for keys in (256, BLOCK_SIZE):
         monkeypatch.setattr(model, "KV_CHUNK_KEYS", keys)
-        step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, True))  # a fresh trace under this chunk size
+        # a fresh trace under this chunk size
+        step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, True), compiler_options=PREFILL_OPTIONS)
         _, state = step(params, single_row_batch(toks[:150], 0, 12), init_state(cfg, 13, BLOCK_SIZE, 4))
         results.append(jax.device_get(step(params, single_row_batch(toks[150:], 150, 12), state)))
     (l1, s1), (l2, s2) = results

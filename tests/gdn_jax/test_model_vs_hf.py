@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 
 from gdn_jax.model import forward, init_state
 from gdn_jax.weights import load_hf_weights
-from tests.gdn_jax.helpers import BLOCK_SIZE, single_row_batch
+from tests.gdn_jax.helpers import BLOCK_SIZE, PREFILL_OPTIONS, single_row_batch
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 # transformers' own save of a tied multimodal model, with shapes the first fixture lacks (see its README)
@@ -37,7 +37,7 @@ def text_model():
 
 @pytest.fixture(scope="module")
 def step():
-    return jax.jit(forward, static_argnums=(0, 4))
+    return jax.jit(forward, static_argnums=(0, 4), compiler_options=PREFILL_OPTIONS)
 
 
 def _multimodal_copy(tmp: Path, text_tie: bool = False) -> Path:

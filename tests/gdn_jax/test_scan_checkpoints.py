@@ -12,7 +12,7 @@ import pytest
 from gdn_jax import LLM, LLMEngine, SamplingParams
 from gdn_jax.config import get_preset, hybrid_layer_types
 from gdn_jax.model import Batch, forward, init_model, init_state
-from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
+from tests.gdn_jax.helpers import BLOCK_SIZE, PREFILL_OPTIONS, random_ids, single_row_batch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
 
@@ -22,7 +22,7 @@ COLD_TOKENS = 256  # every prefix the tests below check fits: one padded shape, 
 
 @functools.cache
 def _cold_forward(graphdef):
-    return jax.jit(lambda params, batch, state: forward(graphdef, params, batch, state))
+    return jax.jit(lambda params, batch, state: forward(graphdef, params, batch, state), compiler_options=PREFILL_OPTIONS)
 
 
 def cold_states(cfg, graphdef, params, dtype, tokens):
@@ -130,7 +130,7 @@ def test_saves_land_in_their_layer_under_the_nested_layer_loops():
                   slot_mapping=jnp.asarray(slot_mapping), linear_state_ids=jnp.asarray([1, 2], jnp.int32),
                   has_initial_state=jnp.zeros(2, bool),
                   **{f"save_{k}": jnp.asarray(v, jnp.int32) for k, v in zip(("rows", "offsets", "slots"), zip(*saves))})
-    step = jax.jit(forward, static_argnums=(0, 4, 5))
+    step = jax.jit(forward, static_argnums=(0, 4, 5), compiler_options=PREFILL_OPTIONS)
     _, pools = step(graphdef, params, batch, init_state(cfg, 2 * nb + 1, BLOCK_SIZE, 8), False, 16)
     expected = {slot: rows[row][:offset] for row, offset, slot in saves if slot} | {1: rows[0], 2: rows[1]}
     for slot, prefix in expected.items():
