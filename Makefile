@@ -36,10 +36,12 @@ GROUP_D := tests/gdn_jax/test_tiny_model.py tests/gdn_jax/test_weights.py tests/
 # The server, training, the studies, the notebooks and the scripts are tested for what they do with the model's
 # results (requests, streams, resumes, tables, files), each against itself: their processes compile with LLVM's
 # optimisation off, which halves their compile time, most of their time (on the tiny model a float32 logprob moves
-# by ~1e-5 at most, a bfloat16 one by up to ~0.02; greedy tokens stayed the same). The groups above, which test the numbers a user gets (the model, exactness of the
+# by ~1e-5 at most, a bfloat16 one by up to ~0.02; greedy tokens stayed the same), and with the LLVM IR emitters for
+# every program (the engine's prefill steps use them anyway; the training, TTFT-study and notebook tests took ~15%
+# less time with them). The groups above, which test the numbers a user gets (the model, exactness of the
 # cache, decode and sampling paths, the shipped model's card, stored executables, and the server's engine thread
 # compiling a request's shapes: test_server_default_compile.py), compile as a user's engine does.
-PLUMBING := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0"
+PLUMBING := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # `make test` runs the groups in two lanes at once (a step compiles on one core, and most of the suite's time is
 # compiling): B then C, which runs many steps B compiled; and the rest. Each lane's groups run in order; each
 # group's output is printed when it ends. A lane's groups share compiled executables through JAX's persistent
