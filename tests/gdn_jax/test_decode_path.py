@@ -288,5 +288,5 @@ def test_the_decode_rule_reads_the_state_in_one_product(rows):
     mem = plan_memory(cfg, jnp.float32, 16, 16, 64, num_kv_blocks=70, num_linear_slots=33, memory_budget_bytes=1 << 26)
     w = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=16, max_model_len=64, chunk_stride=32, dtype=jnp.float32)
     hlo = w.compiled_step((rows, 1, w.max_blocks)).as_text()
-    state = (cfg.linear_num_value_heads, 24, 40)
-    assert len(_products_reading(hlo, state)) == 1, _products_reading(hlo, state)
+    products = _products_reading(hlo, (cfg.linear_num_value_heads, 24, 40))
+    assert len(products) == 1, products
