@@ -684,3 +684,47 @@ def test_bench_train_times_compilation_apart_from_the_first_step(tmp_path):
     for r in rows:
         assert r["compile_s"] > 0 and r["first_step_s"] > 0 and 0 < r["step_s_min"] <= r["step_s_median"]
         assert r["tokens_per_s_best"] == pytest.approx(r["batch"] * r["seq_len"] / r["step_s_min"])
+
+
+GPU_CHECK_BENCH = ("--preset tiny-random --dtype float32 --prefill-tokens 128 --decode-batch 2 --decode-prompt 32 "
+                   "--decode-steps 2 --shared 128 --new 32 --chunk-stride 32 --rounds 1 --pool-gib 0.1 "
+                   "--matmul-probe 256")
+
+
+def _gpu_check(out, tests, bench_args):
+    """scripts/gpu_check.sh on the CPU with `tests` (GPU_CHECK_TESTS) and `bench_args` (BENCH_ARGS)."""
+    import os
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "GDN_JAX_TEST_COMPILE_CACHE"}
+    env |= {"JAX_PLATFORMS": "cpu", "PYTHON": sys.executable, "GPU_CHECK_TESTS": tests, "BENCH_ARGS": bench_args}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow  # ~40 s: a pytest process and bench_gpu.py on tiny-random, each compiling its engines
+def test_gpu_check_runs_the_tests_then_every_stage_of_bench_gpu(tmp_path):
+    """On the CPU the GPU session script runs end to end: the environment report, the tests it is given (their JUnit
+    XML), then bench_gpu.py with every stage, each figure in its JSON."""
+    out = tmp_path / "gpu"
+    run = _gpu_check(out, "tests/gdn_jax/test_restore.py::test_two_rows_may_restore_from_the_same_checkpoint",
+                     GPU_CHECK_BENCH)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "backend cpu" in (out / "env.txt").read_text()
+    suite = (out / "tests.xml").read_text()
+    assert 'tests="1"' in suite and 'failures="0"' in suite and 'errors="0"' in suite
+    bench = json.loads((out / "bench_gpu.json").read_text())
+    assert bench["forward"]["best_s"] > 0 and bench["decode"]["median_ms"] > 0 and bench["forward"]["finite"]
+    assert bench["ttft"]["hit_ttft_ms_median"] > 0 and bench["off"]["off_ttft_ms_median"] > 0
+    assert set(bench["ttft"]["hit_cached"]) == {128}  # every hit reused the whole shared part
+    assert "tests exit 0, bench_gpu exit 0" in run.stdout
+
+
+def test_gpu_check_runs_bench_gpu_after_failing_tests_and_reports_the_failure(tmp_path):
+    """A failing test stage leaves the bench its turn, and the script's exit status says the tests failed."""
+    out = tmp_path / "gpu"
+    missing = "tests/gdn_jax/test_no_such_file.py"
+    run = _gpu_check(out, missing, GPU_CHECK_BENCH + " --skip forward,ttft,decode,off")
+    assert run.returncode != 0
+    assert missing in (out / "tests.log").read_text()
+    assert "tests exit 4, bench_gpu exit 0" in run.stdout  # pytest's "usage error" status: no such file
+    assert json.loads((out / "bench_gpu.json").read_text())["probes"]

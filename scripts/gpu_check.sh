@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One pass on a machine with an NVIDIA GPU: the environment, the numerical and cache-equivalence tests on the GPU,
+# then scripts/bench_gpu.py on the qwen3.5-9b shapes in bfloat16 (random weights: nothing is downloaded).
+#
+#     bash scripts/gpu_check.sh [OUT_DIR]        # default results/gpu
+#
+# It uses the Python that `PYTHON` names (default python3) with the packages it already has (JAX with its CUDA
+# plugin, flax, orbax-checkpoint, safetensors, xxhash, pytest, hypothesis): the repository is put on PYTHONPATH, so
+# nothing is installed and a machine without network access runs it as it is. Elsewhere, `pip install -e .[cuda,dev]`
+# first. Each stage runs under its own time limit (TESTS_TIMEOUT, BENCH_TIMEOUT seconds), so a stage that hangs or
+# runs long still leaves the next one its time (by default 240 + 330 s: the whole run stays under 10 minutes);
+# bench_gpu.py writes each figure to its JSON as soon as it has it.
+# Everything lands in OUT_DIR: env.txt, tests.log (pytest's summary, JUnit XML in tests.xml), bench.log and
+# bench_gpu.json. BENCH_ARGS adds arguments to bench_gpu.py (e.g. "--preset hybrid-1024 --skip off").
+#
+# On a CPU (JAX_PLATFORMS=cpu, a small BENCH_ARGS) the same script runs end to end, which checks the script only.
+set -uo pipefail
+
+out=${1:-results/gpu}
+py=${PYTHON:-python3}
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}  # the tests' conftest would otherwise pin the CPU
+cd "$root" || exit 1
+
+{
+  date -u
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  "$py" - <<'EOF'
+import importlib.metadata as md
+import jax
+for name in ("jax", "jaxlib", "flax", "orbax-checkpoint", "numpy"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "not installed")
+print("backend", jax.default_backend(), "devices", jax.devices())
+EOF
+} 2>&1 | tee "$out/env.txt"
+status=${PIPESTATUS[0]}
+if [ "$status" -ne 0 ]; then
+  echo "gpu_check: the environment check failed (JAX or a package missing?): see $out/env.txt" >&2
+  exit "$status"
+fi
+
+# the tests whose assertions hold on any backend: the model against transformers' reference outputs, both schedules
+# of the GDN rule, the scan checkpoints, restore, cache on == cache off, mixed steps, sampling, forks, prompt logprobs
+# (GPU_CHECK_TESTS, a space-separated list, replaces them)
+tests=(tests/gdn_jax/test_model_vs_hf.py tests/gdn_jax/test_gated_delta.py tests/gdn_jax/test_scan_checkpoints.py
+       tests/gdn_jax/test_restore.py tests/gdn_jax/test_engine_cache_equivalence.py tests/gdn_jax/test_mixed_steps.py
+       tests/gdn_jax/test_sampling_engine.py tests/gdn_jax/test_fork_engine.py tests/gdn_jax/test_prompt_logprobs.py)
+# shellcheck disable=SC2206  # a list of paths
+[ -n "${GPU_CHECK_TESTS:-}" ] && tests=($GPU_CHECK_TESTS)
+timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest -q -p no:cacheprovider --junitxml="$out/tests.xml" "${tests[@]}" \
+  2>&1 | tee "$out/tests.log"
+tests_status=${PIPESTATUS[0]}
+
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+timeout "${BENCH_TIMEOUT:-330}" "$py" scripts/bench_gpu.py --out "$out/bench_gpu.json" ${BENCH_ARGS:-} \
+  2>&1 | tee "$out/bench.log"
+bench_status=${PIPESTATUS[0]}
+
+echo "gpu_check: tests exit $tests_status, bench_gpu exit $bench_status (124: its time limit); results in $out"
+[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]
