@@ -885,16 +885,17 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        for prompt, sp in zip(prompts, params):  # validate all first: nothing is added if one is bad
-            self.engine.validate_request(prompt, sp)
+        # validate all first: nothing is added if one is bad; each is then added as the token ids (and text) its
+        # validation found, so that a text prompt is tokenized once
+        checked = [self.engine.validate_request(prompt, sp)[:2] for prompt, sp in zip(prompts, params)]
         ids = []
         try:
-            for prompt, sp in zip(prompts, params):
+            for (text, token_ids), sp in zip(checked, params):
                 rid = str(next(self._ids))
                 while rid in self.engine._requests:  # an id the caller gave a request of its own on this engine
                     rid = str(next(self._ids))
                 ids.append(rid)  # before it is added: an interrupt right after the add still aborts it
-                self.engine.add_request(rid, prompt, sp)
+                self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": token_ids}, sp)
                 self.engine._requests[rid].final_only = True
         except BaseException:  # interrupted while adding (a long batch): none of it stays to run in a later call
             self.engine.abort_request(ids)

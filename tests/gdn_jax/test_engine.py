@@ -714,6 +714,22 @@ def test_generate_builds_each_output_once_but_the_step_api_streams_them(llm, mon
     assert built.count("own") == 20
 
 
+def test_generate_tokenizes_each_text_prompt_once(llm, monkeypatch):
+    """`generate` validates every prompt before it adds any (tokenizing a text prompt), then adds the token ids it
+    found: the text is not tokenized a second time. Its output is the same as a token-id prompt's, with the text."""
+    texts = ["def f(x):", "The for statement", "def f(x):"]
+    encoded = []
+    real = llm.engine.tokenizer.encode
+    monkeypatch.setattr(llm.engine.tokenizer, "encode", lambda text: encoded.append(text) or real(text))
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate(texts, greedy, use_tqdm=False)
+    assert encoded == texts
+    by_ids = llm.generate([real(t) for t in texts], greedy, use_tqdm=False)
+    assert [o.prompt for o in outs] == texts and [o.prompt for o in by_ids] == [None] * 3
+    assert [o.prompt_token_ids for o in outs] == [real(t) for t in texts] == [o.prompt_token_ids for o in by_ids]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in by_ids]
+
+
 CHAT = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is false %}<think></think>{% endif %}"
         "{% endif %}")
