@@ -36,6 +36,8 @@ for name in ("jax", "jaxlib", "flax", "orbax-checkpoint", "numpy"):
     except md.PackageNotFoundError:
         print(name, "not installed")
 print("backend", jax.default_backend(), "devices", jax.devices())
+import gdn_jax  # noqa: E402,F401  (the package imports with these versions, or nothing below can run)
+print("gdn_jax imports")
 EOF
 } 2>&1 | tee "$out/env.txt"
 status=${PIPESTATUS[0]}

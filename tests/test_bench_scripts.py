@@ -709,7 +709,7 @@ def test_gpu_check_runs_the_tests_then_every_stage_of_bench_gpu(tmp_path):
     run = _gpu_check(out, "tests/gdn_jax/test_restore.py::test_two_rows_may_restore_from_the_same_checkpoint",
                      GPU_CHECK_BENCH)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "backend cpu" in (out / "env.txt").read_text()
+    assert "backend cpu" in (out / "env.txt").read_text() and "gdn_jax imports" in (out / "env.txt").read_text()
     suite = (out / "tests.xml").read_text()
     assert 'tests="1"' in suite and 'failures="0"' in suite and 'errors="0"' in suite
     bench = json.loads((out / "bench_gpu.json").read_text())
