@@ -77,9 +77,13 @@ test-reference: $(REF_VENV)/.installed
 test-fast: $(VENV)/.installed  # everything but the tests marked slow
 	$(PY) -m pytest -q -m "not slow"
 
-# Long randomized property run for offline soak (CI uses the derandomized "ci" profile of tests/conftest.py).
+# Long randomized runs for an offline soak: the scheduler's properties (CI uses the derandomized "ci" profile of
+# tests/conftest.py), then random engine workloads, cache on, against each request alone with the cache off
+# (SOAK_MINUTES, default 10; CI runs one round of it).
+SOAK_MINUTES ?= 10
 soak: $(VENV)/.installed
 	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -q tests/scheduler/test_scheduler_properties.py
+	$(PY) scripts/soak_cache.py --minutes $(SOAK_MINUTES) --seed $$(date +%s)
 
 # Re-executes the study notebooks in place, so that the outputs committed with them are those of a real full run.
 NOTEBOOKS := notebooks/01_prefix_cache_walkthrough.ipynb notebooks/02_accuracy_study.ipynb

@@ -3,6 +3,8 @@ its docstring describes, with one row per configuration and positive times. (No 
 
 import importlib
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -580,9 +582,6 @@ def test_bench_compile_without_a_cache_uses_none_the_environment_names(tmp_path)
     """`--cache-dir off` (the default) compiles every shape afresh: a JAX_COMPILATION_CACHE_DIR in the environment
     turned JAX's persistent cache (and the executable store beside it) on under it, so a second run read its shapes
     from there."""
-    import os
-    import subprocess
-
     cache = tmp_path / "cache"
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                PYTHONPATH=str(ROOT))
@@ -693,8 +692,6 @@ GPU_CHECK_BENCH = ("--preset tiny-random --dtype float32 --prefill-tokens 128 --
 
 def _gpu_check(out, tests, bench_args):
     """scripts/gpu_check.sh on the CPU with `tests` (GPU_CHECK_TESTS) and `bench_args` (BENCH_ARGS)."""
-    import os
-    import subprocess
     env = {k: v for k, v in os.environ.items() if k != "GDN_JAX_TEST_COMPILE_CACHE"}
     env |= {"JAX_PLATFORMS": "cpu", "PYTHON": sys.executable, "GPU_CHECK_TESTS": tests, "BENCH_ARGS": bench_args}
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], env=env, cwd=ROOT,
@@ -728,3 +725,18 @@ def test_gpu_check_runs_bench_gpu_after_failing_tests_and_reports_the_failure(tm
     assert missing in (out / "tests.log").read_text()
     assert "tests exit 4, bench_gpu exit 0" in run.stdout  # pytest's "usage error" status: no such file
     assert json.loads((out / "bench_gpu.json").read_text())["probes"]
+
+
+@pytest.mark.slow  # ~30 s: two rounds, each a cache-on engine and the cache-off reference compiling their steps
+def test_soak_cache_finds_the_exact_cache_exact_and_catches_an_unsafe_reuse(tmp_path):
+    """One round of the soak (seed 2: a geometry whose workload hits the cache and restores checkpoints) with the
+    exact cache: every request equals itself run alone without the cache. The same round with the ablation's unsafe
+    reuse (a cold GDN state after a KV match): the soak reports the requests it changed, and the JSON holds them."""
+    soak = _script("soak_cache")
+    argv = ["--rounds", "1", "--requests", "6", "--seed", "2"]
+    exact = soak.main(argv + ["--out", str(tmp_path / "exact.json")])
+    assert exact["mismatches"] == [] and exact["totals"]["rounds"] == 1 and exact["totals"]["requests"] >= 5
+    assert exact["totals"]["hits"] > 0 and exact["totals"]["checkpoints_restored"] > 0
+    unsafe = soak.main(argv + ["--unsafe-reuse", "cold", "--out", str(tmp_path / "unsafe.json")])
+    assert unsafe["mismatches"] and all(m["differences"] and m["seed"] == 2 for m in unsafe["mismatches"])
+    assert json.loads((tmp_path / "unsafe.json").read_text())["mismatches"] == unsafe["mismatches"]
