@@ -24,13 +24,13 @@ run: $(VENV)/.installed
 # that compiled the whole suite's few hundred step shapes aborted inside LLVM (vm.max_map_count is 65530 here);
 # each group below compiles a fraction of that. The server tests also get their own process (their engine thread
 # compiles). .ci/run raises vm.max_map_count where it may.
-GROUP_A := tests/scheduler tests/test_cli_help.py tests/gdn_jax/test_gated_delta.py
+GROUP_A := tests/scheduler tests/test_cli_help.py
 GROUP_B := tests/gdn_jax/test_donation.py tests/gdn_jax/test_engine.py tests/gdn_jax/test_engine_cache_equivalence.py \
            tests/gdn_jax/test_scan_checkpoints.py tests/gdn_jax/test_mixed_steps.py \
            tests/gdn_jax/test_fork_engine.py tests/gdn_jax/test_memory_plan.py
 GROUP_C := tests/gdn_jax/test_decode_path.py tests/gdn_jax/test_model.py tests/gdn_jax/test_model_vs_hf.py tests/gdn_jax/test_prompt_logprobs.py \
            tests/gdn_jax/test_restore.py tests/gdn_jax/test_sampling.py tests/gdn_jax/test_sampling_engine.py \
-           tests/gdn_jax/test_accelerator_forms.py
+           tests/gdn_jax/test_accelerator_forms.py tests/gdn_jax/test_gated_delta.py
 GROUP_D := tests/gdn_jax/test_tiny_model.py tests/gdn_jax/test_weights.py tests/gdn_jax/test_shape_buckets.py \
            tests/gdn_jax/test_executables.py tests/gdn_jax/test_text_stream.py tests/gdn_jax/test_server_default_compile.py
 # The server, training, the studies, the notebooks and the scripts are tested for what they do with the model's
