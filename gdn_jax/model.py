@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.config import FULL, LINEAR, ModelConfig
-from gdn_jax.gated_delta import causal_conv1d, chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from gdn_jax.gated_delta import (causal_conv1d, chunk_gated_delta_rule, default_chunk_size, l2norm,
+                                 recurrent_gated_delta_rule)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=[
@@ -481,16 +482,17 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = _linear(rngs, cfg.linear_value_dim, cfg.hidden_size, dtype, std)
 
-    def __call__(self, x, conv_state, ssm_state, lengths, chunk_size: int = 64, rule=None, saves=None,
+    def __call__(self, x, conv_state, ssm_state, lengths, chunk_size: int | None = None, rule=None, saves=None,
                  schedule: str = "auto"):
         """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state).
-        `chunk_size` of the chunked rule (same maths; training on CPU runs fastest with 32). `rule`, if given,
+        `chunk_size` of the chunked rule (same maths; None: `gated_delta.default_chunk_size()`). `rule`, if given,
         replaces the gated delta rule and the ssm_state argument: (q, k, v, g, beta) -> (o, new ssm state); the
         engine's decode step passes one that advances the states inside their pool. `saves` = (rows, offsets), [S]
         each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv
         [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states. `schedule`: the chunked
         rule's (`chunk_gated_delta_rule`'s impl: "auto", "fused" or "parallel"; same maths)."""
         cfg = self.cfg
+        chunk_size = chunk_size or default_chunk_size()
         B, T, _ = x.shape
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -774,11 +776,11 @@ class Qwen35Model(nnx.Module):
 
         return _repeat(repeats, group, carry)
 
-    def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64,
+    def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int | None = None,
                  gdn_schedule: str = "auto"):
         """`gdn_schedule`: the chunked GDN rule's schedule ("auto", "fused", "parallel"; same maths).
         `chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
-        boundary is a chunk boundary of a row's scan)."""
+        boundary is a chunk boundary of a row's scan; None: `gated_delta.default_chunk_size()`)."""
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
         warm = batch.has_initial_state
         ids = batch.linear_state_ids
@@ -824,8 +826,8 @@ class Qwen35Model(nnx.Module):
         return dense(self.norm(x), head[...])
 
 
-def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int = 64,
-            gdn_schedule: str = "auto"):
+def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False,
+            chunk_size: int | None = None, gdn_schedule: str = "auto"):
     """Pure forward: (graphdef, params, batch, state) -> (logits [B, V] or [B, T, V] float32, new state)."""
     model = nnx.merge(graphdef, params)
     return model(batch, state, all_logits=all_logits, chunk_size=chunk_size, gdn_schedule=gdn_schedule)

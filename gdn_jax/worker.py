@@ -31,6 +31,7 @@ import numpy as np
 
 from gdn_jax import executables
 from gdn_jax.config import ModelConfig
+from gdn_jax.gated_delta import default_chunk_size
 from gdn_jax.model import Batch, dense, forward, init_state
 from gdn_jax.restore import RestoreOps, validate_cache_ops
 from gdn_jax.sampling import SamplingMetadata, sample
@@ -400,7 +401,7 @@ KEEP_UNUSED = True
 
 
 @functools.lru_cache(maxsize=None)
-def step_function(graphdef, params_def, chunk_size: int = 64, kind: str = "prefill", gdn_schedule: str = "auto",
+def step_function(graphdef, params_def, chunk_size: int, kind: str = "prefill", gdn_schedule: str = "auto",
                   dtype=None):
     """The jitted step for one model structure: `(param_leaves, state, batch)`, the state donated. Cached per
     (graphdef, params treedef, GDN chunk size and schedule, `executable_kind` and the model's dtype: their compile
@@ -414,7 +415,7 @@ def step_function(graphdef, params_def, chunk_size: int = 64, kind: str = "prefi
 
 
 @functools.lru_cache(maxsize=None)
-def prompt_step_function(graphdef, params_def, chunk_size: int = 64, gdn_schedule: str = "auto"):
+def prompt_step_function(graphdef, params_def, chunk_size: int, gdn_schedule: str = "auto"):
     """The prompt-logprobs variant of `step_function` (its last argument, `full_rows`, is static)."""
 
     def step(param_leaves, state, *args):
@@ -445,8 +446,8 @@ class Worker:
         """`checkpoint_mode` "scan" (the scheduler's; see SchedulerConfig): a prefill row holds up to
         `max_num_batched_tokens` tokens, and a step shape with room for a row to cross a boundary writes up to
         `num_saves(B, T)` checkpoints; "promote": a row holds at most `chunk_stride` tokens and no step writes a
-        checkpoint. The chunked GDN rule runs with chunk size gcd(64, chunk_stride), so that every boundary is a
-        chunk boundary of a row that starts on one.
+        checkpoint. The chunked GDN rule runs with chunk size gcd(`gated_delta.default_chunk_size()`, chunk_stride),
+        so that every boundary is a chunk boundary of a row that starts on one.
 
         `params` may be abstract (`jax.ShapeDtypeStruct` leaves, `weights.abstract_model`): the pools are then
         abstract too, nothing is allocated, and the worker can only lower and compile (`lowered_step`), as
@@ -459,7 +460,7 @@ class Worker:
         self.memory, self.block_size = memory, block_size
         self.max_rows = _bucket(max_num_seqs, 1, 1 << 30)
         self.max_blocks = math.ceil(max_model_len / block_size)
-        self.stride, self.chunk_size = chunk_stride, math.gcd(64, chunk_stride)
+        self.stride, self.chunk_size = chunk_stride, math.gcd(default_chunk_size(), chunk_stride)
         self.budget = max_num_batched_tokens or max(chunk_stride, 2048)
         self.scan = checkpoint_mode == "scan"
         self.saves = self.scan and enable_prefix_caching and bool(cfg.linear_layer_ids)
