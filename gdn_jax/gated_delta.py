@@ -327,11 +327,12 @@ def chunk_gated_delta_rule(
             # the whole sequence in memory)
             q_, k_, v_ = (a.transpose(0, 3, 1, 2, 4) for a in _inert(m_, q_, k_, v_))
             U, W, P, qd, kd, cd = _intra_chunk(q_, k_, v_, G_, b_, solve_method)
+            kdT = jnp.swapaxes(kd, -1, -2)  # the state update's product in the plain form (the library's)
             outs, sts = [], []
             for j in range(grp):
                 vn = U[:, :, j] - _mm("bhck,bhkv->bhcv", W[:, :, j], S)
                 outs.append(_mm("bhcs,bhsv->bhcv", P[:, :, j], vn) + _mm("bhck,bhkv->bhcv", qd[:, :, j], S))
-                S = S * cd[:, :, j] + _mm("bhck,bhcv->bhkv", kd[:, :, j], vn)
+                S = S * cd[:, :, j] + _mm("bhkc,bhcv->bhkv", kdT[:, :, j], vn)
                 sts.append(S)
             o_ = jnp.stack(outs, 1).transpose(0, 1, 3, 2, 4)  # [B, grp, C, H, dv]
             return S, (o_, jnp.stack(sts, 1) if output_chunk_states else None)
