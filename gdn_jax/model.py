@@ -467,7 +467,28 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up in the dtype of `gate`, each of the two results rounded once to that dtype, as transformers
+    computes them (in float32 inside each kernel).
+
+    For a 16-bit dtype the silu runs in float32 and `lax.reduce_precision` rounds it, and the product, to the dtype:
+    XLA removes no reduce_precision, while it may keep float32 values where a program converts to bfloat16 and back
+    inside one fusion (`xla_allow_excess_precision`), so that a result would depend on how XLA fuses the step, and so
+    on the batch. `jax.nn.silu` on a bfloat16 input is instead five operations each rounded to bfloat16: 16
+    conversions in the fused kernel, which made the MLP's silu the forward's costliest elementwise fusion
+    (docs/design.md, "The MLP's silu in bfloat16")."""
+    if gate.dtype == jnp.float32:
+        return jax.nn.silu(gate) * up
+    info = jnp.finfo(gate.dtype)
+
+    def rounded(a):
+        return jax.lax.reduce_precision(a, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+    s = rounded(jax.nn.silu(gate.astype(jnp.float32)))
+    return rounded(s * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 class GatedDeltaNet(nnx.Module):
