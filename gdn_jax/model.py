@@ -293,7 +293,8 @@ def _product(x, kernel):
       bfloat16 weight to float32 in memory (measured on a 6144 x 1024 matrix on the development machine: 0.42
       against 1.37 ms in bfloat16; float32 0.52 against 0.60 ms).
     - 2-64 rows (bfloat16: 16-64): W @ x.T, the weight on the left (float32 with 2-64 rows: 1.4-4x less CPU time
-      than x @ W.T; bfloat16 from 16 rows on: 15-35% less; with 2-4 rows no gain, so not used there). The
+      than x @ W.T; bfloat16 from 16 rows on: 15-35% less; with 2-4 rows no gain, so not used there). Bfloat16
+      from 2 rows on, and one row as two, on a CPU where that is faster (`few_rows_weight_left`, measured). The
       optimisation barrier keeps XLA from folding the transpose of the small [n_out, rows] result back into the dot
       (which would turn it into x @ W.T again).
     - `UPCAST_ROWS` rows or more (prefill) of a bfloat16 weight (`dense_all`, which picks the layer's weight out of
@@ -318,9 +319,73 @@ def _product(x, kernel):
 
 
 def _weight_left(x) -> bool:
-    """Whether `_product` multiplies x as W @ x.T (on CPU, WEIGHT_LHS_ROWS rows of the activation's dtype)."""
+    """Whether `_product` multiplies x as W @ x.T (on CPU, WEIGHT_LHS_ROWS rows of the activation's dtype; bfloat16
+    from 2 rows on where `few_rows_weight_left`)."""
+    if jax.default_backend() != "cpu":
+        return False
     lo, hi = WEIGHT_LHS_ROWS.get(jnp.dtype(x.dtype), (0, -1))
-    return jax.default_backend() == "cpu" and lo <= math.prod(x.shape[:-1]) <= hi
+    if jnp.dtype(x.dtype) == jnp.bfloat16 and few_rows_weight_left():
+        lo = 2
+    return lo <= math.prod(x.shape[:-1]) <= hi
+
+
+FEW_ROWS_ENV = "GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT"  # "1": always, "0": never, unset: measured (`few_rows_weight_left`)
+FEW_ROWS_ROUNDS, FEW_ROWS_MARGIN = 15, 0.05
+
+
+@functools.cache
+def few_rows_weight_left(timer=None) -> bool:
+    """Whether this CPU multiplies bfloat16 products of 1-15 rows (decode steps) faster in XLA's library with the
+    weight on the left, W @ x.T, one row padded to two with a zero row, than in the forms below.
+
+    On the machines this was developed on, a one-row product ran fastest as XLA's own loop over the weight
+    (`_one_row`) and 2-15 rows as x @ W.T. On a Xeon with AMX the library's bfloat16 routine with the weight on the
+    left streams the weight far faster at any few rows: 32 matrices of 4096 x 1024 (268 MB, from memory), one row
+    18.7 GB/s as the loop (512-bit vectors, its faster width there) against 26.4 GB/s as two rows, weight left;
+    2, 4 and 8 rows 15.0, 24.3 and 18.9 GB/s as x @ W.T against 28.7, 38.7 and 32.9 (12 matrices, 100 MB). So it
+    is measured once per machine (`executables.measured_choice`: kept beside JAX's persistent cache, else once per
+    process), unless `FEW_ROWS_ENV` says "1" or "0": a one-row product over 8 bfloat16 matrices of 4096 x 1024, as
+    the loop (at 256 and at 512 bits, the faster of the two each round) and as two rows with the weight on the left,
+    in turn `FEW_ROWS_ROUNDS` times; the library form is chosen when the median of the rounds' time ratios is
+    `FEW_ROWS_MARGIN` below 1 (a tie keeps the loop). `timer(fn, *args) -> seconds` replaces the clock (tests; then
+    nothing is kept). Either way the values agree to float32 summation order (exact products of bfloat16 numbers,
+    float32 sums)."""
+    env = os.environ.get(FEW_ROWS_ENV)
+    if env not in (None, "", "0", "1"):
+        raise ValueError(f"{FEW_ROWS_ENV} must be 0 or 1 (unset: measured), got {env!r}")
+    if env:
+        return env == "1"
+    if jax.default_backend() != "cpu":
+        return False
+
+    def measure():
+        rng = np.random.default_rng(0)
+        weights = tuple(jnp.asarray(rng.standard_normal((4096, 1024)) * 0.02, jnp.bfloat16) for _ in range(8))
+        x = jnp.asarray(rng.standard_normal((1, 1024)), jnp.bfloat16)
+        loops = [jax.jit(lambda x, ws: [_one_row(x[0], w) for w in ws],
+                         compiler_options={"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": bits})
+                 for bits in (256, 512)]
+        library = jax.jit(lambda x, ws: [_weight_left_product(jnp.concatenate([x, jnp.zeros_like(x)]), w)
+                                         for w in ws], compiler_options={"xla_cpu_use_fusion_emitters": False})
+        for fn in (*loops, library):  # compiled and run once, untimed
+            jax.block_until_ready(fn(x, weights))
+        clock = timer or _seconds_of
+        ratios = []
+        for _ in range(FEW_ROWS_ROUNDS):
+            loop = min(clock(fn, x, weights) for fn in loops)
+            ratios.append(clock(library, x, weights) / loop)
+        return float(np.median(ratios)) <= 1 - FEW_ROWS_MARGIN
+
+    from gdn_jax import executables  # (it imports this module)
+    return executables.measured_choice("bf16_few_rows_weight_left", measure, lambda v: isinstance(v, bool),
+                                       keep=timer is None)
+
+
+def _seconds_of(fn, *args) -> float:
+    """Wall seconds of one call of `fn`, its outputs ready."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
 
 
 def _weight_left_product(x, kernel):
@@ -351,9 +416,10 @@ def dense(x, kernel):
 
 def _as_two_rows(x, kernel) -> bool:
     """Whether a one-row product is multiplied as two rows, the row and a zero row (see `_one_row`): on CPU, a
-    weight narrower than float32 and an input too wide for XLA's fused loop."""
+    weight narrower than float32 and an input too wide for XLA's fused loop, or a bfloat16 weight on a CPU that
+    multiplies few rows faster in the library (`few_rows_weight_left`)."""
     return (jax.default_backend() == "cpu" and math.prod(x.shape[:-1]) == 1 and kernel.dtype != jnp.float32
-            and x.shape[-1] >= FUSED_MATVEC_COLUMNS)
+            and (x.shape[-1] >= FUSED_MATVEC_COLUMNS or (kernel.dtype == jnp.bfloat16 and few_rows_weight_left())))
 
 
 def _upcast(x, kernel) -> bool:

@@ -144,6 +144,53 @@ def test_the_faster_many_row_form_is_measured_unless_the_environment_says(monkey
         model.upcast_is_faster.__wrapped__()
 
 
+@pytest.mark.parametrize("library", [True, False])
+def test_one_row_bfloat16_product_takes_the_measured_form(monkeypatch, library):
+    """A one-row bfloat16 product is multiplied as two rows (the row and a zero row) with the weight on the left
+    where `few_rows_weight_left` says the library is faster, else as XLA's loop over the weight (`_one_row`); it
+    equals the float64 product to float32 accuracy either way."""
+    monkeypatch.setattr(model, "few_rows_weight_left", lambda: library)
+    n, k = 80, (328 if library else 344)  # widths of their own: `_products` keeps its trace per shape
+    kx, kw = jax.random.split(jax.random.PRNGKey(k))
+    x = jax.random.normal(kx, (1, 1, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (n, k), jnp.bfloat16)
+    y = np.asarray(jax.jit(model.dense)(x, w))
+    ref = np.asarray(x, np.float64)[0] @ np.asarray(w, np.float64).T
+    assert y.shape == (1, 1, n) and y.dtype == np.float32
+    np.testing.assert_allclose(y[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    jaxpr = str(jax.make_jaxpr(model.dense)(x, w))
+    assert ("concatenate" in jaxpr) == library  # the zero row
+    assert (f"f32[{n},2] = dot_general" in jaxpr) == library  # W @ x.T of the two rows
+
+
+def test_the_faster_few_row_form_is_measured_unless_the_environment_says(monkeypatch):
+    """`few_rows_weight_left` times a one-row bfloat16 product as XLA's loop (at both vector widths) and as two rows
+    with the weight on the left, off the caller's trace, and picks the library form only when it is faster by
+    `FEW_ROWS_MARGIN`; GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT=1 / 0 decides without measuring; another value is an error
+    naming the variable."""
+    monkeypatch.delenv(model.FEW_ROWS_ENV, raising=False)
+    seen = []
+
+    def timer(library_seconds):
+        def time_of(fn, x, weights):
+            library = "concatenate" in fn.lower(x, weights).as_text()
+            seen.append((x.shape, x.dtype.name, len(weights), weights[0].shape, library))
+            return library_seconds if library else 1.0
+        return time_of
+
+    for library_seconds, want in ((0.5, True), (0.97, False), (2.0, False)):
+        assert model.few_rows_weight_left.__wrapped__(timer(library_seconds)) is want
+    assert {s[:4] for s in seen} == {((1, 1024), "bfloat16", 8, (4096, 1024))}
+    # per round: the loop at both widths, then the library form
+    assert [s[4] for s in seen[:3]] == [False, False, True] and len(seen) == 3 * 3 * model.FEW_ROWS_ROUNDS
+    for value, want in (("1", True), ("0", False)):
+        monkeypatch.setenv(model.FEW_ROWS_ENV, value)
+        assert model.few_rows_weight_left.__wrapped__(lambda *a: pytest.fail("measured")) is want
+    monkeypatch.setenv(model.FEW_ROWS_ENV, "yes")
+    with pytest.raises(ValueError, match="GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT must be 0 or 1"):
+        model.few_rows_weight_left.__wrapped__()
+
+
 def test_the_faster_decode_vector_width_is_measured_unless_the_environment_says(monkeypatch):
     """`decode_vector_bits` runs the one-row product compiled at 256 and at 512 bits in turn and takes 512 only when
     the median round is at least DECODE_VECTOR_MARGIN faster with it (one fast round decides nothing, a tie keeps
