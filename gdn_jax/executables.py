@@ -186,8 +186,10 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
     if device.platform == "cpu":
         env.append(("host_cpu", _host_cpu()))  # the machine code is this CPU's (`host_cpu`)
     if device.platform == "cpu" and any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves):
-        # a 16-bit model's prefill products take the form this machine multiplies faster (model.upcast_is_faster)
+        # a 16-bit model's prefill and few-row products take the forms this machine multiplies faster
+        # (model.upcast_is_faster, model.few_rows_weight_left)
         env.append(("bf16_upcast", model.upcast_is_faster()))
+        env.append(("bf16_few_rows_weight_left", model.few_rows_weight_left()))
     text = repr((source_digest(), kind, static, str(treedef), spec, sorted((options or {}).items()),
                  device.platform, device.device_kind, device.client.platform_version, jax.device_count(), env))
     return hashlib.sha256(text.encode()).hexdigest()

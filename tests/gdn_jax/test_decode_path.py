@@ -136,12 +136,19 @@ def test_the_faster_many_row_form_is_measured_unless_the_environment_says(monkey
     for conversion_first in (True, False):
         assert model.upcast_is_faster.__wrapped__(timer(conversion_first)) is conversion_first
     assert sorted(seen)[0][:2] == (jnp.bfloat16, (2048, 1024)) and {c for _, _, c in seen} == {True, False}
+    _environment_decides(monkeypatch, model.upcast_is_faster.__wrapped__, model.UPCAST_ENV)
+    assert model.UPCAST_ENV == "GDN_JAX_BF16_UPCAST"
+
+
+def _environment_decides(monkeypatch, choice, variable: str):
+    """`choice` (a measured choice, undecorated) returns what `variable` says, "1" or "0", without measuring; another
+    value is an error naming the variable."""
     for value, want in (("1", True), ("0", False)):
-        monkeypatch.setenv(model.UPCAST_ENV, value)
-        assert model.upcast_is_faster.__wrapped__(lambda *a: pytest.fail("measured")) is want
-    monkeypatch.setenv(model.UPCAST_ENV, "yes")
-    with pytest.raises(ValueError, match="GDN_JAX_BF16_UPCAST must be 0 or 1"):
-        model.upcast_is_faster.__wrapped__()
+        monkeypatch.setenv(variable, value)
+        assert choice(lambda *a: pytest.fail("measured")) is want
+    monkeypatch.setenv(variable, "yes")
+    with pytest.raises(ValueError, match=f"{variable} must be 0 or 1"):
+        choice()
 
 
 @pytest.mark.parametrize("library", [True, False])
@@ -183,12 +190,8 @@ def test_the_faster_few_row_form_is_measured_unless_the_environment_says(monkeyp
     assert {s[:4] for s in seen} == {((1, 1024), "bfloat16", 8, (4096, 1024))}
     # per round: the loop at both widths, then the library form
     assert [s[4] for s in seen[:3]] == [False, False, True] and len(seen) == 3 * 3 * model.FEW_ROWS_ROUNDS
-    for value, want in (("1", True), ("0", False)):
-        monkeypatch.setenv(model.FEW_ROWS_ENV, value)
-        assert model.few_rows_weight_left.__wrapped__(lambda *a: pytest.fail("measured")) is want
-    monkeypatch.setenv(model.FEW_ROWS_ENV, "yes")
-    with pytest.raises(ValueError, match="GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT must be 0 or 1"):
-        model.few_rows_weight_left.__wrapped__()
+    _environment_decides(monkeypatch, model.few_rows_weight_left.__wrapped__, model.FEW_ROWS_ENV)
+    assert model.FEW_ROWS_ENV == "GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT"
 
 
 def test_the_faster_decode_vector_width_is_measured_unless_the_environment_says(monkeypatch):

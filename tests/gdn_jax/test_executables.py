@@ -220,6 +220,22 @@ def test_the_key_follows_shapes_dtypes_structure_options_and_context(monkeypatch
     assert len({key, *others}) == 1 + len(others)
 
 
+def test_a_16_bit_key_holds_the_forms_measured_for_its_products(monkeypatch):
+    """On the CPU a 16-bit program's key holds the product forms measured faster on this machine
+    (`model.upcast_is_faster`, `model.few_rows_weight_left`): each changes the compiled program. A float32 program
+    takes neither form, and its key does not change with them."""
+    from gdn_jax import model
+
+    keys = {}
+    for upcast in (True, False):
+        for few_rows in (True, False):
+            monkeypatch.setattr(model, "upcast_is_faster", lambda upcast=upcast: upcast)
+            monkeypatch.setattr(model, "few_rows_weight_left", lambda few_rows=few_rows: few_rows)
+            keys[upcast, few_rows] = [executables.executable_key("step", ("cfg", 32), (jnp.zeros((2, 3), dtype),), None)
+                                      for dtype in (jnp.bfloat16, jnp.float32)]
+    assert len({k[0] for k in keys.values()}) == 4 and len({k[1] for k in keys.values()}) == 1
+
+
 CPUINFO = """processor\t: {n}
 vendor_id\t: AuthenticAMD
 cpu family\t: 26
@@ -541,21 +557,26 @@ def test_a_choice_that_cannot_be_kept_is_measured_and_said_once(tmp_path):
 
 
 def test_the_decode_width_and_the_bf16_form_are_read_from_the_kept_choices(tmp_path, monkeypatch):
-    """With JAX's cache on, `decode_vector_bits` and `upcast_is_faster` serve what the machine's choices file holds
-    (whatever it holds: both values come back as written), without measuring; the environment still decides first."""
+    """With JAX's cache on, `decode_vector_bits`, `upcast_is_faster` and `few_rows_weight_left` serve what the
+    machine's choices file holds (whatever it holds: both values come back as written), without measuring; the
+    environment still decides first."""
     from gdn_jax import model, worker
 
     monkeypatch.delenv(worker.DECODE_VECTOR_BITS_ENV, raising=False)
     monkeypatch.delenv(model.UPCAST_ENV, raising=False)
+    monkeypatch.delenv(model.FEW_ROWS_ENV, raising=False)
     monkeypatch.setattr(worker, "_seconds", lambda *a: pytest.fail("measured"))
+    monkeypatch.setattr(model, "_seconds_of", lambda *a: pytest.fail("measured"))
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))  # (the fixture turns it off again)
     path = executables.choices_file()
     path.parent.mkdir(parents=True)
     for bits, faster in ((512, True), (256, False)):
         path.write_text(json.dumps({executables.choice_key("decode_vector_bits float32"): {"value": bits},
-                                    executables.choice_key("bf16_upcast"): {"value": faster}}))
+                                    executables.choice_key("bf16_upcast"): {"value": faster},
+                                    executables.choice_key("bf16_few_rows_weight_left"): {"value": not faster}}))
         assert worker.decode_vector_bits.__wrapped__("float32") == bits
         assert model.upcast_is_faster.__wrapped__() is faster
+        assert model.few_rows_weight_left.__wrapped__() is (not faster)
     monkeypatch.setenv(worker.DECODE_VECTOR_BITS_ENV, "512")
     assert worker.decode_vector_bits.__wrapped__("float32") == 512
 
