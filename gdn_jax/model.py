@@ -359,17 +359,19 @@ def few_rows_weight_left(timer=None) -> bool:
         return False
 
     def measure():
+        # the decode steps' XLA options (it imports this module)
+        from gdn_jax.worker import DECODE_VECTOR_BITS, LLVM_IR_CPU_COMPILER_OPTIONS, vector_width_options
+
         rng = np.random.default_rng(0)
         weights = tuple(jnp.asarray(rng.standard_normal((4096, 1024)) * 0.02, jnp.bfloat16) for _ in range(8))
         x = jnp.asarray(rng.standard_normal((1, 1024)), jnp.bfloat16)
-        loops = [jax.jit(lambda x, ws: [_one_row(x[0], w) for w in ws],
-                         compiler_options={"xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": bits})
-                 for bits in (256, 512)]
+        loops = [jax.jit(lambda x, ws: [_one_row(x[0], w) for w in ws], compiler_options=vector_width_options(bits))
+                 for bits in DECODE_VECTOR_BITS]
         library = jax.jit(lambda x, ws: [_weight_left_product(jnp.concatenate([x, jnp.zeros_like(x)]), w)
-                                         for w in ws], compiler_options={"xla_cpu_use_fusion_emitters": False})
+                                         for w in ws], compiler_options=LLVM_IR_CPU_COMPILER_OPTIONS)
         for fn in (*loops, library):  # compiled and run once, untimed
             jax.block_until_ready(fn(x, weights))
-        clock = timer or _seconds_of
+        clock = timer or seconds_of
         ratios = []
         for _ in range(FEW_ROWS_ROUNDS):
             loop = min(clock(fn, x, weights) for fn in loops)
@@ -381,7 +383,7 @@ def few_rows_weight_left(timer=None) -> bool:
                                        keep=timer is None)
 
 
-def _seconds_of(fn, *args) -> float:
+def seconds_of(fn, *args) -> float:
     """Wall seconds of one call of `fn`, its outputs ready."""
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))

@@ -32,7 +32,7 @@ import numpy as np
 from gdn_jax import executables
 from gdn_jax.config import ModelConfig
 from gdn_jax.gated_delta import default_chunk_size
-from gdn_jax.model import Batch, dense, forward, init_state
+from gdn_jax.model import Batch, dense, forward, init_state, seconds_of
 from gdn_jax.restore import RestoreOps, validate_cache_ops
 from gdn_jax.sampling import SamplingMetadata, sample
 from scheduler.sampling_params import MAX_LOGPROBS
@@ -274,9 +274,7 @@ def decode_vector_bits(dtype: str, timer=None) -> int:
 
 def _seconds(bits: int, fn, *args) -> float:
     """Wall seconds of one call of `fn` (compiled at `bits`), its outputs ready."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - t0
+    return seconds_of(fn, *args)
 
 
 # Prefill steps of PREFILL_O1_TOKENS tokens per row or more ("prefill_long") compile at optimisation level 1 (LLVM's O1

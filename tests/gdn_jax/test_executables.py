@@ -566,7 +566,7 @@ def test_the_decode_width_and_the_bf16_form_are_read_from_the_kept_choices(tmp_p
     monkeypatch.delenv(model.UPCAST_ENV, raising=False)
     monkeypatch.delenv(model.FEW_ROWS_ENV, raising=False)
     monkeypatch.setattr(worker, "_seconds", lambda *a: pytest.fail("measured"))
-    monkeypatch.setattr(model, "_seconds_of", lambda *a: pytest.fail("measured"))
+    monkeypatch.setattr(model, "seconds_of", lambda *a: pytest.fail("measured"))
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))  # (the fixture turns it off again)
     path = executables.choices_file()
     path.parent.mkdir(parents=True)
