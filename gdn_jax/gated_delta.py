@@ -64,8 +64,11 @@ __all__ = [
     "l2norm",
     "causal_conv1d",
     "chunk_gated_delta_rule",
+    "decode_token",
     "default_chunk_size",
+    "new_state",
     "recurrent_gated_delta_rule",
+    "token_step",
 ]
 
 _HI = lax.Precision.HIGHEST
@@ -352,23 +355,44 @@ def chunk_gated_delta_rule(
     return o, S_final
 
 
+def token_step(S, q_t, k_t, v_t, g_t, b_t):
+    """One token of the rule on the states entering it, S [B, H, dk, dv] float32, and float32 inputs q_t, k_t
+    [B, H, dk], v_t [B, H, dv], g_t, b_t [B, H] -> (o [B, H, dv], e [B, H, 1], delta [B, H, dv]), of which the new
+    state is `new_state(S, e, k_t, delta)`. S^T k and S^T q come from one product (module docstring): the prediction
+    is e * S^T k, the output e * S^T q + (k . q) * delta, so the new state is only written, never read."""
+    e = jnp.exp(g_t)[..., None]
+    kq = _mm("bhkv,bhnk->bhnv", S, jnp.stack([k_t, q_t], -2))
+    delta = (v_t - e * kq[:, :, 0]) * b_t[..., None]
+    return e * kq[:, :, 1] + jnp.sum(k_t * q_t, -1, keepdims=True) * delta, e, delta
+
+
+def new_state(S, e, k_t, delta):
+    """The state after a token (`token_step`): e S + k delta^T, on any leading axes ([..., dk, dv])."""
+    return S * e[..., None] + k_t[..., :, None] * delta[..., None, :]
+
+
+def decode_token(S, q, k, v, g, beta, lengths=None):
+    """One token (T = 1) of every row on the states entering it, S [B, H, dk, dv] float32; q, k [B, 1, H, dk], v
+    [B, 1, H, dv], g, beta [B, 1, H] -> (o [B, 1, H, dv] in v's dtype, e, k, delta), the new states being
+    `new_state(S, e, k, delta)` (k float32 [B, H, dk]): for the caller to compute where it writes them. A row with
+    `lengths` 0 is inert: its new state is S."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = (a[:, 0] for a in _inert(_valid_mask(k.shape[0], 1, lengths), q, k, v, g, beta))
+    o, e, delta = token_step(S, q, k, v, g, beta)
+    return o[:, None].astype(out_dtype), e, k, delta
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, lengths=None):
     """Token-by-token gated delta rule (``lax.scan`` over T); same inputs and outputs as
-    :func:`chunk_gated_delta_rule` without chunk states. Used for decode (T = 1)."""
+    :func:`chunk_gated_delta_rule` without chunk states."""
     out_dtype = v.dtype
     B, T, H, dk = k.shape
     s0 = _initial_state(initial_state, B, H, dk, v.shape[-1])
     q, k, v, g, beta = _inert(_valid_mask(B, T, lengths), q, k, v, g, beta)
 
     def step(S, x):
-        q_t, k_t, v_t, g_t, b_t = x  # [B,H,dk], [B,H,dk], [B,H,dv], [B,H], [B,H]
-        e = jnp.exp(g_t)[..., None]
-        # S^T k and S^T q in one product (module docstring): the prediction is e * S^T k, the output e * S^T q
-        # + (k . q) * delta, and the new state is only written
-        kq = _mm("bhkv,bhnk->bhnv", S, jnp.stack([k_t, q_t], -2))
-        delta = (v_t - e * kq[:, :, 0]) * b_t[..., None]
-        o = e * kq[:, :, 1] + jnp.sum(k_t * q_t, -1, keepdims=True) * delta
-        return S * e[..., None] + k_t[..., :, None] * delta[..., None, :], o
+        o, e, delta = token_step(S, *x)
+        return new_state(S, e, x[1], delta), o
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
     S_final, o = lax.scan(step, s0, xs)

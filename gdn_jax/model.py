@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.config import FULL, LINEAR, ModelConfig
-from gdn_jax.gated_delta import (causal_conv1d, chunk_gated_delta_rule, default_chunk_size, l2norm,
-                                 recurrent_gated_delta_rule)
+from gdn_jax.gated_delta import (causal_conv1d, chunk_gated_delta_rule, decode_token, default_chunk_size, l2norm,
+                                 new_state, recurrent_gated_delta_rule)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=[
@@ -631,8 +631,14 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
 
     One row at a time (a state of 2 MiB or more, as in Qwen3.5-9B, or a batch of one) reads its state with a dynamic
     slice rather than `read_slots`' gather, which reads a padding slot besides (twice the state). The rule's output
-    comes from its product with the state it read (`recurrent_gated_delta_rule`), never from the new state, so
-    nothing reads the pool after the write: XLA keeps the update in place."""
+    comes from its product with the state it read (`gated_delta.decode_token`), never from the new state, so
+    nothing reads the pool after the write: XLA keeps the update in place.
+
+    Each row's new state is written by a dynamic update slice of its own that computes it (e S + k delta^T, from
+    the state read and the token's gate and delta): XLA fuses that arithmetic into the write. A scatter of the
+    iteration's new states needed them materialised first, and XLA gave `where(warm, ...)` a pass of its own: 9
+    passes over the states' bytes against 5 now. Hybrid-1024, bfloat16, 16 rows: 26-29 -> 24.5 ms per decode step
+    (the 6 GDN layers' state updates alone: 6.9 -> 5.3 ms; 64 rows 33.5 -> 23.9 ms)."""
     B = q.shape[0]
     chunk = rows_per_iteration(B, math.prod(pool.shape[2:]) * pool.dtype.itemsize, "gdn_decode")
 
@@ -647,11 +653,14 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
     def body(i, carry):
         pool, o = carry
         s0 = jnp.where(rows(i, warm)[:, None, None, None], read(pool, rows(i, src)), 0.0)
-        oi, s1 = recurrent_gated_delta_rule(*(rows(i, a) for a in (q, k, v, g, beta)), initial_state=s0,
-                                            lengths=rows(i, lengths))
+        oi, e, kf, delta = decode_token(s0, *(rows(i, a) for a in (q, k, v, g, beta)), lengths=rows(i, lengths))
         ids = rows(i, live)
-        return (write_rows(pool, (layer_ids(layer, ids), ids), s1),
-                jax.lax.dynamic_update_slice_in_dim(o, oi, i * chunk, 0))
+
+        def write(r, pool):  # the row's new state, computed where it is written
+            s1 = new_state(s0[r], e[r], kf[r], delta[r])
+            return jax.lax.dynamic_update_slice(pool, s1[None, None], (layer, ids[r]) + (0,) * (pool.ndim - 2))
+
+        return jax.lax.fori_loop(0, chunk, write, pool), jax.lax.dynamic_update_slice_in_dim(o, oi, i * chunk, 0)
 
     pool, o = jax.lax.fori_loop(0, B // chunk, body, (pool, jnp.zeros(v.shape, v.dtype)))
     return o, pool

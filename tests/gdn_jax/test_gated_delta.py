@@ -13,7 +13,9 @@ import pytest
 from gdn_jax.gated_delta import (
     causal_conv1d,
     chunk_gated_delta_rule,
+    decode_token,
     l2norm,
+    new_state,
     recurrent_gated_delta_rule,
 )
 from tests.gdn_jax.helpers import PREFILL_OPTIONS
@@ -285,6 +287,22 @@ def test_decode_step_with_padded_row():
     _close(o[0], o_ref[0])
     _close(S, S_ref)
     np.testing.assert_array_equal(np.asarray(S[1]), s0[1])
+
+
+def test_decode_token_parts_give_the_rule():
+    """The decode step's parts (the engine computes the new state where it writes it): the oracle's output and state,
+    garbage in a padded row (lengths 0) dropped and its state passed through."""
+    q, k, v, g, beta, s0 = make_inputs(3, 1, seed=43, with_state=True)
+    for a in (q, k, v):
+        a[2] = np.nan
+    g[2], beta[2] = 50.0, 7.0
+    o_ref, _, S_ref = oracle_rule(q, k, v, g, beta, s0, [1, 1, 0])
+    o, e, kf, delta = jax.jit(decode_token)(*_j(s0, q, k, v, g, beta), lengths=jnp.asarray([1, 1, 0]))
+    S = new_state(jnp.asarray(s0), e, kf, delta)
+    _close(o[:2], o_ref[:2])
+    np.testing.assert_array_equal(np.asarray(o[2]), 0.0)
+    _close(S[:2], S_ref[:2])
+    np.testing.assert_array_equal(np.asarray(S[2]), s0[2])
 
 
 @pytest.mark.parametrize("impl", ["fused", "parallel"])
