@@ -601,11 +601,11 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
         if saves is not None:
-            o, ssm_state, chunk_states = chunk_gated_delta_rule(
-                q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, chunk_size=chunk_size,
-                output_chunk_states=True, impl=schedule)                                       # [B, N, Hv, dk, dv]
             rows, offsets = saves
-            saved = (saved_conv, chunk_states[rows, jnp.maximum(offsets // chunk_size - 1, 0)])
+            o, ssm_state, saved_ssm = chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, chunk_size=chunk_size,
+                save_chunks=(rows, jnp.maximum(offsets // chunk_size - 1, 0)), impl=schedule)  # [S, Hv, dk, dv]
+            saved = (saved_conv, saved_ssm)
         else:
             if rule is None:
                 kw = {} if T == 1 else {"chunk_size": chunk_size, "impl": schedule}

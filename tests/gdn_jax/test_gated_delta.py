@@ -322,6 +322,33 @@ def test_output_chunk_states(impl):
     _close(S, S_ref)
 
 
+@pytest.mark.parametrize("impl, per_step", [("fused", 1), ("fused", 2), ("parallel", 1)])
+def test_save_chunks_are_those_chunk_states(impl, per_step):
+    """`save_chunks` (the checkpoints of a prefill step) gives the states of the rows and chunks asked for, the same
+    ones as the stacked chunk states, in the order asked, a chunk asked twice included; the output and the final
+    state do not change."""
+    T, C = 150, 16  # 10 chunks, the last one padded
+    q, k, v, g, beta, s0 = make_inputs(2, T, seed=53, with_state=True)
+    args = _j(q, k, v, g, beta, s0)
+    lengths = jnp.asarray([150, 90])
+    kw = dict(lengths=lengths, chunk_size=C, impl=impl, chunks_per_step=per_step)
+    o_ref, S_ref, cs = chunk_jit(*args, output_chunk_states=True, **kw)
+    rows = jnp.asarray([1, 0, 0, 1, 0], jnp.int32)
+    chunks = jnp.asarray([2, 0, 7, 8, 7], jnp.int32)
+    save_jit = jax.jit(chunk_gated_delta_rule, static_argnames=("chunk_size", "impl", "chunks_per_step"),
+                       compiler_options=PREFILL_OPTIONS)
+    o, S, saved = save_jit(*args, save_chunks=(rows, chunks), **kw)
+    assert saved.shape == (5, H, DK, DV)
+    np.testing.assert_array_equal(np.asarray(saved), np.asarray(cs[rows, chunks]))
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+    np.testing.assert_array_equal(np.asarray(S), np.asarray(S_ref))
+    _, states, _ = oracle_rule(q, k, v, g, beta, s0, [150, 90])
+    _close(saved[0], states[1, 2 * C + C - 1])  # row 1 after its third chunk (token 47)
+    _close(saved[3], states[1, 89])  # past its length: its last state
+    with pytest.raises(ValueError, match="exclusive"):
+        chunk_gated_delta_rule(*args, output_chunk_states=True, save_chunks=(rows, chunks), **kw)
+
+
 def test_bf16_inputs_upcast():
     q, k, v, g, beta, s0 = make_inputs(1, 100, seed=61, with_state=True)
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v, g, beta)]
