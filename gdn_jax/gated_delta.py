@@ -260,9 +260,9 @@ def chunk_gated_delta_rule(
     [B, num_chunks, H, dk, dv] (chunk c covers tokens ``[c*chunk_size, (c+1)*chunk_size)``).
     ``save_chunks`` = (rows, chunks), [S] ints each: instead of every chunk's state, only the states of those rows
     after those chunks, [S, H, dk, dv], as the third output (the checkpoints a prefill step saves). The fused
-    schedule keeps them in a buffer it carries, written at the chunks named: stacking all N states instead
+    schedule keeps them in a buffer it carries, each written in place at its chunk: stacking all N states instead
     (zero-filled, then written chunk by chunk, 256 KiB per chunk at hidden 1024) made a 2048-token row's rule take
-    ~1.45x as long on the development CPU.
+    1.2-1.5x as long on the development CPU (docs/design.md, "Checkpoints from the prefill scan").
 
     Keyword-only tuning knobs (same maths): ``impl`` "fused" | "parallel" | "auto" (fused on CPU,
     parallel elsewhere); ``chunks_per_step`` (fused schedule); ``solve_method`` "blocked" | "trsm".
@@ -334,8 +334,13 @@ def chunk_gated_delta_rule(
         chunk_states = jnp.moveaxis(states, 0, 1) if output_chunk_states else None
     else:
 
-        def save(buf, S, hit):  # the states of the saves whose chunk this is
-            return jnp.where(hit[:, None, None, None], S[save_chunks[0]], buf)
+        def save(buf, S, hit):  # the states of the saves whose chunk this is, one by one (in place; none: no pass)
+            def one(carry):
+                buf, hit = carry
+                i = jnp.argmax(hit)
+                return lax.dynamic_update_index_in_dim(buf, S[save_chunks[0][i]], i, 0), hit.at[i].set(False)
+
+            return lax.while_loop(lambda carry: jnp.any(carry[1]), one, (buf, hit))[0]
 
         def step(carry, x):
             S, buf = carry
@@ -352,8 +357,7 @@ def chunk_gated_delta_rule(
                 S = S * cd[:, :, j] + _mm("bhkc,bhcv->bhkv", kdT[:, :, j], vn)
                 sts.append(S)
                 if buf is not None:
-                    hit = save_chunks[1] == i * grp + j
-                    buf = lax.cond(jnp.any(hit), save, lambda buf, S, hit: buf, buf, S, hit)
+                    buf = save(buf, S, save_chunks[1] == i * grp + j)
             o_ = jnp.stack(outs, 1).transpose(0, 1, 3, 2, 4)  # [B, grp, C, H, dv]
             return (S, buf), (o_, jnp.stack(sts, 1) if output_chunk_states else None)
 
