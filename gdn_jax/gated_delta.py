@@ -35,7 +35,9 @@ Two forms of the rule, with the same inputs and outputs:
   - ``"parallel"`` (default on accelerators): all intra-chunk work as large batched ops over every
     chunk at once, then a ``lax.scan`` over chunks carrying only the state (2 small matmuls per
     step), then the output as one batched matmul.
-* :func:`recurrent_gated_delta_rule`: token by token under ``lax.scan`` (decode). Each token reads the state
+* :func:`recurrent_gated_delta_rule`: token by token under ``lax.scan``; :func:`decode_token` is one token of it
+  (the engine's decode step), which leaves the new state (:func:`new_state`) to the caller to compute where it
+  writes it. Each token reads the state
   entering it twice: one product with ``[k, q]``, then the update, ``o = exp(g) S^T q + (k . q) delta`` (the
   same as ``S_new^T q``), so the new state is written and never read again.
 
@@ -334,8 +336,11 @@ def chunk_gated_delta_rule(
         chunk_states = jnp.moveaxis(states, 0, 1) if output_chunk_states else None
     else:
 
-        def save(buf, S, hit):  # the states of the saves whose chunk this is, one by one (in place; none: no pass)
-            def one(carry):
+        def save(buf, S, hit):  # the states of the saves whose chunk this is
+            if jax.default_backend() != "cpu":  # one pass over the buffer (a loop costs a device round trip a turn)
+                return jnp.where(hit[:, None, None, None], S[save_chunks[0]], buf)
+
+            def one(carry):  # on CPU one save at a time, in place (a chunk with none: no pass at all)
                 buf, hit = carry
                 i = jnp.argmax(hit)
                 return lax.dynamic_update_index_in_dim(buf, S[save_chunks[0][i]], i, 0), hit.at[i].set(False)

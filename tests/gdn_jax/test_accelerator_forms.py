@@ -2,6 +2,7 @@
 and dtypes of its matrix products, which XLA's GPU backend reads and its CPU backend ignores."""
 
 import collections
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ import pytest
 from flax import nnx
 
 from gdn_jax.config import get_preset
-from gdn_jax.model import forward, init_model, init_state
+from gdn_jax.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from gdn_jax.model import advance_in_pool, forward, init_model, init_state
 from gdn_jax.train import dense_forward
 from tests.gdn_jax.helpers import single_row_batch
 
@@ -72,3 +74,48 @@ def test_bfloat16_products_stay_bfloat16_on_an_accelerator(accelerator, T):
     bf16 = sum(n for (dtypes, _), n in dots.items() if dtypes == ("bfloat16", "bfloat16"))
     other = {k: n for k, n in dots.items() if k[0] != ("bfloat16", "bfloat16")}
     assert bf16 and all(prec == (jax.lax.Precision.HIGHEST,) * 2 for _, prec in other), other
+
+
+def _decode_update_and_saves():
+    """The decode step's in-pool GDN update (`advance_in_pool`) and the fused scan's checkpoint states
+    (`save_chunks`), each against the plain forms computed beside it: the rows' new states in their live slots and
+    nothing else written, the outputs, and the saved states equal to the stacked chunk states."""
+    rng = np.random.default_rng(0)
+    L, NS, H, dk, dv = 2, 6, 2, 4, 8
+    pool = jnp.asarray(rng.standard_normal((L, NS, H, dk, dv)), jnp.float32)
+    src, live = jnp.asarray([2, 5, 1], jnp.int32), jnp.asarray([3, 4, 1], jnp.int32)  # row 0 restores from slot 2
+    warm, lengths = jnp.asarray([True, True, False]), jnp.asarray([1, 1, 0], jnp.int32)  # row 2: cold, padding
+    q, k = (jnp.asarray(rng.standard_normal((3, 1, H, dk)) * 0.3, jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((3, 1, H, dv)), jnp.float32)
+    g, beta = -jnp.asarray(rng.uniform(0.1, 1, (3, 1, H)), jnp.float32), jnp.asarray(rng.uniform(size=(3, 1, H)), jnp.float32)
+    o, new = jax.jit(partial(advance_in_pool, layer=1))(pool, src, live, warm, lengths, q, k, v, g, beta)
+    s0 = jnp.where(warm[:, None, None, None], pool[1, src], 0.0)
+    o_ref, S_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, lengths=lengths)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(new[1, live]), np.asarray(S_ref), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(new[1, live[2]]), 0.0)  # the cold padding row: zeros, passed through
+    others = np.ones(NS, bool)
+    others[np.asarray(live)] = False
+    np.testing.assert_array_equal(np.asarray(new[1, others]), np.asarray(pool[1, others]))
+    np.testing.assert_array_equal(np.asarray(new[0]), np.asarray(pool[0]))
+
+    T, C = 40, 8
+    qs, ks = (jnp.asarray(rng.standard_normal((2, T, H, dk)) * 0.3, jnp.float32) for _ in range(2))
+    vs = jnp.asarray(rng.standard_normal((2, T, H, dv)), jnp.float32)
+    gs, bs = -jnp.asarray(rng.uniform(0.1, 1, (2, T, H)), jnp.float32), jnp.asarray(rng.uniform(size=(2, T, H)), jnp.float32)
+    rows, chunks = jnp.asarray([1, 0, 1], jnp.int32), jnp.asarray([1, 4, 1], jnp.int32)
+    kw = dict(lengths=jnp.asarray([40, 25]), chunk_size=C, impl="fused")
+    _, _, states = chunk_gated_delta_rule(qs, ks, vs, gs, bs, output_chunk_states=True, **kw)
+    _, _, saved = jax.jit(lambda *a: chunk_gated_delta_rule(*a, save_chunks=(rows, chunks), **kw))(qs, ks, vs, gs, bs)
+    np.testing.assert_array_equal(np.asarray(saved), np.asarray(states[rows, chunks]))
+
+
+def test_decode_update_and_fused_saves_on_the_cpu():
+    _decode_update_and_saves()
+
+
+def test_decode_update_and_fused_saves_on_an_accelerator(accelerator):
+    """Off the CPU the decode step writes its rows' states with one scatter (not a loop of row writes), and the
+    fused scan writes a chunk's saves with one select over its buffer (not a loop of in-place writes): the same
+    values."""
+    _decode_update_and_saves()
