@@ -87,7 +87,8 @@ def _decode_update_and_saves():
     warm, lengths = jnp.asarray([True, True, False]), jnp.asarray([1, 1, 0], jnp.int32)  # row 2: cold, padding
     q, k = (jnp.asarray(rng.standard_normal((3, 1, H, dk)) * 0.3, jnp.float32) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((3, 1, H, dv)), jnp.float32)
-    g, beta = -jnp.asarray(rng.uniform(0.1, 1, (3, 1, H)), jnp.float32), jnp.asarray(rng.uniform(size=(3, 1, H)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0.1, 1, (3, 1, H)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(size=(3, 1, H)), jnp.float32)
     o, new = jax.jit(partial(advance_in_pool, layer=1))(pool, src, live, warm, lengths, q, k, v, g, beta)
     s0 = jnp.where(warm[:, None, None, None], pool[1, src], 0.0)
     o_ref, S_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, lengths=lengths)
@@ -102,7 +103,8 @@ def _decode_update_and_saves():
     T, C = 40, 8
     qs, ks = (jnp.asarray(rng.standard_normal((2, T, H, dk)) * 0.3, jnp.float32) for _ in range(2))
     vs = jnp.asarray(rng.standard_normal((2, T, H, dv)), jnp.float32)
-    gs, bs = -jnp.asarray(rng.uniform(0.1, 1, (2, T, H)), jnp.float32), jnp.asarray(rng.uniform(size=(2, T, H)), jnp.float32)
+    gs = -jnp.asarray(rng.uniform(0.1, 1, (2, T, H)), jnp.float32)
+    bs = jnp.asarray(rng.uniform(size=(2, T, H)), jnp.float32)
     rows, chunks = jnp.asarray([1, 0, 1], jnp.int32), jnp.asarray([1, 4, 1], jnp.int32)
     kw = dict(lengths=jnp.asarray([40, 25]), chunk_size=C, impl="fused")
     _, _, states = chunk_gated_delta_rule(qs, ks, vs, gs, bs, output_chunk_states=True, **kw)
