@@ -12,7 +12,7 @@ from flax import nnx
 
 from gdn_jax.config import get_preset
 from gdn_jax.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from gdn_jax.model import advance_in_pool, forward, init_model, init_state
+from gdn_jax.model import KEYS_LEFT_QUERIES, advance_in_pool, attention_scores, forward, init_model, init_state
 from gdn_jax.train import dense_forward
 from tests.gdn_jax.helpers import single_row_batch
 
@@ -121,3 +121,28 @@ def test_decode_update_and_fused_saves_on_an_accelerator(accelerator):
     fused scan writes a chunk's saves with one select over its buffer (not a loop of in-place writes): the same
     values."""
     _decode_update_and_saves()
+
+
+def _barriers(jaxpr) -> int:
+    return sum(e.primitive.name == "optimization_barrier" for e in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("n", [4, KEYS_LEFT_QUERIES, KEYS_LEFT_QUERIES + 8])
+def test_attention_scores_with_the_keys_on_the_left_are_the_products(dtype, n):
+    """On the CPU a few queries per KV head (a decode step's) multiply with the keys on the left, then transpose the
+    result; more queries multiply as q @ k.T. Either way the scores are the float32 products of the operands, and
+    off the CPU the plain form is kept."""
+    rng = np.random.default_rng(n)
+    qh = jnp.asarray(rng.standard_normal((3, n, 64)), dtype)
+    keys = jnp.asarray(rng.standard_normal((3, 96, 64)), dtype)
+    want = np.einsum("kqd,ksd->kqs", np.asarray(qh, np.float64), np.asarray(keys, np.float64))
+    got = jax.jit(attention_scores)(qh, keys)
+    assert got.dtype == jnp.float32 and got.shape == (3, n, 96)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    assert _barriers(jax.make_jaxpr(attention_scores)(qh, keys).jaxpr) == (n <= KEYS_LEFT_QUERIES)
+
+
+def test_attention_scores_keep_the_plain_form_on_an_accelerator(accelerator):
+    qh, keys = jnp.ones((2, 4, 8), jnp.bfloat16), jnp.ones((2, 16, 8), jnp.bfloat16)
+    assert _barriers(jax.make_jaxpr(attention_scores)(qh, keys).jaxpr) == 0
