@@ -204,12 +204,13 @@ def _step_prompt_logprobs(graphdef, params, rule, state, batch: Batch, targets, 
 # spend most of a step's compilation generating and optimizing the code of its elementwise fusions; the older LLVM IR
 # emitters compile a Qwen3.5-9B prefill shape about twice as fast, and the prefill runs as fast: its time is in the
 # matmuls, library calls either way. Decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows and sampling compile
-# with them too (20-35% less CPU time each at Qwen3.5-9B's shapes), and run as fast (hybrid-1024, 1-8 rows, bfloat16
-# and float32: within 1%; sampling at Qwen3.5-9B's vocabulary: the same). A decode step of 16 rows keeps XLA's
-# defaults: with the older emitters it took 2-7% more CPU time (scripts/bench_compile_options.py; docs/design.md,
-# "Compiling the step"). The options are part of the persistent cache's key and of the executable store's.
+# with them too (20-35% less CPU time each at Qwen3.5-9B's shapes), and run as fast (hybrid-1024, 1-16 rows,
+# bfloat16 and float32: within 1%; sampling at Qwen3.5-9B's vocabulary: the same). A decode step of 32 rows or more
+# keeps XLA's defaults: with the older emitters it took 0-2% more time at 32 rows, 3-5% at 64 in bfloat16
+# (scripts/bench_compile_options.py; docs/design.md, "Compiling the step"). The options are part of the persistent
+# cache's key and of the executable store's.
 LLVM_IR_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
-DECODE_DEFAULT_EMITTER_ROWS = 16
+DECODE_DEFAULT_EMITTER_ROWS = 32
 # Those decode steps also choose LLVM's vector width (XLA prefers 256 bits; `decode_vector_bits`). A one-row step's
 # time is its matrix-vector products, loops that stream the weights, and which width streams them faster depends on the
 # CPU and the dtype: on an AVX-512 Xeon 512-bit registers run a one-row step 11-15% faster in either dtype
