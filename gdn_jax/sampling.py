@@ -211,16 +211,27 @@ def first_argmax(x):
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
-def _ranked(logprobs, chosen):
-    """(top ids [B, K] int32, their logprobs [B, K], the chosen tokens' ranks [B])."""
+def _ranked(shifted, lse, chosen):
+    """(top ids [B, K] int32, their logprobs [B, K], the chosen tokens' ranks [B]) from the shifted logits and their
+    log-sum-exp (`_log_softmax_parts`)."""
+    logprobs = shifted - lse
     top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
     rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
     return top_ids.astype(jnp.int32), top_lp, rank
 
 
-def _unranked(logprobs, chosen):
-    B, K = logprobs.shape[0], min(MAX_LOGPROBS, logprobs.shape[-1])
-    return jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K), logprobs.dtype), jnp.zeros(B, jnp.int32)
+def _unranked(shifted, lse, chosen):
+    B, K = shifted.shape[0], min(MAX_LOGPROBS, shifted.shape[-1])
+    return jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K), shifted.dtype), jnp.zeros(B, jnp.int32)
+
+
+def _log_softmax_parts(logits):
+    """[B, V] -> (shifted [B, V], lse [B, 1]): `jax.nn.log_softmax(logits, -1)` is shifted - lse, computed the same
+    way (max, shift, log of the sum of exponentials), so that a logprob taken as shifted[t] - lse is the one
+    `log_softmax` gives for token t, without the [B, V] logprobs written out."""
+    x = logits.astype(jnp.float32)
+    shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, initial=-np.inf, keepdims=True))
+    return shifted, jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
 
 
 def sample(logits, md: SamplingMetadata):
@@ -229,13 +240,14 @@ def sample(logits, md: SamplingMetadata):
     token's rank is 1 + the number of tokens strictly likelier (ties share a rank), over the whole vocabulary.
     The top entries and ranks are computed only when some row of the step asks for logprobs (`num_logprobs`), and
     are zeros otherwise: the top-k over the vocabulary alone takes ~8 ms for 16 rows of a 248,320-token vocabulary on
-    a 2-core CPU, and more than half of a greedy 16-row step's sampling at a vocabulary of 8192."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    a 2-core CPU, and more than half of a greedy 16-row step's sampling at a vocabulary of 8192. Only then are the
+    [B, V] logprobs written out too; the chosen token's logprob is its shifted logit less the log-sum-exp."""
+    shifted, lse = _log_softmax_parts(logits)
     processed = process_logits(logits, md)
     greedy = first_argmax(processed)
     samples = md.temperature >= GREEDY_BELOW
     drawn = jax.lax.cond(jnp.any(samples), _draw, lambda x, _: greedy, processed, md)
     tokens = jnp.where(samples, drawn, greedy)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_ids, top_lp, rank = jax.lax.cond(jnp.any(md.num_logprobs >= 0), _ranked, _unranked, logprobs, chosen)
+    chosen = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]
+    top_ids, top_lp, rank = jax.lax.cond(jnp.any(md.num_logprobs >= 0), _ranked, _unranked, shifted, lse, chosen)
     return tokens, chosen, top_ids, top_lp, rank
