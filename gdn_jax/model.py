@@ -151,7 +151,7 @@ def attention_scores(qh, keys):
     heads of 4 queries, 256 keys: bfloat16 280 -> 151 us, float32 544 -> 198 us; the gain shrinks as n grows and
     turns into a loss from 64 queries in bfloat16). The values are the same products summed in float32 over hd. The
     optimisation barrier keeps XLA from folding the transpose back into the product. docs/design.md, "Decode
-    attention"."""
+    attention at long context"."""
     if jax.default_backend() == "cpu" and qh.shape[-2] <= KEYS_LEFT_QUERIES:
         s = jnp.einsum("ksd,kqd->ksq", keys, qh, preferred_element_type=jnp.float32,
                        precision=float32_precision(qh.dtype))

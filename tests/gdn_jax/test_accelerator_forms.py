@@ -131,8 +131,7 @@ def _barriers(jaxpr) -> int:
 @pytest.mark.parametrize("n", [4, KEYS_LEFT_QUERIES, KEYS_LEFT_QUERIES + 8])
 def test_attention_scores_with_the_keys_on_the_left_are_the_products(dtype, n):
     """On the CPU a few queries per KV head (a decode step's) multiply with the keys on the left, then transpose the
-    result; more queries multiply as q @ k.T. Either way the scores are the float32 products of the operands, and
-    off the CPU the plain form is kept."""
+    result; more queries multiply as q @ k.T. Either way the scores are the float32 products of the operands."""
     rng = np.random.default_rng(n)
     qh = jnp.asarray(rng.standard_normal((3, n, 64)), dtype)
     keys = jnp.asarray(rng.standard_normal((3, 96, 64)), dtype)
@@ -144,5 +143,6 @@ def test_attention_scores_with_the_keys_on_the_left_are_the_products(dtype, n):
 
 
 def test_attention_scores_keep_the_plain_form_on_an_accelerator(accelerator):
+    """Off the CPU the scores are q @ k.T whatever the queries: the turned form is for XLA's CPU library."""
     qh, keys = jnp.ones((2, 4, 8), jnp.bfloat16), jnp.ones((2, 16, 8), jnp.bfloat16)
     assert _barriers(jax.make_jaxpr(attention_scores)(qh, keys).jaxpr) == 0
