@@ -220,6 +220,12 @@ def test_first_argmax_is_jnp_argmax_with_ties_infinities_and_nans():
     got = np.asarray(jax.jit(first_argmax)(x))
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     assert got.dtype == np.int32 and got[:7].tolist() == [5, 40, 0, 299, 0, 0, 123]
+    # rows as wide as a vocabulary: there XLA's CPU library reduces the maximum without propagating NaN (the max of
+    # a row holding one comes back finite), so a NaN must be looked for on its own
+    wide = rng.standard_normal((3, 65536)).astype(np.float32)
+    wide[0, 40000] = np.nan
+    wide[1, [5, 7]] = [np.nan, np.inf]
+    assert np.asarray(jax.jit(first_argmax)(wide)).tolist()[:2] == [40000, 5]
 
 
 def test_draws_are_jax_random_categorical_token_for_token():
