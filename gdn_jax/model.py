@@ -139,7 +139,7 @@ KV_CHUNK_KEYS = 256
 
 # On CPU, a query tile of at most this many queries per KV head (g * Tq) has its scores multiplied with the keys on
 # the left (`attention_scores`).
-KEYS_LEFT_QUERIES = 32
+KEYS_LEFT_QUERIES = 16
 
 
 def attention_scores(qh, keys):
@@ -148,10 +148,10 @@ def attention_scores(qh, keys):
     On XLA's CPU backend a few queries (n <= `KEYS_LEFT_QUERIES`: a decode step's, a short chunk's) multiply as
     keys @ qh.T, the keys on the left, and the small [kvh, S, n] result is transposed: the library streams the keys
     as the left operand of a batched product faster than it packs them as a transposed right one (16 rows' 32 KV
-    heads of 4 queries, 256 keys: bfloat16 280 -> 151 us, float32 544 -> 198 us; the gain shrinks as n grows and
-    turns into a loss from 64 queries in bfloat16). The values are the same products summed in float32 over hd. The
-    optimisation barrier keeps XLA from folding the transpose back into the product. docs/design.md, "Decode
-    attention at long context"."""
+    heads of 4 queries, 256 keys: bfloat16 280 -> 151 us, float32 544 -> 198 us; one row's 2 heads: the same). The
+    gain shrinks as n grows: at 32 queries bfloat16 ties at 32 heads and is 2x slower at 2. The values are the same
+    products summed in float32 over hd. The optimisation barrier keeps XLA from folding the transpose back into the
+    product. docs/design.md, "Decode attention at long context"."""
     if jax.default_backend() == "cpu" and qh.shape[-2] <= KEYS_LEFT_QUERIES:
         s = jnp.einsum("ksd,kqd->ksq", keys, qh, preferred_element_type=jnp.float32,
                        precision=float32_precision(qh.dtype))
