@@ -152,12 +152,10 @@ def attention_scores(qh, keys):
     gain shrinks as n grows: at 32 queries bfloat16 ties at 32 heads and is 2x slower at 2. The values are the same
     products summed in float32 over hd. The optimisation barrier keeps XLA from folding the transpose back into the
     product. docs/design.md, "Decode attention at long context"."""
+    kw = dict(preferred_element_type=jnp.float32, precision=float32_precision(qh.dtype))
     if jax.default_backend() == "cpu" and qh.shape[-2] <= KEYS_LEFT_QUERIES:
-        s = jnp.einsum("ksd,kqd->ksq", keys, qh, preferred_element_type=jnp.float32,
-                       precision=float32_precision(qh.dtype))
-        return jax.lax.optimization_barrier(s).transpose(0, 2, 1)
-    return jnp.einsum("kqd,ksd->kqs", qh, keys, preferred_element_type=jnp.float32,
-                      precision=float32_precision(qh.dtype))
+        return jax.lax.optimization_barrier(jnp.einsum("ksd,kqd->ksq", keys, qh, **kw)).transpose(0, 2, 1)
+    return jnp.einsum("kqd,ksd->kqs", qh, keys, **kw)
 
 
 def query_tiles(T: int, keys_per_chunk: int) -> int:

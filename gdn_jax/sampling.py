@@ -230,7 +230,7 @@ def _log_softmax_parts(logits):
     way (max, shift, log of the sum of exponentials), so that a logprob taken as shifted[t] - lse is the one
     `log_softmax` gives for token t, without the [B, V] logprobs written out."""
     x = logits.astype(jnp.float32)
-    shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, initial=-np.inf, keepdims=True))
+    shifted = x - jnp.max(x, axis=-1, initial=-np.inf, keepdims=True)
     return shifted, jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
 
 
