@@ -7,11 +7,12 @@
 # It uses the Python that `PYTHON` names (default python3) with the packages it already has (JAX with its CUDA
 # plugin, flax, orbax-checkpoint, safetensors, xxhash, pytest, hypothesis): the repository is put on PYTHONPATH, so
 # nothing is installed and a machine without network access runs it as it is. Elsewhere, `pip install -e .[cuda,dev]`
-# first. Each stage runs under its own time limit (TESTS_TIMEOUT, BENCH_TIMEOUT seconds), so a stage that hangs or
-# runs long still leaves the next one its time (by default 240 + 330 s: the whole run stays under 10 minutes);
+# first. Each stage runs under its own time limit (TESTS_TIMEOUT, BENCH_TIMEOUT, COMPILE_TIMEOUT seconds), so a stage
+# that hangs or runs long still leaves the next one its time (by default 150 + 330 + 90 s: the whole run stays under
+# 10 minutes);
 # bench_gpu.py writes each figure to its JSON as soon as it has it.
-# Everything lands in OUT_DIR: env.txt, tests.log (pytest's summary, JUnit XML in tests.xml), bench.log and
-# bench_gpu.json. BENCH_ARGS adds arguments to bench_gpu.py (e.g. "--preset hybrid-1024 --skip off").
+# Everything lands in OUT_DIR: env.txt, tests.log (pytest's summary, JUnit XML in tests.xml), bench.log,
+# bench_gpu.json, compile.log and bench_compile.json. BENCH_ARGS adds arguments to bench_gpu.py (e.g. "--preset hybrid-1024 --skip off").
 #
 # On a CPU (JAX_PLATFORMS=cpu, a small BENCH_ARGS) the same script runs end to end, which checks the script only.
 set -uo pipefail
@@ -54,8 +55,11 @@ tests=(tests/gdn_jax/test_model_vs_hf.py tests/gdn_jax/test_gated_delta.py tests
        tests/gdn_jax/test_sampling_engine.py tests/gdn_jax/test_fork_engine.py tests/gdn_jax/test_prompt_logprobs.py)
 # shellcheck disable=SC2206  # a list of paths
 [ -n "${GPU_CHECK_TESTS:-}" ] && tests=($GPU_CHECK_TESTS)
-timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest -q -p no:cacheprovider --junitxml="$out/tests.xml" "${tests[@]}" \
-  2>&1 | tee "$out/tests.log"
+# with pytest-xdist there, TESTS_WORKERS processes (default 8) share the GPU, each allocating what it uses
+workers=()
+"$py" -c "import xdist" 2>/dev/null && [ "${TESTS_WORKERS:-8}" -gt 1 ] && workers=(-n "${TESTS_WORKERS:-8}")
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TESTS_TIMEOUT:-150}" "$py" -m pytest -q -p no:cacheprovider \
+  "${workers[@]}" --junitxml="$out/tests.xml" "${tests[@]}" 2>&1 | tee "$out/tests.log"
 tests_status=${PIPESTATUS[0]}
 
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
@@ -63,5 +67,15 @@ timeout "${BENCH_TIMEOUT:-330}" "$py" scripts/bench_gpu.py --out "$out/bench_gpu
   2>&1 | tee "$out/bench.log"
 bench_status=${PIPESTATUS[0]}
 
-echo "gpu_check: tests exit $tests_status, bench_gpu exit $bench_status (124: its time limit); results in $out"
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]
+# compile time of the step on the same preset, COMPILE_SHAPES shapes spread over the warm-up grid (0: skip)
+compile_status=0
+if [ "${COMPILE_SHAPES:-6}" -gt 0 ]; then
+  # shellcheck disable=SC2086  # COMPILE_ARGS is a list of arguments
+  timeout "${COMPILE_TIMEOUT:-90}" "$py" scripts/bench_compile.py --limit "${COMPILE_SHAPES:-6}" \
+    --out "$out/bench_compile.json" ${COMPILE_ARGS:---preset qwen3.5-9b --dtype bfloat16} 2>&1 | tee "$out/compile.log"
+  compile_status=${PIPESTATUS[0]}
+fi
+
+echo "gpu_check: tests exit $tests_status, bench_gpu exit $bench_status, bench_compile exit $compile_status" \
+  "(124: its time limit); results in $out"
+[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$compile_status" -eq 0 ]
