@@ -690,21 +690,23 @@ GPU_CHECK_BENCH = ("--preset tiny-random --dtype float32 --prefill-tokens 128 --
                    "--matmul-probe 256")
 
 
-def _gpu_check(out, tests, bench_args):
-    """scripts/gpu_check.sh on the CPU with `tests` (GPU_CHECK_TESTS) and `bench_args` (BENCH_ARGS)."""
+def _gpu_check(out, tests, bench_args, compile_shapes=0):
+    """scripts/gpu_check.sh on the CPU with `tests` (GPU_CHECK_TESTS), `bench_args` (BENCH_ARGS) and the compile stage
+    on `compile_shapes` shapes of tiny-random (COMPILE_SHAPES; 0 skips it)."""
     env = {k: v for k, v in os.environ.items() if k != "GDN_JAX_TEST_COMPILE_CACHE"}
-    env |= {"JAX_PLATFORMS": "cpu", "PYTHON": sys.executable, "GPU_CHECK_TESTS": tests, "BENCH_ARGS": bench_args}
+    env |= {"JAX_PLATFORMS": "cpu", "PYTHON": sys.executable, "GPU_CHECK_TESTS": tests, "BENCH_ARGS": bench_args,
+            "COMPILE_SHAPES": str(compile_shapes), "COMPILE_ARGS": "--preset tiny-random --dtype float32"}
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow  # ~40 s: a pytest process and bench_gpu.py on tiny-random, each compiling its engines
+@pytest.mark.slow  # ~45 s: a pytest process, bench_gpu.py and bench_compile.py on tiny-random, each compiling
 def test_gpu_check_runs_the_tests_then_every_stage_of_bench_gpu(tmp_path):
     """On the CPU the GPU session script runs end to end: the environment report, the tests it is given (their JUnit
-    XML), then bench_gpu.py with every stage, each figure in its JSON."""
+    XML), bench_gpu.py with every stage, each figure in its JSON, then the compile times of two step shapes."""
     out = tmp_path / "gpu"
     run = _gpu_check(out, "tests/gdn_jax/test_restore.py::test_two_rows_may_restore_from_the_same_checkpoint",
-                     GPU_CHECK_BENCH)
+                     GPU_CHECK_BENCH, compile_shapes=2)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "backend cpu" in (out / "env.txt").read_text() and "gdn_jax imports" in (out / "env.txt").read_text()
     suite = (out / "tests.xml").read_text()
@@ -713,7 +715,10 @@ def test_gpu_check_runs_the_tests_then_every_stage_of_bench_gpu(tmp_path):
     assert bench["forward"]["best_s"] > 0 and bench["decode"]["median_ms"] > 0 and bench["forward"]["finite"]
     assert bench["ttft"]["hit_ttft_ms_median"] > 0 and bench["off"]["off_ttft_ms_median"] > 0
     assert set(bench["ttft"]["hit_cached"]) == {128}  # every hit reused the whole shared part
-    assert "tests exit 0, bench_gpu exit 0" in run.stdout
+    compiled = json.loads((out / "bench_compile.json").read_text())
+    assert compiled["preset"] == "tiny-random" and len(compiled["shapes"]) == 2
+    assert all(t > 0 for t in compiled["per_shape_s"]) and compiled["num_shapes"] >= 2
+    assert "tests exit 0, bench_gpu exit 0, bench_compile exit 0" in run.stdout
 
 
 def test_gpu_check_runs_bench_gpu_after_failing_tests_and_reports_the_failure(tmp_path):
@@ -723,7 +728,8 @@ def test_gpu_check_runs_bench_gpu_after_failing_tests_and_reports_the_failure(tm
     run = _gpu_check(out, missing, GPU_CHECK_BENCH + " --skip forward,ttft,decode,off")
     assert run.returncode != 0
     assert missing in (out / "tests.log").read_text()
-    assert "tests exit 4, bench_gpu exit 0" in run.stdout  # pytest's "usage error" status: no such file
+    assert "tests exit 4, bench_gpu exit 0, bench_compile exit 0" in run.stdout  # 4: pytest's usage error
+    assert not (out / "bench_compile.json").exists()  # COMPILE_SHAPES=0: no compile stage
     assert json.loads((out / "bench_gpu.json").read_text())["probes"]
 
 
