@@ -70,21 +70,36 @@ def forward_flops(cfg, T: int, chunk: int = 64) -> dict:
     return {"dense": dense, "attention": attention, "gdn": gdn, "total": dense + attention + gdn}
 
 
+def busy_ms(spans: list[tuple[float, float]]) -> float:
+    """The time (ms) covered by at least one of the (start us, duration us) spans: their union's length."""
+    total, end = 0.0, -float("inf")
+    for start, dur in sorted(spans):
+        if start + dur > end:
+            total += start + dur - max(start, end)
+            end = start + dur
+    return total / 1e3
+
+
 def trace_ops(fn, n: int) -> dict:
     """Runs fn() n times under the JAX profiler; per process of the trace (host, each device stream), the XLA op time
-    per call summed by kind, the busiest ops, and the wall time per call."""
+    per call summed by kind, the busiest ops, the time per call during which some op ran (`busy_ms`: the union of
+    the ops' spans, so nested and concurrent ops count once) and the wall time per call: on a device, wall - busy is
+    the time it waited between kernels (launches, host round trips)."""
     events, wall = trace_events(fn, n)
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     kinds, ops = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
+    spans = collections.defaultdict(list)
     for e in events:
         a = e.get("args") or {}
         if e.get("ph") == "X" and "hlo_op" in a:
             where = names.get(e["pid"], str(e["pid"]))
             kinds[where][op_kind(a["hlo_op"])] += e["dur"] / 1e3 / n
             ops[where][a["hlo_op"]] += e["dur"] / 1e3 / n
+            spans[where].append((e["ts"], e["dur"]))
     return {"wall_ms": 1e3 * wall,
-            "by_process": {w: {"op_ms_total": sum(k.values()), "op_ms_by_kind": dict(k.most_common()),
-                               "top_ops_ms": dict(ops[w].most_common(15))} for w, k in kinds.items()}}
+            "by_process": {w: {"op_ms_total": sum(k.values()), "busy_ms": busy_ms(spans[w]) / n,
+                               "op_ms_by_kind": dict(k.most_common()), "top_ops_ms": dict(ops[w].most_common(15))}
+                           for w, k in kinds.items()}}
 
 
 def run_one(engine: LLMEngine, rid: str, tokens: list[int]) -> dict:
@@ -146,7 +161,8 @@ def main():
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="datasheet memory bandwidth GB/s (H200) (default: %(default)s)")
     ap.add_argument("--matmul-probe", type=positive_int, default=8192, help="size of the matmul-peak probe (default: %(default)s)")
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: forward,ttft,decode,off")
-    ap.add_argument("--profile", action="store_true", help="also trace two decode steps and sum XLA op time by kind")
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace two forwards and two decode steps: XLA op time by kind, busy and wall time")
     ap.add_argument("--out", default="results/bench_gpu.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -200,6 +216,15 @@ def main():
                "finite": bool(jnp.isfinite(logits).all())}
         if peak.get("matmul_tflops"):
             out["mfu_measured_peak"] = fl["total"] / best / (peak["matmul_tflops"] * 1e12)
+        if args.profile:
+            def call():
+                nonlocal logits, state
+                logits, state = fn(g, p, batch, state, False)
+                logits.block_until_ready()
+            try:
+                out["profile"] = trace_ops(call, 2)
+            except Exception as e:  # the profiler is optional: keep the timings
+                out["profile"] = {"error": f"{type(e).__name__}: {e}"}
         del state
         return out
     if "forward" not in skip:

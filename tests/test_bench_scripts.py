@@ -703,10 +703,11 @@ def _gpu_check(out, tests, bench_args, compile_shapes=0):
 @pytest.mark.slow  # ~45 s: a pytest process, bench_gpu.py and bench_compile.py on tiny-random, each compiling
 def test_gpu_check_runs_the_tests_then_every_stage_of_bench_gpu(tmp_path):
     """On the CPU the GPU session script runs end to end: the environment report, the tests it is given (their JUnit
-    XML), bench_gpu.py with every stage, each figure in its JSON, then the compile times of two step shapes."""
+    XML), bench_gpu.py with every stage and its traces, each figure in its JSON, then the compile times of two step
+    shapes."""
     out = tmp_path / "gpu"
     run = _gpu_check(out, "tests/gdn_jax/test_restore.py::test_two_rows_may_restore_from_the_same_checkpoint",
-                     GPU_CHECK_BENCH, compile_shapes=2)
+                     GPU_CHECK_BENCH + " --profile", compile_shapes=2)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "backend cpu" in (out / "env.txt").read_text() and "gdn_jax imports" in (out / "env.txt").read_text()
     suite = (out / "tests.xml").read_text()
@@ -715,10 +716,21 @@ def test_gpu_check_runs_the_tests_then_every_stage_of_bench_gpu(tmp_path):
     assert bench["forward"]["best_s"] > 0 and bench["decode"]["median_ms"] > 0 and bench["forward"]["finite"]
     assert bench["ttft"]["hit_ttft_ms_median"] > 0 and bench["off"]["off_ttft_ms_median"] > 0
     assert set(bench["ttft"]["hit_cached"]) == {128}  # every hit reused the whole shared part
+    for stage in ("forward", "decode"):  # --profile: the traced calls' op time, of which some ran at once or nested
+        (host,) = bench[stage]["profile"]["by_process"].values()
+        assert 0 < host["busy_ms"] <= host["op_ms_total"] and bench[stage]["profile"]["wall_ms"] > 0
     compiled = json.loads((out / "bench_compile.json").read_text())
     assert compiled["preset"] == "tiny-random" and len(compiled["shapes"]) == 2
     assert all(t > 0 for t in compiled["per_shape_s"]) and compiled["num_shapes"] >= 2
     assert "tests exit 0, bench_gpu exit 0, bench_compile exit 0" in run.stdout
+
+
+def test_bench_gpu_busy_time_counts_nested_and_overlapping_spans_once():
+    """busy_ms is the length of the spans' union (us in, ms out): a span inside another, and two that overlap, count
+    once; a gap between them does not count."""
+    busy = _script("bench_gpu").busy_ms
+    assert busy([(20, 5), (0, 10), (2, 3), (22, 10), (40, 1)]) == pytest.approx((10 + 12 + 1) / 1e3)
+    assert busy([(5, 0), (5, 2)]) == pytest.approx(2e-3) and busy([]) == 0
 
 
 def test_gpu_check_runs_bench_gpu_after_failing_tests_and_reports_the_failure(tmp_path):
