@@ -690,24 +690,26 @@ GPU_CHECK_BENCH = ("--preset tiny-random --dtype float32 --prefill-tokens 128 --
                    "--matmul-probe 256")
 
 
-def _gpu_check(out, tests, bench_args, compile_shapes=0):
-    """scripts/gpu_check.sh on the CPU with `tests` (GPU_CHECK_TESTS), `bench_args` (BENCH_ARGS) and the compile stage
-    on `compile_shapes` shapes of tiny-random (COMPILE_SHAPES; 0 skips it)."""
+def _gpu_check(out, tests, bench_args, compile_shapes=0, variants=""):
+    """scripts/gpu_check.sh on the CPU with `tests` (GPU_CHECK_TESTS), `bench_args` (BENCH_ARGS), the compile stage
+    on `compile_shapes` shapes of tiny-random (COMPILE_SHAPES; 0 skips it) and `variants` (VARIANTS) of its decode."""
     env = {k: v for k, v in os.environ.items() if k != "GDN_JAX_TEST_COMPILE_CACHE"}
     env |= {"JAX_PLATFORMS": "cpu", "PYTHON": sys.executable, "GPU_CHECK_TESTS": tests, "BENCH_ARGS": bench_args,
-            "COMPILE_SHAPES": str(compile_shapes), "COMPILE_ARGS": "--preset tiny-random --dtype float32"}
+            "COMPILE_SHAPES": str(compile_shapes), "COMPILE_ARGS": "--preset tiny-random --dtype float32",
+            "VARIANTS": variants, "VARIANT_ARGS": GPU_CHECK_BENCH + " --skip forward,ttft,off"}
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow  # ~45 s: a pytest process, bench_gpu.py and bench_compile.py on tiny-random, each compiling
+@pytest.mark.slow  # ~60 s: a pytest process, bench_gpu.py (three times) and bench_compile.py, each compiling
 def test_gpu_check_runs_the_tests_then_every_stage_of_bench_gpu(tmp_path):
     """On the CPU the GPU session script runs end to end: the environment report, the tests it is given (their JUnit
-    XML), bench_gpu.py with every stage and its traces, each figure in its JSON, then the compile times of two step
-    shapes."""
+    XML), bench_gpu.py with every stage and its traces, each figure in its JSON, the compile times of two step
+    shapes, then the decode stage under each of two settings (one that XLA refuses: reported, not fatal)."""
     out = tmp_path / "gpu"
     run = _gpu_check(out, "tests/gdn_jax/test_restore.py::test_two_rows_may_restore_from_the_same_checkpoint",
-                     GPU_CHECK_BENCH + " --profile", compile_shapes=2)
+                     GPU_CHECK_BENCH + " --profile", compile_shapes=2,
+                     variants="GDN_JAX_UNROLL_LAYERS=1;XLA_FLAGS=--xla_no_such_flag=1")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "backend cpu" in (out / "env.txt").read_text() and "gdn_jax imports" in (out / "env.txt").read_text()
     suite = (out / "tests.xml").read_text()
@@ -722,7 +724,13 @@ def test_gpu_check_runs_the_tests_then_every_stage_of_bench_gpu(tmp_path):
     compiled = json.loads((out / "bench_compile.json").read_text())
     assert compiled["preset"] == "tiny-random" and len(compiled["shapes"]) == 2
     assert all(t > 0 for t in compiled["per_shape_s"]) and compiled["num_shapes"] >= 2
-    assert "tests exit 0, bench_gpu exit 0, bench_compile exit 0" in run.stdout
+    unrolled, bad_flag = json.loads((out / "variants.json").read_text())  # the variants, in their order
+    assert unrolled["env"] == "GDN_JAX_UNROLL_LAYERS=1" and unrolled["exit"] == 0
+    assert unrolled["result"]["unroll_layers"] and unrolled["result"]["decode"]["median_ms"] > 0
+    assert "forward" not in unrolled["result"] and not bench["unroll_layers"]
+    assert bad_flag["exit"] != 0 and bad_flag["result"] is None and "xla_no_such_flag" in bad_flag["log_tail"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("variant")) == ["variants.json"]
+    assert "tests exit 0, bench_gpu exit 0, bench_compile exit 0, variants exit 0 1" in run.stdout
 
 
 def test_bench_gpu_busy_time_counts_nested_and_overlapping_spans_once():
