@@ -24,7 +24,9 @@ import argparse
 import collections
 import gc
 import json
+import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -100,6 +102,19 @@ def trace_ops(fn, n: int) -> dict:
             "by_process": {w: {"op_ms_total": sum(k.values()), "busy_ms": busy_ms(spans[w]) / n,
                                "op_ms_by_kind": dict(k.most_common()), "top_ops_ms": dict(ops[w].most_common(15))}
                            for w, k in kinds.items()}}
+
+
+def step_hlo_counts(engine: LLMEngine, rows: int) -> dict:
+    """What the compiled decode step of `rows` rows holds (compiled again, from its lowering): its `copy` ops, those of
+    a whole pool (a pool updated out of place), and its conditionals and while loops (each of which XLA's GPU
+    runtime executes by reading a value back to the host), counted in the optimized HLO text."""
+    w = engine.worker
+    hlo = w.compiled_step(w.step_shape(rows, 1, False)).as_text()
+    pools = {x.size for x in jax.tree.leaves(w.state)}
+    copies = [math.prod(int(d) for d in dims.split(",") if d)
+              for dims in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} copy\(", hlo)]
+    return {"copies": len(copies), "pool_copies": sum(n in pools for n in copies),
+            "conditionals": len(re.findall(r" conditional\(", hlo)), "while_loops": len(re.findall(r" while\(", hlo))}
 
 
 def run_one(engine: LLMEngine, rid: str, tokens: list[int]) -> dict:
@@ -279,6 +294,7 @@ def main():
         if peak.get("read_gbps"):
             out["bound_ms_measured"] = 1e3 * by["total"] / (peak["read_gbps"] * 1e9)
             out["x_bound_measured"] = out["median_ms"] / out["bound_ms_measured"]
+        out["hlo"] = step_hlo_counts(engine, B)
         if args.profile:
             try:
                 out["profile"] = trace_ops(engine.step, 2)

@@ -718,6 +718,8 @@ def test_gpu_check_runs_the_tests_then_every_stage_of_bench_gpu(tmp_path):
     assert bench["forward"]["best_s"] > 0 and bench["decode"]["median_ms"] > 0 and bench["forward"]["finite"]
     assert bench["ttft"]["hit_ttft_ms_median"] > 0 and bench["off"]["off_ttft_ms_median"] > 0
     assert set(bench["ttft"]["hit_cached"]) == {128}  # every hit reused the whole shared part
+    assert bench["decode"]["hlo"]["pool_copies"] == 0 and bench["decode"]["hlo"]["while_loops"] > 0  # in place
+    assert bench["decode"]["hlo"]["conditionals"] > 0  # the layer loop's switches over the layers' matrices
     for stage in ("forward", "decode"):  # --profile: the traced calls' op time, of which some ran at once or nested
         (host,) = bench[stage]["profile"]["by_process"].values()
         assert 0 < host["busy_ms"] <= host["op_ms_total"] and bench[stage]["profile"]["wall_ms"] > 0
@@ -728,6 +730,7 @@ def test_gpu_check_runs_the_tests_then_every_stage_of_bench_gpu(tmp_path):
     assert unrolled["env"] == "GDN_JAX_UNROLL_LAYERS=1" and unrolled["exit"] == 0
     assert unrolled["result"]["unroll_layers"] and unrolled["result"]["decode"]["median_ms"] > 0
     assert "forward" not in unrolled["result"] and not bench["unroll_layers"]
+    assert unrolled["result"]["decode"]["hlo"]["conditionals"] == 0  # every layer's matrices known when traced
     assert bad_flag["exit"] != 0 and bad_flag["result"] is None and "xla_no_such_flag" in bad_flag["log_tail"]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("variant")) == ["variants.json"]
     assert "tests exit 0, bench_gpu exit 0, bench_compile exit 0, variants exit 0 1" in run.stdout
