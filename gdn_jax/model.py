@@ -135,6 +135,27 @@ def write_rows(pool, ids: tuple, rows, axis: int = 0):
 # Keys one iteration of the attention loop reads per row (`Attention`): the loop runs over the keys the batch's rows
 # hold, whatever the width of the block tables, so a wide table costs nothing and one width serves every step.
 KV_CHUNK_KEYS = 256
+# Keys per iteration of a prefill step's attention loop (more than one token per row) when the environment sets it
+# (`kv_chunk_keys`); unset, KV_CHUNK_KEYS. For comparisons on an accelerator: see `kv_chunk_keys`.
+PREFILL_KV_CHUNK_ENV = "GDN_JAX_PREFILL_KV_CHUNK_KEYS"
+
+
+def kv_chunk_keys(tokens: int) -> int:
+    """Keys one iteration of the attention loop reads per row, in a step of `tokens` tokens per row: KV_CHUNK_KEYS, or
+    for a prefill step the positive integer `PREFILL_KV_CHUNK_ENV` names (rounded down to whole KV blocks, at least
+    one). Larger chunks mean larger query tiles (`query_tiles`) and fewer iterations: XLA's GPU runtime (outside
+    command buffers) runs every iteration of a loop whose trip count is known only on the device (the key chunks: as
+    many as the rows hold) by copying its condition to the host and waiting for it, and an 8704-token prefill runs
+    595 such iterations per attention layer at 256 keys (34 tiles), 14 at 2048 (4 tiles of 2176 queries), at the
+    price of computing the masked part of each tile's last chunks. The same attention either way, up to the online
+    softmax's rounding (tests/gdn_jax/test_model.py); not the default anywhere until measured on a GPU."""
+    if tokens > 1:
+        env = os.environ.get(PREFILL_KV_CHUNK_ENV, "").strip()
+        if env:
+            if not env.isdigit() or int(env) < 1:
+                raise ValueError(f"{PREFILL_KV_CHUNK_ENV} must be a positive number of keys, got {env!r}")
+            return int(env)
+    return KV_CHUNK_KEYS
 
 
 # On CPU, a query tile of at most this many queries per KV head (g * Tq) has its scores multiplied with the keys on
@@ -731,7 +752,7 @@ class Attention(nnx.Module):
         """x: [B, T, D]; caches: [kvh, layers, NB, bs, hd] paged, of which this layer's is [:, layer]
         -> (out, k_cache, v_cache).
 
-        Each row attends to its keys in chunks of `KV_CHUNK_KEYS` (an online softmax), as many chunks as the
+        Each row attends to its keys in chunks of `kv_chunk_keys(T)` (an online softmax), as many chunks as the
         longest row of the batch needs (start + length): the block tables' width (padding blocks) costs nothing.
         A long chunk's queries go in tiles (`query_tiles`), each over the key chunks up to its last query only.
         The caches are head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv
@@ -757,7 +778,7 @@ class Attention(nnx.Module):
         v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd), axis=1)
         g = H // kvh  # per (row, kv head) one matmul over its g * Tq queries
         NB = batch.block_tables.shape[1]
-        cb = max(1, min(NB, KV_CHUNK_KEYS // bs))  # blocks per chunk
+        cb = max(1, min(NB, kv_chunk_keys(T) // bs))  # blocks per chunk
         keys_per_chunk = cb * bs
         nq = query_tiles(T, keys_per_chunk)
         Tq = T // nq

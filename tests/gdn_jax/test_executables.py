@@ -200,7 +200,8 @@ def test_the_key_follows_shapes_dtypes_structure_options_and_context(monkeypatch
               executables.executable_key("step", ("cfg", 64), (jnp.zeros((2, 4)), args[1]), {"o": False}),
               executables.executable_key("step", ("cfg", 64), (args[0], {"a": np.zeros(4, np.int64)}), {"o": False}),
               executables.executable_key("step", ("cfg", 64), (args[0], {"b": args[1]["a"]}), {"o": False})]
-    for name, value in (("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false"), ("GDN_JAX_UNROLL_LAYERS", "1")):
+    for name, value in (("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false"), ("GDN_JAX_UNROLL_LAYERS", "1"),
+                        ("GDN_JAX_PREFILL_KV_CHUNK_KEYS", "2048")):
         with monkeypatch.context() as m:  # the environment that changes a compiled program is part of the key
             m.setenv(name, value)
             others.append(executables.executable_key("step", ("cfg", 64), args, {"o": False}))

@@ -133,10 +133,43 @@ def test_step_traces_one_layer_of_each_kind_whatever_the_depth():
     assert small.count("stablehlo.exponential") == deep.count("stablehlo.exponential") > 0
 
 
+def test_prefill_key_chunks_from_the_environment_change_the_loops_not_the_attention(monkeypatch, tiny):
+    """GDN_JAX_PREFILL_KV_CHUNK_KEYS sets a prefill step's keys per iteration (here one block: 64 tokens then run in 4
+    query tiles, each over its own chunks), not a decode step's: the logits and pools of a prefill after a 150-token
+    prefix and of the decode step after it are those of the default chunks, and the prefill's program differs."""
+    cfg, graphdef, params = tiny
+    toks = np.random.default_rng(5).integers(4, 500, 215)
+    results, programs = [], []
+    for keys in (None, str(BLOCK_SIZE)):
+        if keys:
+            monkeypatch.setenv(model.PREFILL_KV_CHUNK_ENV, keys)
+        assert model.kv_chunk_keys(64) == (BLOCK_SIZE if keys else model.KV_CHUNK_KEYS)
+        assert model.kv_chunk_keys(1) == model.KV_CHUNK_KEYS  # a decode step keeps its chunks
+        step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, True), compiler_options=PREFILL_OPTIONS)
+        _, state = step(params, single_row_batch(toks[:150], 0, 14), init_state(cfg, 15, BLOCK_SIZE, 4))
+        chunk = single_row_batch(toks[150:214], 150, 14)
+        programs.append(step.lower(params, chunk, state).as_text())
+        logits, state = step(params, chunk, state)
+        results.append(jax.device_get((logits, state, step(params, single_row_batch(toks[214:], 214, 14), state))))
+    (l1, s1, d1), (l2, s2, d2) = results
+    np.testing.assert_allclose(l1, l2, atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves((s1, d1)), jax.tree.leaves((s2, d2))):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert programs[0] != programs[1]
+
+
+@pytest.mark.parametrize("value", ["0", "-256", "2k", "1.5"])
+def test_prefill_key_chunks_from_the_environment_must_be_a_positive_count(monkeypatch, value):
+    monkeypatch.setenv(model.PREFILL_KV_CHUNK_ENV, value)
+    with pytest.raises(ValueError, match="GDN_JAX_PREFILL_KV_CHUNK_KEYS must be a positive number of keys"):
+        model.kv_chunk_keys(64)
+    assert model.kv_chunk_keys(1) == model.KV_CHUNK_KEYS  # a decode step never reads it
+
+
 @pytest.mark.parametrize("T", [1, 40, 64])
 def test_attention_in_chunks_equals_attention_in_one_chunk(monkeypatch, tiny, T):
-    """Keys a block at a time (an online softmax over 10 chunks) give the logits and pools of one chunk of 256 keys,
-    for a prefill chunk and a decode step after a 150-token prefix. With a block per chunk the 40- and 64-token
+    """Keys a block at a time (an online softmax over up to 14 chunks) give the logits and pools of one chunk of 256
+    keys, for a prefill chunk and a decode step after a 150-token prefix. With a block per chunk the 40- and 64-token
     chunks run their queries in 2 and 4 tiles, each over the key chunks up to its own last query."""
     cfg, graphdef, params = tiny
     toks = np.random.default_rng(4).integers(4, 500, 150 + T)
@@ -145,8 +178,8 @@ def test_attention_in_chunks_equals_attention_in_one_chunk(monkeypatch, tiny, T)
         monkeypatch.setattr(model, "KV_CHUNK_KEYS", keys)
         # a fresh trace under this chunk size
         step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, True), compiler_options=PREFILL_OPTIONS)
-        _, state = step(params, single_row_batch(toks[:150], 0, 12), init_state(cfg, 13, BLOCK_SIZE, 4))
-        results.append(jax.device_get(step(params, single_row_batch(toks[150:], 150, 12), state)))
+        _, state = step(params, single_row_batch(toks[:150], 0, 14), init_state(cfg, 15, BLOCK_SIZE, 4))
+        results.append(jax.device_get(step(params, single_row_batch(toks[150:], 150, 14), state)))
     (l1, s1), (l2, s2) = results
     np.testing.assert_allclose(l1, l2, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
