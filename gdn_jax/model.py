@@ -855,10 +855,26 @@ def layer_groups(layer_types) -> tuple[tuple[tuple[str, int], ...], int]:
     return tuple((kind, len(list(run))) for kind, run in itertools.groupby(types[:p])), n // p
 
 
-def _repeat(n: int, body, carry):
+UNROLL_ENV = "GDN_JAX_UNROLL_LAYERS"  # "1": every step's layers unrolled, "decode": one-token steps', unset or "0": none
+
+
+def unroll_layers(tokens: int) -> bool:
+    """Whether a step of `tokens` tokens per row traces every layer with its index known, with no layer loop and no
+    switch over the layers' matrices (`Qwen35Model.scan_layers`), as `UNROLL_ENV` says: "1" every step, "decode" the
+    one-token steps only, unset or "0" none (the default). For comparisons: XLA's GPU runtime reads each conditional's
+    branch index back to the host, and unrolled layers have none, but compile in about twice the time; a decode
+    shape compiles faster than a prefill one. On the CPU the unrolled one-row decode step copies the GDN state pool
+    (docs/design.md, "On a GPU")."""
+    env = os.environ.get(UNROLL_ENV, "").strip()
+    if env not in ("", "0", "1", "decode"):
+        raise ValueError(f"{UNROLL_ENV} must be 1, decode or 0 (unset: 0), got {env!r}")
+    return env == "1" or (env == "decode" and tokens == 1)
+
+
+def _repeat(n: int, body, carry, unroll: bool = False):
     """carry = body(i, carry) for i in range(n): a loop (its body compiled once), a plain call when n == 1; unrolled
-    (every layer traced with its index known) when the environment sets GDN_JAX_UNROLL_LAYERS=1."""
-    if os.environ.get("GDN_JAX_UNROLL_LAYERS") == "1":
+    (every layer traced with its index known) when `unroll`."""
+    if unroll:
         for i in range(n):
             carry = body(i, carry)
         return carry
@@ -876,7 +892,7 @@ class Qwen35Model(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(rngs, cfg.hidden_size, cfg.vocab_size, dtype, std)
 
-    def scan_layers(self, carry, linear, full):
+    def scan_layers(self, carry, linear, full, unroll: bool = False):
         """Runs the decoder layers in order on `carry`: `linear(layer, j, carry) -> carry` for the j-th GDN layer,
         `full(layer, j, carry)` for the j-th full-attention layer, where `layer` is a `DecoderLayer` with that
         layer's parameters and j (an int32 scalar, or an int) indexes its kind's stacked pools (`DeviceState`).
@@ -885,7 +901,8 @@ class Qwen35Model(nnx.Module):
         run of same-kind layers, so a step compiles one GDN and one full-attention layer whatever the depth
         (Qwen3.5-9B's 32 layers compile as 2). In the loop body `layer` holds, for each projection matrix, a
         `LayerKernel` (every layer's matrix, each in its own buffer; `dense` multiplies by the loop's layer's), and
-        the loop's layer's small parameters (norms, conv taps, gates), picked together by one switch."""
+        the loop's layer's small parameters (norms, conv taps, gates), picked together by one switch. With `unroll`
+        (`unroll_layers`) every layer is traced in turn with its index known: no loop and no switch."""
         runs, repeats = layer_groups(self.cfg.layer_types)
         fns = {LINEAR: linear, FULL: full}
         kinds = {}  # kind -> (graphdef, treedef of its state, per leaf: the tuple of every layer's array)
@@ -914,10 +931,10 @@ class Qwen35Model(nnx.Module):
                 base = g * per_group + seen[kind]
                 seen[kind] += n
                 carry = _repeat(n, lambda i, c, kind=kind, base=base: fns[kind](layer_at(kind, base + i),
-                                                                               base + i, c), carry)
+                                                                               base + i, c), carry, unroll)
             return carry
 
-        return _repeat(repeats, group, carry)
+        return _repeat(repeats, group, carry, unroll)
 
     def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int | None = None,
                  gdn_schedule: str = "auto"):
@@ -957,7 +974,7 @@ class Qwen35Model(nnx.Module):
             h, k, v = layer.self_attn(layer.input_layernorm(x), st.k, st.v, batch, j)
             return layer.residual(x, h), dataclasses.replace(st, k=k, v=v)
 
-        x, state = self.scan_layers((x, state), linear, full)
+        x, state = self.scan_layers((x, state), linear, full, unroll=unroll_layers(batch.tokens.shape[1]))
         if not all_logits:  # hidden state of each row's last real token
             last = jnp.maximum(batch.lengths - 1, 0)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]

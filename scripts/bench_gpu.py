@@ -184,7 +184,7 @@ def main():
     cfg = get_preset(args.preset)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     res = Results(args.out, {"preset": args.preset, "dtype": args.dtype, "backend": jax.default_backend(),
-                             "unroll_layers": os.environ.get("GDN_JAX_UNROLL_LAYERS") == "1",
+                             "unroll_layers": os.environ.get("GDN_JAX_UNROLL_LAYERS", ""),
                              "xla_flags": os.environ.get("XLA_FLAGS", ""),
                              "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "args": vars(args)})
 

@@ -133,6 +133,34 @@ def test_step_traces_one_layer_of_each_kind_whatever_the_depth():
     assert small.count("stablehlo.exponential") == deep.count("stablehlo.exponential") > 0
 
 
+@pytest.mark.parametrize("env, unrolled", [("1", {1, 16}), ("decode", {1}), ("0", set()), ("", set())])
+def test_layers_unroll_as_the_environment_says(monkeypatch, tiny, env, unrolled):
+    """GDN_JAX_UNROLL_LAYERS: "1" unrolls every step's layers, "decode" only a one-token step's, "0" or unset none.
+    An unrolled step has no layer loop and no switch over the layers' matrices (`case` in its StableHLO), the logits
+    of a loop's."""
+    cfg, graphdef, params = tiny
+    toks = np.random.default_rng(6).integers(4, 500, 17)
+    monkeypatch.setenv(model.UNROLL_ENV, env)
+    step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s), compiler_options=PREFILL_OPTIONS)
+    state = init_state(cfg, 3, BLOCK_SIZE, 4)
+    for T, start in ((16, 0), (1, 16)):  # a prefill chunk, then the decode step after it
+        batch = single_row_batch(toks[start:start + T], start, 2)
+        assert model.unroll_layers(T) == (T in unrolled)
+        assert ("stablehlo.case" in step.lower(params, batch, state).as_text()) == (T not in unrolled)
+        monkeypatch.setenv(model.UNROLL_ENV, "0")  # the layer loop's logits, from the same state
+        looped = jax.jit(lambda p, b, s: forward(graphdef, p, b, s), compiler_options=PREFILL_OPTIONS)(
+            params, batch, state)[0]
+        monkeypatch.setenv(model.UNROLL_ENV, env)
+        logits, state = step(params, batch, state)
+        np.testing.assert_allclose(logits, looped, atol=1e-5, rtol=0)
+
+
+def test_layers_unroll_only_for_a_known_setting(monkeypatch):
+    monkeypatch.setenv(model.UNROLL_ENV, "yes")
+    with pytest.raises(ValueError, match="GDN_JAX_UNROLL_LAYERS must be 1, decode or 0"):
+        model.unroll_layers(1)
+
+
 def test_prefill_key_chunks_from_the_environment_change_the_loops_not_the_attention(monkeypatch, tiny):
     """GDN_JAX_PREFILL_KV_CHUNK_KEYS sets a prefill step's keys per iteration (here one block: 64 tokens then run in 4
     query tiles, each over its own chunks), not a decode step's: the logits and pools of a prefill after a 150-token
