@@ -706,7 +706,12 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
             s1 = new_state(s0[r], e[r], kf[r], delta[r])
             return jax.lax.dynamic_update_slice(pool, s1[None, None], (layer, ids[r]) + (0,) * (pool.ndim - 2))
 
-        return jax.lax.fori_loop(0, chunk, write, pool), o
+        # With the layer known (layers unrolled) and one row per iteration, XLA would inline a loop of one turn and
+        # fuse the next layer's read of the pool with this write, then copy the whole pool around every layer (5
+        # copies of 228 MB in hybrid-1024's one-row step, 390 ms against 12.6); a trip count it cannot fold keeps
+        # the loop, as with two rows (live slots are never negative: `n` is `chunk`).
+        n = chunk if not isinstance(layer, int) else jnp.where(ids[0] >= 0, chunk, 0)
+        return jax.lax.fori_loop(0, n, write, pool), o
 
     pool, o = jax.lax.fori_loop(0, B // chunk, body, (pool, jnp.zeros(v.shape, v.dtype)))
     return o, pool
@@ -863,8 +868,7 @@ def unroll_layers(tokens: int) -> bool:
     switch over the layers' matrices (`Qwen35Model.scan_layers`), as `UNROLL_ENV` says: "1" every step, "decode" the
     one-token steps only, unset or "0" none (the default). For comparisons: XLA's GPU runtime reads each conditional's
     branch index back to the host, and unrolled layers have none, but compile in about twice the time; a decode
-    shape compiles faster than a prefill one. On the CPU the unrolled one-row decode step copies the GDN state pool
-    (docs/design.md, "On a GPU")."""
+    shape compiles faster than a prefill one (docs/design.md, "On a GPU")."""
     env = os.environ.get(UNROLL_ENV, "").strip()
     if env not in ("", "0", "1", "decode"):
         raise ValueError(f"{UNROLL_ENV} must be 1, decode or 0 (unset: 0), got {env!r}")

@@ -54,3 +54,17 @@ def test_no_step_shape_copies_a_pool(dtype):
         assert not pool_sizes & set(_copied_sizes(hlo)), f"{shape}: a pool-sized copy"
         # nor any other temporary as large as one layer's pool (a dtype conversion of one, say)
         assert mem.temp_size_in_bytes < min(p.nbytes for p in _layer_pools(worker.state)), (shape, mem.temp_size_in_bytes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_unrolled_one_row_decode_step_updates_the_pools_in_place(monkeypatch, dtype):
+    """GDN_JAX_UNROLL_LAYERS=decode: the one-row decode step (every layer traced with its index known) copies no pool
+    either. It copied the GDN state pool once per GDN layer while XLA inlined the loop over its one row. (Block
+    tables of a single attention chunk, max_model_len <= 256, still have a float32 value cache copied there: XLA
+    hoists the chunk's gather out of the one-turn loop and fuses it with the token's write; not the case here.)"""
+    monkeypatch.setenv("GDN_JAX_UNROLL_LAYERS", "decode")
+    worker = LLMEngine("tiny", dtype=dtype, **(ENGINE_KW | dict(max_model_len=512))).worker
+    pools = jax.tree.leaves(worker.state)
+    hlo = worker.compiled_step(worker.step_shape(1, 1, False)).as_text()
+    assert "conditional(" not in hlo  # unrolled: no switch over the layers
+    assert not {p.size for p in pools + _layer_pools(worker.state)} & set(_copied_sizes(hlo))
