@@ -62,8 +62,8 @@ tests=(tests/gdn_jax/test_model_vs_hf.py tests/gdn_jax/test_gated_delta.py tests
 workers=()
 "$py" -c "import xdist" 2>/dev/null && [ "${TESTS_WORKERS:-8}" -gt 1 ] && workers=(-n "${TESTS_WORKERS:-8}")
 # The tests check values, not speed: their processes compile without XLA's autotuning of the GPU's products
-# (TESTS_XLA_FLAGS). On the H200 a compilation took 5-8 CPU seconds per wall second, most likely that autotuning
-# (not measured apart); the 133 tests did not all run in 320 s with it.
+# (TESTS_XLA_FLAGS). On the H200 a step shape compiled with 4-5.4 CPU seconds per wall second, most likely that
+# autotuning (not measured apart); the 133 tests did not all run in 320 s with it.
 tests_status=0
 if [ "${TESTS_TIMEOUT:-150}" -gt 0 ]; then  # TESTS_TIMEOUT=0: no test stage
   XLA_FLAGS="${XLA_FLAGS:-} ${TESTS_XLA_FLAGS---xla_gpu_autotune_level=0}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
