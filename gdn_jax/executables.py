@@ -52,8 +52,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from gdn_jax import model
 
 
-# environment variables that change a compiled step
-ENVIRONMENT = ("XLA_FLAGS", "GDN_JAX_UNROLL_LAYERS", "GDN_JAX_PREFILL_KV_CHUNK_KEYS")
+ENVIRONMENT = ("XLA_FLAGS", model.UNROLL_ENV, model.PREFILL_KV_CHUNK_ENV)  # environment that changes a compiled step
 # JAX settings that change a traced program without changing its arguments, when JAX cannot list them itself (below)
 JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_threefry_partitionable",
                 "jax_random_seed_offset", "jax_high_dynamic_range_gumbel", "jax_numpy_dtype_promotion",

@@ -44,7 +44,7 @@ from op_profile import op_kind, trace_events  # noqa: E402
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
 from gdn_jax.cli import positive_int  # noqa: E402
 from gdn_jax.config import get_preset  # noqa: E402
-from gdn_jax.model import Batch, forward, init_state  # noqa: E402
+from gdn_jax.model import UNROLL_ENV, Batch, forward, init_state  # noqa: E402
 
 
 def matmul_peak(n: int, dtype, repeats: int = 10) -> float:
@@ -102,6 +102,14 @@ def trace_ops(fn, n: int) -> dict:
             "by_process": {w: {"op_ms_total": sum(k.values()), "busy_ms": busy_ms(spans[w]) / n,
                                "op_ms_by_kind": dict(k.most_common()), "top_ops_ms": dict(ops[w].most_common(15))}
                            for w, k in kinds.items()}}
+
+
+def traced_or_error(fn) -> dict:
+    """trace_ops(fn, 2), or the error that stopped it: the profiler is optional, the timings are kept either way."""
+    try:
+        return trace_ops(fn, 2)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def step_hlo_counts(engine: LLMEngine, rows: int) -> dict:
@@ -184,7 +192,7 @@ def main():
     cfg = get_preset(args.preset)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     res = Results(args.out, {"preset": args.preset, "dtype": args.dtype, "backend": jax.default_backend(),
-                             "unroll_layers": os.environ.get("GDN_JAX_UNROLL_LAYERS", ""),
+                             "unroll_layers": os.environ.get(UNROLL_ENV, ""),
                              "xla_flags": os.environ.get("XLA_FLAGS", ""),
                              "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "args": vars(args)})
 
@@ -237,10 +245,7 @@ def main():
                 nonlocal logits, state
                 logits, state = fn(g, p, batch, state, False)
                 logits.block_until_ready()
-            try:
-                out["profile"] = trace_ops(call, 2)
-            except Exception as e:  # the profiler is optional: keep the timings
-                out["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            out["profile"] = traced_or_error(call)
         del state
         return out
     if "forward" not in skip:
@@ -296,10 +301,7 @@ def main():
             out["x_bound_measured"] = out["median_ms"] / out["bound_ms_measured"]
         out["hlo"] = step_hlo_counts(engine, B)
         if args.profile:
-            try:
-                out["profile"] = trace_ops(engine.step, 2)
-            except Exception as e:  # the profiler is optional: keep the timings
-                out["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            out["profile"] = traced_or_error(engine.step)
         while engine.has_unfinished_requests():
             engine.step()
         return out
