@@ -60,11 +60,14 @@ from gdn_jax.worker import Worker, compile_threads_default, default_memory_budge
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int, int]]:
     try:
-        return [tuple(int(n) for n in s.split("x")) for s in text.split(",") if s]
+        shapes = [tuple(int(n) for n in s.split("x")) for s in text.split(",") if s]
     except ValueError:
-        raise ValueError(f"--shapes: expected ROWSxTOKENSxBLOCKS,... (e.g. 16x64x256,1x1x8), got {text!r}") from None
+        shapes = None
+    if not shapes or any(len(s) != 3 for s in shapes):
+        raise ValueError(f"{flag}: expected ROWSxTOKENSxBLOCKS,... (e.g. 16x64x256,1x1x8), got {text!r}")
+    return shapes
 
 
 def spread(shapes: list, n: int) -> list:
@@ -80,11 +83,13 @@ def spread(shapes: list, n: int) -> list:
     return sorted(set(chosen), key=shapes.index)
 
 
-def timed(lower) -> dict:
+def timed(lower, again: bool = False) -> dict:
     """Wall seconds of `lower()` (-> a `jax.stages.Lowered`) and of its compilation, and the process CPU seconds of
-    both (over all threads). JAX's in-memory caches are emptied first, so that a shape named twice in `--shapes`
-    is lowered and compiled again rather than found (0 s)."""
-    jax.clear_caches()
+    both (over all threads). `again`: the shape was timed before in this process; JAX's in-memory caches are emptied
+    first, so that it is lowered and compiled again rather than found (0 s). (Not otherwise: the shapes of a warm-up
+    share the traces of the jitted helpers inside the step, as they do here.)"""
+    if again:
+        jax.clear_caches()
     t0, c0 = time.perf_counter(), time.process_time()
     lowered = lower()
     t1, c1 = time.perf_counter(), time.process_time()
@@ -152,6 +157,7 @@ def measure(a) -> dict:
     all_samplers = worker.sample_buckets() if hasattr(worker, "sample_buckets") else []
     samplers = [B for B in all_samplers if any(s[0] == B for s in shapes)] if a.shapes else all_samplers
     sample_rows = []
+    jax.clear_caches()  # nothing this process compiled before (in a test, say) is found instead of compiled
     for B in samplers:
         sample_rows.append({"rows": B} | timed(lambda: worker.lowered_sample(B)))
         print(f"{B:>5} {'(sampling)':>19} {row_times(sample_rows[-1])}", flush=True)
@@ -163,9 +169,10 @@ def measure(a) -> dict:
     rows = []
     for shape in shapes:
         saves = worker.num_saves(*shape[:2]) if hasattr(worker, "num_saves") else 0  # checkpoints the shape writes
-        row = {"shape": list(shape), "saves": saves} | timed(lambda: worker.lowered_step(shape))
+        again = any(r["shape"] == list(shape) for r in rows)
+        row = {"shape": list(shape), "saves": saves} | timed(lambda: worker.lowered_step(shape), again)
         if a.prompt_logprobs and shape[1] > 1:
-            prompt = timed(lambda: worker.lowered_prompt_step(shape))
+            prompt = timed(lambda: worker.lowered_prompt_step(shape), again)
             row |= {"prompt_logprobs_s": prompt["total_s"], "total_s": row["total_s"] + prompt["total_s"],
                     "cpu_s": row["cpu_s"] + prompt["cpu_s"]}
         rows.append(row)
@@ -178,7 +185,9 @@ def measure(a) -> dict:
            "grid": [list(s) for s in grid], "shapes": [r["shape"] for r in rows],
            "per_shape_s": [r["total_s"] for r in rows], "rows": rows, "num_sampling_shapes": len(all_samplers),
            "sampling": sample_rows, "sampling_s": sampling_s,
-           "measured_total_s": sum(r["total_s"] for r in rows) + sampling_s}
+           # a shape timed more than once (named again in --shapes) counts once, at the median of its times
+           "measured_total_s": sum(statistics.median(r["total_s"] for r in rows if tuple(r["shape"]) == s)
+                                   for s in dict.fromkeys(tuple(r["shape"]) for r in rows)) + sampling_s}
     for kind, pick in (("prefill", lambda s: s[1] > 1), ("decode", lambda s: s[1] == 1)):
         got = [r for r in rows if pick(r["shape"])]
         out[f"{kind}_shapes"] = sum(map(pick, grid))
@@ -247,7 +256,8 @@ def main(argv=None):
     p.add_argument("--checkpoint-mode", default="scan", choices=("scan", "promote"), help="engine checkpoint_mode "
                    "('promote': prefill rows of at most chunk_stride tokens, no saves)")
     p.add_argument("--checkpoint-policy", default="all", choices=("all", "last"), help="engine checkpoint_policy")
-    p.add_argument("--shapes", default="", help="comma-separated ROWSxTOKENSxBLOCKS shapes to time (default: all)")
+    p.add_argument("--shapes", default="", help="comma-separated ROWSxTOKENSxBLOCKS shapes to time, a "
+                   "shape named twice timed twice (default: all)")
     p.add_argument("--limit", type=nonnegative_int, default=0, help="time N shapes spread over the grid, the largest "
                    "prefill and decode shapes among them (N >= 2; 0: all)")
     p.add_argument("--prompt-logprobs", action="store_true", help="also compile the prompt-logprobs step per prefill "
@@ -261,6 +271,11 @@ def main(argv=None):
                    "folder (or --cache-dir) and report the second start")
     p.add_argument("--out", default=None, help="JSON output (default results/bench_compile_<preset>.json)")
     a = p.parse_args(argv)
+    if a.shapes:
+        try:
+            parse_shapes(a.shapes)
+        except ValueError as e:
+            p.error(str(e))
     if a.chunk_stride % a.block_size:  # the engine's rule (the worker built here from shapes alone skips its checks)
         p.error(f"--chunk-stride ({a.chunk_stride}) must be a multiple of --block-size ({a.block_size})")
     # flags that would go unused: the run would not be the one asked for

@@ -331,6 +331,8 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
      "--limit 1: the largest prefill and the largest decode shape are always timed: give 2 or more"),
     ("bench_compile", ["--preset", "tiny-random", "--warm-up", "--shapes", "1x1x8"], "--warm-up times the whole grid: "
      "--shapes does not apply"),
+    ("bench_compile", ["--preset", "tiny-random", "--shapes", "1x1", "--out", "/dev/null"],
+     "--shapes: expected ROWSxTOKENSxBLOCKS,... (e.g. 16x64x256,1x1x8), got '1x1'"),
     ("bench_serving", ["--system", "200", "--max-model-len", "128"], "exceeds --max-model-len (128)"),
 ])
 def test_a_bad_count_is_an_error_naming_it_before_anything_runs(script, argv, message, capsys):
@@ -497,6 +499,20 @@ def test_bench_compile_summarises_and_extrapolates_the_shapes_it_timed(tmp_path)
     assert r["measured_total_s"] == pytest.approx(a + b + d + r["sampling_s"])
     assert r["total_extrapolated"] and r["total_s"] == pytest.approx(r["measured_total_s"] + (a + b) / 2 + d
                                                                      + r["sampling_s"])
+
+
+def test_bench_compile_times_a_shape_named_twice_twice_and_counts_it_once(tmp_path):
+    """A repeated shape is lowered and compiled again (it was found in JAX's in-memory caches: 0 s), and the
+    measured total counts it once, at the median of its times."""
+    out = tmp_path / "compile.json"
+    _script("bench_compile").main(["--preset", "tiny-random", "--dtype", "float32", "--max-num-seqs", "1",
+                                   "--max-model-len", "32", "--chunk-stride", "16", "--max-num-batched-tokens", "16",
+                                   "--shapes", "1x1x2,1x1x2,1x1x2", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["shapes"] == [[1, 1, 2]] * 3
+    assert all(row["lower_s"] > 0.01 and row["compile_s"] > 0.01 for row in r["rows"])
+    times = sorted(r["per_shape_s"])
+    assert r["measured_total_s"] == pytest.approx(times[1] + r["sampling_s"])
 
 
 def test_bench_compile_of_prefill_shapes_alone_gives_no_total_rather_than_nan(tmp_path, capsys):
