@@ -2,7 +2,8 @@
 custom kernel for the decode step on an AVX-512 BF16 CPU.
 
     python scripts/bench_kernel_ceiling.py [--k 1024] [--n 4096] [--matrices 8] [--rows 1 16] [--threads 2]
-        [--repeats 30] [--out results/bench_kernel_ceiling.json]
+        [--repeats 30] [--gdn-rows 16 64] [--gdn-layers 6] [--gdn-slots 326] [--gdn-heads 16] [--gdn-dim 64]
+        [--out results/bench_kernel_ceiling.json]
 
 It compiles a small C file with the system's C compiler (`cc -O3 -march=native -fopenmp`, into a temporary folder;
 nothing is installed, the package never uses it) and measures, on this machine:
@@ -12,9 +13,17 @@ nothing is installed, the package never uses it) and measures, on this machine:
   multiplied by `rows` rows: by a hand-written kernel (weights repacked once as bfloat16 pairs, a register tile of
   8 rows x 3 blocks of 16 columns, `--threads` OpenMP threads over the column blocks) and by the engine's own
   product (`model.dense`, jitted: the forms its decode steps compile to on this backend), in turn, `--repeats` times
-  each; the kernel's results are checked against float32 products first.
-Prints a table (min and median ms, GB/s of weights, GFLOP/s) and writes JSON. A CPU without AVX-512 BF16, or a
-machine without a C compiler, is refused with a message that says which.
+  each; the kernel's results are checked against float32 products first;
+- the GDN layers' decode update (`--gdn-rows`, 0 to leave it out): one token of the gated delta rule for that many
+  rows on `--gdn-layers` stacked pools of `--gdn-slots` float32 states of `--gdn-heads` x `--gdn-dim`^2
+  (hybrid-1024's by default), each row reading its state from one slot and writing the new one to another, as the
+  engine's one-token step does: by a hand-written loop (OpenMP over rows x heads; per head one pass that reads the
+  state for its products with k and q, one that writes e S + k delta^T with streaming stores, the state read again
+  from the core's cache) and by
+  the engine's own `model.advance_in_pool` in a jitted loop over the layers, in turn; the kernel's outputs and new
+  states are checked against the engine's first.
+Prints a table per part (min and median ms; GB/s of weights, GFLOP/s; GB/s of states read and written) and writes
+JSON. A CPU without AVX-512 BF16, or a machine without a C compiler, is refused with a message that says which.
 """
 
 from __future__ import annotations
@@ -34,14 +43,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from gdn_jax.cli import positive_int
-from gdn_jax.model import dense
+from gdn_jax.cli import nonnegative_int, positive_int
+from gdn_jax.model import advance_in_pool, dense
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sampling import _timeit  # noqa: E402  (min and median seconds of repeated calls)
 
 KERNEL_C = r"""
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <time.h>
@@ -118,6 +128,46 @@ void gemm_bf16(const uint32_t* Xt, const uint16_t* Wp, float* Y, int rows, int K
     for (int r0 = 0; r0 < rows; r0 += R) tile(Xt, Wp + (size_t)nb0 * ws, ws, KP, Y, N, r0, rows, nb0);
   }
 }
+
+/* One decode token of the gated delta rule per row on the float32 states pool[layers][slots][H][D][D] (as the
+   engine keeps them: [dk][dv], dk = dv = D <= 256): row r reads slot src[r] (zeros where !warm[r]) and writes
+   slot live[r]. q, k [rows][H][D] (normed, q scaled), v [rows][H][D], g, beta [rows][H], the same for every layer;
+   out [layers][rows][H][D]: o = e S^T q + (k . q) delta, delta = beta (v - e S^T k), S' = e S + k delta^T. */
+void gdn_update(float* pool, long slots, int layers, int rows, int H, int D, const int* src, const int* live,
+                const uint8_t* warm, const float* q, const float* k, const float* v, const float* g,
+                const float* beta, float* out) {
+  size_t hs = (size_t)D * D;
+  for (int l = 0; l < layers; l++) {
+#pragma omp parallel for schedule(static) collapse(2)
+    for (int r = 0; r < rows; r++)
+      for (int h = 0; h < H; h++) {
+        const float* S = pool + (((size_t)l * slots + src[r]) * H + h) * hs;
+        float* N = pool + (((size_t)l * slots + live[r]) * H + h) * hs;
+        const float *kk = k + ((size_t)r * H + h) * D, *qq = q + ((size_t)r * H + h) * D;
+        const float* vv = v + ((size_t)r * H + h) * D;
+        float e = expf(g[r * H + h]), b = beta[r * H + h], sk[256], sq[256], delta[256], kq = 0.0f;
+        for (int j = 0; j < D; j++) sk[j] = sq[j] = 0.0f;
+        if (warm[r])
+          for (int i = 0; i < D; i++)
+            for (int j = 0; j < D; j++) { sk[j] += kk[i] * S[i * D + j]; sq[j] += qq[i] * S[i * D + j]; }
+        for (int i = 0; i < D; i++) kq += kk[i] * qq[i];
+        float* o = out + (((size_t)l * rows + r) * H + h) * D;
+        for (int j = 0; j < D; j++) { delta[j] = (vv[j] - e * sk[j]) * b; o[j] = e * sq[j] + kq * delta[j]; }
+        float ew = warm[r] ? e : 0.0f;  /* a cold row's state is zeros (not 0 x whatever the slot holds) */
+        if (D % 16 == 0 && ((uintptr_t)N & 63) == 0) {  /* streaming stores: the new state is not read again here */
+          for (int i = 0; i < D; i++) {
+            __m512 ki = _mm512_set1_ps(kk[i]), e16 = _mm512_set1_ps(ew);
+            for (int j = 0; j < D; j += 16) {
+              __m512 x = warm[r] ? _mm512_mul_ps(e16, _mm512_loadu_ps(S + i * D + j)) : _mm512_setzero_ps();
+              _mm512_stream_ps(N + i * D + j, _mm512_fmadd_ps(ki, _mm512_loadu_ps(delta + j), x));
+            }
+          }
+        } else
+          for (int i = 0; i < D; i++)
+            for (int j = 0; j < D; j++) N[i * D + j] = (warm[r] ? ew * S[i * D + j] : 0.0f) + kk[i] * delta[j];
+      }
+  }
+}
 """
 
 
@@ -138,11 +188,13 @@ def build(folder: Path) -> ctypes.CDLL:
         raise SystemExit("bench_kernel_ceiling: no C compiler (cc or gcc) on PATH")
     src, lib = folder / "kernel.c", folder / "kernel.so"
     src.write_text(KERNEL_C)
-    subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib), "-lm"],
+                   check=True)
     so = ctypes.CDLL(str(lib))
     so.peak_bf16.restype = so.peak_f32.restype = ctypes.c_double
     so.peak_bf16.argtypes = so.peak_f32.argtypes = [ctypes.c_long]
     so.gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
+    so.gdn_update.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 9
     so.set_threads.argtypes = [ctypes.c_int]
     return so
 
@@ -160,6 +212,63 @@ def pack_rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.view(np.uint32).T)
 
 
+def gdn_update(so, a, rows: int, rng) -> list[dict]:
+    """The GDN decode update of `rows` rows by the kernel and by the engine (`model.advance_in_pool` over the
+    layers), after checking the kernel's outputs and new states against the engine's from the same pool."""
+    L, slots, H, D = a.gdn_layers, a.gdn_slots, a.gdn_heads, a.gdn_dim
+    pool = (rng.standard_normal((L, slots, H, D, D)) * 0.1).astype(np.float32)
+    # rows continue their own slots, but every fifth starts cold and every fourth restores from another slot
+    live = rng.permutation(np.arange(1, slots))[:2 * rows].astype(np.int32)
+    src, live = np.where(np.arange(rows) % 4 == 1, live[rows:], live[:rows]).astype(np.int32), live[:rows].copy()
+    warm = (np.arange(rows) % 5 != 3)
+    k = rng.standard_normal((rows, 1, H, D)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q = rng.standard_normal((rows, 1, H, D)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(D)
+    v = rng.standard_normal((rows, 1, H, D)).astype(np.float32)
+    g = -np.abs(rng.standard_normal((rows, 1, H))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((rows, 1, H))))).astype(np.float32)
+    lengths = np.ones(rows, np.int32)
+
+    def layers(pool, src, live, warm, q, k, v, g, beta):
+        def body(j, carry):
+            pool, outs = carry
+            o, pool = advance_in_pool(pool, src, live, warm, jnp.asarray(lengths), q, k, v, g, beta, layer=j)
+            return pool, outs.at[j].set(o[:, 0])
+        return jax.lax.fori_loop(0, L, body, (pool, jnp.zeros((L, rows, H, D), jnp.float32)))
+
+    engine = jax.jit(layers, donate_argnums=0)
+    args = [jnp.asarray(x) for x in (src, live, warm, q, k, v, g, beta)]
+    device_pool, want_out = engine(jnp.asarray(pool), *args)
+    want_pool = np.asarray(device_pool)[:, live]
+    out = np.zeros((L, rows, H, D), np.float32)
+    c_args = [np.ascontiguousarray(x) for x in (src, live, warm.astype(np.uint8), q[:, 0], k[:, 0], v[:, 0], g[:, 0],
+                                                beta[:, 0])]
+
+    def kernel():
+        so.gdn_update(pool.ctypes.data, slots, L, rows, H, D, *(x.ctypes.data for x in c_args), out.ctypes.data)
+
+    kernel()
+    err = max(float(np.abs(out - np.asarray(want_out)).max() / np.abs(want_out).max()),
+              float(np.abs(pool[:, live] - want_pool).max() / np.abs(want_pool).max()))
+    if err > 1e-5:
+        raise SystemExit(f"bench_kernel_ceiling: the kernel's GDN update is wrong (relative error {err:.2e})")
+    state = [device_pool]
+
+    def xla():
+        state[0], o = engine(state[0], *args)
+        jax.block_until_ready(o)
+
+    moved = 2 * L * rows * H * D * D * 4  # each row's state read once and written once per layer
+    result = []
+    for name, fn in (("kernel", kernel), ("engine", xla)):
+        t_min, t_med = _timeit(fn, a.repeats)
+        result.append({"gdn_rows": rows, "impl": name, "ms_min": 1e3 * t_min, "ms_median": 1e3 * t_med,
+                       "state_gb_per_s": moved / t_min / 1e9, "us_per_row_and_layer": 1e6 * t_med / (rows * L),
+                       **({"max_relative_error": err} if name == "kernel" else {})})
+    return result
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="bench_kernel_ceiling.py", description=__doc__.split("\n")[0])
     ap.add_argument("--k", type=positive_int, default=1024, help="inner dimension, even (default: %(default)s)")
@@ -170,12 +279,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=positive_int, default=30, help="timed calls of each (default: %(default)s)")
     ap.add_argument("--peak-iterations", type=positive_int, default=100_000_000,
                     help="iterations of the register-only peak loops (default: %(default)s)")
+    ap.add_argument("--gdn-rows", type=nonnegative_int, nargs="+", default=[16, 64],
+                    help="rows of the GDN decode update, 0: none (default: 16 64)")
+    ap.add_argument("--gdn-layers", type=positive_int, default=6, help="GDN layers (default: %(default)s)")
+    ap.add_argument("--gdn-slots", type=positive_int, default=326,
+                    help="state slots per layer, more than twice the rows (default: %(default)s)")
+    ap.add_argument("--gdn-heads", type=positive_int, default=16, help="value heads (default: %(default)s)")
+    ap.add_argument("--gdn-dim", type=positive_int, default=64,
+                    help="key and value head dimension, at most 256 (default: %(default)s)")
     ap.add_argument("--out", default="results/bench_kernel_ceiling.json", help="JSON output (default: %(default)s)")
     a = ap.parse_args(argv)
     if a.k % 2 or a.n % 16 or a.n < 48:
         ap.error(f"--k must be even and --n a multiple of 16 of at least 48, got {a.k} and {a.n}")
     if max(a.rows) > 16:
         ap.error(f"--rows must be at most 16, got {max(a.rows)}")
+    gdn_rows = [r for r in a.gdn_rows if r]
+    if gdn_rows and a.gdn_slots <= 2 * max(gdn_rows):
+        ap.error(f"--gdn-slots ({a.gdn_slots}) must be more than twice --gdn-rows ({max(gdn_rows)})")
+    if a.gdn_dim > 256:
+        ap.error(f"--gdn-dim must be at most 256, got {a.gdn_dim}")
     with tempfile.TemporaryDirectory() as folder:
         so = build(Path(folder))
         so.set_threads(a.threads)
@@ -209,6 +331,7 @@ def main(argv=None) -> dict:
                 rows_out.append({"rows": rows, "impl": name, "ms_min": 1e3 * t_min, "ms_median": 1e3 * t_med,
                                  "gb_per_s": weight_bytes / t_min / 1e9, "gflop_per_s": flops / t_min / 1e9,
                                  **({"max_relative_error": err} if name == "kernel" else {})})
+        gdn_out = [r for rows in gdn_rows for r in gdn_update(so, a, rows, rng)]
     print(f"peaks, one core: bfloat16 pairs (vdpbf16ps) {peaks['bf16_dot_gflops_per_core']:.1f} GFLOP/s, "
           f"float32 FMA {peaks['f32_fma_gflops_per_core']:.1f} GFLOP/s")
     print(f"{a.matrices} bfloat16 matrices of {a.k} x {a.n} ({weight_bytes / 2**20:.0f} MiB), kernel on {a.threads} threads")
@@ -216,7 +339,16 @@ def main(argv=None) -> dict:
     for r in rows_out:
         print(f"{r['rows']:>4}  {r['impl']:<6} {r['ms_min']:8.2f} {r['ms_median']:10.2f} {r['gb_per_s']:7.1f} "
               f"{r['gflop_per_s']:8.1f}")
+    if gdn_out:
+        print(f"GDN decode update: {a.gdn_layers} layers of {a.gdn_slots} float32 states of {a.gdn_heads} x "
+              f"{a.gdn_dim} x {a.gdn_dim}, kernel on {a.threads} threads")
+        print(f"{'rows':>4}  {'impl':<6} {'min ms':>8} {'median ms':>10} {'GB/s':>7} {'us/row/layer':>13}")
+        for r in gdn_out:
+            print(f"{r['gdn_rows']:>4}  {r['impl']:<6} {r['ms_min']:8.2f} {r['ms_median']:10.2f} "
+                  f"{r['state_gb_per_s']:7.1f} {r['us_per_row_and_layer']:13.1f}")
     result = {"k": a.k, "n": a.n, "matrices": a.matrices, "threads": a.threads, "peaks": peaks, "rows": rows_out,
+              "gdn": {"layers": a.gdn_layers, "slots": a.gdn_slots, "heads": a.gdn_heads, "dim": a.gdn_dim,
+                      "rows": gdn_out},
               "jax": jax.__version__, "cpus": os.cpu_count()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))

@@ -163,7 +163,8 @@ def test_bench_kernel_ceiling_checks_its_kernel_and_reports_both_products(tmp_pa
     script = _script("bench_kernel_ceiling")
     out = tmp_path / "kernel.json"
     argv = ["--k", "256", "--n", "80", "--matrices", "2", "--rows", "1", "9", "16", "--repeats", "2",
-            "--peak-iterations", "1000", "--out", str(out)]
+            "--peak-iterations", "1000", "--gdn-rows", "1", "6", "--gdn-layers", "2", "--gdn-slots", "13",
+            "--gdn-heads", "3", "--gdn-dim", "16", "--out", str(out)]
     if not script.cpu_has_avx512_bf16() or not (shutil.which("cc") or shutil.which("gcc")):
         with pytest.raises(SystemExit, match="AVX-512 BF16|no C compiler"):
             script.main(argv)
@@ -176,8 +177,21 @@ def test_bench_kernel_ceiling_checks_its_kernel_and_reports_both_products(tmp_pa
     for r in result["rows"]:
         assert 0 < r["ms_min"] <= r["ms_median"] and r["gflop_per_s"] > 0
         assert r["impl"] == "engine" or r["max_relative_error"] < 1e-4  # 9 rows: a partial tile; 80: overlapping blocks
+    # the GDN update: checked against the engine's (a cold row, a restoring one, the others continuing their slots)
+    gdn = result["gdn"]
+    assert (gdn["layers"], gdn["slots"], gdn["heads"], gdn["dim"]) == (2, 13, 3, 16)
+    assert [(r["gdn_rows"], r["impl"]) for r in gdn["rows"]] == [(1, "kernel"), (1, "engine"), (6, "kernel"),
+                                                                 (6, "engine")]
+    for r in gdn["rows"]:
+        assert 0 < r["ms_min"] <= r["ms_median"] and r["state_gb_per_s"] > 0
+        assert r["impl"] == "engine" or r["max_relative_error"] < 1e-5
+    # a head dimension that is no multiple of 16 takes the kernel's plain loop: checked the same way
+    odd = script.main(argv[:-2] + ["--rows", "1", "--gdn-rows", "6", "--gdn-dim", "8", "--out", str(out)])
+    assert [r["max_relative_error"] < 1e-5 for r in odd["gdn"]["rows"] if r["impl"] == "kernel"] == [True]
     with pytest.raises(SystemExit):
         script.main(argv[:-2] + ["--n", "40", "--out", str(out)])  # fewer than 3 blocks of 16 columns
+    with pytest.raises(SystemExit):  # 2 x 6 rows need 13 slots (12 distinct slots + the padding one)
+        script.main(argv[:-2] + ["--gdn-slots", "12", "--out", str(out)])
 
 
 def test_bench_sampling_reports_each_cell(tmp_path):
