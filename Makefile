@@ -41,6 +41,10 @@ GROUP_D := tests/gdn_jax/test_tiny_model.py tests/gdn_jax/test_weights.py tests/
 # less time with them). The groups above, which test the numbers a user gets (the model, exactness of the
 # cache, decode and sampling paths, the shipped model's card, stored executables, and the server's engine thread
 # compiling a request's shapes: test_server_default_compile.py), compile as a user's engine does.
+# Where the GDN decode kernel builds (gdn_jax/cpu_kernels.py: a C++ compiler on PATH) the groups above run it; XLA's
+# form of that update, which runs where it does not, keeps its in-place and one-row tests in a process of its own.
+XLA_GDN_UPDATE := GDN_JAX_CPU_KERNELS=0
+GROUP_XLA_GDN_UPDATE := tests/gdn_jax/test_donation.py tests/gdn_jax/test_decode_path.py
 PLUMBING := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # `make test` runs the groups in two lanes at once (a step compiles on one core, and most of the suite's time is
 # compiling): B then C, which runs many steps B compiled; and the rest. Each lane's groups run in order; each
@@ -63,6 +67,7 @@ test-lane-engine: $(VENV)/.installed
 test-lane-rest: $(VENV)/.installed
 	$(PY) -m pytest -q $(GROUP_A)
 	$(PY) -m pytest -q $(GROUP_D)
+	$(XLA_GDN_UPDATE) $(PY) -m pytest -q $(GROUP_XLA_GDN_UPDATE)
 	$(PLUMBING) $(PY) -m pytest -q tests/gdn_jax/test_server.py
 	$(PLUMBING) $(PY) -m pytest -q tests/gdn_jax/test_train.py tests/test_studies.py tests/test_notebooks.py  # the accuracy notebook reuses the study's steps
 	$(PLUMBING) $(PY) -m pytest -q tests/test_bench_scripts.py

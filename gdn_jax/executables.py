@@ -49,10 +49,10 @@ import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
-from gdn_jax import model
+from gdn_jax import cpu_kernels, model
 
 
-ENVIRONMENT = ("XLA_FLAGS", model.UNROLL_ENV, model.PREFILL_KV_CHUNK_ENV)  # environment that changes a compiled step
+ENVIRONMENT = ("XLA_FLAGS", model.UNROLL_ENV, model.PREFILL_KV_CHUNK_ENV, cpu_kernels.KERNELS_ENV)  # environment that changes a compiled step
 # JAX settings that change a traced program without changing its arguments, when JAX cannot list them itself (below)
 JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_threefry_partitionable",
                 "jax_random_seed_offset", "jax_high_dynamic_range_gumbel", "jax_numpy_dtype_promotion",
@@ -132,11 +132,12 @@ def tag_jax_cache_keys() -> None:
 
 @functools.cache
 def source_digest() -> str:
-    """Digest of the package's Python source (gdn_jax and scheduler) and the jax / jaxlib versions."""
+    """Digest of the package's source (gdn_jax and scheduler: Python and the CPU kernels' C++) and the jax / jaxlib
+    versions."""
     h = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
     root = Path(__file__).resolve().parent.parent
     for pkg in ("gdn_jax", "scheduler"):
-        for path in sorted((root / pkg).rglob("*.py")):
+        for path in sorted(p for ext in ("*.py", "*.cc") for p in (root / pkg).rglob(ext)):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
@@ -185,6 +186,7 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
     env = [(name, os.environ.get(name)) for name in ENVIRONMENT] + jax_settings()
     if device.platform == "cpu":
         env.append(("host_cpu", _host_cpu()))  # the machine code is this CPU's (`host_cpu`)
+        env.append(("gdn_decode_kernel", cpu_kernels.gdn_decode_available()))  # its one-token steps call it
     if device.platform == "cpu" and any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves):
         # a 16-bit model's prefill and few-row products take the forms this machine multiplies faster
         # (model.upcast_is_faster, model.few_rows_weight_left)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdn_jax import cpu_kernels
 from gdn_jax.config import FULL, LINEAR, ModelConfig
 from gdn_jax.gated_delta import (causal_conv1d, chunk_gated_delta_rule, decode_token, default_chunk_size, l2norm,
                                  new_state, recurrent_gated_delta_rule)
@@ -681,7 +682,12 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
     scatter writes them all: a loop over the rows would cost a device round trip per row.) A scatter of the
     iteration's new states needed them materialised first, and XLA gave `where(warm, ...)` a pass of its own: 9
     passes over the states' bytes against 5 now. Hybrid-1024, bfloat16, 16 rows: 26-29 -> 24.5 ms per decode step
-    (the 6 GDN layers' state updates alone: 6.9 -> 5.3 ms; 64 rows 33.5 -> 23.9 ms)."""
+    (the 6 GDN layers' state updates alone: 6.9 -> 5.3 ms; 64 rows 33.5 -> 23.9 ms).
+
+    Where the compiled CPU kernel is available (`cpu_kernels`), it does all of this instead: each state read once,
+    written once, the rows' heads shared among the CPU threads (XLA's write above runs on one)."""
+    if cpu_kernels.applies(pool):
+        return cpu_kernels.gdn_decode(pool, src, live, warm, lengths, q, k, v, g, beta, layer)
     B = q.shape[0]
     chunk = rows_per_iteration(B, math.prod(pool.shape[2:]) * pool.dtype.itemsize, "gdn_decode")
 

@@ -1,0 +1,130 @@
+"""Compiled kernels for XLA's CPU backend: the GDN decode update (`gdn_decode`, source csrc/gdn_decode.cc).
+
+XLA compiles a one-token step's GDN update (`model.advance_in_pool`) to a gathered copy of each row's state, a
+product, and an in-place write that runs on one thread: 72-83 us per row and layer at hybrid-1024's 256 KiB states,
+where the kernel takes 29-35 (`scripts/bench_kernel_ceiling.py`; docs/benchmarks.md). The kernel reads each state
+once for its products with k and q and writes the new one once, sharing the (row, head) pairs among XLA's CPU
+threads (an XLA FFI custom call, the pool aliased to its result: updated in place, as before).
+
+It is built on first use by the system's C++ compiler (`c++`, `g++` or `clang++`, or `$CXX`) against the FFI
+headers jaxlib ships, `-O3 -march=native`, into `kernels/` beside JAX's persistent compilation cache (else a
+per-user folder under the system's temporary folder), one file per source, jaxlib version, compiler and CPU
+(`executables.host_cpu`), written under a temporary name and renamed, so that processes building at once do not
+collide; later processes load it (~2 s to build, milliseconds to load). `KERNELS_ENV`: "0" never uses it, "1"
+requires it (an error names what failed), unset uses it when it builds, and otherwise runs XLA's form after one
+RuntimeWarning that says why. Either way the values agree to float32 rounding (tests/gdn_jax/test_cpu_kernels.py);
+the executable store keeps the two apart (`executables`: whether the kernel is in use is part of the key).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from gdn_jax.gated_delta import _inert, _valid_mask
+
+KERNELS_ENV = "GDN_JAX_CPU_KERNELS"  # "0": never, "1": required, unset: when it builds
+TARGET = "gdn_jax_gdn_decode"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "gdn_decode.cc"
+MAX_DIM = 256  # the kernel's largest head dimension (its per-head buffers)
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def _setting() -> str:
+    env = os.environ.get(KERNELS_ENV, "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{KERNELS_ENV} must be 0 (never), 1 (required) or unset (when it builds), got {env!r}")
+    return env
+
+
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with: `$CXX` if set (it must exist), else c++, g++ or clang++."""
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"])
+    return next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
+
+
+def folder() -> Path:
+    """Where built kernels are kept: `kernels/` in JAX's persistent cache folder, else in a per-user folder under the
+    system's temporary folder."""
+    cache = jax.config.jax_compilation_cache_dir
+    base = Path(cache) if cache else Path(tempfile.gettempdir(), f"gdn-jax-{os.getuid()}")
+    return base / "kernels"
+
+
+def build(cxx: str, out_folder: Path) -> Path:
+    """The kernel library for this source, jaxlib, compiler and CPU, built into `out_folder` unless it is there."""
+    from gdn_jax.executables import host_cpu  # (executables imports the model, which imports this module)
+
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(),
+                                     host_cpu().encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
+    lib = out_folder / f"gdn_decode-{key}.so"
+    if lib.exists():
+        return lib
+    out_folder.mkdir(parents=True, exist_ok=True)
+    tmp = out_folder / f".{lib.name}.{os.getpid()}.tmp"
+    try:
+        run = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)],
+                             capture_output=True, text=True, timeout=300)
+        if run.returncode:
+            raise RuntimeError(f"{cxx} failed (exit {run.returncode}): {run.stderr.strip()[-600:]}")
+        os.replace(tmp, lib)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return lib
+
+
+@functools.cache
+def gdn_decode_available() -> bool:
+    """Whether one-token steps on this process's CPU backend update the GDN states with the compiled kernel: built
+    (or found) and registered with XLA once per process. See the module's docstring for `KERNELS_ENV`."""
+    setting = _setting()
+    if setting == "0" or jax.default_backend() != "cpu":
+        return False
+    try:
+        cxx = compiler()
+        if cxx is None:
+            raise RuntimeError(f"no C++ compiler on PATH (c++, g++ or clang++; or name one in CXX: "
+                               f"{os.environ.get('CXX')!r})" if os.environ.get("CXX") else
+                               "no C++ compiler on PATH (c++, g++ or clang++; or name one in CXX)")
+        lib = ctypes.CDLL(str(build(cxx, folder())))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.GdnJaxGdnDecode), platform="cpu")
+    except Exception as exc:
+        if setting == "1":
+            raise RuntimeError(f"{KERNELS_ENV}=1, but the CPU kernel could not be built or loaded: {exc}") from exc
+        warnings.warn(f"gdn_jax: the GDN decode kernel could not be built or loaded ({exc}); one-token steps run "
+                      f"XLA's form of the update (slower at many rows; {KERNELS_ENV}=0 says so without trying)",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def applies(pool) -> bool:
+    """Whether `gdn_decode` updates this pool: a float32 [layers, slots, H, D, D] pool (D <= MAX_DIM) on the CPU
+    backend, with the kernel available."""
+    return (pool.dtype == jnp.float32 and pool.ndim == 5 and pool.shape[-1] == pool.shape[-2] <= MAX_DIM
+            and jax.default_backend() == "cpu" and gdn_decode_available())
+
+
+def gdn_decode(pool, src, live, warm, lengths, q, k, v, g, beta, layer):
+    """`model.advance_in_pool` by the kernel: (o [B, 1, H, dv] in v's dtype, the pool updated in place). Padding
+    rows (`lengths` 0) are made inert first, as `gated_delta.decode_token` does: their new state is their old one."""
+    B = q.shape[0]
+    out_dtype = v.dtype
+    q, k, v, g, beta = (a[:, 0] for a in _inert(_valid_mask(B, 1, lengths), q, k, v, g, beta))
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                                     jax.ShapeDtypeStruct(v.shape, jnp.float32)), input_output_aliases={0: 0})
+    pool, o = call(pool, jnp.asarray(layer, jnp.int32).reshape(1), src.astype(jnp.int32), live.astype(jnp.int32),
+                   warm.astype(jnp.bool_), q, k, v.astype(jnp.float32), g, beta)
+    return o[:, None].astype(out_dtype), pool

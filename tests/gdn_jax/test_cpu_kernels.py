@@ -1,0 +1,147 @@
+"""The compiled GDN decode kernel (gdn_jax/cpu_kernels.py) against XLA's form of the same update, and how the
+engine behaves where the kernel cannot be built."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn_jax import cpu_kernels, model
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """Runs a test with the kernel's availability decided again, and decides it again after (with the test's
+    environment undone), so that no other test sees the test's choice."""
+    cpu_kernels.gdn_decode_available.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    cpu_kernels.gdn_decode_available.cache_clear()
+
+
+def _case(rng, rows=7, layers=3, slots=20, heads=3, dim=16):
+    """A pool and one token per row: row 1 cold (zeros, whatever its slot holds), rows 2 and 5 restoring from other
+    slots, row 4 a padding row (lengths 0, writing slot 0 like the engine's), the rest continuing their own slots."""
+    pool = (rng.standard_normal((layers, slots, heads, dim, dim)) * 0.1).astype(np.float32)
+    live = np.array([3, 7, 11, 5, 0, 13, 17], np.int32)[:rows]
+    src = live.copy()
+    src[2], src[5] = 9, 19
+    warm = np.ones(rows, bool)
+    warm[1] = False
+    lengths = np.ones(rows, np.int32)
+    lengths[4] = 0
+    k = rng.standard_normal((rows, 1, heads, dim)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q = rng.standard_normal((rows, 1, heads, dim)).astype(np.float32) / np.sqrt(dim)
+    v = rng.standard_normal((rows, 1, heads, dim)).astype(jnp.bfloat16)
+    g = -np.abs(rng.standard_normal((rows, 1, heads))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((rows, 1, heads))))).astype(np.float32)
+    return pool, (src, live, warm, lengths, q, k, v, g, beta)
+
+
+def _over_layers(pool, args, layer_known: bool):
+    """Every layer's update in turn, the layer index traced (the layer loop) or known (unrolled layers)."""
+    layers = pool.shape[0]
+    if layer_known:
+        outs = []
+        for j in range(layers):
+            o, pool = model.advance_in_pool(pool, *args, layer=j)
+            outs.append(o)
+        return jnp.stack(outs), pool
+
+    def body(j, carry):
+        pool, outs = carry
+        o, pool = model.advance_in_pool(pool, *args, layer=j)
+        return pool, outs.at[j].set(o)
+    v = args[6]
+    pool, outs = jax.lax.fori_loop(0, layers, body, (pool, jnp.zeros((layers,) + v.shape, v.dtype)))
+    return outs, pool
+
+
+def _run(pool, args, layer_known):
+    fn = jax.jit(lambda pool, *args: _over_layers(pool, args, layer_known), donate_argnums=0)
+    return fn(jnp.asarray(pool), *map(jnp.asarray, args)), fn
+
+
+@pytest.mark.parametrize("layer_known, dim", [(False, 16), (True, 16), (False, 8)])
+def test_the_kernel_updates_states_as_xla_does(layer_known, dim, fresh_choice):
+    """Where a C++ compiler is, the kernel is built and every output and every slot of the pool (those no row
+    writes included) agree with XLA's form to float32 rounding: cold, restoring, continuing and padding rows, the
+    layer traced or known, a head dimension of 16 (the vector writes, where the CPU has AVX-512) and of 8 (the plain
+    loop). Where none is, the engine warns once and runs XLA's form."""
+    rng = np.random.default_rng(0)
+    pool, args = _case(rng, dim=dim)
+    if cpu_kernels.compiler() is None:
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            assert not cpu_kernels.gdn_decode_available()
+        return
+    assert cpu_kernels.gdn_decode_available()
+    (o_kernel, pool_kernel), fn = _run(pool, args, layer_known)
+    text = fn.lower(jnp.asarray(pool), *map(jnp.asarray, args)).compile().as_text()
+    assert cpu_kernels.TARGET in text
+    # in place: no copy of the pool (nor a second pool-sized buffer) in the compiled program
+    assert not re.search(rf"f32\[3,20,3,{dim},{dim}\]\{{[0-9,]+\}} copy\(", text)
+    fresh_choice.setattr(cpu_kernels, "applies", lambda pool: False)
+    (o_xla, pool_xla), fn = _run(pool, args, layer_known)
+    assert cpu_kernels.TARGET not in fn.lower(jnp.asarray(pool), *map(jnp.asarray, args)).compile().as_text()
+    np.testing.assert_allclose(np.asarray(o_kernel, np.float32), np.asarray(o_xla, np.float32), rtol=1e-2, atol=1e-2)
+    assert o_kernel.dtype == o_xla.dtype == jnp.bfloat16
+    pk, px = np.asarray(pool_kernel), np.asarray(pool_xla)
+    np.testing.assert_allclose(pk, px, rtol=1e-5, atol=1e-6)
+    written = {3, 7, 11, 5, 0, 13, 17}
+    untouched = [s for s in range(pool.shape[1]) if s not in written]
+    np.testing.assert_array_equal(pk[:, untouched], pool[:, untouched])  # restore sources included: read, not moved
+    assert not np.array_equal(pk[:, 7], pool[:, 7])  # the cold row wrote its new state
+    np.testing.assert_allclose(pk[:, 7], px[:, 7], rtol=1e-5, atol=1e-6)
+
+
+def test_float32_outputs_agree_to_rounding(fresh_choice):
+    """The rows' outputs in float32 (v float32): the same values as XLA's to float32 rounding."""
+    if cpu_kernels.compiler() is None:
+        with pytest.warns(RuntimeWarning):
+            assert not cpu_kernels.gdn_decode_available()
+        return
+    rng = np.random.default_rng(1)
+    pool, args = _case(rng, dim=64, heads=2)
+    args = args[:6] + (args[6].astype(np.float32),) + args[7:]
+    (o_kernel, _), _ = _run(pool, args, False)
+    fresh_choice.setattr(cpu_kernels, "applies", lambda pool: False)
+    (o_xla, _), _ = _run(pool, args, False)
+    np.testing.assert_allclose(np.asarray(o_kernel), np.asarray(o_xla), rtol=2e-5, atol=2e-6)
+
+
+def test_no_compiler_means_xla_form_with_one_warning_or_an_error_when_required(fresh_choice, tmp_path):
+    fresh_choice.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler on PATH.*no-such-compiler"):
+        assert not cpu_kernels.gdn_decode_available()
+    assert not cpu_kernels.applies(jnp.zeros((1, 2, 1, 4, 4), jnp.float32))  # decided once: no second warning
+    cpu_kernels.gdn_decode_available.cache_clear()
+    fresh_choice.setenv(cpu_kernels.KERNELS_ENV, "1")
+    with pytest.raises(RuntimeError, match="GDN_JAX_CPU_KERNELS=1, but the CPU kernel could not be built"):
+        cpu_kernels.gdn_decode_available()
+
+
+def test_a_failed_build_names_the_compilers_message(fresh_choice, tmp_path):
+    """A compiler that fails (here: one that prints a message and exits 1): its message in the error, nothing
+    left in the kernels' folder."""
+    fake = tmp_path / "fake-c++"
+    fake.write_text("#!/bin/sh\necho 'fatal: cannot build this' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match="exit 1.*fatal: cannot build this"):
+        cpu_kernels.build(str(fake), tmp_path / "kernels")
+    assert list((tmp_path / "kernels").iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["2", "yes"])
+def test_the_setting_is_checked(value, fresh_choice):
+    fresh_choice.setenv(cpu_kernels.KERNELS_ENV, value)
+    with pytest.raises(ValueError, match="GDN_JAX_CPU_KERNELS must be 0"):
+        cpu_kernels.gdn_decode_available()
+
+
+def test_off_means_xla_form(fresh_choice):
+    fresh_choice.setenv(cpu_kernels.KERNELS_ENV, "0")
+    assert not cpu_kernels.gdn_decode_available()
+    assert not cpu_kernels.applies(jnp.zeros((1, 2, 1, 4, 4), jnp.float32))
