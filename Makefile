@@ -30,7 +30,7 @@ GROUP_B := tests/gdn_jax/test_donation.py tests/gdn_jax/test_engine.py tests/gdn
            tests/gdn_jax/test_fork_engine.py tests/gdn_jax/test_memory_plan.py
 GROUP_C := tests/gdn_jax/test_decode_path.py tests/gdn_jax/test_model.py tests/gdn_jax/test_model_vs_hf.py tests/gdn_jax/test_prompt_logprobs.py \
            tests/gdn_jax/test_restore.py tests/gdn_jax/test_sampling.py tests/gdn_jax/test_sampling_engine.py \
-           tests/gdn_jax/test_accelerator_forms.py tests/gdn_jax/test_gated_delta.py
+           tests/gdn_jax/test_accelerator_forms.py tests/gdn_jax/test_gated_delta.py tests/gdn_jax/test_cpu_kernels.py
 GROUP_D := tests/gdn_jax/test_tiny_model.py tests/gdn_jax/test_weights.py tests/gdn_jax/test_shape_buckets.py \
            tests/gdn_jax/test_executables.py tests/gdn_jax/test_text_stream.py tests/gdn_jax/test_server_default_compile.py
 # The server, training, the studies, the notebooks and the scripts are tested for what they do with the model's
