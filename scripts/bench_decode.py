@@ -60,6 +60,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -70,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn_jax import LLMEngine, SamplingParams
+from gdn_jax import LLMEngine, SamplingParams, cpu_kernels
 from gdn_jax.cli import nonnegative_int, positive_int, positive_ints
 from gdn_jax.config import PRESETS, ModelConfig, get_preset, hybrid_layer_types
 from gdn_jax.model import dense
@@ -400,6 +401,9 @@ def main(argv=None):
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(16e9, bw["best"])
     print("read bandwidth measured now: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items() if k != "best")
           + f"; the bound uses {bandwidth / 1e9:.1f} GB/s")
+    kernel = cpu_kernels.gdn_decode_available()  # the GDN decode update: the compiled CPU kernel, or XLA's form
+    print(f"GDN decode update: {'the compiled CPU kernel' if kernel else 'XLA'} ({cpu_kernels.KERNELS_ENV}="
+          f"{os.environ.get(cpu_kernels.KERNELS_ENV, '')!r})")
     rows = []
     for dtype in args.dtypes:
         rows += run_dtype(args, dtype, bandwidth)
@@ -417,7 +421,8 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"preset": args.preset, "prompt": args.prompt, "measured_bandwidth": bw,
                                "bound_bandwidth_bytes_per_s": bandwidth, "jax": jax.__version__,
-                               "backend": jax.default_backend(), "rows": rows}, indent=1))
+                               "backend": jax.default_backend(), "gdn_decode_kernel": kernel, "rows": rows},
+                              indent=1))
     print(f"wrote {out}")
 
 

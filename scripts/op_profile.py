@@ -8,7 +8,8 @@ Parts (`op_parts`, the innermost function of an op's call stack that names one):
 - `gdn_rule`: the gated delta rule (gdn_jax/gated_delta.py: chunked, or the decode step's recurrent one);
 - `conv`: the causal depthwise conv of the GDN layers (`causal_conv1d`);
 - `gdn_state`: the GDN conv and SSM states read from and written to their pools (restores, checkpoint saves, and
-  the decode step's loop that advances the states in place, bar its rule);
+  the decode step's loop that advances the states in place, bar its rule; with the compiled CPU kernel,
+  `cpu_kernels`, that whole update, its rule included: one op);
 - `attention`: the full-attention layers' scores, softmax and values, the KV cache writes and reads, RoPE;
 - `norms_elementwise`: RMS norms, gates, activations, residual adds, the GDN input gates, dtype conversions;
 - `logits`: the final norm and LM head;
