@@ -73,7 +73,9 @@ def build(cxx: str, out_folder: Path) -> Path:
     if lib.exists():
         return lib
     out_folder.mkdir(parents=True, exist_ok=True)
-    tmp = out_folder / f".{lib.name}.{os.getpid()}.tmp"
+    fd, name = tempfile.mkstemp(prefix=f".{lib.name}.", suffix=".tmp", dir=out_folder)  # one per build under way
+    os.close(fd)
+    tmp = Path(name)
     try:
         run = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)],
                              capture_output=True, text=True, timeout=300)
