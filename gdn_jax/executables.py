@@ -52,7 +52,8 @@ from jax.experimental.compilation_cache import compilation_cache
 from gdn_jax import cpu_kernels, model
 
 
-ENVIRONMENT = ("XLA_FLAGS", model.UNROLL_ENV, model.PREFILL_KV_CHUNK_ENV, cpu_kernels.KERNELS_ENV)  # environment that changes a compiled step
+# environment that changes a compiled step
+ENVIRONMENT = ("XLA_FLAGS", model.UNROLL_ENV, model.PREFILL_KV_CHUNK_ENV, cpu_kernels.KERNELS_ENV)
 # JAX settings that change a traced program without changing its arguments, when JAX cannot list them itself (below)
 JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_threefry_partitionable",
                 "jax_random_seed_offset", "jax_high_dynamic_range_gumbel", "jax_numpy_dtype_promotion",
