@@ -20,8 +20,9 @@ nothing is installed, the package never uses it) and measures, on this machine:
   engine's one-token step does: by a hand-written loop (OpenMP over rows x heads; per head one pass that reads the
   state for its products with k and q, one that writes e S + k delta^T with streaming stores, the state read again
   from the core's cache) and by
-  the engine's own `model.advance_in_pool` in a jitted loop over the layers, in turn; the kernel's outputs and new
-  states are checked against the engine's first.
+  the engine's own `model.advance_in_pool` in a jitted loop over the layers in XLA's form (`engine`) and, where
+  it builds, with the package's compiled kernel (`package_kernel`, gdn_jax/cpu_kernels.py: the same loop as an
+  XLA FFI call on XLA's threads), in turn; the kernel's outputs and new states are checked against XLA's first.
 Prints a table per part (min and median ms; GB/s of weights, GFLOP/s; GB/s of states read and written) and writes
 JSON. A CPU without AVX-512 BF16, or a machine without a C compiler, is refused with a message that says which.
 """
@@ -44,6 +45,7 @@ import ml_dtypes
 import numpy as np
 
 from gdn_jax.cli import nonnegative_int, positive_int
+from gdn_jax import cpu_kernels
 from gdn_jax.model import advance_in_pool, dense
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -237,7 +239,13 @@ def gdn_update(so, a, rows: int, rng) -> list[dict]:
             return pool, outs.at[j].set(o[:, 0])
         return jax.lax.fori_loop(0, L, body, (pool, jnp.zeros((L, rows, H, D), jnp.float32)))
 
-    engine = jax.jit(layers, donate_argnums=0)
+    # XLA's form of the update, whatever the engine would use here: traced with the package's kernel ruled out
+    applies, cpu_kernels.applies = cpu_kernels.applies, lambda pool: False
+    try:
+        engine = jax.jit(layers, donate_argnums=0).lower(jnp.asarray(pool), *[jnp.asarray(x) for x in (
+            src, live, warm, q, k, v, g, beta)]).compile()
+    finally:
+        cpu_kernels.applies = applies
     args = [jnp.asarray(x) for x in (src, live, warm, q, k, v, g, beta)]
     device_pool, want_out = engine(jnp.asarray(pool), *args)
     want_pool = np.asarray(device_pool)[:, live]
@@ -259,9 +267,19 @@ def gdn_update(so, a, rows: int, rng) -> list[dict]:
         state[0], o = engine(state[0], *args)
         jax.block_until_ready(o)
 
+    impls = [("kernel", kernel), ("engine", xla)]
+    if cpu_kernels.applies(device_pool):  # the package's own compiled kernel (gdn_jax/cpu_kernels.py), as it runs
+        package = jax.jit(layers, donate_argnums=0)
+        shipped = [package(jnp.asarray(pool), *args)[0]]
+
+        def package_kernel():
+            shipped[0], o = package(shipped[0], *args)
+            jax.block_until_ready(o)
+
+        impls.append(("package_kernel", package_kernel))
     moved = 2 * L * rows * H * D * D * 4  # each row's state read once and written once per layer
     result = []
-    for name, fn in (("kernel", kernel), ("engine", xla)):
+    for name, fn in impls:
         t_min, t_med = _timeit(fn, a.repeats)
         result.append({"gdn_rows": rows, "impl": name, "ms_min": 1e3 * t_min, "ms_median": 1e3 * t_med,
                        "state_gb_per_s": moved / t_min / 1e9, "us_per_row_and_layer": 1e6 * t_med / (rows * L),
@@ -342,9 +360,9 @@ def main(argv=None) -> dict:
     if gdn_out:
         print(f"GDN decode update: {a.gdn_layers} layers of {a.gdn_slots} float32 states of {a.gdn_heads} x "
               f"{a.gdn_dim} x {a.gdn_dim}, kernel on {a.threads} threads")
-        print(f"{'rows':>4}  {'impl':<6} {'min ms':>8} {'median ms':>10} {'GB/s':>7} {'us/row/layer':>13}")
+        print(f"{'rows':>4}  {'impl':<14} {'min ms':>8} {'median ms':>10} {'GB/s':>7} {'us/row/layer':>13}")
         for r in gdn_out:
-            print(f"{r['gdn_rows']:>4}  {r['impl']:<6} {r['ms_min']:8.2f} {r['ms_median']:10.2f} "
+            print(f"{r['gdn_rows']:>4}  {r['impl']:<14} {r['ms_min']:8.2f} {r['ms_median']:10.2f} "
                   f"{r['state_gb_per_s']:7.1f} {r['us_per_row_and_layer']:13.1f}")
     result = {"k": a.k, "n": a.n, "matrices": a.matrices, "threads": a.threads, "peaks": peaks, "rows": rows_out,
               "gdn": {"layers": a.gdn_layers, "slots": a.gdn_slots, "heads": a.gdn_heads, "dim": a.gdn_dim,
