@@ -1,8 +1,8 @@
 """Compiled kernels for XLA's CPU backend: the GDN decode update (`gdn_decode`, source csrc/gdn_decode.cc).
 
 XLA compiles a one-token step's GDN update (`model.advance_in_pool`) to a gathered copy of each row's state, a
-product, and an in-place write that runs on one thread: 72-83 us per row and layer at hybrid-1024's 256 KiB states,
-where the kernel takes 29-35 (`scripts/bench_kernel_ceiling.py`; docs/benchmarks.md). The kernel reads each state
+product, and an in-place write that runs on one thread: 72-93 us per row and layer at hybrid-1024's 256 KiB states,
+where the kernel takes 28-31 (`scripts/bench_kernel_ceiling.py`; docs/benchmarks.md). The kernel reads each state
 once for its products with k and q and writes the new one once, sharing the (row, head) pairs among XLA's CPU
 threads (an XLA FFI custom call, the pool aliased to its result: updated in place, as before).
 

@@ -269,7 +269,8 @@ def gdn_update(so, a, rows: int, rng) -> list[dict]:
 
     impls = [("kernel", kernel), ("engine", xla)]
     if cpu_kernels.applies(device_pool):  # the package's own compiled kernel (gdn_jax/cpu_kernels.py), as it runs
-        package = jax.jit(layers, donate_argnums=0)
+        # a function of its own: JAX's trace of `layers` (XLA's form, above) would be found again
+        package = jax.jit(lambda pool, *args: layers(pool, *args), donate_argnums=0)
         shipped = [package(jnp.asarray(pool), *args)[0]]
 
         def package_kernel():
