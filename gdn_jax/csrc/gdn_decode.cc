@@ -118,6 +118,7 @@ ffi::Error GdnDecode(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> pool, f
                           k.typed_data(), v.typed_data(), g.typed_data(), beta.typed_data(), out->typed_data()};
   const int64_t rows = src.element_count();
   shared->pairs = rows * dims[2];
+  if (shared->pairs == 0) return ffi::Error::Success();
   const int64_t helpers = std::min<int64_t>(pool_threads.num_threads(), shared->pairs - 1);
   shared->chunk = std::max<int64_t>(1, shared->pairs / (4 * (helpers + 1)));
   for (int64_t t = 0; t < helpers; t++) pool_threads.Schedule([shared]() { shared->Work(); });
