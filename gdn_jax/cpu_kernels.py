@@ -97,9 +97,8 @@ def gdn_decode_available() -> bool:
     try:
         cxx = compiler()
         if cxx is None:
-            raise RuntimeError(f"no C++ compiler on PATH (c++, g++ or clang++; or name one in CXX: "
-                               f"{os.environ.get('CXX')!r})" if os.environ.get("CXX") else
-                               "no C++ compiler on PATH (c++, g++ or clang++; or name one in CXX)")
+            named = f": {os.environ['CXX']!r}" if os.environ.get("CXX") else ""
+            raise RuntimeError(f"no C++ compiler on PATH (c++, g++ or clang++; or name one in CXX{named})")
         lib = ctypes.CDLL(str(build(cxx, folder())))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.GdnJaxGdnDecode), platform="cpu")
     except Exception as exc:
@@ -128,5 +127,5 @@ def gdn_decode(pool, src, live, warm, lengths, q, k, v, g, beta, layer):
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                                      jax.ShapeDtypeStruct(v.shape, jnp.float32)), input_output_aliases={0: 0})
     pool, o = call(pool, jnp.asarray(layer, jnp.int32).reshape(1), src.astype(jnp.int32), live.astype(jnp.int32),
-                   warm.astype(jnp.bool_), q, k, v.astype(jnp.float32), g, beta)
+                   warm.astype(jnp.bool_), q, k, v, g, beta)  # (`_inert` made q, k, v, g, beta float32)
     return o[:, None].astype(out_dtype), pool
