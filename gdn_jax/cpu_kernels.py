@@ -1,19 +1,23 @@
-"""Compiled kernels for XLA's CPU backend: the GDN decode update (`gdn_decode`, source csrc/gdn_decode.cc).
+"""Compiled kernels for XLA's CPU backend, for one-token steps: the GDN decode update (`gdn_decode`, source
+csrc/gdn_decode.cc) and decode attention (`attention_decode`, csrc/attention_decode.cc).
 
 XLA compiles a one-token step's GDN update (`model.advance_in_pool`) to a gathered copy of each row's state, a
 product, and an in-place write that runs on one thread: 72-93 us per row and layer at hybrid-1024's 256 KiB states,
 where the kernel takes 28-31 (`scripts/bench_kernel_ceiling.py`; docs/benchmarks.md). The kernel reads each state
 once for its products with k and q and writes the new one once, sharing the (row, head) pairs among XLA's CPU
-threads (an XLA FFI custom call, the pool aliased to its result: updated in place, as before).
+threads (an XLA FFI custom call, the pool aliased to its result: updated in place, as before). XLA's form of decode
+attention copies each chunk of a row's paged keys and values into a contiguous block before its two products; the
+attention kernel reads every key and value row once where it lies, for all the query heads of its KV head, with an
+online softmax in float32.
 
-It is built on first use by the system's C++ compiler (`c++`, `g++` or `clang++`, or `$CXX`) against the FFI
+They are built (one library) on first use by the system's C++ compiler (`c++`, `g++` or `clang++`, or `$CXX`) against the FFI
 headers jaxlib ships, `-O3 -march=native`, into `kernels/` beside JAX's persistent compilation cache (else a
-per-user folder under the system's temporary folder), one file per source, jaxlib version, compiler and CPU
+per-user folder under the system's temporary folder), one file per set of sources, jaxlib version, compiler and CPU
 (`executables.host_cpu`), written under a temporary name and renamed, so that processes building at once do not
 collide; later processes load it (~2 s to build, milliseconds to load). `KERNELS_ENV`: "0" never uses it, "1"
-requires it (an error names what failed), unset uses it when it builds, and otherwise runs XLA's form after one
-RuntimeWarning that says why. Either way the values agree to float32 rounding (tests/gdn_jax/test_cpu_kernels.py);
-the executable store keeps the two apart (`executables`: whether the kernel is in use is part of the key).
+requires them (an error names what failed), unset uses them when they build, and otherwise runs XLA's forms after
+one RuntimeWarning that says why. Either way the values agree to float32 rounding (tests/gdn_jax/test_cpu_kernels.py);
+the executable store keeps the two apart (`executables`: whether the kernels are in use is part of the key).
 """
 
 from __future__ import annotations
@@ -36,8 +40,11 @@ from gdn_jax.gated_delta import _inert, _valid_mask
 
 KERNELS_ENV = "GDN_JAX_CPU_KERNELS"  # "0": never, "1": required, unset: when it builds
 TARGET = "gdn_jax_gdn_decode"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "gdn_decode.cc"
-MAX_DIM = 256  # the kernel's largest head dimension (its per-head buffers)
+ATTENTION_TARGET = "gdn_jax_attention_decode"
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("gdn_decode.cc", "attention_decode.cc")  # (and the header they include, parallel.h)
+MAX_DIM = 256  # the kernels' largest head dimension (their per-head buffers)
+MAX_GROUP = 16  # attention: the most query heads per KV head
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -64,12 +71,13 @@ def folder() -> Path:
 
 
 def build(cxx: str, out_folder: Path) -> Path:
-    """The kernel library for this source, jaxlib, compiler and CPU, built into `out_folder` unless it is there."""
+    """The kernel library for these sources, jaxlib, compiler and CPU, built into `out_folder` unless it is there."""
     from gdn_jax.executables import host_cpu  # (executables imports the model, which imports this module)
 
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(),
-                                     host_cpu().encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
-    lib = out_folder / f"gdn_decode-{key}.so"
+    texts = [path.read_bytes() for path in sorted(SOURCE_DIR.iterdir()) if path.suffix in (".cc", ".h")]
+    key = hashlib.sha256(b"\0".join([*texts, jaxlib.__version__.encode(), cxx.encode(), host_cpu().encode(),
+                                     " ".join(FLAGS).encode()])).hexdigest()[:16]
+    lib = out_folder / f"gdn_jax_kernels-{key}.so"
     if lib.exists():
         return lib
     out_folder.mkdir(parents=True, exist_ok=True)
@@ -77,7 +85,8 @@ def build(cxx: str, out_folder: Path) -> Path:
     os.close(fd)
     tmp = Path(name)
     try:
-        run = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)],
+        run = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *(str(SOURCE_DIR / name) for name in SOURCES),
+                              "-o", str(tmp)],
                              capture_output=True, text=True, timeout=300)
         if run.returncode:
             raise RuntimeError(f"{cxx} failed (exit {run.returncode}): {run.stderr.strip()[-600:]}")
@@ -88,9 +97,9 @@ def build(cxx: str, out_folder: Path) -> Path:
 
 
 @functools.cache
-def gdn_decode_available() -> bool:
-    """Whether one-token steps on this process's CPU backend update the GDN states with the compiled kernel: built
-    (or found) and registered with XLA once per process. See the module's docstring for `KERNELS_ENV`."""
+def available() -> bool:
+    """Whether one-token steps on this process's CPU backend run the compiled kernels: built (or found) and
+    registered with XLA once per process. See the module's docstring for `KERNELS_ENV`."""
     setting = _setting()
     if setting == "0" or jax.default_backend() != "cpu":
         return False
@@ -101,11 +110,13 @@ def gdn_decode_available() -> bool:
             raise RuntimeError(f"no C++ compiler on PATH (c++, g++ or clang++; or name one in CXX{named})")
         lib = ctypes.CDLL(str(build(cxx, folder())))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.GdnJaxGdnDecode), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.GdnJaxAttentionDecode), platform="cpu")
     except Exception as exc:
         if setting == "1":
-            raise RuntimeError(f"{KERNELS_ENV}=1, but the CPU kernel could not be built or loaded: {exc}") from exc
-        warnings.warn(f"gdn_jax: the GDN decode kernel could not be built or loaded ({exc}); one-token steps run "
-                      f"XLA's form of the update (slower at many rows; {KERNELS_ENV}=0 says so without trying)",
+            raise RuntimeError(f"{KERNELS_ENV}=1, but the CPU kernels could not be built or loaded: {exc}") from exc
+        warnings.warn(f"gdn_jax: the CPU decode kernels could not be built or loaded ({exc}); one-token steps run "
+                      f"XLA's forms of the GDN update and of attention (slower at many rows; {KERNELS_ENV}=0 says so "
+                      f"without trying)",
                       RuntimeWarning, stacklevel=2)
         return False
     return True
@@ -115,7 +126,7 @@ def applies(pool) -> bool:
     """Whether `gdn_decode` updates this pool: a float32 [layers, slots, H, D, D] pool (D <= MAX_DIM) on the CPU
     backend, with the kernel available."""
     return (pool.dtype == jnp.float32 and pool.ndim == 5 and pool.shape[-1] == pool.shape[-2] <= MAX_DIM
-            and jax.default_backend() == "cpu" and gdn_decode_available())
+            and jax.default_backend() == "cpu" and available())
 
 
 def gdn_decode(pool, src, live, warm, lengths, q, k, v, g, beta, layer):
@@ -129,3 +140,23 @@ def gdn_decode(pool, src, live, warm, lengths, q, k, v, g, beta, layer):
     pool, o = call(pool, jnp.asarray(layer, jnp.int32).reshape(1), src.astype(jnp.int32), live.astype(jnp.int32),
                    warm.astype(jnp.bool_), q, k, v, g, beta)  # (`_inert` made q, k, v, g, beta float32)
     return o[:, None].astype(out_dtype), pool
+
+
+def attention_applies(k_cache, heads: int) -> bool:
+    """Whether `attention_decode` runs a one-token step's attention over this paged cache ([kv_heads, layers, blocks,
+    block_size, D], uint16 bfloat16 bits or float32) for `heads` query heads: within the kernel's limits (D at most
+    MAX_DIM, at most MAX_GROUP query heads per KV head), on the CPU backend, with the
+    kernels available."""
+    if k_cache.ndim != 5 or k_cache.dtype not in (jnp.uint16, jnp.float32):
+        return False
+    kvh, hd = k_cache.shape[0], k_cache.shape[4]
+    return (hd <= MAX_DIM and heads % kvh == 0 and heads // kvh <= MAX_GROUP
+            and jax.default_backend() == "cpu" and available())
+
+
+def attention_decode(k_cache, v_cache, layer, q, block_tables, keys):
+    """A one-token step's attention by the kernel: q [B, H, D] (normed, rotated) against each row's first `keys` [B]
+    positions, its blocks `block_tables` [B, width] of this layer's paged caches -> [B, H, D] float32."""
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(1), q.astype(jnp.float32),
+                block_tables.astype(jnp.int32), keys.astype(jnp.int32))

@@ -187,7 +187,7 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
     env = [(name, os.environ.get(name)) for name in ENVIRONMENT] + jax_settings()
     if device.platform == "cpu":
         env.append(("host_cpu", _host_cpu()))  # the machine code is this CPU's (`host_cpu`)
-        env.append(("gdn_decode_kernel", cpu_kernels.gdn_decode_available()))  # its one-token steps call it
+        env.append(("cpu_kernels", cpu_kernels.available()))  # its one-token steps call them
     if device.platform == "cpu" and any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves):
         # a 16-bit model's prefill and few-row products take the forms this machine multiplies faster
         # (model.upcast_is_faster, model.few_rows_weight_left)

@@ -787,6 +787,11 @@ class Attention(nnx.Module):
         at = (layer_ids(layer, flat), flat // bs, flat % bs)  # (layer, block, offset) per token
         k_cache = write_rows(k_cache, at, k.reshape(B * T, kvh, hd), axis=1)
         v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd), axis=1)
+        if T == 1 and cpu_kernels.attention_applies(k_cache, H):  # a one-token step on CPU: the compiled kernel
+            out = cpu_kernels.attention_decode(k_cache, v_cache, layer, q[:, 0], batch.block_tables,
+                                               batch.start_pos + 1)
+            out = out.astype(x.dtype).reshape(B, T, H * hd)
+            return self.o_proj(out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)), k_cache, v_cache
         g = H // kvh  # per (row, kv head) one matmul over its g * Tq queries
         NB = batch.block_tables.shape[1]
         cb = max(1, min(NB, kv_chunk_keys(T) // bs))  # blocks per chunk

@@ -401,9 +401,9 @@ def main(argv=None):
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(16e9, bw["best"])
     print("read bandwidth measured now: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items() if k != "best")
           + f"; the bound uses {bandwidth / 1e9:.1f} GB/s")
-    kernel = cpu_kernels.gdn_decode_available()  # the GDN decode update: the compiled CPU kernel, or XLA's form
-    print(f"GDN decode update: {'the compiled CPU kernel' if kernel else 'XLA'} ({cpu_kernels.KERNELS_ENV}="
-          f"{os.environ.get(cpu_kernels.KERNELS_ENV, '')!r})")
+    kernel = cpu_kernels.available()  # the GDN decode update and decode attention: compiled CPU kernels, or XLA's
+    print(f"GDN decode update and decode attention: {'the compiled CPU kernels' if kernel else 'XLA'} "
+          f"({cpu_kernels.KERNELS_ENV}={os.environ.get(cpu_kernels.KERNELS_ENV, '')!r})")
     rows = []
     for dtype in args.dtypes:
         rows += run_dtype(args, dtype, bandwidth)
@@ -421,7 +421,7 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"preset": args.preset, "prompt": args.prompt, "measured_bandwidth": bw,
                                "bound_bandwidth_bytes_per_s": bandwidth, "jax": jax.__version__,
-                               "backend": jax.default_backend(), "gdn_decode_kernel": kernel, "rows": rows},
+                               "backend": jax.default_backend(), "cpu_kernels": kernel, "rows": rows},
                               indent=1))
     print(f"wrote {out}")
 

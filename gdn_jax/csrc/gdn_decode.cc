@@ -3,7 +3,7 @@
 // it). XLA compiles that update to a copy of each row's state, a product, and an in-place write that runs on one
 // thread (about 2.5 passes over the state's bytes more than needed, 256 KiB at a time); here each (row, head) state
 // is read once for its products with k and q and written once, its reread served by the core's cache, and the
-// (row, head) pairs are shared among XLA's CPU threads.
+// (row, head) pairs are shared among XLA's CPU threads (parallel.h).
 //
 // pool [layers, slots, H, D, D] (dk = dv = D), aliased to the first result and updated in place; layer [1]; src,
 // live [B] (row b reads slot src[b] of the layer, zeros where !warm[b], and writes slot live[b]); q, k, v [B, H, D];
@@ -11,16 +11,14 @@
 //   e = exp(g), delta = beta (v - e S^T k), o = e S^T q + (k . q) delta, S' = e S + k delta^T.
 // No row reads a slot another row writes (the engine checks it for every one-token step), so the pairs are
 // independent.
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -84,24 +82,6 @@ struct Update {
   }
 };
 
-// The (row, head) pairs in chunks claimed from a shared counter by this thread and by tasks on XLA's thread pool.
-// The caller works until every chunk is claimed, then waits only for chunks other threads claimed: a task the pool
-// never starts claims nothing (no deadlock when the caller is the pool's only thread), and one that starts late
-// finds nothing left; the shared state outlives the call for such a task.
-struct Shared {
-  Update update;
-  int64_t pairs, chunk;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Work() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) * chunk < pairs;) {
-      const int64_t end = std::min(pairs, (c + 1) * chunk);
-      for (int64_t i = c * chunk; i < end; i++) update.Head(i / update.heads, i % update.heads);
-      done.fetch_add(end - c * chunk, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error GdnDecode(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> pool, ffi::Buffer<ffi::S32> layer,
                      ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::PRED> warm,
                      ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
@@ -112,22 +92,13 @@ ffi::Error GdnDecode(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> pool, f
     return ffi::Error::InvalidArgument("gdn_decode: pool must be [layers, slots, H, D, D] with D <= 256");
   if (pool_out->typed_data() != pool.typed_data())
     return ffi::Error::InvalidArgument("gdn_decode: the pool must be updated in place (aliased to its result)");
-  auto shared = std::make_shared<Shared>();
-  shared->update = Update{pool_out->typed_data(), dims[1], dims[2], dims[3], layer.typed_data()[0],
-                          src.typed_data(), live.typed_data(), warm.typed_data(), q.typed_data(),
-                          k.typed_data(), v.typed_data(), g.typed_data(), beta.typed_data(), out->typed_data()};
-  const int64_t rows = src.element_count();
-  shared->pairs = rows * dims[2];
-  if (shared->pairs == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool_threads.num_threads(), shared->pairs - 1);
-  shared->chunk = std::max<int64_t>(1, shared->pairs / (4 * (helpers + 1)));
-  for (int64_t t = 0; t < helpers; t++) pool_threads.Schedule([shared]() { shared->Work(); });
-  shared->Work();
-  while (shared->done.load(std::memory_order_acquire) < shared->pairs) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  const Update update{pool_out->typed_data(), dims[1], dims[2], dims[3], layer.typed_data()[0], src.typed_data(),
+                      live.typed_data(), warm.typed_data(), q.typed_data(), k.typed_data(), v.typed_data(),
+                      g.typed_data(), beta.typed_data(), out->typed_data()};
+  const int64_t heads = dims[2];
+  const int64_t bytes = 2 * dims[3] * dims[3] * sizeof(float);  // a state read and written
+  gdn_jax::ParallelFor(pool_threads, src.element_count() * heads, bytes,
+                       [update, heads](int64_t i) { update.Head(i / heads, i % heads); });
   return ffi::Error::Success();
 }
 

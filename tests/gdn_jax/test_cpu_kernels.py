@@ -1,24 +1,27 @@
-"""The compiled GDN decode kernel (gdn_jax/cpu_kernels.py) against XLA's form of the same update, and how the
-engine behaves where the kernel cannot be built."""
+"""The compiled CPU kernels (gdn_jax/cpu_kernels.py: the GDN decode update, decode attention) against XLA's forms
+of the same computations, and how the engine behaves where the kernels cannot be built."""
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from gdn_jax import cpu_kernels, model
+from gdn_jax.config import get_preset
 
 
 @pytest.fixture
 def fresh_choice(monkeypatch):
     """Runs a test with the kernel's availability decided again, and decides it again after (with the test's
     environment undone), so that no other test sees the test's choice."""
-    cpu_kernels.gdn_decode_available.cache_clear()
+    cpu_kernels.available.cache_clear()
     yield monkeypatch
     monkeypatch.undo()
-    cpu_kernels.gdn_decode_available.cache_clear()
+    cpu_kernels.available.cache_clear()
 
 
 def _case(rng, rows=7, layers=3, slots=20, heads=3, dim=16):
@@ -75,9 +78,9 @@ def test_the_kernel_updates_states_as_xla_does(layer_known, dim, fresh_choice):
     pool, args = _case(rng, dim=dim)
     if cpu_kernels.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
-            assert not cpu_kernels.gdn_decode_available()
+            assert not cpu_kernels.available()
         return
-    assert cpu_kernels.gdn_decode_available()
+    assert cpu_kernels.available()
     (o_kernel, pool_kernel), fn = _run(pool, args, layer_known)
     text = fn.lower(jnp.asarray(pool), *map(jnp.asarray, args)).compile().as_text()
     assert cpu_kernels.TARGET in text
@@ -101,7 +104,7 @@ def test_float32_outputs_agree_to_rounding(fresh_choice):
     """The rows' outputs in float32 (v float32): the same values as XLA's to float32 rounding."""
     if cpu_kernels.compiler() is None:
         with pytest.warns(RuntimeWarning):
-            assert not cpu_kernels.gdn_decode_available()
+            assert not cpu_kernels.available()
         return
     rng = np.random.default_rng(1)
     pool, args = _case(rng, dim=64, heads=2)
@@ -115,12 +118,13 @@ def test_float32_outputs_agree_to_rounding(fresh_choice):
 def test_no_compiler_means_xla_form_with_one_warning_or_an_error_when_required(fresh_choice, tmp_path):
     fresh_choice.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler on PATH.*no-such-compiler"):
-        assert not cpu_kernels.gdn_decode_available()
+        assert not cpu_kernels.available()
     assert not cpu_kernels.applies(jnp.zeros((1, 2, 1, 4, 4), jnp.float32))  # decided once: no second warning
-    cpu_kernels.gdn_decode_available.cache_clear()
+    assert not cpu_kernels.attention_applies(jnp.zeros((1, 1, 2, 16, 32), jnp.uint16), 4)
+    cpu_kernels.available.cache_clear()
     fresh_choice.setenv(cpu_kernels.KERNELS_ENV, "1")
-    with pytest.raises(RuntimeError, match="GDN_JAX_CPU_KERNELS=1, but the CPU kernel could not be built"):
-        cpu_kernels.gdn_decode_available()
+    with pytest.raises(RuntimeError, match="GDN_JAX_CPU_KERNELS=1, but the CPU kernels could not be built"):
+        cpu_kernels.available()
 
 
 def test_a_failed_build_names_the_compilers_message(fresh_choice, tmp_path):
@@ -138,10 +142,81 @@ def test_a_failed_build_names_the_compilers_message(fresh_choice, tmp_path):
 def test_the_setting_is_checked(value, fresh_choice):
     fresh_choice.setenv(cpu_kernels.KERNELS_ENV, value)
     with pytest.raises(ValueError, match="GDN_JAX_CPU_KERNELS must be 0"):
-        cpu_kernels.gdn_decode_available()
+        cpu_kernels.available()
 
 
 def test_off_means_xla_form(fresh_choice):
     fresh_choice.setenv(cpu_kernels.KERNELS_ENV, "0")
-    assert not cpu_kernels.gdn_decode_available()
+    assert not cpu_kernels.available()
     assert not cpu_kernels.applies(jnp.zeros((1, 2, 1, 4, 4), jnp.float32))
+    assert not cpu_kernels.attention_applies(jnp.zeros((1, 1, 2, 16, 32), jnp.uint16), 4)
+
+
+def _attention_case(dtype, block_size, dim, longest, rng):
+    """An attention layer (8 query heads on 2 KV heads of `dim`), paged caches of 3 layers filled with random keys and
+    values, and one token per row: rows of 1, 37, 16 and `longest` keys (one block, a block boundary, a whole block,
+    many), their blocks scattered and in no order, and a padding row (lengths 0) at position 0 on block 0."""
+    cfg = dataclasses.replace(get_preset("tiny-random"), num_attention_heads=8, num_key_value_heads=2, head_dim=dim)
+    layer = model.Attention(cfg, dtype, nnx.Rngs(0), 0.2)
+    starts = np.array([0, 36, 15, longest - 1, 0], np.int32)
+    width = -(-longest // block_size) + 1
+    blocks = 3 * width + 2
+    tables = np.zeros((5, width), np.int32)
+    free = list(rng.permutation(np.arange(1, blocks)))
+    for r, s in enumerate(starts[:4]):
+        tables[r, :s // block_size + 1] = [free.pop() for _ in range(s // block_size + 1)]
+    slot = tables[np.arange(5), starts // block_size] * block_size + starts % block_size
+    slot[4] = 0
+    batch = model.Batch(tokens=jnp.zeros((5, 1), jnp.int32), start_pos=jnp.asarray(starts),
+                        lengths=jnp.asarray([1, 1, 1, 1, 0], jnp.int32), block_tables=jnp.asarray(tables),
+                        slot_mapping=jnp.asarray(slot[:, None]), linear_state_ids=jnp.zeros(5, jnp.int32),
+                        has_initial_state=jnp.ones(5, bool))
+    shape = (2, 3, blocks, block_size, dim)
+    k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
+    k, v = (model.to_pool(a, jnp.zeros((), model.pool_dtype(dtype))) for a in (k, v))
+    x = jnp.asarray(rng.standard_normal((5, 1, cfg.hidden_size)), dtype)
+    return layer, x, k, v, batch
+
+
+def _attend(layer, x, k, v, batch):
+    """The layer's output for every layer of the caches in turn (the layer index traced: the layer loop), the caches
+    donated and carried as the engine's step does; and the compiled program's text."""
+    graphdef, params = nnx.split(layer)
+
+    def each_layer(params, x, k, v, batch):
+        def body(j, carry):
+            k, v, outs = carry
+            out, k, v = nnx.merge(graphdef, params)(x, k, v, batch, j)
+            return k, v, outs.at[j].set(out)
+        return jax.lax.fori_loop(0, k.shape[1], body, (k, v, jnp.zeros((k.shape[1],) + x.shape, x.dtype)))
+
+    # a function of its own per call: no trace shared across the two paths
+    fn = jax.jit(lambda *a: each_layer(*a), donate_argnums=(2, 3))
+    text = fn.lower(params, x, k, v, batch).compile().as_text()
+    return fn(params, x, jnp.copy(k), jnp.copy(v), batch)[2], text
+
+
+@pytest.mark.parametrize("dtype, block_size, dim, longest", [(jnp.float32, 16, 64, 1000), (jnp.bfloat16, 16, 32, 150),
+                                                             (jnp.bfloat16, 80, 32, 150)])
+def test_the_attention_kernel_attends_as_xla_does(dtype, block_size, dim, longest, fresh_choice):
+    """A one-token step's attention by the kernel and by XLA's form: the same outputs for every row and layer (to
+    float32 rounding; in bfloat16 to the rounding of XLA's probabilities to bfloat16 before their product with the
+    values), the cache read in place (no copy of it), blocks of more keys than the kernel takes at a time (80)
+    included, and rows shared among threads (the float32 case: enough keys to wake XLA's pool). Where no compiler
+    is, the engine warns and runs XLA's form."""
+    layer, x, k, v, batch = _attention_case(dtype, block_size, dim, longest, np.random.default_rng(2))
+    if cpu_kernels.compiler() is None:
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            assert not cpu_kernels.attention_applies(k, 8)
+        return
+    assert cpu_kernels.attention_applies(k, 8)
+    out_kernel, text = _attend(layer, x, k, v, batch)
+    assert cpu_kernels.ATTENTION_TARGET in text
+    assert not re.search(rf"\[2,3,{k.shape[2]},{block_size},{dim}\]\{{[0-9,]+\}} copy\(", text)
+    fresh_choice.setattr(cpu_kernels, "attention_applies", lambda k_cache, heads: False)
+    out_xla, text = _attend(layer, x, k, v, batch)
+    assert cpu_kernels.ATTENTION_TARGET not in text
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    a, b = np.asarray(out_kernel, np.float32), np.asarray(out_xla, np.float32)
+    np.testing.assert_allclose(a, b, **tol)
+    assert np.abs(a).max() > 0.1 and not np.array_equal(a[:, 0], a[:, 3])  # outputs that tell the rows apart
