@@ -35,14 +35,32 @@ inline float ToFloat(uint16_t bits) {  // bfloat16 bits -> float32, exact
   return x;
 }
 
+// 16 float32 lanes in registers (GCC and Clang vector extensions: one AVX-512 register, or two AVX ones, ...).
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+
+inline Lanes Load(const float* p) {
+  Lanes x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline float Sum(Lanes x) {  // halves added pairwise: a short chain of additions
+  Half lo, hi;
+  std::memcpy(&lo, &x, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  lo += hi;
+  float s[kLanes / 2];
+  std::memcpy(s, &lo, sizeof s);
+  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
 inline float Dot(const float* a, const float* b, int64_t n) {
-  float lane[kLanes] = {};
+  Lanes acc = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t l = 0; l < kLanes; l++) lane[l] += a[i + l] * b[i + l];
-  float sum = 0.0f;
+  for (; i + kLanes <= n; i += kLanes) acc += Load(a + i) * Load(b + i);
+  float sum = Sum(acc);
   for (; i < n; i++) sum += a[i] * b[i];
-  for (int64_t l = 0; l < kLanes; l++) sum += lane[l];
   return sum;
 }
 
@@ -72,6 +90,16 @@ struct Attend {
       const size_t base = (((static_cast<size_t>(j) * layers + layer) * blocks + block) * bs + at % bs) * D;
       const T *kb = k + base, *vb = v + base;
       at += count;
+      if (at < n) {  // the next keys and values on their way from memory while these are used (another block)
+        const int64_t next = std::min({kMaxKeys, bs - at % bs, n - at});
+        const size_t from = (((static_cast<size_t>(j) * layers + layer) * blocks + tables[r * width + at / bs]) * bs +
+                             at % bs) * D;
+        const char *nk = reinterpret_cast<const char*>(k + from), *nv = reinterpret_cast<const char*>(v + from);
+        for (size_t b = 0; b < next * D * sizeof(T); b += 64) {
+          __builtin_prefetch(nk + b);
+          __builtin_prefetch(nv + b);
+        }
+      }
       for (int64_t x = 0; x < count * D; x++) row[x] = ToFloat(kb[x]);
       for (int64_t t = 0; t < count; t++)
         for (int64_t i = 0; i < group; i++) p[i * kMaxKeys + t] = Dot(qq + i * D, row + t * D, D) * scale;
