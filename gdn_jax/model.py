@@ -767,7 +767,9 @@ class Attention(nnx.Module):
         longest row of the batch needs (start + length): the block tables' width (padding blocks) costs nothing.
         A long chunk's queries go in tiles (`query_tiles`), each over the key chunks up to its last query only.
         The caches are head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv
-        head) in front: the products read them as they are gathered, with no transposed copy."""
+        head) in front: the products read them as they are gathered, with no transposed copy. A one-token step on the
+        CPU backend runs the compiled kernel instead (`cpu_kernels.attention_decode`: the keys and values read in
+        place, no gathered copy) where it is available."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
