@@ -10,14 +10,15 @@ attention copies each chunk of a row's paged keys and values into a contiguous b
 attention kernel reads every key and value row once where it lies, for all the query heads of its KV head, with an
 online softmax in float32.
 
-They are built (one library) on first use by the system's C++ compiler (`c++`, `g++` or `clang++`, or `$CXX`) against the FFI
-headers jaxlib ships, `-O3 -march=native`, into `kernels/` beside JAX's persistent compilation cache (else a
-per-user folder under the system's temporary folder), one file per set of sources, jaxlib version, compiler and CPU
-(`executables.host_cpu`), written under a temporary name and renamed, so that processes building at once do not
-collide; later processes load it (~2 s to build, milliseconds to load). `KERNELS_ENV`: "0" never uses it, "1"
-requires them (an error names what failed), unset uses them when they build, and otherwise runs XLA's forms after
-one RuntimeWarning that says why. Either way the values agree to float32 rounding (tests/gdn_jax/test_cpu_kernels.py);
-the executable store keeps the two apart (`executables`: whether the kernels are in use is part of the key).
+They are built, one library, on first use by the system's C++ compiler (`c++`, `g++` or `clang++`, or `$CXX`)
+against the FFI headers jaxlib ships, `-O3 -march=native`, into `kernels/` beside JAX's persistent compilation cache
+(else a per-user folder under the system's temporary folder), one file per set of sources, jaxlib version, compiler
+and CPU (`executables.host_cpu`), written under a temporary name and renamed, so that processes building at once do
+not collide; later processes load it (a few seconds to build, milliseconds to load). `KERNELS_ENV`: "0" never uses
+them, "1" requires them (an error names what failed), unset uses them when they build, and otherwise runs XLA's
+forms after one RuntimeWarning that says why. Either way the values agree to float32 rounding (in bfloat16,
+attention's to the rounding of XLA's probabilities to bfloat16; tests/gdn_jax/test_cpu_kernels.py); the executable
+store keeps the two apart (`executables`: whether the kernels are in use is part of the key).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def build(cxx: str, out_folder: Path) -> Path:
     os.close(fd)
     tmp = Path(name)
     try:
-        run = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *(str(SOURCE_DIR / name) for name in SOURCES),
-                              "-o", str(tmp)],
+        sources = [str(SOURCE_DIR / name) for name in SOURCES]
+        run = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *sources, "-o", str(tmp)],
                              capture_output=True, text=True, timeout=300)
         if run.returncode:
             raise RuntimeError(f"{cxx} failed (exit {run.returncode}): {run.stderr.strip()[-600:]}")
@@ -145,8 +146,7 @@ def gdn_decode(pool, src, live, warm, lengths, q, k, v, g, beta, layer):
 def attention_applies(k_cache, heads: int) -> bool:
     """Whether `attention_decode` runs a one-token step's attention over this paged cache ([kv_heads, layers, blocks,
     block_size, D], uint16 bfloat16 bits or float32) for `heads` query heads: within the kernel's limits (D at most
-    MAX_DIM, at most MAX_GROUP query heads per KV head), on the CPU backend, with the
-    kernels available."""
+    MAX_DIM, at most MAX_GROUP query heads per KV head), on the CPU backend, with the kernels available."""
     if k_cache.ndim != 5 or k_cache.dtype not in (jnp.uint16, jnp.float32):
         return False
     kvh, hd = k_cache.shape[0], k_cache.shape[4]
@@ -156,7 +156,8 @@ def attention_applies(k_cache, heads: int) -> bool:
 
 def attention_decode(k_cache, v_cache, layer, q, block_tables, keys):
     """A one-token step's attention by the kernel: q [B, H, D] (normed, rotated) against each row's first `keys` [B]
-    positions, its blocks `block_tables` [B, width] of this layer's paged caches -> [B, H, D] float32."""
+    positions, its blocks `block_tables` [B, width] of this layer's paged caches -> [B, H, D] float32. Only where
+    `attention_applies` said so: that registers the kernel with XLA."""
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(1), q.astype(jnp.float32),
                 block_tables.astype(jnp.int32), keys.astype(jnp.int32))

@@ -2,8 +2,8 @@
 // the CPU kernel behind gdn_jax.model.Attention for one-token steps (gdn_jax/cpu_kernels.py builds and registers it).
 // XLA's form gathers each chunk of a row's blocks into a contiguous copy before its two products; here each key and
 // value row is read once, in place, converted to float32 (bfloat16 caches are stored as their uint16 bit patterns,
-// gdn_jax.model.pool_dtype), and used by all the query heads that share its KV head. (row, KV head) pairs are shared
-// among XLA's CPU threads (parallel.h).
+// gdn_jax.model.pool_dtype), and used by all the query heads that share its KV head, while the next block's rows are
+// prefetched. (row, KV head) pairs are shared among XLA's CPU threads (parallel.h).
 //
 // k_cache, v_cache [kv_heads, layers, blocks, block_size, D] (uint16 bfloat16 bits, or float32); layer [1]; q [B, H,
 // D] float32 (normed and rotated; head h uses KV head h / (H / kv_heads)); tables [B, width] int32 (the row's blocks
@@ -25,7 +25,7 @@ namespace {
 constexpr int64_t kMaxGroup = 16;   // query heads per KV head
 constexpr int64_t kMaxKeys = 64;    // keys at a time (of one block)
 constexpr int64_t kMaxDim = 256;    // head dimension
-constexpr int64_t kLanes = 16;      // partial sums of a dot product (one AVX-512 register of float32)
+constexpr int64_t kLanes = 16;      // float32 lanes of a vector (one AVX-512 register)
 
 inline float ToFloat(float x) { return x; }
 inline float ToFloat(uint16_t bits) {  // bfloat16 bits -> float32, exact
