@@ -792,8 +792,7 @@ class Attention(nnx.Module):
         if T == 1 and cpu_kernels.attention_applies(k_cache, H):  # a one-token step on CPU: the compiled kernel
             out = cpu_kernels.attention_decode(k_cache, v_cache, layer, q[:, 0], batch.block_tables,
                                                batch.start_pos + 1)
-            out = out.astype(x.dtype).reshape(B, T, H * hd)
-            return self.o_proj(out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)), k_cache, v_cache
+            return self.gated_output(out.astype(x.dtype).reshape(B, T, H * hd), gate), k_cache, v_cache
         g = H // kvh  # per (row, kv head) one matmul over its g * Tq queries
         NB = batch.block_tables.shape[1]
         cb = max(1, min(NB, kv_chunk_keys(T) // bs))  # blocks per chunk
@@ -842,8 +841,11 @@ class Attention(nnx.Module):
         else:
             out = jax.lax.map(tile, (qh, qpos, tile_chunks))  # [nq, B, kvh, g * Tq, hd]
         out = out.astype(x.dtype).reshape(nq, B, kvh, g, Tq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H * hd)
-        out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-        return self.o_proj(out), k_cache, v_cache
+        return self.gated_output(out, gate), k_cache, v_cache
+
+    def gated_output(self, out, gate):
+        """The heads' outputs [B, T, H * hd] through the output gate and the output projection."""
+        return self.o_proj(out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype))
 
 
 class DecoderLayer(nnx.Module):

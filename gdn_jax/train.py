@@ -56,8 +56,7 @@ def dense_attention(attn, x):
     probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(x.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32,
                      precision=precision).astype(x.dtype)
-    out = out.reshape(B, T, H * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-    return attn.o_proj(out)
+    return attn.gated_output(out.reshape(B, T, H * hd), gate)
 
 
 def dense_forward(model, tokens, chunk_size: int = 32):

@@ -74,28 +74,35 @@ struct Attend {
   int64_t width, heads, kv_heads;
   float* out;
 
+  int64_t Keys(int64_t r) const { return std::clamp<int64_t>(keys[r], 1, width * block_size); }
+
+  // Where key `at` of row r lies in KV head j's cache of this layer, and how many keys from it one step takes: to
+  // the end of its block, at most kMaxKeys, at most n - at.
+  size_t Offset(int64_t r, int64_t j, int64_t at) const {
+    const int64_t block = tables[r * width + at / block_size];
+    return (((static_cast<size_t>(j) * layers + layer) * blocks + block) * block_size + at % block_size) * dim;
+  }
+  int64_t Count(int64_t at, int64_t n) const { return std::min({kMaxKeys, block_size - at % block_size, n - at}); }
+
   void Pair(int64_t r, int64_t j) const {
-    const int64_t D = dim, bs = block_size, group = heads / kv_heads;
+    const int64_t D = dim, group = heads / kv_heads;
     const float* qq = q + (r * heads + j * group) * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    const int64_t n = std::clamp<int64_t>(keys[r], 1, width * bs);
+    const int64_t n = Keys(r);
     float top[kMaxGroup], total[kMaxGroup], p[kMaxGroup * kMaxKeys];
     alignas(64) float acc[kMaxGroup * kMaxDim], row[kMaxKeys * kMaxDim];
     std::fill(top, top + group, -std::numeric_limits<float>::infinity());
     std::fill(total, total + group, 0.0f);
     std::fill(acc, acc + group * D, 0.0f);
-    for (int64_t at = 0; at < n;) {  // keys [at, at + count): within one block, at most kMaxKeys
-      const int64_t count = std::min({kMaxKeys, bs - at % bs, n - at});
-      const int64_t block = tables[r * width + at / bs];
-      const size_t base = (((static_cast<size_t>(j) * layers + layer) * blocks + block) * bs + at % bs) * D;
+    for (int64_t at = 0; at < n;) {  // keys [at, at + count)
+      const int64_t count = Count(at, n);
+      const size_t base = Offset(r, j, at);
       const T *kb = k + base, *vb = v + base;
       at += count;
       if (at < n) {  // the next keys and values on their way from memory while these are used (another block)
-        const int64_t next = std::min({kMaxKeys, bs - at % bs, n - at});
-        const size_t from = (((static_cast<size_t>(j) * layers + layer) * blocks + tables[r * width + at / bs]) * bs +
-                             at % bs) * D;
+        const size_t from = Offset(r, j, at);
         const char *nk = reinterpret_cast<const char*>(k + from), *nv = reinterpret_cast<const char*>(v + from);
-        for (size_t b = 0; b < next * D * sizeof(T); b += 64) {
+        for (size_t b = 0; b < Count(at, n) * D * sizeof(T); b += 64) {
           __builtin_prefetch(nk + b);
           __builtin_prefetch(nv + b);
         }
@@ -140,9 +147,8 @@ void Run(ffi::ThreadPool& threads, const ffi::AnyBuffer& k_cache, const ffi::Any
                          keys.typed_data(), tables.dimensions()[1], qd[1], dims[0], out};
   const int64_t kv_heads = dims[0];
   // a pair reads its row's keys and values: the rows' mean count of them, for the split among threads
-  const int32_t* counts = keys.typed_data();
   int64_t positions = 0;
-  for (int64_t r = 0; r < qd[0]; r++) positions += std::clamp<int64_t>(counts[r], 1, tables.dimensions()[1] * dims[3]);
+  for (int64_t r = 0; r < qd[0]; r++) positions += attend.Keys(r);
   const int64_t bytes = 2 * positions / std::max<int64_t>(1, qd[0]) * dims[4] * sizeof(T);
   gdn_jax::ParallelFor(threads, qd[0] * kv_heads, bytes, [attend, kv_heads](int64_t i) {
     attend.Pair(i / kv_heads, i % kv_heads);
