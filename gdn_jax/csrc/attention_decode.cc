@@ -45,6 +45,9 @@ inline Lanes Load(const float* p) {
   return x;
 }
 
+inline void Store(float* p, Lanes x) { std::memcpy(p, &x, sizeof x); }
+inline Lanes Splat(float x) { return Lanes{} + x; }
+
 inline float Sum(Lanes x) {  // halves added pairwise: a short chain of additions
   Half lo, hi;
   std::memcpy(&lo, &x, sizeof lo);
@@ -55,14 +58,70 @@ inline float Sum(Lanes x) {  // halves added pairwise: a short chain of addition
   return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
-inline float Dot(const float* a, const float* b, int64_t n) {
-  Lanes acc = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += Load(a + i) * Load(b + i);
-  float sum = Sum(acc);
-  for (; i < n; i++) sum += a[i] * b[i];
-  return sum;
+inline float Max(Lanes x) {
+  float s[kLanes];
+  std::memcpy(s, &x, sizeof s);
+  return *std::max_element(s, s + kLanes);
 }
+
+// Lanes l and l + s of a and b: the blocks of s lanes at even places of the result come from a, at odd places from
+// b; each is the sum of two neighbouring blocks of its source.
+template <int s>
+inline Lanes Fold(Lanes a, Lanes b) {
+#define GDN_LANE(i) ((((i) / s) % 2) * kLanes + 2 * ((i) / s / 2) * s + (i) % s)
+#define GDN_LANES(d)                                                                                             \
+  GDN_LANE(0) + d, GDN_LANE(1) + d, GDN_LANE(2) + d, GDN_LANE(3) + d, GDN_LANE(4) + d, GDN_LANE(5) + d,          \
+      GDN_LANE(6) + d, GDN_LANE(7) + d, GDN_LANE(8) + d, GDN_LANE(9) + d, GDN_LANE(10) + d, GDN_LANE(11) + d,    \
+      GDN_LANE(12) + d, GDN_LANE(13) + d, GDN_LANE(14) + d, GDN_LANE(15) + d
+  return __builtin_shufflevector(a, b, GDN_LANES(0)) + __builtin_shufflevector(a, b, GDN_LANES(s));
+#undef GDN_LANES
+#undef GDN_LANE
+}
+
+// The lane sums of 16 vectors as one: lane i holds the sum of x[i]'s lanes (four levels of Fold; the level that
+// decides bit b of x's index puts it in bit 3 - b of the lane's, so x goes in at bit-reversed places). Every sum is
+// added in the same order, whichever lane it ends in.
+inline Lanes Sums(const Lanes* x) {
+  static constexpr int kReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  Lanes a[8], b[4], c[2];
+  for (int i = 0; i < 8; i++) a[i] = Fold<8>(x[kReversed[2 * i]], x[kReversed[2 * i + 1]]);
+  for (int i = 0; i < 4; i++) b[i] = Fold<4>(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; i++) c[i] = Fold<2>(b[2 * i], b[2 * i + 1]);
+  return Fold<1>(c[0], c[1]);
+}
+
+// e^x in every lane, to about one unit in the last place: 2^n e^r with n the nearest integer to x / ln 2 and a
+// polynomial for e^r, |r| <= ln 2 / 2 (the coefficients of the Cephes library's expf); x is clamped to where e^x is a
+// normal float32, so -inf gives ~1e-38 (the callers zero such lanes).
+inline Lanes Exp(Lanes x) {
+  typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
+  x = x > 88.3762626f ? Splat(88.3762626f) : x;
+  x = x < -87.3365448f ? Splat(-87.3365448f) : x;
+  const Lanes t = x * 1.44269504f + 0.5f;
+  Ints n = __builtin_convertvector(t, Ints);  // towards zero, then down to the floor
+  n -= (__builtin_convertvector(n, Lanes) > t) & 1;
+  const Lanes nf = __builtin_convertvector(n, Lanes);
+  const Lanes r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Lanes y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  return y * reinterpret_cast<Lanes>((n + 127) << 23);
+}
+
+inline Lanes Load(const uint16_t* p) {  // 16 bfloat16 bit patterns -> float32
+  typedef uint16_t Bits __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  Bits b;
+  std::memcpy(&b, p, sizeof b);
+  return reinterpret_cast<Lanes>(__builtin_convertvector(b, Words) << 16);
+}
+
+constexpr int kHeads = 4;  // query heads multiplied at once (their accumulators in registers)
+constexpr int kKeys = 2;   // keys multiplied at once by the scores' products
+constexpr int kVectors = 4;  // vectors of the head dimension accumulated at once by the values' products
 
 template <typename T>
 struct Attend {
@@ -84,20 +143,98 @@ struct Attend {
   }
   int64_t Count(int64_t at, int64_t n) const { return std::min({kMaxKeys, block_size - at % block_size, n - at}); }
 
+  // p[i * kMaxKeys + t] = q_i . key_t * scale for the group's heads i and the count keys t of `rows`; -inf at
+  // t in [count, next multiple of 16). kHeads heads by kKeys keys at a time, their dot products in registers, summed
+  // across lanes 16 keys at a time (`Sums`).
+  void Scores(const float* qq, int64_t group, const T* rows, int64_t count, float scale, float* p) const {
+    const int64_t D = dim, whole = D / kLanes * kLanes;
+    for (int64_t i0 = 0; i0 < group; i0 += kHeads) {
+      const float* qs[kHeads];  // a group of fewer than kHeads repeats its last head (results not kept)
+      for (int h = 0; h < kHeads; h++) qs[h] = qq + std::min<int64_t>(i0 + h, group - 1) * D;
+      for (int64_t t0 = 0; t0 < count; t0 += kLanes) {
+        Lanes part[kHeads][kLanes];
+        for (int64_t t = t0; t < std::min(count, t0 + kLanes); t += kKeys) {
+          const T* key[kKeys];  // past the count: the last key again (results not kept)
+          for (int u = 0; u < kKeys; u++) key[u] = rows + std::min(t + u, count - 1) * D;
+          Lanes a[kHeads][kKeys] = {};
+          for (int64_t c = 0; c < whole; c += kLanes) {
+            Lanes kv[kKeys];
+            for (int u = 0; u < kKeys; u++) kv[u] = Load(key[u] + c);
+            for (int h = 0; h < kHeads; h++) {
+              const Lanes qv = Load(qs[h] + c);
+              for (int u = 0; u < kKeys; u++) a[h][u] += qv * kv[u];
+            }
+          }
+          for (int h = 0; h < kHeads; h++)
+            for (int u = 0; u < kKeys && t + u < t0 + kLanes; u++) part[h][t + u - t0] = a[h][u];
+        }
+        for (int64_t h = 0; h < std::min<int64_t>(kHeads, group - i0); h++) {
+          float* out = p + (i0 + h) * kMaxKeys + t0;
+          Store(out, Sums(part[h]));
+          for (int64_t t = t0; t < t0 + kLanes; t++) {
+            if (t >= count) {
+              out[t - t0] = -std::numeric_limits<float>::infinity();
+              continue;
+            }
+            for (int64_t c = whole; c < D; c++) out[t - t0] += qs[h][c] * ToFloat(rows[t * D + c]);
+            out[t - t0] *= scale;
+          }
+        }
+      }
+    }
+  }
+
+  // acc_i[c, c + 16 C) += sum_t p[i * kMaxKeys + t] value_t[c, c + 16 C) for kHeads heads from i0 (ps: their
+  // probabilities), C vectors of the head dimension at a time in registers
+  template <int C>
+  void ValueVectors(const float* const* ps, int64_t heads_here, int64_t i0, const T* rows, int64_t count,
+                    int64_t c, float* acc) const {
+    const int64_t D = dim;
+    Lanes a[kHeads][C] = {};
+    for (int64_t t = 0; t < count; t++) {
+      Lanes value[C];
+      for (int x = 0; x < C; x++) value[x] = Load(rows + t * D + c + x * kLanes);
+      for (int h = 0; h < kHeads; h++) {
+        const Lanes w = Splat(ps[h][t]);
+        for (int x = 0; x < C; x++) a[h][x] += w * value[x];
+      }
+    }
+    for (int64_t h = 0; h < heads_here; h++)
+      for (int x = 0; x < C; x++) {
+        float* at = acc + (i0 + h) * D + c + x * kLanes;
+        Store(at, Load(at) + a[h][x]);
+      }
+  }
+
+  // acc_i += sum_t p[i * kMaxKeys + t] value_t for the group's heads i
+  void Values(int64_t group, const T* rows, int64_t count, const float* p, float* acc) const {
+    const int64_t D = dim, whole = D / kLanes * kLanes;
+    for (int64_t i0 = 0; i0 < group; i0 += kHeads) {
+      const int64_t heads_here = std::min<int64_t>(kHeads, group - i0);
+      const float* ps[kHeads];
+      for (int h = 0; h < kHeads; h++) ps[h] = p + std::min<int64_t>(i0 + h, group - 1) * kMaxKeys;
+      int64_t c = 0;
+      for (; c + kVectors * kLanes <= whole; c += kVectors * kLanes) ValueVectors<kVectors>(ps, heads_here, i0, rows, count, c, acc);
+      for (; c < whole; c += kLanes) ValueVectors<1>(ps, heads_here, i0, rows, count, c, acc);
+      for (int64_t h = 0; h < heads_here; h++)
+        for (int64_t d = whole; d < D; d++)
+          for (int64_t t = 0; t < count; t++) acc[(i0 + h) * D + d] += ps[h][t] * ToFloat(rows[t * D + d]);
+    }
+  }
+
   void Pair(int64_t r, int64_t j) const {
     const int64_t D = dim, group = heads / kv_heads;
     const float* qq = q + (r * heads + j * group) * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     const int64_t n = Keys(r);
-    float top[kMaxGroup], total[kMaxGroup], p[kMaxGroup * kMaxKeys];
-    alignas(64) float acc[kMaxGroup * kMaxDim], row[kMaxKeys * kMaxDim];
+    float top[kMaxGroup], total[kMaxGroup];
+    alignas(64) float p[kMaxGroup * kMaxKeys], acc[kMaxGroup * kMaxDim];
     std::fill(top, top + group, -std::numeric_limits<float>::infinity());
     std::fill(total, total + group, 0.0f);
     std::fill(acc, acc + group * D, 0.0f);
     for (int64_t at = 0; at < n;) {  // keys [at, at + count)
-      const int64_t count = Count(at, n);
+      const int64_t count = Count(at, n), padded = (count + kLanes - 1) / kLanes * kLanes;
       const size_t base = Offset(r, j, at);
-      const T *kb = k + base, *vb = v + base;
       at += count;
       if (at < n) {  // the next keys and values on their way from memory while these are used (another block)
         const size_t from = Offset(r, j, at);
@@ -107,28 +244,26 @@ struct Attend {
           __builtin_prefetch(nv + b);
         }
       }
-      for (int64_t x = 0; x < count * D; x++) row[x] = ToFloat(kb[x]);
-      for (int64_t t = 0; t < count; t++)
-        for (int64_t i = 0; i < group; i++) p[i * kMaxKeys + t] = Dot(qq + i * D, row + t * D, D) * scale;
-      for (int64_t i = 0; i < group; i++) {
+      Scores(qq, group, k + base, count, scale, p);
+      for (int64_t i = 0; i < group; i++) {  // online softmax: p becomes the probabilities, unnormalised
         float* pi = p + i * kMaxKeys;
-        const float new_top = std::max(top[i], *std::max_element(pi, pi + count));
+        Lanes most = Load(pi);
+        for (int64_t t = kLanes; t < padded; t += kLanes) most = most > Load(pi + t) ? most : Load(pi + t);
+        const float new_top = std::max(top[i], Max(most));
         const float shrink = std::exp(top[i] - new_top);  // 0 at the first block
-        float sum = 0.0f;
-        for (int64_t t = 0; t < count; t++) sum += (pi[t] = std::exp(pi[t] - new_top));
-        total[i] = total[i] * shrink + sum;
+        Lanes sum = {};
+        for (int64_t t = 0; t < padded; t += kLanes) {
+          Lanes e = Exp(Load(pi + t) - new_top);
+          for (int64_t x = std::max(t, count); x < t + kLanes; x++) e[x - t] = 0.0f;  // the padding keys
+          Store(pi + t, e);
+          sum += e;
+        }
+        total[i] = total[i] * shrink + Sum(sum);
         top[i] = new_top;
         if (shrink != 1.0f)
           for (int64_t d = 0; d < D; d++) acc[i * D + d] *= shrink;
       }
-      for (int64_t x = 0; x < count * D; x++) row[x] = ToFloat(vb[x]);
-      for (int64_t t = 0; t < count; t++)
-        for (int64_t i = 0; i < group; i++) {
-          const float w = p[i * kMaxKeys + t];
-          float* a = acc + i * D;
-          const float* value = row + t * D;
-          for (int64_t d = 0; d < D; d++) a[d] += w * value[d];
-        }
+      Values(group, v + base, count, p, acc);
     }
     float* o = out + (r * heads + j * group) * D;
     for (int64_t i = 0; i < group; i++)

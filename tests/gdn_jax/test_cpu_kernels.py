@@ -152,11 +152,12 @@ def test_off_means_xla_form(fresh_choice):
     assert not cpu_kernels.attention_applies(jnp.zeros((1, 1, 2, 16, 32), jnp.uint16), 4)
 
 
-def _attention_case(dtype, block_size, dim, longest, rng):
-    """An attention layer (8 query heads on 2 KV heads of `dim`), paged caches of 3 layers filled with random keys and
+def _attention_case(dtype, block_size, dim, longest, rng, heads=8):
+    """An attention layer (`heads` query heads on 2 KV heads of `dim`), paged caches of 3 layers filled with random keys and
     values, and one token per row: rows of 1, 37, 16 and `longest` keys (one block, a block boundary, a whole block,
     many), their blocks scattered and in no order, and a padding row (lengths 0) at position 0 on block 0."""
-    cfg = dataclasses.replace(get_preset("tiny-random"), num_attention_heads=8, num_key_value_heads=2, head_dim=dim)
+    cfg = dataclasses.replace(get_preset("tiny-random"), num_attention_heads=heads, num_key_value_heads=2,
+                              head_dim=dim)
     layer = model.Attention(cfg, dtype, nnx.Rngs(0), 0.2)
     starts = np.array([0, 36, 15, longest - 1, 0], np.int32)
     width = -(-longest // block_size) + 1
@@ -196,20 +197,22 @@ def _attend(layer, x, k, v, batch):
     return fn(params, x, jnp.copy(k), jnp.copy(v), batch)[2], text
 
 
-@pytest.mark.parametrize("dtype, block_size, dim, longest", [(jnp.float32, 16, 64, 1000), (jnp.bfloat16, 16, 32, 150),
-                                                             (jnp.bfloat16, 80, 32, 150)])
-def test_the_attention_kernel_attends_as_xla_does(dtype, block_size, dim, longest, fresh_choice):
+@pytest.mark.parametrize("dtype, block_size, dim, longest, heads", [
+    (jnp.float32, 16, 64, 1000, 8), (jnp.bfloat16, 16, 32, 150, 8), (jnp.bfloat16, 80, 32, 150, 8),
+    (jnp.float32, 16, 40, 100, 6), (jnp.float32, 32, 80, 70, 2), (jnp.bfloat16, 32, 64, 90, 32)])
+def test_the_attention_kernel_attends_as_xla_does(dtype, block_size, dim, longest, heads, fresh_choice):
     """A one-token step's attention by the kernel and by XLA's form: the same outputs for every row and layer (to
     float32 rounding; in bfloat16 to the rounding of XLA's probabilities to bfloat16 before their product with the
     values), the cache read in place (no copy of it), blocks of more keys than the kernel takes at a time (80)
-    included, and rows shared among threads (the float32 case: enough keys to wake XLA's pool). Where no compiler
-    is, the engine warns and runs XLA's form."""
-    layer, x, k, v, batch = _attention_case(dtype, block_size, dim, longest, np.random.default_rng(2))
+    included, and rows shared among threads (the float32 case: enough keys to wake XLA's pool); head dimensions that
+    are not a multiple of the kernel's 16-lane vectors (40, 80), and groups of 1, 3, 4 and 16 query heads per KV head
+    (the kernel multiplies four at a time). Where no compiler is, the engine warns and runs XLA's form."""
+    layer, x, k, v, batch = _attention_case(dtype, block_size, dim, longest, np.random.default_rng(2), heads)
     if cpu_kernels.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
-            assert not cpu_kernels.attention_applies(k, 8)
+            assert not cpu_kernels.attention_applies(k, heads)
         return
-    assert cpu_kernels.attention_applies(k, 8)
+    assert cpu_kernels.attention_applies(k, heads)
     out_kernel, text = _attend(layer, x, k, v, batch)
     assert cpu_kernels.ATTENTION_TARGET in text
     assert not re.search(rf"\[2,3,{k.shape[2]},{block_size},{dim}\]\{{[0-9,]+\}} copy\(", text)
