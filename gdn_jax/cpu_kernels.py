@@ -1,5 +1,6 @@
 """Compiled kernels for XLA's CPU backend, for one-token steps: the GDN decode update (`gdn_decode`, source
-csrc/gdn_decode.cc) and decode attention (`attention_decode`, csrc/attention_decode.cc).
+csrc/gdn_decode.cc), decode attention (`attention_decode`, csrc/attention_decode.cc) and few-row bfloat16 products
+(`rows_product`, csrc/rows_product.cc; used where `model.rows_kernel_rows` measured it faster).
 
 XLA compiles a one-token step's GDN update (`model.advance_in_pool`) to a gathered copy of each row's state, a
 product, and an in-place write that runs on one thread: 72-93 us per row and layer at hybrid-1024's 256 KiB states,
@@ -8,7 +9,9 @@ once for its products with k and q and writes the new one once, sharing the (row
 threads (an XLA FFI custom call, the pool aliased to its result: updated in place, as before). XLA's form of decode
 attention copies each chunk of a row's paged keys and values into a contiguous block before its two products; the
 attention kernel reads every key and value row once where it lies, for all the query heads of its KV head, with an
-online softmax in float32.
+online softmax in float32. XLA's bfloat16 products of 2-16 rows stream the weights at about half the speed of one
+row on a CPU without matrix units; the product kernel reads each weight row once for all the rows, with the CPU's
+bfloat16 dot-product instruction where it has one.
 
 They are built, one library, on first use by the system's C++ compiler (`c++`, `g++` or `clang++`, or `$CXX`)
 against the FFI headers jaxlib ships, `-O3 -march=native`, into `kernels/` beside JAX's persistent compilation cache
@@ -43,7 +46,8 @@ KERNELS_ENV = "GDN_JAX_CPU_KERNELS"  # "0": never, "1": required, unset: when it
 TARGET = "gdn_jax_gdn_decode"
 ATTENTION_TARGET = "gdn_jax_attention_decode"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("gdn_decode.cc", "attention_decode.cc")  # (and the header they include, parallel.h)
+ROWS_TARGET = "gdn_jax_rows_product"
+SOURCES = ("gdn_decode.cc", "attention_decode.cc", "rows_product.cc")  # (and their headers, parallel.h and lanes.h)
 MAX_DIM = 256  # the kernels' largest head dimension (their per-head buffers)
 MAX_GROUP = 16  # attention: the most query heads per KV head
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -112,12 +116,13 @@ def available() -> bool:
         lib = ctypes.CDLL(str(build(cxx, folder())))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.GdnJaxGdnDecode), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.GdnJaxAttentionDecode), platform="cpu")
+        jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(lib.GdnJaxRowsProduct), platform="cpu")
     except Exception as exc:
         if setting == "1":
             raise RuntimeError(f"{KERNELS_ENV}=1, but the CPU kernels could not be built or loaded: {exc}") from exc
         warnings.warn(f"gdn_jax: the CPU decode kernels could not be built or loaded ({exc}); one-token steps run "
-                      f"XLA's forms of the GDN update and of attention (slower at many rows; {KERNELS_ENV}=0 says so "
-                      f"without trying)",
+                      f"XLA's forms of the GDN update, attention and few-row products (slower at many rows; "
+                      f"{KERNELS_ENV}=0 says so without trying)",
                       RuntimeWarning, stacklevel=2)
         return False
     return True
@@ -161,3 +166,10 @@ def attention_decode(k_cache, v_cache, layer, q, block_tables, keys):
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(1), q.astype(jnp.float32),
                 block_tables.astype(jnp.int32), keys.astype(jnp.int32))
+
+
+def rows_product(x, kernel):
+    """kernel [n_out, n_in] @ x[m, n_in].T -> [n_out, m] float32 for bfloat16 x and kernel, by the few-row product
+    kernel (float32 products and sums; a row's result does not depend on the other rows). Only where `available()`
+    said so: that registers the kernel with XLA."""
+    return jax.ffi.ffi_call(ROWS_TARGET, jax.ShapeDtypeStruct((kernel.shape[0], x.shape[0]), jnp.float32))(x, kernel)

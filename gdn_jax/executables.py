@@ -190,9 +190,10 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
         env.append(("cpu_kernels", cpu_kernels.available()))  # its one-token steps call them
     if device.platform == "cpu" and any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves):
         # a 16-bit model's prefill and few-row products take the forms this machine multiplies faster
-        # (model.upcast_is_faster, model.few_rows_weight_left)
+        # (model.upcast_is_faster, model.few_rows_weight_left, model.rows_kernel_rows)
         env.append(("bf16_upcast", model.upcast_is_faster()))
         env.append(("bf16_few_rows_weight_left", model.few_rows_weight_left()))
+        env.append(("bf16_rows_kernel", model.rows_kernel_rows()))
     text = repr((source_digest(), kind, static, str(treedef), spec, sorted((options or {}).items()),
                  device.platform, device.device_kind, device.client.platform_version, jax.device_count(), env))
     return hashlib.sha256(text.encode()).hexdigest()

@@ -363,13 +363,14 @@ def _product(x, kernel):
 
 def _weight_left(x) -> bool:
     """Whether `_product` multiplies x as W @ x.T (on CPU, WEIGHT_LHS_ROWS rows of the activation's dtype; bfloat16
-    from 2 rows on where `few_rows_weight_left`)."""
+    from 2 rows on where `few_rows_weight_left`, or where the few-row kernel takes them: `rows_kernel_rows`)."""
     if jax.default_backend() != "cpu":
         return False
     lo, hi = WEIGHT_LHS_ROWS.get(jnp.dtype(x.dtype), (0, -1))
-    if jnp.dtype(x.dtype) == jnp.bfloat16 and few_rows_weight_left():
+    rows = math.prod(x.shape[:-1])
+    if jnp.dtype(x.dtype) == jnp.bfloat16 and (few_rows_weight_left() or 2 <= rows <= rows_kernel_rows()):
         lo = 2
-    return lo <= math.prod(x.shape[:-1]) <= hi
+    return lo <= rows <= hi
 
 
 FEW_ROWS_ENV = "GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT"  # "1": always, "0": never, unset: measured (`few_rows_weight_left`)
@@ -410,7 +411,7 @@ def few_rows_weight_left(timer=None) -> bool:
         x = jnp.asarray(rng.standard_normal((1, 1024)), jnp.bfloat16)
         loops = [jax.jit(lambda x, ws: [_one_row(x[0], w) for w in ws], compiler_options=vector_width_options(bits))
                  for bits in DECODE_VECTOR_BITS]
-        library = jax.jit(lambda x, ws: [_weight_left_product(jnp.concatenate([x, jnp.zeros_like(x)]), w)
+        library = jax.jit(lambda x, ws: [_library_weight_left(jnp.concatenate([x, jnp.zeros_like(x)]), w)
                                          for w in ws], compiler_options=LLVM_IR_CPU_COMPILER_OPTIONS)
         for fn in (*loops, library):  # compiled and run once, untimed
             jax.block_until_ready(fn(x, weights))
@@ -434,9 +435,73 @@ def seconds_of(fn, *args) -> float:
 
 
 def _weight_left_product(x, kernel):
-    """kernel [n_out, n_in] @ x[m, n_in].T -> [n_out, m] float32. The optimisation barrier keeps XLA from folding
-    the transpose that follows (`_product`) back into the dot."""
+    """kernel [n_out, n_in] @ x[m, n_in].T -> [n_out, m] float32: by the compiled few-row kernel where it takes
+    these rows (`_rows_kernel`), else by XLA's library (`_library_weight_left`)."""
+    if _rows_kernel(x, kernel):
+        return cpu_kernels.rows_product(x, kernel)
+    return _library_weight_left(x, kernel)
+
+
+def _library_weight_left(x, kernel):
+    """kernel [n_out, n_in] @ x[m, n_in].T -> [n_out, m] float32 by XLA. The optimisation barrier keeps XLA from
+    folding the transpose that follows (`_product`) back into the dot."""
     return jax.lax.optimization_barrier(jnp.einsum("vd,md->vm", kernel, x, preferred_element_type=jnp.float32))
+
+
+def _rows_kernel(x, kernel) -> bool:
+    """Whether the compiled kernel multiplies this product (`cpu_kernels.rows_product`): bfloat16 x [m, n_in] and
+    kernel [n_out, n_in] on the CPU backend, 2 <= m <= `rows_kernel_rows()`."""
+    return (jax.default_backend() == "cpu" and x.ndim == 2 and kernel.ndim == 2 and x.dtype == jnp.bfloat16
+            and kernel.dtype == jnp.bfloat16 and 2 <= x.shape[0] <= rows_kernel_rows() and cpu_kernels.available())
+
+
+ROWS_KERNEL_ENV = "GDN_JAX_BF16_ROWS_KERNEL"  # "1": 2-16 rows, "0": never, unset: measured (`rows_kernel_rows`)
+ROWS_KERNEL_COUNTS = (4, 8, 16)  # the row counts measured: 2-4 rows take the kernel if it wins at 4, 5-8 at 8, ...
+
+
+@functools.cache
+def rows_kernel_rows(timer=None) -> int:
+    """The most rows of a bfloat16 product (from 2 on) that the compiled few-row kernel multiplies
+    (`cpu_kernels.rows_product`) instead of XLA's library with the weight on the left: 0 (none) or one of
+    `ROWS_KERNEL_COUNTS`.
+
+    On a 2-core AMD EPYC (Zen 4, AVX-512 BF16, no matrix units) XLA multiplies 2-16 bfloat16 rows at 13-14 GB/s of
+    weight where one row streams 30, so a decode step of 2 rows took twice as long as one of 1 row; the kernel reads
+    each weight row once for all the rows: 8 matrices of 6144 x 1024, 4 rows 7.9 against 14.6 ms, 16 rows 13.9
+    against 14.5 (docs/benchmarks.md). A Xeon with AMX multiplies them in its matrix units. So it is measured once
+    per machine (`executables.measured_choice`), unless `ROWS_KERNEL_ENV` says "1" (16) or "0" (0), where the
+    kernels are available (`cpu_kernels.available`; else 0): for each of `ROWS_KERNEL_COUNTS`, in turn
+    `FEW_ROWS_ROUNDS` times over 8 bfloat16 matrices of 4096 x 1024, the kernel against the library's form; the
+    count is taken while the median of the rounds' time ratios is `FEW_ROWS_MARGIN` below 1. `timer(fn, *args) ->
+    seconds` replaces the clock (tests; then nothing is kept). The values agree to float32 summation order."""
+    env = os.environ.get(ROWS_KERNEL_ENV)
+    if env not in (None, "", "0", "1"):
+        raise ValueError(f"{ROWS_KERNEL_ENV} must be 0 or 1 (unset: measured), got {env!r}")
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():
+        return 0
+    if env:
+        return ROWS_KERNEL_COUNTS[-1] if env == "1" else 0
+
+    def measure():
+        rng = np.random.default_rng(0)
+        weights = tuple(jnp.asarray(rng.standard_normal((4096, 1024)) * 0.02, jnp.bfloat16) for _ in range(8))
+        kernel = jax.jit(lambda x, ws: [cpu_kernels.rows_product(x, w) for w in ws])
+        library = jax.jit(lambda x, ws: [_library_weight_left(x, w) for w in ws])
+        clock = timer or seconds_of
+        most = 0
+        for rows in ROWS_KERNEL_COUNTS:
+            x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.bfloat16)
+            for fn in (kernel, library):  # compiled and run once, untimed
+                jax.block_until_ready(fn(x, weights))
+            ratios = [clock(kernel, x, weights) / clock(library, x, weights) for _ in range(FEW_ROWS_ROUNDS)]
+            if float(np.median(ratios)) > 1 - FEW_ROWS_MARGIN:
+                break
+            most = rows
+        return most
+
+    from gdn_jax import executables  # (it imports this module)
+    return executables.measured_choice("bf16_rows_kernel", measure, lambda v: v in (0, *ROWS_KERNEL_COUNTS),
+                                       keep=timer is None)
 
 
 @jax.jit

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 
+#include "lanes.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -22,73 +23,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace gdn_jax;  // lanes.h
+
 constexpr int64_t kMaxGroup = 16;   // query heads per KV head
 constexpr int64_t kMaxKeys = 64;    // keys at a time (of one block)
 constexpr int64_t kMaxDim = 256;    // head dimension
-constexpr int64_t kLanes = 16;      // float32 lanes of a vector (one AVX-512 register)
-
-inline float ToFloat(float x) { return x; }
-inline float ToFloat(uint16_t bits) {  // bfloat16 bits -> float32, exact
-  const uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &word, sizeof x);
-  return x;
-}
-
-// 16 float32 lanes in registers (GCC and Clang vector extensions: one AVX-512 register, or two AVX ones, ...).
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
-
-inline Lanes Load(const float* p) {
-  Lanes x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-
-inline void Store(float* p, Lanes x) { std::memcpy(p, &x, sizeof x); }
-inline Lanes Splat(float x) { return Lanes{} + x; }
-
-inline float Sum(Lanes x) {  // halves added pairwise: a short chain of additions
-  Half lo, hi;
-  std::memcpy(&lo, &x, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
-  lo += hi;
-  float s[kLanes / 2];
-  std::memcpy(s, &lo, sizeof s);
-  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
-}
-
-inline float Max(Lanes x) {
-  float s[kLanes];
-  std::memcpy(s, &x, sizeof s);
-  return *std::max_element(s, s + kLanes);
-}
-
-// Lanes l and l + s of a and b: the blocks of s lanes at even places of the result come from a, at odd places from
-// b; each is the sum of two neighbouring blocks of its source.
-template <int s>
-inline Lanes Fold(Lanes a, Lanes b) {
-#define GDN_LANE(i) ((((i) / s) % 2) * kLanes + 2 * ((i) / s / 2) * s + (i) % s)
-#define GDN_LANES(d)                                                                                             \
-  GDN_LANE(0) + d, GDN_LANE(1) + d, GDN_LANE(2) + d, GDN_LANE(3) + d, GDN_LANE(4) + d, GDN_LANE(5) + d,          \
-      GDN_LANE(6) + d, GDN_LANE(7) + d, GDN_LANE(8) + d, GDN_LANE(9) + d, GDN_LANE(10) + d, GDN_LANE(11) + d,    \
-      GDN_LANE(12) + d, GDN_LANE(13) + d, GDN_LANE(14) + d, GDN_LANE(15) + d
-  return __builtin_shufflevector(a, b, GDN_LANES(0)) + __builtin_shufflevector(a, b, GDN_LANES(s));
-#undef GDN_LANES
-#undef GDN_LANE
-}
-
-// The lane sums of 16 vectors as one: lane i holds the sum of x[i]'s lanes (four levels of Fold; the level that
-// decides bit b of x's index puts it in bit 3 - b of the lane's, so x goes in at bit-reversed places). Every sum is
-// added in the same order, whichever lane it ends in.
-inline Lanes Sums(const Lanes* x) {
-  static constexpr int kReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  Lanes a[8], b[4], c[2];
-  for (int i = 0; i < 8; i++) a[i] = Fold<8>(x[kReversed[2 * i]], x[kReversed[2 * i + 1]]);
-  for (int i = 0; i < 4; i++) b[i] = Fold<4>(a[2 * i], a[2 * i + 1]);
-  for (int i = 0; i < 2; i++) c[i] = Fold<2>(b[2 * i], b[2 * i + 1]);
-  return Fold<1>(c[0], c[1]);
-}
 
 // e^x in every lane, to about one unit in the last place: 2^n e^r with n the nearest integer to x / ln 2 and a
 // polynomial for e^r, |r| <= ln 2 / 2 (the coefficients of the Cephes library's expf); x is clamped to where e^x is a
@@ -109,14 +48,6 @@ inline Lanes Exp(Lanes x) {
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
   return y * reinterpret_cast<Lanes>((n + 127) << 23);
-}
-
-inline Lanes Load(const uint16_t* p) {  // 16 bfloat16 bit patterns -> float32
-  typedef uint16_t Bits __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-  Bits b;
-  std::memcpy(&b, p, sizeof b);
-  return reinterpret_cast<Lanes>(__builtin_convertvector(b, Words) << 16);
 }
 
 constexpr int kHeads = 4;  // query heads multiplied at once (their accumulators in registers)
@@ -214,7 +145,8 @@ struct Attend {
       const float* ps[kHeads];
       for (int h = 0; h < kHeads; h++) ps[h] = p + std::min<int64_t>(i0 + h, group - 1) * kMaxKeys;
       int64_t c = 0;
-      for (; c + kVectors * kLanes <= whole; c += kVectors * kLanes) ValueVectors<kVectors>(ps, heads_here, i0, rows, count, c, acc);
+      for (; c + kVectors * kLanes <= whole; c += kVectors * kLanes)
+        ValueVectors<kVectors>(ps, heads_here, i0, rows, count, c, acc);
       for (; c < whole; c += kLanes) ValueVectors<1>(ps, heads_here, i0, rows, count, c, acc);
       for (int64_t h = 0; h < heads_here; h++)
         for (int64_t d = whole; d < D; d++)

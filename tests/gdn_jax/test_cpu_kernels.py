@@ -1,5 +1,6 @@
-"""The compiled CPU kernels (gdn_jax/cpu_kernels.py: the GDN decode update, decode attention) against XLA's forms
-of the same computations, and how the engine behaves where the kernels cannot be built."""
+"""The compiled CPU kernels (gdn_jax/cpu_kernels.py: the GDN decode update, decode attention, few-row bfloat16
+products) against XLA's forms of the same computations, and how the engine behaves where the kernels cannot be
+built."""
 
 import dataclasses
 import re
@@ -223,3 +224,69 @@ def test_the_attention_kernel_attends_as_xla_does(dtype, block_size, dim, longes
     a, b = np.asarray(out_kernel, np.float32), np.asarray(out_xla, np.float32)
     np.testing.assert_allclose(a, b, **tol)
     assert np.abs(a).max() > 0.1 and not np.array_equal(a[:, 0], a[:, 3])  # outputs that tell the rows apart
+
+
+@pytest.mark.parametrize("rows", [2, 5, 16])
+def test_the_product_kernel_multiplies_few_bfloat16_rows_as_the_library_does(rows, fresh_choice):
+    """Where `model.rows_kernel_rows` gives the kernel these rows, a bfloat16 product of 2-16 rows is its FFI call,
+    else XLA's library with the weight on the left; both equal the float64 product to float32 accuracy (an odd
+    number of weight rows, a width that is not a multiple of the kernel's 32-number vectors), and the kernel's result
+    for a row does not depend on the batch's other rows (bit for bit)."""
+    n = 75
+    kx, kw = jax.random.split(jax.random.PRNGKey(rows))
+    if cpu_kernels.compiler() is None:
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            assert not cpu_kernels.available()
+        return
+    ys = {}
+    for most, k in ((16, 1000 + rows), (0, 1100 + rows)):  # widths of their own: `_products` keeps its trace per shape
+        fresh_choice.setattr(model, "rows_kernel_rows", lambda most=most: most)
+        x = jax.random.normal(kx, (rows, 1, k), jnp.bfloat16)
+        w = jax.random.normal(kw, (n, k), jnp.bfloat16)
+        text = jax.jit(model.dense).lower(x, w).as_text()
+        assert (cpu_kernels.ROWS_TARGET in text) == bool(most)
+        ys[most] = y = np.asarray(jax.jit(model.dense)(x, w))
+        ref = np.asarray(x, np.float64)[:, 0] @ np.asarray(w, np.float64).T
+        assert y.shape == (rows, 1, n) and y.dtype == np.float32
+        np.testing.assert_allclose(y[:, 0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        if most:
+            two = np.asarray(jax.jit(model.dense)(x[:2], w))
+            np.testing.assert_array_equal(two, y[:2])
+
+
+def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_says(fresh_choice):
+    """`model.rows_kernel_rows` times the kernel against XLA's library form at 4, 8 and 16 rows of 8 bfloat16 matrices
+    of 4096 x 1024 and takes the counts up to the first where the kernel is not `FEW_ROWS_MARGIN` faster;
+    GDN_JAX_BF16_ROWS_KERNEL=1 / 0 decides without measuring (16 / none); another value is an error naming it;
+    without the kernels, none."""
+    fresh_choice.delenv(model.ROWS_KERNEL_ENV, raising=False)
+    if cpu_kernels.compiler() is None:
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            assert model.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == 0
+        return
+    seen = []
+
+    def timer(kernel_seconds):  # rows -> the kernel's time (the library's: 1.0)
+        def time_of(fn, x, weights):
+            kernel = cpu_kernels.ROWS_TARGET in fn.lower(x, weights).as_text()
+            seen.append((x.shape[0], len(weights), weights[0].shape, weights[0].dtype.name, kernel))
+            return kernel_seconds[x.shape[0]] if kernel else 1.0
+        return time_of
+
+    for kernel_seconds, want in (({4: 0.5, 8: 0.9, 16: 1.0}, 8), ({4: 0.97, 8: 0.5, 16: 0.5}, 0),
+                                 ({4: 0.5, 8: 0.5, 16: 0.5}, 16), ({4: 0.5, 8: 2.0, 16: 0.5}, 4)):
+        seen.clear()
+        assert model.rows_kernel_rows.__wrapped__(timer(kernel_seconds)) == want
+        assert {s[1:4] for s in seen} == {(8, (4096, 1024), "bfloat16")}
+        measured = [4, 8, 16][:[0, 4, 8, 16].index(want) + 1]  # up to the first count the kernel loses at
+        assert [s[0] for s in seen] == [r for r in measured for _ in range(2 * model.FEW_ROWS_ROUNDS)]
+    for value, want in (("1", 16), ("0", 0)):
+        fresh_choice.setenv(model.ROWS_KERNEL_ENV, value)
+        assert model.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == want
+    fresh_choice.setenv(model.ROWS_KERNEL_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{model.ROWS_KERNEL_ENV} must be 0 or 1"):
+        model.rows_kernel_rows.__wrapped__()
+    fresh_choice.setenv(model.ROWS_KERNEL_ENV, "1")
+    fresh_choice.setenv(cpu_kernels.KERNELS_ENV, "0")
+    cpu_kernels.available.cache_clear()
+    assert model.rows_kernel_rows.__wrapped__() == 0

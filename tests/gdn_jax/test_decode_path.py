@@ -155,8 +155,9 @@ def _environment_decides(monkeypatch, choice, variable: str):
 def test_one_row_bfloat16_product_takes_the_measured_form(monkeypatch, library):
     """A one-row bfloat16 product is multiplied as two rows (the row and a zero row) with the weight on the left
     where `few_rows_weight_left` says the library is faster, else as XLA's loop over the weight (`_one_row`); it
-    equals the float64 product to float32 accuracy either way."""
+    equals the float64 product to float32 accuracy either way. (The library's form: the few-row kernel off.)"""
     monkeypatch.setattr(model, "few_rows_weight_left", lambda: library)
+    monkeypatch.setattr(model, "rows_kernel_rows", lambda: 0)
     n, k = 80, (328 if library else 344)  # widths of their own: `_products` keeps its trace per shape
     kx, kw = jax.random.split(jax.random.PRNGKey(k))
     x = jax.random.normal(kx, (1, 1, k), jnp.bfloat16)

@@ -223,18 +223,21 @@ def test_the_key_follows_shapes_dtypes_structure_options_and_context(monkeypatch
 
 def test_a_16_bit_key_holds_the_forms_measured_for_its_products(monkeypatch):
     """On the CPU a 16-bit program's key holds the product forms measured faster on this machine
-    (`model.upcast_is_faster`, `model.few_rows_weight_left`): each changes the compiled program. A float32 program
-    takes neither form, and its key does not change with them."""
+    (`model.upcast_is_faster`, `model.few_rows_weight_left`, `model.rows_kernel_rows`): each changes the compiled
+    program. A float32 program takes neither form, and its key does not change with them."""
     from gdn_jax import model
 
     keys = {}
     for upcast in (True, False):
         for few_rows in (True, False):
-            monkeypatch.setattr(model, "upcast_is_faster", lambda upcast=upcast: upcast)
-            monkeypatch.setattr(model, "few_rows_weight_left", lambda few_rows=few_rows: few_rows)
-            keys[upcast, few_rows] = [executables.executable_key("step", ("cfg", 32), (jnp.zeros((2, 3), dtype),), None)
-                                      for dtype in (jnp.bfloat16, jnp.float32)]
-    assert len({k[0] for k in keys.values()}) == 4 and len({k[1] for k in keys.values()}) == 1
+            for kernel_rows in (0, 8):
+                monkeypatch.setattr(model, "upcast_is_faster", lambda upcast=upcast: upcast)
+                monkeypatch.setattr(model, "few_rows_weight_left", lambda few_rows=few_rows: few_rows)
+                monkeypatch.setattr(model, "rows_kernel_rows", lambda kernel_rows=kernel_rows: kernel_rows)
+                keys[upcast, few_rows, kernel_rows] = [
+                    executables.executable_key("step", ("cfg", 32), (jnp.zeros((2, 3), dtype),), None)
+                    for dtype in (jnp.bfloat16, jnp.float32)]
+    assert len({k[0] for k in keys.values()}) == 8 and len({k[1] for k in keys.values()}) == 1
 
 
 CPUINFO = """processor\t: {n}
