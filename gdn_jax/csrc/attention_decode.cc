@@ -1,9 +1,11 @@
 // Decode attention: one query token per row against that row's keys and values where they lie in the paged caches,
 // the CPU kernel behind gdn_jax.model.Attention for one-token steps (gdn_jax/cpu_kernels.py builds and registers it).
 // XLA's form gathers each chunk of a row's blocks into a contiguous copy before its two products; here each key and
-// value row is read once, in place, converted to float32 (bfloat16 caches are stored as their uint16 bit patterns,
-// gdn_jax.model.pool_dtype), and used by all the query heads that share its KV head, while the next block's rows are
-// prefetched. (row, KV head) pairs are shared among XLA's CPU threads (parallel.h).
+// value row is read once, in place, widened to float32 in registers (bfloat16 caches are stored as their uint16 bit
+// patterns, gdn_jax.model.pool_dtype), and used by all the query heads that share its KV head: scores four heads by
+// two keys at a time, summed across lanes sixteen keys at once (lanes.h), a vector exponential for the online
+// softmax, values accumulated four heads by four vectors at a time, while the next block's rows are prefetched.
+// (row, KV head) pairs are shared among XLA's CPU threads (parallel.h).
 //
 // k_cache, v_cache [kv_heads, layers, blocks, block_size, D] (uint16 bfloat16 bits, or float32); layer [1]; q [B, H,
 // D] float32 (normed and rotated; head h uses KV head h / (H / kv_heads)); tables [B, width] int32 (the row's blocks
