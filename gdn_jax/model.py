@@ -467,8 +467,8 @@ def rows_kernel_rows(timer=None) -> int:
 
     On a 2-core AMD EPYC (Zen 4, AVX-512 BF16, no matrix units) XLA multiplies 2-16 bfloat16 rows at 13-14 GB/s of
     weight where one row streams 30, so a decode step of 2 rows took twice as long as one of 1 row; the kernel reads
-    each weight row once for all the rows: 8 matrices of 6144 x 1024, 4 rows 7.9 against 14.6 ms, 16 rows 13.9
-    against 14.5 (docs/benchmarks.md). A Xeon with AMX multiplies them in its matrix units. So it is measured once
+    each weight row once for all the rows: on a 201 MB weight, 4 rows 6.6-7.3 against 14.1-15.9 ms, 16 rows
+    10.9-13.4 against 14.2-16.5 (min; docs/benchmarks.md). A Xeon with AMX multiplies them in its matrix units. So it is measured once
     per machine (`executables.measured_choice`), unless `ROWS_KERNEL_ENV` says "1" (16) or "0" (0), where the
     kernels are available (`cpu_kernels.available`; else 0): for each of `ROWS_KERNEL_COUNTS`, in turn
     `FEW_ROWS_ROUNDS` times over 8 bfloat16 matrices of 4096 x 1024, the kernel against the library's form; the
