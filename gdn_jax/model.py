@@ -335,6 +335,8 @@ def _product(x, kernel):
       written without the transpose goes to the library's matrix-vector routine, which first converts a whole
       bfloat16 weight to float32 in memory (measured on a 6144 x 1024 matrix on the development machine: 0.42
       against 1.37 ms in bfloat16; float32 0.52 against 0.60 ms).
+    - 2 to `rows_kernel_rows()` bfloat16 rows, on a CPU where it is measured faster: the compiled few-row kernel
+      (`cpu_kernels.rows_product`, in place of the library's W @ x.T below; each weight row read once for all rows).
     - 2-64 rows (bfloat16: 16-64): W @ x.T, the weight on the left (float32 with 2-64 rows: 1.4-4x less CPU time
       than x @ W.T; bfloat16 from 16 rows on: 15-35% less; with 2-4 rows no gain, so not used there). Bfloat16
       from 2 rows on, and one row as two, on a CPU where that is faster (`few_rows_weight_left`, measured). The
@@ -468,12 +470,13 @@ def rows_kernel_rows(timer=None) -> int:
     On a 2-core AMD EPYC (Zen 4, AVX-512 BF16, no matrix units) XLA multiplies 2-16 bfloat16 rows at 13-14 GB/s of
     weight where one row streams 30, so a decode step of 2 rows took twice as long as one of 1 row; the kernel reads
     each weight row once for all the rows: on a 201 MB weight, 4 rows 6.6-7.3 against 14.1-15.9 ms, 16 rows
-    10.9-13.4 against 14.2-16.5 (min; docs/benchmarks.md). A Xeon with AMX multiplies them in its matrix units. So it is measured once
-    per machine (`executables.measured_choice`), unless `ROWS_KERNEL_ENV` says "1" (16) or "0" (0), where the
-    kernels are available (`cpu_kernels.available`; else 0): for each of `ROWS_KERNEL_COUNTS`, in turn
-    `FEW_ROWS_ROUNDS` times over 8 bfloat16 matrices of 4096 x 1024, the kernel against the library's form; the
-    count is taken while the median of the rounds' time ratios is `FEW_ROWS_MARGIN` below 1. `timer(fn, *args) ->
-    seconds` replaces the clock (tests; then nothing is kept). The values agree to float32 summation order."""
+    10.9-13.4 against 14.2-16.5 (min; docs/benchmarks.md). A Xeon with AMX multiplies them in its matrix units. So
+    it is measured once per machine (`executables.measured_choice`), unless `ROWS_KERNEL_ENV` says "1" (16) or "0"
+    (0), where the kernels are available (`cpu_kernels.available`; else 0): for each of `ROWS_KERNEL_COUNTS`, in
+    turn `FEW_ROWS_ROUNDS` times over 8 bfloat16 matrices of 4096 x 1024, the kernel against the library's form;
+    the count is taken while the median of the rounds' time ratios is `FEW_ROWS_MARGIN` below 1. `timer(fn, *args)
+    -> seconds` replaces the clock (tests; then nothing is kept). The values agree to float32 summation order. A
+    one-row product that `_as_two_rows` pads to two rows goes to the kernel too where it takes 2 rows."""
     env = os.environ.get(ROWS_KERNEL_ENV)
     if env not in (None, "", "0", "1"):
         raise ValueError(f"{ROWS_KERNEL_ENV} must be 0 or 1 (unset: measured), got {env!r}")

@@ -86,6 +86,7 @@ struct Attend {
       for (int h = 0; h < kHeads; h++) qs[h] = qq + std::min<int64_t>(i0 + h, group - 1) * D;
       for (int64_t t0 = 0; t0 < count; t0 += kLanes) {
         Lanes part[kHeads][kLanes];
+        if (count - t0 < kLanes) std::memset(part, 0, sizeof part);  // lanes past the count: set, then -inf below
         for (int64_t t = t0; t < std::min(count, t0 + kLanes); t += kKeys) {
           const T* key[kKeys];  // past the count: the last key again (results not kept)
           for (int u = 0; u < kKeys; u++) key[u] = rows + std::min(t + u, count - 1) * D;

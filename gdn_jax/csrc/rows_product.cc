@@ -94,7 +94,7 @@ inline void Tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t M, flo
 constexpr int64_t kChunkPairs = 256;  // bfloat16 pairs of the weight block packed at a time (16 KiB)
 static_assert(kBlockRows == 16, "Packed multiplies blocks of 16 weight rows, one per lane");
 
-// The 16 x 16 transpose of 32-bit words: t[i] lane j <- r[j] lane i.
+// The 16 x 16 transpose of 32-bit words, in place: lane j of r[i] becomes lane i of r[j].
 inline void Transpose16(__m512i* r) {
   __m512i a[16], b[16];
   for (int i = 0; i < 16; i += 2) {  // pairs of rows: words interleaved
@@ -120,8 +120,9 @@ inline void Transpose16(__m512i* r) {
 // y[n * M + m] = w_n . x_m for the count (at most 16) weight rows of a block and M x rows, with the weight block
 // packed as bfloat16 pairs, kChunkPairs at a time, into [pair][weight row] order in the core's cache: one vector of
 // the packed block then holds one pair of 16 weight rows, and each x row's pair is broadcast to it, so that the M
-// accumulators' lanes are the weight rows (no sums across lanes, one load per M multiply-adds). The next block's
-// rows are prefetched while this one is packed. K even.
+// accumulators' lanes are the weight rows (no sums across lanes, one load per M multiply-adds). The next chunk (or
+// the next block's first) is prefetched into L2 through the multiply loop, a line per pair (prefetches past the
+// weight's end are dropped by the CPU). K even.
 template <int M>
 void Packed(const uint16_t* x, const uint16_t* w, int64_t K, int64_t count, float* y) {
   alignas(64) uint32_t packed[kChunkPairs * 16];
@@ -184,7 +185,7 @@ inline void Rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t M, int
 
 void Run(ffi::ThreadPool& threads, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, float* y) {
   const int64_t blocks = (N + kBlockRows - 1) / kBlockRows, groups = (M + kRowGroup - 1) / kRowGroup;
-  // each group of x rows prefetches its share of the next two weight rows
+  // each group of x rows prefetches its share of the pair of weight rows two pairs ahead (into L2)
   const int64_t share = (kPair * K * 2 / groups + 63) / 64 * 64;
   gdn_jax::ParallelFor(threads, blocks, kBlockRows * K * 2, [=](int64_t block) {
     const int64_t last = std::min(N, (block + 1) * kBlockRows);

@@ -154,9 +154,10 @@ def test_off_means_xla_form(fresh_choice):
 
 
 def _attention_case(dtype, block_size, dim, longest, rng, heads=8):
-    """An attention layer (`heads` query heads on 2 KV heads of `dim`), paged caches of 3 layers filled with random keys and
-    values, and one token per row: rows of 1, 37, 16 and `longest` keys (one block, a block boundary, a whole block,
-    many), their blocks scattered and in no order, and a padding row (lengths 0) at position 0 on block 0."""
+    """An attention layer (`heads` query heads on 2 KV heads of `dim`), paged caches of 3 layers filled with random
+    keys and values, and one token per row: rows of 1, 37, 16 and `longest` keys (one block, a block boundary, a
+    whole block, many), their blocks scattered and in no order, and a padding row (lengths 0) at position 0 on block
+    0."""
     cfg = dataclasses.replace(get_preset("tiny-random"), num_attention_heads=heads, num_key_value_heads=2,
                               head_dim=dim)
     layer = model.Attention(cfg, dtype, nnx.Rngs(0), 0.2)
@@ -239,14 +240,13 @@ def test_the_product_kernel_multiplies_few_bfloat16_rows_as_the_library_does(row
         with pytest.warns(RuntimeWarning, match="could not be built"):
             assert not cpu_kernels.available()
         return
-    ys = {}
     for most, k in ((16, 1000 + rows), (0, 1100 + rows)):  # widths of their own: `_products` keeps its trace per shape
         fresh_choice.setattr(model, "rows_kernel_rows", lambda most=most: most)
         x = jax.random.normal(kx, (rows, 1, k), jnp.bfloat16)
         w = jax.random.normal(kw, (n, k), jnp.bfloat16)
         text = jax.jit(model.dense).lower(x, w).as_text()
         assert (cpu_kernels.ROWS_TARGET in text) == bool(most)
-        ys[most] = y = np.asarray(jax.jit(model.dense)(x, w))
+        y = np.asarray(jax.jit(model.dense)(x, w))
         ref = np.asarray(x, np.float64)[:, 0] @ np.asarray(w, np.float64).T
         assert y.shape == (rows, 1, n) and y.dtype == np.float32
         np.testing.assert_allclose(y[:, 0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
