@@ -52,8 +52,8 @@ GROUP_XLA_FORMS := tests/gdn_jax/test_donation.py \
                    "tests/gdn_jax/test_decode_path.py::test_rows_a_few_at_a_time_equal_all_rows_at_once[1]"
 PLUMBING := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # `make test` runs the groups in two lanes at once (a step compiles on one core, and most of the suite's time is
-# compiling): A (no compiling), B, then C, which runs many steps B compiled; and the rest (a lane each of ~16-17
-# minutes on the 2-core machine at the last measure). Each lane's groups run in order; each
+# compiling): A (no compiling), B, then C, which runs many steps B compiled; and the rest (the whole run 11.5 minutes
+# on a 2-core AMD EPYC, 16-17 on the 2-core AMX Xeon, at the last measures). Each lane's groups run in order; each
 # group's output is printed when it ends. A lane's groups share compiled executables through JAX's persistent
 # compilation cache (tests/conftest.py) in a folder of the lane's own under .cache/jax-test (two processes never
 # write and read one folder at once): most engines of the suite have one of a few geometries, so a group loads what
