@@ -473,10 +473,16 @@ def rows_kernel_rows(timer=None) -> int:
     10.9-13.4 against 14.2-16.5 (min; docs/benchmarks.md). A Xeon with AMX multiplies them in its matrix units. So
     it is measured once per machine (`executables.measured_choice`), unless `ROWS_KERNEL_ENV` says "1" (16) or "0"
     (0), where the kernels are available (`cpu_kernels.available`; else 0): for each of `ROWS_KERNEL_COUNTS`, in
-    turn `FEW_ROWS_ROUNDS` times over 8 bfloat16 matrices of 4096 x 1024, the kernel against the library's form;
-    the count is taken while the median of the rounds' time ratios is `FEW_ROWS_MARGIN` below 1. `timer(fn, *args)
-    -> seconds` replaces the clock (tests; then nothing is kept). The values agree to float32 summation order. A
-    one-row product that `_as_two_rows` pads to two rows goes to the kernel too where it takes 2 rows."""
+    turn `FEW_ROWS_ROUNDS` times over 8 bfloat16 matrices of 4096 x 1024, the kernel against the library's form,
+    each product's rows feeding the next's (`_chained`, as a decode step's products follow one another); the count
+    is taken while the median of the rounds' time ratios is `FEW_ROWS_MARGIN` below 1. `timer(fn, *args) ->
+    seconds` replaces the clock (tests; then nothing is kept). The values agree to float32 summation order. A
+    one-row product that `_as_two_rows` pads to two rows goes to the kernel too where it takes 2 rows.
+
+    Products that do not depend on one another run side by side on XLA's threads, each kernel call then sharing
+    its blocks with threads the other holds: measured so, 16 rows came out near a tie (kernel 3.7-5.3 ms against
+    4.9-5.8 ms for the 8 products, ratio 0.77-0.89) and one start under load chose 8, where a 16-row decode step ran
+    25.5 ms on the library and 20.0 ms on the kernel; in turn the kernel wins by 0.76-0.87 (docs/benchmarks.md)."""
     env = os.environ.get(ROWS_KERNEL_ENV)
     if env not in (None, "", "0", "1"):
         raise ValueError(f"{ROWS_KERNEL_ENV} must be 0 or 1 (unset: measured), got {env!r}")
@@ -488,8 +494,7 @@ def rows_kernel_rows(timer=None) -> int:
     def measure():
         rng = np.random.default_rng(0)
         weights = tuple(jnp.asarray(rng.standard_normal((4096, 1024)) * 0.02, jnp.bfloat16) for _ in range(8))
-        kernel = jax.jit(lambda x, ws: [cpu_kernels.rows_product(x, w) for w in ws])
-        library = jax.jit(lambda x, ws: [_library_weight_left(x, w) for w in ws])
+        kernel, library = _chained(cpu_kernels.rows_product), _chained(_library_weight_left)
         clock = timer or seconds_of
         most = 0
         for rows in ROWS_KERNEL_COUNTS:
@@ -503,8 +508,18 @@ def rows_kernel_rows(timer=None) -> int:
         return most
 
     from gdn_jax import executables  # (it imports this module)
-    return executables.measured_choice("bf16_rows_kernel", measure, lambda v: v in (0, *ROWS_KERNEL_COUNTS),
+    return executables.measured_choice("bf16_rows_kernel_chained", measure, lambda v: v in (0, *ROWS_KERNEL_COUNTS),
                                        keep=timer is None)
+
+
+def _chained(product):
+    """jitted (x [m, n_in], weights [n_out, n_in] with n_out >= n_in) -> x after each weight in turn:
+    x += product(x, w)[:n_in].T / 1024, so that every product waits for the one before (`rows_kernel_rows`)."""
+    def run(x, weights):
+        for w in weights:
+            x = x + (product(x, w)[:x.shape[1]].T / 1024).astype(x.dtype)
+        return x
+    return jax.jit(run)
 
 
 @jax.jit
