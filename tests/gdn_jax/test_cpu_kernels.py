@@ -255,9 +255,25 @@ def test_the_product_kernel_multiplies_few_bfloat16_rows_as_the_library_does(row
             np.testing.assert_array_equal(np.asarray(jax.jit(model.dense)(x[:fewer], w)), y[:fewer])
 
 
+def test_the_measured_products_run_in_turn_each_on_the_rows_the_last_one_left():
+    """`model._chained`: x += product(x, w)[:n_in].T / 1024 for each weight in turn, so every product waits for the
+    one before (as a decode step's do); the same values as that loop written out."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16)
+    ws = tuple(jnp.asarray(rng.standard_normal((12, 8)), jnp.bfloat16) for _ in range(3))
+    want = x
+    for w in ws:
+        want = want + (jnp.einsum("vd,md->vm", w, want, preferred_element_type=jnp.float32)[:8].T / 1024).astype(
+            jnp.bfloat16)
+    got = model._chained(model._library_weight_left)(x, ws)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
+
+
 def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_says(fresh_choice):
     """`model.rows_kernel_rows` times the kernel against XLA's library form at 4, 8 and 16 rows of 8 bfloat16 matrices
-    of 4096 x 1024 and takes the counts up to the first where the kernel is not `FEW_ROWS_MARGIN` faster;
+    of 4096 x 1024, each product's rows feeding the next's (one result: the rows after the last), and takes the counts
+    up to the first where the kernel is not `FEW_ROWS_MARGIN` faster;
     GDN_JAX_BF16_ROWS_KERNEL=1 / 0 decides without measuring (16 / none); another value is an error naming it;
     without the kernels, none."""
     fresh_choice.delenv(model.ROWS_KERNEL_ENV, raising=False)
@@ -270,7 +286,9 @@ def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_s
     def timer(kernel_seconds):  # rows -> the kernel's time (the library's: 1.0)
         def time_of(fn, x, weights):
             kernel = cpu_kernels.ROWS_TARGET in fn.lower(x, weights).as_text()
-            seen.append((x.shape[0], len(weights), weights[0].shape, weights[0].dtype.name, kernel))
+            out = jax.eval_shape(fn, x, weights)
+            seen.append((x.shape[0], len(weights), weights[0].shape, weights[0].dtype.name, kernel,
+                         (out.shape, out.dtype) == (x.shape, x.dtype)))
             return kernel_seconds[x.shape[0]] if kernel else 1.0
         return time_of
 
@@ -278,7 +296,7 @@ def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_s
                                  ({4: 0.5, 8: 0.5, 16: 0.5}, 16), ({4: 0.5, 8: 2.0, 16: 0.5}, 4)):
         seen.clear()
         assert model.rows_kernel_rows.__wrapped__(timer(kernel_seconds)) == want
-        assert {s[1:4] for s in seen} == {(8, (4096, 1024), "bfloat16")}
+        assert {s[1:4] for s in seen} == {(8, (4096, 1024), "bfloat16")} and all(s[5] for s in seen)
         measured = [4, 8, 16][:[0, 4, 8, 16].index(want) + 1]  # up to the first count the kernel loses at
         assert [s[0] for s in seen] == [r for r in measured for _ in range(2 * model.FEW_ROWS_ROUNDS)]
     for value, want in (("1", 16), ("0", 0)):
