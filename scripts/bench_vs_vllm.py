@@ -8,12 +8,15 @@ Through `LLM.generate`, bfloat16, prefix caching on, random token ids (no tokeni
   (the first caches the prefix, the second compiles the hit's step shape: the engine compiles per shape, which a
   serving engine does once at start, `LLMEngine.warm_up`); the tokens reused in each timed round are reported;
 - decode: `(time of 65 new tokens - time of 1) / 64` for a batch of 1 and of 16 `--decode-prompt`-token prompts
-  (512), after one warm-up round of each length. It is not the engine's decode step time (scripts/bench_decode.py):
-  with mixed steps the rows that finish their prefill first decode while the others prefill, and the decode tokens
-  take part of each step's token budget, so the 65-token round's prefill takes longer than the 1-token round's (at
-  16 rows x 512 tokens: one more, padded prefill step), which this difference counts as decoding. vLLM's figure
-  counts the same effect at its own budget (4096 on the CPU): `--max-num-batched-tokens 4096` gives this engine the
-  same.
+  (512), the medians of `--n` rounds of each length after one warm-up round of each (a round's prefill steps vary by
+  a few hundred ms from round to round, which one round of each would divide by 64 into the figure). It is not the
+  engine's decode step time: with mixed steps the rows that finish their prefill first decode while the others
+  prefill, and the decode tokens take part of each step's token budget, so the 65-token round's prefill takes longer
+  than the 1-token round's (at 16 rows x 512 tokens: one more, padded prefill step), which this difference counts as
+  decoding. vLLM's figure counts the same effect at its own budget (4096 on the CPU): `--max-num-batched-tokens 4096`
+  gives this engine the same. Beside it, `decode_engine_step_s_B*` (the "engine step inside" rows): the median
+  `LLMEngine.step` of the 65-token rounds, 64 of whose steps decode only (scripts/bench_decode.py measures that step
+  on its own).
 `--vllm FILE`: lines `RESULT {...}` printed by vLLM's side (its TTFT and decode runs on the same folder), to print
 the ratio table. Writes JSON (`--out`).
 """
@@ -54,7 +57,16 @@ def measure(args) -> dict:
         run(prefix + rng.integers(0, V, S).tolist())
     hits = [run(prefix + rng.integers(0, V, S).tolist()) for _ in range(args.n)]
 
-    def decode_step(B: int) -> float:
+    steps = []  # wall seconds of each engine step while a decode round runs
+    engine_step = llm.engine.step
+
+    def step():
+        t = time.perf_counter()
+        out = engine_step()
+        steps.append(time.perf_counter() - t)
+        return out
+
+    def decode_step(B: int) -> tuple[float, float]:
         def timed(n: int) -> float:
             prompts = [rng.integers(0, V, args.decode_prompt).tolist() for _ in range(B)]
             t = time.perf_counter()
@@ -62,14 +74,25 @@ def measure(args) -> dict:
             return time.perf_counter() - t
 
         timed(65), timed(1)  # both compile their step shapes here (a one-token request ends with its prefill)
-        return (timed(65) - timed(1)) / 64
+        long, short, inside = [], [], []
+        llm.engine.step = step
+        try:
+            for _ in range(args.n):
+                steps.clear()
+                long.append(timed(65))
+                inside.append(statistics.median(steps))  # 64 of a round's steps are decode steps (the rest prefill)
+                short.append(timed(1))
+        finally:
+            llm.engine.step = engine_step
+        return (statistics.median(long) - statistics.median(short)) / 64, statistics.median(inside)
 
     return {"shared": L, "suffix": S, "dtype": args.dtype, "chunk_stride": llm.engine.worker.stride,
             "max_num_batched_tokens": llm.engine.scheduler_config.max_num_batched_tokens,
             "cold_s": statistics.median(cold), "cold_all_s": cold,
             "hit_s": statistics.median(h[0] for h in hits), "hit_all_s": [h[0] for h in hits],
             "cached": sorted({h[1] for h in hits}),
-            "decode_step_s_B1": decode_step(1), "decode_step_s_B16": decode_step(16)}
+            **{key: value for B in (1, 16)
+               for key, value in zip((f"decode_step_s_B{B}", f"decode_engine_step_s_B{B}"), decode_step(B))}}
 
 
 def read_vllm(path: str) -> dict:
@@ -103,7 +126,9 @@ def main(argv=None) -> dict:
     peer = read_vllm(args.vllm) if args.vllm else {}
     rows = [("cold TTFT, shared + suffix tokens", "cold_s", "cold"), ("hit TTFT, shared cached + suffix new", "hit_s", "hit"),
             ("decode step, batch 1", "decode_step_s_B1", "decode_step_s_B1"),
-            ("decode step, batch 16", "decode_step_s_B16", "decode_step_s_B16")]
+            ("decode step, batch 16", "decode_step_s_B16", "decode_step_s_B16"),
+            ("  engine step inside, batch 1", "decode_engine_step_s_B1", None),
+            ("  engine step inside, batch 16", "decode_engine_step_s_B16", None)]
     print(f"\n{args.model}: {args.shared} + {args.suffix} tokens, {args.dtype}, backend {jax.default_backend()}, "
           f"cached in the hit rounds: {ours['cached']}")
     print(f"{'':40s}{'gdn-jax ms':>12s}{'vLLM ms':>10s}{'ratio':>8s}")

@@ -310,11 +310,15 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
     ours = result["gdn_jax"]
     assert ours["max_num_batched_tokens"] == 4096
     assert ours["cached"] == [64]  # the hit rounds reused the whole prefix (the default chunk_stride, 64)
-    assert all(ours[k] > 0 for k in ("cold_s", "hit_s", "decode_step_s_B1", "decode_step_s_B16"))
+    assert all(ours[k] > 0 for k in ("cold_s", "hit_s", "decode_step_s_B1", "decode_step_s_B16",
+                                     "decode_engine_step_s_B1", "decode_engine_step_s_B16"))
     assert result["vllm"] == {"shared": 32, "suffix": 16, "cold": 0.5, "hit": 0.25, "cached": [32],
                               "decode_step_s_B1": 0.02, "decode_step_s_B16": 0.04}
     cold = result["table"][0]
     assert cold["vllm_ms"] == 500 and cold["ratio"] == pytest.approx(cold["gdn_jax_ms"] / 500)
+    inside = result["table"][-1]  # the engine's own step: no vLLM figure of that name
+    assert inside["figure"].strip() == "engine step inside, batch 16" and inside["vllm_ms"] is None is inside["ratio"]
+    assert inside["gdn_jax_ms"] == 1e3 * ours["decode_engine_step_s_B16"]
 
 
 @pytest.mark.parametrize("script, argv, message", [
