@@ -480,9 +480,10 @@ def rows_kernel_rows(timer=None) -> int:
     one-row product that `_as_two_rows` pads to two rows goes to the kernel too where it takes 2 rows.
 
     Products that do not depend on one another run side by side on XLA's threads, each kernel call then sharing
-    its blocks with threads the other holds: measured so, 16 rows came out near a tie (kernel 3.7-5.3 ms against
-    4.9-5.8 ms for the 8 products, ratio 0.77-0.89) and one start under load chose 8, where a 16-row decode step ran
-    25.5 ms on the library and 20.0 ms on the kernel; in turn the kernel wins by 0.76-0.87 (docs/benchmarks.md)."""
+    its blocks with threads the other holds: measured so on the EPYC, 16 rows came out near the margin (kernel
+    4.1-5.3 ms against 5.1-5.8 ms for the 8 products, ratio 0.78-0.96) and the stored choice was 8, where a 16-row
+    decode step ran 23.5-24.6 ms on the library and 20.4-21.0 ms on the kernel; in turn the ratio is 0.76-0.87
+    (docs/benchmarks.md)."""
     env = os.environ.get(ROWS_KERNEL_ENV)
     if env not in (None, "", "0", "1"):
         raise ValueError(f"{ROWS_KERNEL_ENV} must be 0 or 1 (unset: measured), got {env!r}")
