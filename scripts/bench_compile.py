@@ -127,7 +127,7 @@ def measure(a) -> dict:
     setup_s = time.perf_counter() - t0
     grid = worker.shape_buckets()
     if a.shapes:
-        shapes = parse_shapes(a.shapes)
+        shapes = a.shapes
         unknown = [s for s in shapes if s not in grid]
         if unknown:
             raise ValueError(f"--shapes: {unknown} not in the warm-up grid ({len(grid)} shapes, e.g. {grid[-1]})")
@@ -273,7 +273,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.shapes:
         try:
-            parse_shapes(a.shapes)
+            a.shapes = parse_shapes(a.shapes)  # parsed once, here: measure() takes the list
         except ValueError as e:
             p.error(str(e))
     if a.chunk_stride % a.block_size:  # the engine's rule (the worker built here from shapes alone skips its checks)
