@@ -221,7 +221,8 @@ def gdn_update(a, rows: int, rng) -> list[dict]:
         err = max(float(np.abs(np.asarray(got_out) - want_out).max() / np.abs(want_out).max()),
                   float(np.abs(np.asarray(got_pool)[:, live] - want_pool).max() / np.abs(want_pool).max()))
         if err > 1e-5:
-            raise SystemExit(f"bench_kernel_ceiling: the package's GDN update kernel is wrong (relative error {err:.2e})")
+            raise SystemExit(f"bench_kernel_ceiling: the package's GDN update kernel is wrong "
+                             f"(relative error {err:.2e})")
         shipped = [got_pool]
 
         def package_kernel():
