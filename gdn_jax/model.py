@@ -358,7 +358,8 @@ def _product(x, kernel):
     if jax.default_backend() == "cpu" and math.prod(lead) == 1:
         return _one_row(x.reshape(x.shape[-1]), kernel).reshape(*lead, -1)
     if _weight_left(x):
-        return _weight_left_product(x.reshape(-1, x.shape[-1]), kernel).T.reshape(*lead, kernel.shape[0])
+        x = x.reshape(-1, x.shape[-1])
+        return _as_rows(_weight_left_product(x, kernel), x, kernel).reshape(*lead, kernel.shape[0])
     return jnp.einsum("...d,vd->...v", x, kernel, preferred_element_type=jnp.float32,
                       precision=float32_precision(jnp.result_type(x, kernel)))
 
@@ -437,11 +438,19 @@ def seconds_of(fn, *args) -> float:
 
 
 def _weight_left_product(x, kernel):
-    """kernel [n_out, n_in] @ x[m, n_in].T -> [n_out, m] float32: by the compiled few-row kernel where it takes
-    these rows (`_rows_kernel`), else by XLA's library (`_library_weight_left`)."""
+    """x [m, n_in] by kernel [n_out, n_in], float32: [m, n_out] by the compiled few-row kernel where it takes these
+    rows (`_rows_kernel`), else [n_out, m] by XLA's library with the weight on the left (`_library_weight_left`),
+    whose result the caller transposes after the layer switch (one transpose per call site): `_as_rows`."""
     if _rows_kernel(x, kernel):
         return cpu_kernels.rows_product(x, kernel)
     return _library_weight_left(x, kernel)
+
+
+def _as_rows(y, x, kernel):
+    """A `_weight_left_product(x, kernel)` result as [m, n_out]: the library's transposed, the kernel's as it is (it
+    writes the rows' outputs in place; XLA's transposing convert after a 16-row product took 1.2-1.3 ms per step
+    more than a plain one, docs/benchmarks.md)."""
+    return y if _rows_kernel(x, kernel) else y.T
 
 
 def _library_weight_left(x, kernel):
@@ -495,7 +504,8 @@ def rows_kernel_rows(timer=None) -> int:
     def measure():
         rng = np.random.default_rng(0)
         weights = tuple(jnp.asarray(rng.standard_normal((4096, 1024)) * 0.02, jnp.bfloat16) for _ in range(8))
-        kernel, library = _chained(cpu_kernels.rows_product), _chained(_library_weight_left)
+        kernel = _chained(cpu_kernels.rows_product)
+        library = _chained(lambda x, w: _library_weight_left(x, w).T)  # transposed after, as in a step
         clock = timer or seconds_of
         most = 0
         for rows in ROWS_KERNEL_COUNTS:
@@ -515,10 +525,11 @@ def rows_kernel_rows(timer=None) -> int:
 
 def _chained(product):
     """jitted (x [m, n_in], weights [n_out, n_in] with n_out >= n_in) -> x after each weight in turn:
-    x += product(x, w)[:n_in].T / 1024, so that every product waits for the one before (`rows_kernel_rows`)."""
+    x += product(x, w)[:, :n_in] / 1024 (product: -> [m, n_out]), so that every product waits for the one before
+    (`rows_kernel_rows`)."""
     def run(x, weights):
         for w in weights:
-            x = x + (product(x, w)[:x.shape[1]].T / 1024).astype(x.dtype)
+            x = x + (product(x, w)[:, :x.shape[1]] / 1024).astype(x.dtype)
         return x
     return jax.jit(run)
 
@@ -584,7 +595,7 @@ def dense_all(x, kernels) -> list:
         # its branches (each a kernel of the step for XLA to generate: 128 of Qwen3.5-9B's 16-row decode step)
         lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
         ys = _together(kernels).select(lambda ks, x: _weight_left_products(x, ks), x)
-        return [y.T.reshape(*lead, -1) for y in ys]
+        return [_as_rows(y, x, k.kernels[0]).reshape(*lead, -1) for y, k in zip(ys, kernels)]
     return list(_together(kernels).select(lambda ks, x: _products(x, ks), x))
 
 

@@ -19,8 +19,8 @@
 // row's result depends only on which form its batch's row count takes. Blocks of kBlockRows weight rows are shared
 // among XLA's CPU threads (parallel.h).
 //
-// x [M, K] and w [N, K], bfloat16. Result: y [N, M] float32 (the weight-left form's [n_out, rows], which the model
-// transposes once per call site).
+// x [M, K] and w [N, K], bfloat16. Result: y [M, N] float32, x @ w.T: the rows' outputs as the model uses them (XLA's
+// weight-left form gives [N, M], which the model transposes after the product: 1.2-1.3 ms more per 16-row step).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -43,10 +43,10 @@ constexpr int kRowGroup = 8;        // x rows multiplied at once
 constexpr int kPair = 2;            // weight rows multiplied at once
 constexpr int64_t kBlockRows = 16;  // weight rows per item of work
 
-// y[p * M + r] = w_p . x_r for the P weight rows of w and the R x rows of x (row stride K), while `ahead` bytes from
+// y[r * N + p] = w_p . x_r for the P weight rows of w and the R x rows of x (row stride K), while `ahead` bytes from
 // `next` are prefetched, spread over the loop.
 template <int P, int R>
-inline void Tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t M, float* y, const char* next,
+inline void Tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, float* y, const char* next,
                  int64_t ahead) {
   Lanes acc[kPair * kRowGroup] = {};  // acc[p * kRowGroup + r]; Sums adds sixteen
   int64_t k = 0, fetched = 0;
@@ -86,7 +86,7 @@ inline void Tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t M, flo
     for (int r = 0; r < R; r++) {
       float s = sums[p * kRowGroup + r];
       for (int64_t kk = k; kk < K; kk++) s += ToFloat(w[p * K + kk]) * ToFloat(x[r * K + kk]);
-      y[p * M + r] = s;
+      y[r * N + p] = s;
     }
 }
 
@@ -117,14 +117,14 @@ inline void Transpose16(__m512i* r) {
   }
 }
 
-// y[n * M + m] = w_n . x_m for the count (at most 16) weight rows of a block and M x rows, with the weight block
+// y[m * N + n] = w_n . x_m for the count (at most 16) weight rows of a block and M x rows, with the weight block
 // packed as bfloat16 pairs, kChunkPairs at a time, into [pair][weight row] order in the core's cache: one vector of
 // the packed block then holds one pair of 16 weight rows, and each x row's pair is broadcast to it, so that the M
 // accumulators' lanes are the weight rows (no sums across lanes, one load per M multiply-adds). The next chunk (or
 // the next block's first) is prefetched into L2 through the multiply loop, a line per pair (prefetches past the
 // weight's end are dropped by the CPU). K even.
 template <int M>
-void Packed(const uint16_t* x, const uint16_t* w, int64_t K, int64_t count, float* y) {
+void Packed(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t count, float* y) {
   alignas(64) uint32_t packed[kChunkPairs * 16];
   const int64_t pairs = K / 2;
   const uint32_t *x32 = reinterpret_cast<const uint32_t*>(x), *w32 = reinterpret_cast<const uint32_t*>(w);
@@ -150,18 +150,16 @@ void Packed(const uint16_t* x, const uint16_t* w, int64_t K, int64_t count, floa
         acc[m] = _mm512_dpbf16_ps(acc[m], wv, reinterpret_cast<__m512bh>(_mm512_set1_epi32(x32[m * pairs + j0 + j])));
     }
   }
-  alignas(64) float out[M][16];
-  for (int m = 0; m < M; m++) _mm512_store_ps(out[m], acc[m]);
-  for (int64_t n = 0; n < count; n++)
-    for (int m = 0; m < M; m++) y[n * M + m] = out[m][n];
+  const __mmask16 rows = count >= 16 ? 0xffff : (1u << count) - 1;  // an accumulator's lanes: the block's rows
+  for (int m = 0; m < M; m++) _mm512_mask_storeu_ps(y + m * N, rows, acc[m]);
 }
 
 // Packed<M> for M in (kRowGroup, 16]; false for any other M
-bool PackedRows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t M, int64_t count, float* y) {
+bool PackedRows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t M, int64_t N, int64_t count, float* y) {
   switch (M) {
 #define GDN_PACKED(m) \
   case m:             \
-    Packed<m>(x, w, K, count, y); \
+    Packed<m>(x, w, K, N, count, y); \
     return true;
     GDN_PACKED(9) GDN_PACKED(10) GDN_PACKED(11) GDN_PACKED(12) GDN_PACKED(13) GDN_PACKED(14) GDN_PACKED(15)
     GDN_PACKED(16)
@@ -172,12 +170,12 @@ bool PackedRows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t M, int6
 #endif
 
 template <int P>
-inline void Rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t M, int64_t rows, float* y,
+inline void Rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t rows, float* y,
                  const char* next, int64_t ahead) {
   switch (rows) {  // x rows in this group
 #define GDN_ROWS(r) \
   case r:           \
-    return Tile<P, r>(x, w, K, M, y, next, ahead);
+    return Tile<P, r>(x, w, K, N, y, next, ahead);
     GDN_ROWS(1) GDN_ROWS(2) GDN_ROWS(3) GDN_ROWS(4) GDN_ROWS(5) GDN_ROWS(6) GDN_ROWS(7) GDN_ROWS(8)
 #undef GDN_ROWS
   }
@@ -191,7 +189,7 @@ void Run(ffi::ThreadPool& threads, const uint16_t* x, const uint16_t* w, int64_t
     const int64_t last = std::min(N, (block + 1) * kBlockRows);
 #if defined(__AVX512BF16__)
     if (M > kRowGroup && K % 2 == 0 &&
-        PackedRows(x, w + block * kBlockRows * K, K, M, last - block * kBlockRows, y + block * kBlockRows * M))
+        PackedRows(x, w + block * kBlockRows * K, K, M, N, last - block * kBlockRows, y + block * kBlockRows))
       return;
 #endif
     for (int64_t n = block * kBlockRows; n < last; n += kPair) {
@@ -199,9 +197,9 @@ void Run(ffi::ThreadPool& threads, const uint16_t* x, const uint16_t* w, int64_t
       for (int64_t g = 0; g < groups; g++) {
         const int64_t m = g * kRowGroup, rows = std::min<int64_t>(kRowGroup, M - m);
         if (n + kPair <= last)
-          Rows<kPair>(x + m * K, w + n * K, K, M, rows, y + n * M + m, next + g * share, share);
+          Rows<kPair>(x + m * K, w + n * K, K, N, rows, y + m * N + n, next + g * share, share);
         else  // an odd weight row at the end
-          Rows<1>(x + m * K, w + n * K, K, M, rows, y + n * M + m, next, 0);
+          Rows<1>(x + m * K, w + n * K, K, N, rows, y + m * N + n, next, 0);
       }
     }
   });

@@ -255,17 +255,46 @@ def test_the_product_kernel_multiplies_few_bfloat16_rows_as_the_library_does(row
             np.testing.assert_array_equal(np.asarray(jax.jit(model.dense)(x[:fewer], w)), y[:fewer])
 
 
+@pytest.mark.parametrize("rows", [3, 12, 16])
+def test_the_product_kernel_behind_the_layer_switch_gives_each_layer_its_own_product(rows, fresh_choice):
+    """Through `dense_all` on `LayerKernel`s (a switch over the layers, the layer known only on the device), two
+    projections of one input: the kernel's rows-major result (no transpose after the switch) and the library's
+    (transposed after it: 16 rows) both equal each layer's float64 product, [rows, 1, n_out] each."""
+    if cpu_kernels.compiler() is None:
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            assert not cpu_kernels.available()
+        return
+    rng = np.random.default_rng(rows)
+
+    def project(x, layer, *ws):
+        return model.dense_all(x, [model.LayerKernel(tuple(w), layer) for w in (ws[:3], ws[3:])])
+
+    for most in (16, 0):
+        fresh_choice.setattr(model, "rows_kernel_rows", lambda most=most: most)
+        k = 96 + rows + (0 if most else 2)  # a width of its own: `_weight_left_products` keeps its trace per shape
+        x = jnp.asarray(rng.standard_normal((rows, 1, k)), jnp.bfloat16)
+        ws = [[jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16) for _ in range(3)] for n in (40, 24)]
+        fn = jax.jit(lambda *a: project(*a))  # a function of its own per choice: no trace shared
+        assert (cpu_kernels.ROWS_TARGET in fn.lower(x, 1, *ws[0], *ws[1]).as_text()) == bool(most)
+        for layer in (0, 2):
+            ys = fn(x, layer, *ws[0], *ws[1])
+            for y, w in zip(ys, (ws[0][layer], ws[1][layer])):
+                ref = np.asarray(x, np.float64)[:, 0] @ np.asarray(w, np.float64).T
+                assert y.shape == (rows, 1, w.shape[0]) and y.dtype == jnp.float32
+                np.testing.assert_allclose(np.asarray(y)[:, 0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
 def test_the_measured_products_run_in_turn_each_on_the_rows_the_last_one_left():
-    """`model._chained`: x += product(x, w)[:n_in].T / 1024 for each weight in turn, so every product waits for the
+    """`model._chained`: x += product(x, w)[:, :n_in] / 1024 for each weight in turn, so every product waits for the
     one before (as a decode step's do); the same values as that loop written out."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16)
     ws = tuple(jnp.asarray(rng.standard_normal((12, 8)), jnp.bfloat16) for _ in range(3))
     want = x
     for w in ws:
-        want = want + (jnp.einsum("vd,md->vm", w, want, preferred_element_type=jnp.float32)[:8].T / 1024).astype(
+        want = want + (jnp.einsum("md,vd->mv", want, w, preferred_element_type=jnp.float32)[:, :8] / 1024).astype(
             jnp.bfloat16)
-    got = model._chained(model._library_weight_left)(x, ws)
+    got = model._chained(lambda x, w: model._library_weight_left(x, w).T)(x, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert not np.array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
 
