@@ -133,12 +133,12 @@ def tag_jax_cache_keys() -> None:
 
 @functools.cache
 def source_digest() -> str:
-    """Digest of the package's source (gdn_jax and scheduler: Python and the CPU kernels' C++) and the jax / jaxlib
-    versions."""
+    """Digest of the package's source (gdn_jax and scheduler: Python and the CPU kernels' C++, headers included: a
+    stored step calls the kernels the current source builds) and the jax / jaxlib versions."""
     h = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
     root = Path(__file__).resolve().parent.parent
     for pkg in ("gdn_jax", "scheduler"):
-        for path in sorted(p for ext in ("*.py", "*.cc") for p in (root / pkg).rglob(ext)):
+        for path in sorted(p for ext in ("*.py", "*.cc", "*.h") for p in (root / pkg).rglob(ext)):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
