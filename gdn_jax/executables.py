@@ -187,16 +187,24 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
     env = [(name, os.environ.get(name)) for name in ENVIRONMENT] + jax_settings()
     if device.platform == "cpu":
         env.append(("host_cpu", _host_cpu()))  # the machine code is this CPU's (`host_cpu`)
-        env.append(("cpu_kernels", cpu_kernels.available()))  # its one-token steps call them
-    if device.platform == "cpu" and any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves):
-        # a 16-bit model's prefill and few-row products take the forms this machine multiplies faster
-        # (model.upcast_is_faster, model.few_rows_weight_left, model.rows_kernel_rows)
-        env.append(("bf16_upcast", model.upcast_is_faster()))
-        env.append(("bf16_few_rows_weight_left", model.few_rows_weight_left()))
-        env.append(("bf16_rows_kernel", model.rows_kernel_rows()))
+        env += machine_choices(any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves))
     text = repr((source_digest(), kind, static, str(treedef), spec, sorted((options or {}).items()),
                  device.platform, device.device_kind, device.client.platform_version, jax.device_count(), env))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def machine_choices(sixteen_bit: bool) -> list[tuple[str, object]]:
+    """What this CPU built or measured once that changes a compiled step, as (name, value) pairs: whether the
+    package's kernels are there (its one-token steps call them), and for a 16-bit model (`sixteen_bit`) the forms its
+    prefill and few-row products take, those this machine multiplies faster (`model.upcast_is_faster`,
+    `model.few_rows_weight_left`, `model.rows_kernel_rows`). The first call of a process builds or measures what the
+    machine file (`remembered`) does not hold yet; later calls read the answers back."""
+    choices = [("cpu_kernels", cpu_kernels.available())]
+    if sixteen_bit:
+        choices += [("bf16_upcast", model.upcast_is_faster()),
+                    ("bf16_few_rows_weight_left", model.few_rows_weight_left()),
+                    ("bf16_rows_kernel", model.rows_kernel_rows())]
+    return choices
 
 
 DIGEST = 32  # an entry starts with the SHA-256 of the rest (`save`)

@@ -278,40 +278,41 @@ def _seconds(bits: int, fn, *args) -> float:
     return seconds_of(fn, *args)
 
 
-# Prefill steps of PREFILL_O1_TOKENS tokens per row or more ("prefill_long") compile at optimisation level 1 (LLVM's O1
-# pipeline) instead of XLA's default, 3: their time is the library's matmuls, and the code LLVM generates for their
-# elementwise fusions runs as fast at O1, while a shape compiles 20-45% faster (hybrid-1024, 64-2048 tokens, 1-16 rows,
-# both dtypes; run time within the noise, the logits as at level 3) and a Qwen3.5-9B prefill shape takes ~20% less CPU time.
-# Shorter chunks keep level 3: more of their time is in those fusions, and O1 cost them up to 7% of CPU time. An
-# optimisation level named in XLA_FLAGS (`--xla_backend_optimization_level`) holds for them too
+# Prefill steps compile at optimisation level 1 (LLVM's O1 pipeline) instead of XLA's default, 3. A step of 64 tokens
+# per row or more spends its time in the library's matmuls, and the code LLVM generates for its elementwise fusions runs
+# as fast at O1, while the shape compiles 20-45% faster (hybrid-1024, 64-2048 tokens, 1-16 rows, both dtypes; run time
+# within the noise, the logits as at level 3). Shorter chunks (16 and 32 tokens per row: prompt tails, short prompts)
+# compile 15-45% faster at O1 and run 0-5% slower (their elementwise fusions are more of their time); level 2 costs
+# them the same and compiles no faster. They take O1 too: at Qwen3.5-9B's shapes those were the prefill shapes
+# furthest from the compile time the project aims at, and the executable store keeps them for every later start only
+# once they are compiled. An optimisation level named in XLA_FLAGS (`--xla_backend_optimization_level`) holds instead
 # (scripts/bench_compile_options.py; docs/design.md, "Compiling the step").
-PREFILL_O1_TOKENS = 64
+PREFILL_OPT_LEVEL = 1
 
 
 def executable_kind(rows: int, tokens: int) -> str:
-    """The kind of a step shape's executable, as `compiler_options` and `step_function` tell them apart: "prefill",
-    "prefill_long" (PREFILL_O1_TOKENS tokens per row or more), "decode" (fewer than DECODE_DEFAULT_EMITTER_ROWS rows)
-    or "decode_wide"."""
+    """The kind of a step shape's executable, as `compiler_options` and `step_function` tell them apart: "prefill"
+    (more than one token per row), "decode" (fewer than DECODE_DEFAULT_EMITTER_ROWS rows) or "decode_wide"."""
     if tokens > 1:
-        return "prefill_long" if tokens >= PREFILL_O1_TOKENS else "prefill"
+        return "prefill"
     return "decode" if rows < DECODE_DEFAULT_EMITTER_ROWS else "decode_wide"
 
 
 def compiler_options(kind: str, dtype=None) -> dict | None:
     """On the CPU backend: `decode_compiler_options(dtype)` for a "decode" step (`executable_kind`; `dtype`, the
-    model's, is then required), `LLVM_IR_CPU_COMPILER_OPTIONS` for a "prefill" step or "sample", and those at LLVM's
-    O1 for a "prefill_long" step (unless XLA_FLAGS names an optimisation level); XLA's defaults otherwise
-    ("decode_wide", and every kind on an accelerator)."""
-    if kind not in ("prefill", "prefill_long", "decode", "decode_wide", "sample"):
-        raise ValueError(f"kind must be 'prefill', 'prefill_long', 'decode', 'decode_wide' or 'sample', got {kind!r}")
+    model's, is then required), `LLVM_IR_CPU_COMPILER_OPTIONS` for "sample", and those at `PREFILL_OPT_LEVEL` for a
+    "prefill" step (unless XLA_FLAGS names an optimisation level); XLA's defaults otherwise ("decode_wide", and every
+    kind on an accelerator)."""
+    if kind not in ("prefill", "decode", "decode_wide", "sample"):
+        raise ValueError(f"kind must be 'prefill', 'decode', 'decode_wide' or 'sample', got {kind!r}")
     if kind == "decode_wide" or jax.default_backend() != "cpu":
         return None
     if kind == "decode":
         if dtype is None:
             raise ValueError("a 'decode' step's options depend on the model's dtype: pass it")
         return decode_compiler_options(dtype)
-    if kind == "prefill_long" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-        return LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_backend_optimization_level": 1}
+    if kind == "prefill" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        return LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_backend_optimization_level": PREFILL_OPT_LEVEL}
     return dict(LLVM_IR_CPU_COMPILER_OPTIONS)
 
 
@@ -477,7 +478,6 @@ class Worker:
         self.abstract = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in self._param_leaves)
         self.state = self._new_state()
         self._fn = step_function(graphdef, params_def, self.chunk_size, gdn_schedule=gdn_schedule)
-        self._long_fn = step_function(graphdef, params_def, self.chunk_size, "prefill_long", gdn_schedule)
         self._decode_fn = step_function(graphdef, params_def, self.chunk_size, "decode", gdn_schedule, dtype)
         self._decode_wide_fn = step_function(graphdef, params_def, self.chunk_size, "decode_wide", gdn_schedule)
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
@@ -684,15 +684,13 @@ class Worker:
 
     def _fn_for(self, tokens):
         kind = executable_kind(*tokens.shape)  # per step: no mapping built per call
-        if kind == "prefill_long":
-            return self._long_fn
         return self._fn if kind == "prefill" else self._decode_fn if kind == "decode" else self._decode_wide_fn
 
 
     def _run(self, batch: Batch, sampling: SamplingMetadata, *extra, fn=None):
         """The step's forward (`fn`, with `extra` arguments), then sampling: (the packed samples (`unpack_sampled`)[,
         prompt logprobs]), on the device."""
-        jitted = (self._fn, self._long_fn, self._decode_fn, self._decode_wide_fn, self._prompt_fn, self._sample)
+        jitted = (self._fn, self._decode_fn, self._decode_wide_fn, self._prompt_fn, self._sample)
         before = sum(f._cache_size() for f in jitted)
         args = (self._param_leaves, self.state, batch, *extra)
         if fn is not None:

@@ -13,6 +13,9 @@ row, blocks per row; tokens 1 is a decode step) the step is lowered (trace + Sta
 timed; a table per shape and the totals are printed, and JSON is written with `num_shapes` (the whole grid),
 `per_shape_s` (lower + compile of each measured shape, in the order of `shapes`) and `total_s`. Sampling is its own
 executable, one per rows bucket (`Worker.sample_buckets()`): those are timed too (`sampling`) and count in the total.
+On the CPU, what the engine builds or measures once per machine (`executables.machine_choices`: its kernels' library,
+the forms of a bfloat16 model's products) is done before the first shape and timed apart (`choices_s`): with the
+cache off it happens in every process, and it would otherwise land in whichever shape first needs it.
 
 Subsets: `--shapes` lists shapes to time; `--limit N` (N >= 2) times N shapes spread over the grid, always including
 the largest prefill and the largest decode shape. When not every shape was measured, `total_s` is an extrapolation
@@ -52,6 +55,7 @@ T_START = time.perf_counter()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from gdn_jax import executables  # noqa: E402
 from gdn_jax.cli import nonnegative_int, positive_int  # noqa: E402
 from gdn_jax.config import get_preset  # noqa: E402
 from gdn_jax.weights import abstract_model  # noqa: E402
@@ -125,6 +129,12 @@ def measure(a) -> dict:
     t0 = time.perf_counter()
     worker = build_worker(a)
     setup_s = time.perf_counter() - t0
+    # the CPU's one-time choices (the kernels' build, the products' forms: measured once per machine and kept, here
+    # once per process with the cache off), made before the first shape so that its time holds only its own work
+    t0 = time.perf_counter()
+    if jax.default_backend() == "cpu":
+        executables.machine_choices(jnp.dtype(DTYPES[a.dtype]).itemsize == 2)
+    choices_s = time.perf_counter() - t0
     grid = worker.shape_buckets()
     if a.shapes:
         shapes = a.shapes
@@ -135,7 +145,8 @@ def measure(a) -> dict:
         shapes = spread(grid, a.limit) if a.limit else grid
     print(f"{a.preset} {a.dtype}: {len(grid)} warm-up shapes ({sum(s[1] > 1 for s in grid)} prefill, "
           f"{sum(s[1] == 1 for s in grid)} decode); timing {len(shapes)}; memory {worker.memory.describe()}; "
-          f"cache {a.cache_dir}; checkpoint_mode {a.checkpoint_mode}; setup {setup_s:.1f} s")
+          f"cache {a.cache_dir}; checkpoint_mode {a.checkpoint_mode}; setup {setup_s:.1f} s; the CPU's one-time "
+          f"choices {choices_s:.1f} s")
     if a.warm_up:
         t0, c0 = time.perf_counter(), time.process_time()
         worker.warm_up(prompt_logprobs=a.prompt_logprobs, compile_threads=a.compile_threads)
@@ -147,7 +158,7 @@ def measure(a) -> dict:
               + (f" + {len(worker.sample_buckets())} sampling shapes" if hasattr(worker, "sample_buckets") else "")
               + (f"; {stats['loaded']} loaded from the executable store, {stats['compiled']} compiled" if stats else ""))
         return {"mode": "warm_up", "preset": a.preset, "dtype": a.dtype, "cache_dir": a.cache_dir, "setup_s": setup_s,
-                "num_shapes": len(grid), "grid": [list(s) for s in grid], "per_shape_s": [], "total_s": wall,
+                "choices_s": choices_s, "num_shapes": len(grid), "grid": [list(s) for s in grid], "per_shape_s": [], "total_s": wall,
                 "cpu_s": cpu, "compile_threads": threads, "total_extrapolated": False,
                 "process_s": time.perf_counter() - T_START, "warm_up_stats": stats}
     print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'saves':>5} {'lower s':>8} {'compile s':>9} {'total s':>8} "
@@ -181,7 +192,7 @@ def measure(a) -> dict:
            "block_size": a.block_size, "chunk_stride": a.chunk_stride,
            "max_num_batched_tokens": a.max_num_batched_tokens, "checkpoint_mode": a.checkpoint_mode,
            "checkpoint_policy": a.checkpoint_policy, "cache_dir": a.cache_dir,
-           "prompt_logprobs": a.prompt_logprobs, "setup_s": setup_s, "num_shapes": len(grid),
+           "prompt_logprobs": a.prompt_logprobs, "setup_s": setup_s, "choices_s": choices_s, "num_shapes": len(grid),
            "grid": [list(s) for s in grid], "shapes": [r["shape"] for r in rows],
            "per_shape_s": [r["total_s"] for r in rows], "rows": rows, "num_sampling_shapes": len(all_samplers),
            "sampling": sample_rows, "sampling_s": sampling_s,
@@ -234,7 +245,8 @@ def second_start(a, argv: list[str]) -> dict:
             runs.append(json.loads(out.read_text()) | {"wall_s": wall})
         total = runs[-1]["total_s"]  # None: --shapes of one kind, nothing to extrapolate the other from
         timed_s = f"{total:.1f} s" if total is not None else f"{runs[-1]['measured_total_s']:.1f} s (shapes timed)"
-        print(f"start {i + 1}: {timed_s} warming up, process wall {wall:.1f} s", flush=True)
+        print(f"start {i + 1}: {timed_s} warming up after the CPU's one-time choices ({runs[-1]['choices_s']:.1f} s), "
+              f"process wall {wall:.1f} s", flush=True)
     first, second = runs
     size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
     return {"mode": "second_start", "cache_dir": folder, "cache_bytes": size, "first": first, "second": second,

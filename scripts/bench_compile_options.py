@@ -35,11 +35,12 @@ from gdn_jax.worker import LLVM_IR_CPU_COMPILER_OPTIONS, host_batch, vector_widt
 # every option is spelled out; 256 bits is XLA's preferred vector width, optimisation level 3 its default
 WIDTH_256 = {"xla_cpu_prefer_vector_width": 256}
 WIDTH_512 = {"xla_cpu_prefer_vector_width": 512}
-O3, O1, O0 = ({"xla_backend_optimization_level": level} for level in (3, 1, 0))
+O3, O2, O1, O0 = ({"xla_backend_optimization_level": level} for level in (3, 2, 1, 0))
 OPTION_SETS = {
     "xla defaults": {"xla_cpu_use_fusion_emitters": True} | WIDTH_256 | O3,
-    "LLVM IR emitters": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | O3,  # the engine's short prefill steps and sampling
-    # the engine's prefill steps of worker.PREFILL_O1_TOKENS tokens per row or more
+    "LLVM IR emitters": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | O3,  # the engine's sampling
+    "LLVM IR emitters, LLVM O2": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | O2,
+    # the engine's prefill steps (worker.PREFILL_OPT_LEVEL)
     "LLVM IR emitters, LLVM O1": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | O1,
     "LLVM IR emitters, LLVM O0": LLVM_IR_CPU_COMPILER_OPTIONS | WIDTH_256 | O0,
     "xla defaults, LLVM O1": {"xla_cpu_use_fusion_emitters": True} | WIDTH_256 | O1,
@@ -47,6 +48,7 @@ OPTION_SETS = {
     # the engine's decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows: the LLVM IR emitters at the width
     # `worker.decode_vector_bits` measures the faster (256 bits: "LLVM IR emitters")
     "LLVM IR emitters, 512-bit vectors": vector_width_options(512) | O3,
+    "LLVM IR emitters, 512-bit vectors, LLVM O2": vector_width_options(512) | O2,
     "LLVM IR emitters, 512-bit vectors, LLVM O1": vector_width_options(512) | O1,
 }
 

@@ -59,7 +59,7 @@ def stub_device(engine: LLMEngine, rng: np.random.Generator, token_ids: tuple[in
         out[:, 0] = rng.integers(low, high, logits.shape[0])
         return out
 
-    w._fn = w._long_fn = w._decode_fn = w._decode_wide_fn = _Stub(step)
+    w._fn = w._decode_fn = w._decode_wide_fn = _Stub(step)
     w._sample = _Stub(sample)
     w._executables = {}
 

@@ -47,8 +47,7 @@ def profile_dtype(args, dtype: str) -> dict:
         raise ValueError(f"--rows ({args.rows}) x --tokens ({args.tokens}) exceeds the {budget} tokens the engine "
                          "prefills in one step")
     worker = engine.worker
-    timer = worker._fn = BlockTimer(worker._fn)  # the prefill steps' jitted functions (short and long rows)
-    worker._long_fn = BlockTimer(worker._long_fn, timer.blocked, timer.last, timer.calls)
+    timer = worker._fn = BlockTimer(worker._fn)  # the prefill steps' jitted function
     sampler = worker._sample = BlockTimer(worker._sample)
     rng = np.random.default_rng(0)
     count = [0]

@@ -539,6 +539,27 @@ def test_bench_compile_times_a_shape_named_twice_twice_and_counts_it_once(tmp_pa
     assert r["measured_total_s"] == pytest.approx(times[1] + r["sampling_s"])
 
 
+def test_bench_compile_makes_the_cpus_one_time_choices_before_the_first_shape(tmp_path, monkeypatch):
+    """The kernels' build and the bfloat16 products' measured forms are made once, before any shape is timed (with
+    the cache off they are made in every process, and they landed in the first shape that needed them: 1.2 s in a
+    Qwen3.5-9B one-row decode shape), for a 16-bit model's forms only when the model is 16-bit."""
+    from gdn_jax import executables
+    from gdn_jax.worker import Worker
+
+    events = []
+    monkeypatch.setattr(executables, "machine_choices", lambda sixteen_bit: events.append(("choices", sixteen_bit)))
+    lowered_step = Worker.lowered_step
+    monkeypatch.setattr(Worker, "lowered_step", lambda self, shape: events.append("lower") or lowered_step(self, shape))
+    for dtype in ("bfloat16", "float32"):
+        events.clear()
+        out = tmp_path / f"compile_{dtype}.json"
+        _script("bench_compile").main(["--preset", "tiny-random", "--dtype", dtype, "--max-num-seqs", "1",
+                                       "--max-model-len", "32", "--chunk-stride", "16", "--max-num-batched-tokens",
+                                       "16", "--shapes", "1x1x2,1x16x2", "--out", str(out)])
+        assert events == [("choices", dtype == "bfloat16"), "lower", "lower"]
+        assert json.loads(out.read_text())["choices_s"] >= 0
+
+
 def test_bench_compile_of_prefill_shapes_alone_gives_no_total_rather_than_nan(tmp_path, capsys):
     """With no decode shape timed there is no mean to extrapolate the grid's decode shapes from: the total is left
     out (null, and a printed line naming the missing kind); it was NaN, printed as "total nan s"."""

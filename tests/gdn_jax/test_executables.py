@@ -596,20 +596,22 @@ def test_compile_threads_and_executable_kinds(monkeypatch):
             w.compile_threads_default()
     monkeypatch.delenv("GDN_JAX_COMPILE_THREADS")
     assert 1 <= w.compile_threads_default() <= w.COMPILE_THREADS_MAX
-    wide, long = w.DECODE_DEFAULT_EMITTER_ROWS, w.PREFILL_O1_TOKENS
-    shapes = ((1, 16), (wide, long - 1), (1, long), (wide, 2048), (1, 1), (wide - 1, 1), (wide, 1), (64, 1))
+    wide = w.DECODE_DEFAULT_EMITTER_ROWS
+    shapes = ((1, 16), (wide, 32), (1, 64), (wide, 2048), (1, 1), (wide - 1, 1), (wide, 1), (64, 1))
     assert [w.executable_kind(B, T) for B, T in shapes] == \
-        ["prefill", "prefill", "prefill_long", "prefill_long", "decode", "decode", "decode_wide", "decode_wide"]
-    # on the CPU backend: the LLVM IR emitters everywhere but wide decode steps, which keep XLA's defaults; long
-    # prefill rows compile at LLVM's O1 unless XLA_FLAGS names a level; narrow decode steps also vectorise at the
-    # width measured the faster for the model's dtype
+        ["prefill", "prefill", "prefill", "prefill", "decode", "decode", "decode_wide", "decode_wide"]
+    # on the CPU backend: the LLVM IR emitters everywhere but wide decode steps, which keep XLA's defaults; prefill
+    # steps compile at LLVM's O1 unless XLA_FLAGS names a level; narrow decode steps also vectorise at the width
+    # measured the faster for the model's dtype
     assert w.compiler_options("decode_wide") is None
-    assert all(w.compiler_options(k) == {"xla_cpu_use_fusion_emitters": False} for k in ("prefill", "sample"))
+    assert w.compiler_options("sample") == {"xla_cpu_use_fusion_emitters": False}
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
-    assert w.compiler_options("prefill_long") == {"xla_cpu_use_fusion_emitters": False,
-                                                  "xla_backend_optimization_level": 1}
+    assert w.compiler_options("prefill") == {"xla_cpu_use_fusion_emitters": False,
+                                             "xla_backend_optimization_level": 1}
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
-    assert w.compiler_options("prefill_long") == {"xla_cpu_use_fusion_emitters": False}
+    assert w.compiler_options("prefill") == {"xla_cpu_use_fusion_emitters": False}
+    with pytest.raises(ValueError, match="kind"):
+        w.compiler_options("prefill_long")
     monkeypatch.setattr(w, "decode_vector_bits", lambda dtype: {"float32": 256, "bfloat16": 512}[dtype])
     for dtype, bits in ((jnp.float32, 256), ("bfloat16", 512), (jnp.bfloat16, 512)):
         assert w.compiler_options("decode", dtype) == {"xla_cpu_use_fusion_emitters": False,
@@ -621,15 +623,17 @@ def test_compile_threads_and_executable_kinds(monkeypatch):
 
 
 def test_each_step_shape_runs_the_jitted_function_of_its_kind():
-    """A long prefill chunk is compiled with its kind's options: its jitted function is the worker's own for that
-    kind, not the short chunks' one."""
+    """Each step shape is compiled with its kind's options: its jitted function is the worker's own for that kind
+    (every prefill chunk, short or long, one; narrow and wide decode steps one each)."""
     from gdn_jax import worker as w
 
     worker = LLM("tiny-random", **KW).engine.worker
-    fns = {(B, T): worker._fn_for(np.zeros((B, T), np.int32)) for B, T in ((1, 16), (2, 32), (1, 64), (2, 64), (1, 1))}
-    assert fns[1, 16] is fns[2, 32] is worker._fn and fns[1, 64] is fns[2, 64] is worker._long_fn
-    assert fns[1, 1] is worker._decode_fn and len({id(f) for f in fns.values()}) == 3
-    assert w.PREFILL_O1_TOKENS == 64  # the shapes above straddle it
+    wide = w.DECODE_DEFAULT_EMITTER_ROWS
+    shapes = ((1, 16), (2, 32), (1, 64), (2, 2048), (1, 1), (wide - 1, 1), (wide, 1), (64, 1))
+    fns = {(B, T): worker._fn_for(np.zeros((B, T), np.int32)) for B, T in shapes}
+    assert fns[1, 16] is fns[2, 32] is fns[1, 64] is fns[2, 2048] is worker._fn
+    assert fns[1, 1] is fns[wide - 1, 1] is worker._decode_fn and fns[wide, 1] is fns[64, 1] is worker._decode_wide_fn
+    assert len({id(f) for f in fns.values()}) == 3
 
 
 def test_lowering_pauses_the_garbage_collector_and_restores_it(monkeypatch):
