@@ -158,7 +158,8 @@ def measure(a) -> dict:
               + (f" + {len(worker.sample_buckets())} sampling shapes" if hasattr(worker, "sample_buckets") else "")
               + (f"; {stats['loaded']} loaded from the executable store, {stats['compiled']} compiled" if stats else ""))
         return {"mode": "warm_up", "preset": a.preset, "dtype": a.dtype, "cache_dir": a.cache_dir, "setup_s": setup_s,
-                "choices_s": choices_s, "num_shapes": len(grid), "grid": [list(s) for s in grid], "per_shape_s": [], "total_s": wall,
+                "choices_s": choices_s, "num_shapes": len(grid), "grid": [list(s) for s in grid], "per_shape_s": [],
+                "total_s": wall,
                 "cpu_s": cpu, "compile_threads": threads, "total_extrapolated": False,
                 "process_s": time.perf_counter() - T_START, "warm_up_stats": stats}
     print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'saves':>5} {'lower s':>8} {'compile s':>9} {'total s':>8} "
