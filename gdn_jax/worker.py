@@ -282,11 +282,11 @@ def _seconds(bits: int, fn, *args) -> float:
 # per row or more spends its time in the library's matmuls, and the code LLVM generates for its elementwise fusions runs
 # as fast at O1, while the shape compiles 20-45% faster (hybrid-1024, 64-2048 tokens, 1-16 rows, both dtypes; run time
 # within the noise, the logits as at level 3). Shorter chunks (16 and 32 tokens per row: prompt tails, short prompts)
-# compile 15-45% faster at O1 and run 0-5% slower (their elementwise fusions are more of their time); level 2 costs
-# them the same and compiles no faster. They take O1 too: at Qwen3.5-9B's shapes those were the prefill shapes
-# furthest from the compile time the project aims at, and the executable store keeps them for every later start only
-# once they are compiled. An optimisation level named in XLA_FLAGS (`--xla_backend_optimization_level`) holds instead
-# (scripts/bench_compile_options.py; docs/design.md, "Compiling the step").
+# compile 12-43% faster at O1 and run 0-5% slower (their elementwise fusions are more of their time); level 2 costs
+# them the same and compiles no faster. They take O1 too: at Qwen3.5-9B's shapes they were the prefill shapes that
+# compiled slowest, and the executable store spares a later start their compilation, but not a first start nor one
+# after an edit of the package. An optimisation level named in XLA_FLAGS (`--xla_backend_optimization_level`) holds
+# instead (scripts/bench_compile_options.py; docs/design.md, "Compiling the step").
 PREFILL_OPT_LEVEL = 1
 
 
