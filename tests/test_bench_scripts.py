@@ -691,6 +691,28 @@ def test_bench_forward_times_compilation_apart_from_the_first_run(monkeypatch):
     assert setup == {"lower_s": 0.0, "compile_s": 0.0, "first_run_s": 100.0} and times == [100.0, 100.0]
 
 
+def test_bench_forward_says_how_far_any_float32_forward_could_beat_transformers(tmp_path, monkeypatch, capsys):
+    """With transformers, the float32 floor is the forward's matmul work at the measured float32 peak, and no float32
+    forward on the machine beats transformers by more than transformers' time over it (clocks and rates fixed)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    bench = _script("bench_forward")
+    logits = np.zeros(4, np.float32)
+    monkeypatch.setattr(bench, "matmul_peak", lambda cfg, tokens, dtype: {
+        "gflops": 50.0 if jnp.dtype(dtype) == jnp.float32 else 100.0, "per_shape": []})
+    monkeypatch.setattr(bench, "time_jax", lambda cfg, tokens, dtype, repeats: (
+        {"lower_s": 1.0, "compile_s": 1.0, "first_run_s": 2.0}, [3.0, 2.5], None, None, logits))
+    monkeypatch.setattr(bench, "time_transformers", lambda cfg, tokens, params, repeats: ([4.0, 4.5], logits, 2))
+    out = tmp_path / "forward.json"
+    bench.main(["--preset", "tiny-random", "--tokens", "64", "--repeats", "2", "--out", str(out)])
+    r = json.loads(out.read_text())
+    floor = r["matmul_gflop"]["total"] / 50.0
+    assert r["transformers_float32"]["float32_floor_s"] == pytest.approx(floor)
+    assert r["transformers_float32"]["most_vs_transformers"] == pytest.approx(4.0 / floor)
+    assert f"by more than {4.0 / floor:.2f}x" in capsys.readouterr().out
+
+
 def test_bench_decode_times_its_steps_unwrapped(tmp_path, monkeypatch):
     """The reported step is the engine's own: the wrappers that split it into host and device time wait for the
     step's device work before sampling is dispatched, which the engine overlaps. Every wrapped call moves the
