@@ -139,6 +139,29 @@ def test_a_failed_build_names_the_compilers_message(fresh_choice, tmp_path):
     assert list((tmp_path / "kernels").iterdir()) == []
 
 
+def test_each_source_compiles_on_its_own_then_one_link_whose_failure_is_named(tmp_path):
+    """The build compiles every source to an object of its own (`-c`), then links them: a compiler that compiles
+    but fails to link, its message in the error, nothing left in the kernels' folder."""
+    log, fake = tmp_path / "calls", tmp_path / "fake-c++"
+    fake.write_text(f"""#!/bin/sh
+echo "$@" >> {log}
+case " $* " in
+  *" -c "*) while [ "$1" != "-o" ]; do shift; done; touch "$2"; exit 0 ;;
+esac
+echo 'ld: cannot link these' >&2
+exit 2
+""")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match="exit 2.*ld: cannot link these"):
+        cpu_kernels.build(str(fake), tmp_path / "kernels")
+    assert list((tmp_path / "kernels").iterdir()) == []
+    calls = log.read_text().splitlines()
+    compiled = sorted(call.split(" -c ")[1].split()[0].rsplit("/", 1)[1] for call in calls if " -c " in call)
+    assert compiled == sorted(cpu_kernels.SOURCES) and all("-shared" not in c for c in calls if " -c " in c)
+    (link,) = [call for call in calls if " -c " not in call]
+    assert "-shared" in link and sum(arg.endswith(".o") for arg in link.split()) == len(cpu_kernels.SOURCES)
+
+
 @pytest.mark.parametrize("value", ["2", "yes"])
 def test_the_setting_is_checked(value, fresh_choice):
     fresh_choice.setenv(cpu_kernels.KERNELS_ENV, value)
