@@ -102,16 +102,19 @@ def build(cxx: str, out_folder: Path) -> Path:
                 if job.poll() is None:
                     job.kill()
                     job.wait()
-        failed = [(job.returncode, err) for job, err in zip(jobs, errors) if job.returncode]
-        if not failed:
-            tmp = str(Path(work, lib.name))
-            link = subprocess.run([cxx, *FLAGS, *objects, "-o", tmp], capture_output=True, text=True, timeout=300)
-            failed = [(link.returncode, link.stderr)] if link.returncode else []
-        if failed:
-            code, err = failed[0]
-            raise RuntimeError(f"{cxx} failed (exit {code}): {err.strip()[-600:]}")
+        for job, err in zip(jobs, errors):
+            _succeeded(cxx, job.returncode, err)
+        tmp = str(Path(work, lib.name))
+        link = subprocess.run([cxx, *FLAGS, *objects, "-o", tmp], capture_output=True, text=True, timeout=300)
+        _succeeded(cxx, link.returncode, link.stderr)
         os.replace(tmp, lib)
     return lib
+
+
+def _succeeded(cxx: str, code: int, messages: str) -> None:
+    """Raises an error with the end of the compiler's messages if its run (exit `code`) failed."""
+    if code:
+        raise RuntimeError(f"{cxx} failed (exit {code}): {messages.strip()[-600:]}")
 
 
 @functools.cache
