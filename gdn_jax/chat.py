@@ -121,9 +121,20 @@ def chat_modes(add_generation_prompt: bool, continue_final_message: bool, chat_t
     """(add_generation_prompt, continue_final_message, the other template variables): as vLLM does, the two modes
     given in `chat_template_kwargs` win over the arguments of the same name. Both true is a ValueError: the first
     opens a new assistant turn, the second continues the last message."""
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got {chat_template_kwargs!r}")
     kwargs = dict(chat_template_kwargs or {})
-    add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
-    continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+    if not all(isinstance(name, str) for name in kwargs):
+        raise ValueError(f"chat_template_kwargs: the names of template variables must be strings, got "
+                         f"{[name for name in kwargs if not isinstance(name, str)]!r}")
+    modes = {}
+    for name, default in (("add_generation_prompt", add_generation_prompt),
+                          ("continue_final_message", continue_final_message)):
+        value = kwargs.pop(name, default)
+        if not isinstance(value, bool):  # a string such as "false" would read as true
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+        modes[name] = value
+    add_generation_prompt, continue_final_message = modes["add_generation_prompt"], modes["continue_final_message"]
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first opens a "
                          "new assistant turn, the second continues the last message")

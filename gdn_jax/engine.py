@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
+import numbers
 import os
 import signal
 import sys
@@ -494,6 +496,12 @@ class LLMEngine:
             if params is not None:
                 raise ValueError("give the sampling parameters once: params or sampling_params, not both")
             params = sampling_params
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {request_id!r}")
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real)
+                                         or not math.isfinite(arrival_time)):
+            raise ValueError(f"arrival_time must be a finite number on time.perf_counter()'s clock, got "
+                             f"{arrival_time!r}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids, params = self.validate_request(prompt, params)
@@ -503,7 +511,8 @@ class LLMEngine:
                      for i in range(params.n)]
         seqs = [Sequence(next(self._seq_ids), ids, params_of[0])]
         seqs += [seqs[0].sample(next(self._seq_ids), p) for p in params_of[1:]]  # the prompt converted once
-        req = _Request(request_id, text, seqs, RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
+        arrival = time.perf_counter() if arrival_time is None else float(arrival_time)
+        req = _Request(request_id, text, seqs, RequestMetrics(arrival),
                        [[] if params.logprobs is not None else None for _ in seqs], [0.0] * len(seqs),
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
                        texts=[""] * len(seqs), stop_reasons=[None] * len(seqs), stop_from=[0] * len(seqs),
@@ -928,6 +937,8 @@ class LLM:
 
     def _chat_template(self, source: str | None) -> ChatTemplate:
         """The compiled template of `source`, else of the model folder (compiled once each)."""
+        if source is not None and not isinstance(source, str):
+            raise ValueError(f"chat_template must be the template's text (a str) or None, got {source!r}")
         if source not in self._chat_templates:
             self._chat_templates[source] = ChatTemplate.from_folder(self.engine.model_folder, source)
         template = self._chat_templates[source]

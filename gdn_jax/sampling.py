@@ -179,7 +179,9 @@ def _sorted_cut(scaled, cut, md: SamplingMetadata):
     cum = jnp.cumsum(e, axis=-1)
     above = cum - e
     keep = (above < (md.top_p * (1.0 - TOP_P_SLACK))[:, None] * cum[:, -1:]) | (md.top_p >= 1.0)[:, None]
-    last = jnp.sum(keep, axis=-1) - 1                                         # keep is a prefix, never empty
+    # keep is a prefix; the most likely token always stays (a top_p so small that top_p * total underflows to 0
+    # keeps nothing above, and the index -1 would take the least likely value as the bar: every token kept)
+    last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)
     return jnp.maximum(cut, jnp.take_along_axis(desc, last[:, None], axis=-1))
 
 

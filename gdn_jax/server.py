@@ -204,10 +204,14 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"malformed JSON body: {e}") from None
+    except RecursionError:  # Python's parser recurses once per level of nesting
+        raise BadRequest("malformed JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise BadRequest("invalid body: nested too deeply") from None
     except ValidationError as e:
         err = e.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else "body"
@@ -741,8 +745,9 @@ class _Server:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         try:  # vLLM's: the two modes, also as chat_template_kwargs (which win); not both
             modes = chat_modes(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
-        except ValueError as e:
-            raise BadRequest(str(e), "continue_final_message") from None
+        except ValueError as e:  # both modes on, or a value of chat_template_kwargs (the request's own are typed)
+            both = str(e).startswith("add_generation_prompt and continue_final_message")
+            raise BadRequest(str(e), "continue_final_message" if both else "chat_template_kwargs") from None
         k = (req.top_logprobs or 0) if req.logprobs else None
         try:  # the template's own error (raise_exception): the request's problem
             text = self._chat.render(messages, *modes)

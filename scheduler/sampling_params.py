@@ -17,6 +17,11 @@ SEED_BOUND = 1 << 32        # seeds are uint32 on the device
 # the device holds the penalty in float32: outside its normal range it would round to 0 or overflow to inf
 REPETITION_PENALTY_RANGE = (1.1754944e-38, 3.4028235e38)
 GREEDY_BELOW = 1e-5         # temperatures below this are greedy (vLLM's epsilon): logits / 1e-30 overflows
+# Above this the tempered distribution is flat to within 1e-4 over any logit range a model produces (60 apart:
+# exp(60 / 1e6) - 1 < 1e-4); far above it float32 flushes the tempered logits to zero (top-k, top-p and min-p lose
+# the tokens' order) and past 3.4e38 the temperature itself overflows.
+MAX_TEMPERATURE = 1e6
+MAX_STOP_STRINGS = 64       # each is looked for in every sample's new text after every step, on the engine's thread
 
 
 def _integer(name: str, value, lo: int, hi: int) -> int:
@@ -81,8 +86,8 @@ class SamplingParams:
 
     def __post_init__(self):
         self.temperature = _real("temperature", self.temperature)
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         self.top_p = _real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -130,10 +135,14 @@ class SamplingParams:
             if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
             self.stop = list(self.stop)
+            if len(self.stop) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are supported")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
-                self.prompt_logprobs, int) or not -1 <= self.prompt_logprobs <= MAX_LOGPROBS):
+                self.prompt_logprobs, numbers.Integral) or not -1 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be None, -1 (whole row) or in [0, {MAX_LOGPROBS}], "
                              f"got {self.prompt_logprobs!r}")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = int(self.prompt_logprobs)
         if self.skip_reading_prefix_cache is None:  # vLLM's default: prompt logprobs at every position
             self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         if not isinstance(self.skip_reading_prefix_cache, bool):

@@ -47,7 +47,7 @@ def test_make_test_runs_every_test_file():
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--max-tokens", "-1", "x"], "argument --max-tokens: -1 is below 1"),
-    (["generate", "--temperature", "-1", "x"], "temperature must be >= 0"),  # checked before a model loads
+    (["generate", "--temperature", "-1", "x"], "temperature must be in [0, 1e+06]"),  # checked before a model loads
     (["generate", "--model", "nosuch", "x"], "neither a shipped model"),
     (["serve", "--port", "70000"], "argument --port: 70000 is above 65535"),
     (["serve", "--log-level", "loud"], "invalid choice: 'loud'"),

@@ -143,6 +143,21 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, prompt, para
     assert list(finished) == ["good"] and len(finished["good"].outputs[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("request_id, arrival_time, message", [
+    (["id"], None, r"request_id must be a str, got \['id'\]"),
+    (5, None, "request_id must be a str, got 5"),
+    (None, None, "request_id must be a str, got None"),
+    ("late", "now", "arrival_time must be a finite number"),
+    ("late", float("nan"), "arrival_time must be a finite number"),
+    ("late", True, "arrival_time must be a finite number"),
+])
+def test_a_bad_request_id_or_arrival_time_is_named_and_changes_nothing(engine, request_id, arrival_time, message):
+    """Caught where the request is added, not later where its metrics are read (a str arrival time broke TTFT)."""
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(request_id, [5, 6], SamplingParams(max_tokens=2), arrival_time=arrival_time)
+    assert not engine.has_unfinished_requests() and not engine._requests
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_size=16, chunk_stride=40), "chunk_stride"),
     (dict(max_num_seqs=8, num_linear_slots=8), "num_linear_slots=8 leaves no room for a checkpoint"),
@@ -771,6 +786,11 @@ def test_chat_renders_each_conversation_and_generates_it_as_a_text_prompt(llm):
     (dict(continue_final_message=True), "cannot both be true"),
     (dict(chat_template="{{ raise_exception('no system here') }}"), "no system here"),
     (dict(chat_template="{% for %}"), r"does not parse \(line 1\)"),
+    (dict(chat_template=5), "chat_template must be the template's text"),
+    (dict(chat_template_kwargs=[1]), r"chat_template_kwargs must be a dict of template variables, got \[1\]"),
+    (dict(chat_template_kwargs={1: True}), "the names of template variables must be strings"),
+    (dict(add_generation_prompt="no"), "add_generation_prompt must be a bool, got 'no'"),
+    (dict(chat_template_kwargs={"continue_final_message": 1}), "continue_final_message must be a bool, got 1"),
 ])
 def test_chat_refuses_what_it_cannot_render_and_runs_nothing(llm, call, message):
     kwargs = {"messages": [{"role": "user", "content": "hi"}], "chat_template": CHAT} | call

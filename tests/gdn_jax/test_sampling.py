@@ -18,6 +18,7 @@ from gdn_jax import LLM, SamplingParams
 from gdn_jax.sampling import MAX_LOGPROBS, SamplingMetadata, _keys, first_argmax, process_logits, sample
 from gdn_jax.tokenizer import ByteTokenizer
 from scheduler import ScheduledSequence
+from scheduler.sampling_params import MAX_TEMPERATURE
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 N = 20_000
@@ -200,8 +201,12 @@ def test_min_tokens_ban_holds_under_sampling_and_greedy():
 def test_greedy_top_k_one_tiny_top_p_and_tiny_temperature_all_pick_the_argmax():
     logits = jax.random.normal(jax.random.PRNGKey(0), (6, 300)) * 3
     argmax = np.argmax(np.asarray(logits), -1).tolist()
+    # a top_p whose product with the total mass underflows float32 (1e-38, 1e-45) keeps the top token too; the
+    # largest temperature SamplingParams takes keeps the tokens' order for top-k
     for fields in (dict(temperature=0.0), dict(temperature=2.0, top_k=1), dict(temperature=2.0, top_p=1e-4),
-                   dict(temperature=1e-6), dict(temperature=1.0, min_p=1.0)):
+                   dict(temperature=2.0, top_p=1e-38), dict(temperature=2.0, top_p=1e-45),
+                   dict(temperature=MAX_TEMPERATURE, top_k=1), dict(temperature=1e-6),
+                   dict(temperature=1.0, min_p=1.0)):
         toks, *_ = sample_jit(logits, metadata(6, **fields))
         assert np.asarray(toks).tolist() == argmax, fields
 

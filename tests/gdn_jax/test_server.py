@@ -272,6 +272,9 @@ BAD = [
     ({"prompt": "hi", "truncate_prompt_tokens": 8}, 400, "truncate_prompt_tokens is not supported"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options needs stream: true"),
     ({"prompt": "x" * 70000}, 413, "exceeds the limit"),
+    (b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
+    ({"prompt": "hi", "temperature": 1e39}, 400, "temperature must be in [0, 1e+06]"),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(65)]}, 400, "stop holds 65 strings"),
 ]
 
 
@@ -704,6 +707,11 @@ def test_chat_takes_vllms_add_generation_prompt_and_continue_final_message(serve
     r = _post(server, {"messages": msgs, "continue_final_message": True}, "/v1/chat/completions", server.chat_url)
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
     assert "add_generation_prompt" in r.json()["error"]["message"]
+    # a mode given as a string in chat_template_kwargs ("false" would read as true) is refused, naming the field
+    r = _post(server, {"messages": msgs, "chat_template_kwargs": {"add_generation_prompt": "false"}},
+              "/v1/chat/completions", server.chat_url)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+    assert "add_generation_prompt must be a bool, got 'false'" in r.json()["error"]["message"]
 
 
 def test_a_conversation_too_long_for_the_context_names_messages(server):

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from scheduler import SamplingParams, Scheduler, Sequence
-from scheduler.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, MAX_TOKENS, SEED_BOUND
+from scheduler.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+                                       MAX_TOKENS, SEED_BOUND)
 from tests.scheduler.sched_helpers import small_config
 
 NAN, INF = float("nan"), float("inf")
@@ -16,6 +17,7 @@ NAN, INF = float("nan"), float("inf")
     (dict(seed="7"), "seed"),
     (dict(temperature=-0.1), "temperature"), (dict(temperature=NAN), "temperature"),
     (dict(temperature=INF), "temperature"), (dict(temperature="1"), "temperature"),
+    (dict(temperature=MAX_TEMPERATURE * 1.01), "temperature"), (dict(temperature=1e39), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_p=NAN), "top_p"), (dict(top_p=INF), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(top_k=2.0), "top_k"), (dict(top_k=True), "top_k"),
     (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"), (dict(min_p=NAN), "min_p"),
@@ -32,6 +34,8 @@ NAN, INF = float("nan"), float("inf")
     (dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
     (dict(logprobs=-1), "logprobs"), (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"), (dict(logprobs=1.0), "logprobs"),
     (dict(ignore_eos=1), "ignore_eos"),
+    (dict(stop=["a"] * (MAX_STOP_STRINGS + 1)), "stop"),
+    (dict(prompt_logprobs=np.int64(MAX_LOGPROBS + 1)), "prompt_logprobs"),
 ])
 def test_every_field_is_range_checked_by_name(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -54,6 +58,11 @@ def test_accepted_values_are_normalised():
     assert SamplingParams(temperature=1e-6).is_greedy and not SamplingParams(temperature=1e-5).is_greedy
     assert not SamplingParams().uses_penalties and SamplingParams(repetition_penalty=1.1).uses_penalties
     assert dataclasses.replace(sp, seed=0).seed == 0
+    # the bounds themselves are taken; numpy integers as any other int
+    assert SamplingParams(temperature=MAX_TEMPERATURE).temperature == MAX_TEMPERATURE
+    assert len(SamplingParams(stop=["a"] * MAX_STOP_STRINGS).stop) == MAX_STOP_STRINGS
+    lp = SamplingParams(prompt_logprobs=np.int64(3)).prompt_logprobs
+    assert type(lp) is int and lp == 3
 
 
 def _serve(sp: SamplingParams, feed: list[int], eos: int = 5):
