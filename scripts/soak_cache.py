@@ -78,7 +78,10 @@ def sampling(rng, seen: list[int], stop_texts: list[str]) -> SamplingParams:
     if rng.random() < 0.3 and seen:
         kw["stop_token_ids"] = [int(t) for t in rng.choice(seen, int(rng.integers(1, 4)))]
     if rng.random() < 0.15 and stop_texts:
-        kw |= dict(stop=[str(rng.choice(stop_texts))], include_stop_str_in_output=bool(rng.random() < 0.5))
+        # picked by index: numpy's choice over the list makes a string array, which drops trailing NUL characters
+        # (a random model's text "\x00\x00" became the empty stop string, which SamplingParams refuses)
+        kw |= dict(stop=[stop_texts[int(rng.integers(len(stop_texts)))]],
+                   include_stop_str_in_output=bool(rng.random() < 0.5))
     if rng.random() < 0.15:
         kw |= dict(prompt_logprobs=int(rng.choice([0, 2])), skip_reading_prefix_cache=bool(rng.random() < 0.5))
     if rng.random() < 0.15:
