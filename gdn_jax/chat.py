@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gdn_jax.config import folder_json
+from gdn_jax.config import folder_file, folder_json
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -23,12 +23,19 @@ def load_chat_template(folder: str | Path | None) -> str | None:
     if folder is None or not Path(folder).is_dir():
         return None
     path = Path(folder)
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
+    jinja = folder_file(path, "chat_template.jinja")
+    if jinja is not None:
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja} is not UTF-8 text ({e})") from None
     cfg = folder_json(path, "tokenizer_config.json")
     if cfg:
         tpl = cfg.get("chat_template")
-        if isinstance(tpl, list):
+        if isinstance(tpl, list):  # named templates: [{"name": ..., "template": ...}, ...]
+            if not all(isinstance(t, dict) for t in tpl):
+                raise ValueError(f"{path / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                                 f"{{\"name\", \"template\"}} objects, got {tpl!r:.200}")
             tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
         return tpl if isinstance(tpl, str) else None
     return None

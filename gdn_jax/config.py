@@ -5,13 +5,30 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from pathlib import Path
+
+
+def folder_file(folder: str | Path | None, name: str) -> Path | None:
+    """The path of a model folder's optional file `name`, None without the folder or the file. An entry of that name
+    that is no readable file (a link to nothing, as a download cut short leaves in a cache; a directory) is a
+    ValueError naming it, not an absent file: the model would run without its tokenizer or settings."""
+    if folder is None:
+        return None
+    path = Path(folder) / name
+    if path.is_file():
+        return path
+    if path.is_symlink() or path.exists():
+        what = "a link to nothing" if path.is_symlink() and not path.exists() else "not a file"
+        raise ValueError(f"{path} is {what}: a model folder's {name} must be a readable file (or absent)")
+    return None
+
 
 def folder_json(folder: str | Path | None, name: str) -> dict:
     """A model folder's JSON file `name` as a dict ({} without the folder or the file); one that is not a JSON object
     is a ValueError naming it."""
-    path = Path(folder) / name if folder is not None else None
-    if path is None or not path.is_file():
+    path = folder_file(folder, name)
+    if path is None:
         return {}
     try:
         data = json.loads(path.read_text())
@@ -60,9 +77,11 @@ class ModelConfig:
         if bad:
             raise ValueError(f"unsupported layer type(s) {sorted(set(bad))}; expected {LINEAR!r} or {FULL!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.linear_num_key_heads})")
         if self.rotary_dim % 2:
             raise ValueError(f"rotary dim head_dim * partial_rotary_factor = {self.rotary_dim} must be even")
 
@@ -108,6 +127,8 @@ class ModelConfig:
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if cfg.get("text_config") is not None and not isinstance(cfg["text_config"], dict):
+            raise ValueError(f"model config field 'text_config' must be a JSON object, got {cfg['text_config']!r}")
         for quant in (cfg.get("quantization_config"), (cfg.get("text_config") or {}).get("quantization_config")):
             if quant:  # its weights come with scales, in formats this loader does not dequantize
                 method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -143,8 +164,9 @@ class ModelConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"model config field {field!r} must be a positive int, got {value!r}")
         eps = cfg.get("rms_norm_eps", 1e-6)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ValueError(f"model config field 'rms_norm_eps' must be a positive number, got {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:  # 1e30: constant logits
+            raise ValueError(f"model config field 'rms_norm_eps' must be a small positive number (0 < eps < 1), got "
+                             f"{eps!r}")
         if not isinstance(tie, bool):
             raise ValueError(f"model config field 'tie_word_embeddings' must be true or false, got {tie!r}")
         act = cfg.get("hidden_act") or "silu"
@@ -169,6 +191,9 @@ class ModelConfig:
             eos = eos[0] if eos else None
         if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
             raise ValueError(f"model config field 'eos_token_id' must be a token id (an int >= 0), got {eos!r}")
+        if eos is not None and eos >= cfg["vocab_size"]:  # the model could never produce it: nothing would end
+            raise ValueError(f"model config field 'eos_token_id' is {eos}, outside the vocabulary "
+                             f"[0, {cfg['vocab_size']})")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -214,7 +239,11 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise NotAModelFolder(f"no config.json in model folder {path}")
-        return cls.from_hf_config(folder_json(path, "config.json"), name=path.name)
+        data = folder_json(path, "config.json")
+        try:
+            return cls.from_hf_config(data, name=path.name)
+        except ValueError as e:  # the file named, as the folder's other files' errors name theirs
+            raise ValueError(f"{cfg_file}: {e}") from None
 
 
 # RoPE types that are the plain rotation this model computes: "mrope" (Qwen-VL's legacy name) rotates text positions
@@ -239,8 +268,8 @@ def _rope_fields(cfg: dict) -> tuple[float, float]:
         value = rope.get(field)
         value = cfg.get(field) if value is None else value
         value = default if value is None else value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"model config field {field!r} must be a positive number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"model config field {field!r} must be a finite positive number, got {value!r}")
         values.append(float(value))
     if values[1] > 1:
         raise ValueError(f"model config field 'partial_rotary_factor' must be at most 1, got {values[1]!r}")

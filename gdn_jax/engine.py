@@ -256,11 +256,12 @@ def _token_list(ids, what: str = "a token-id prompt") -> list:
     return out
 
 
-def model_eos_ids(folder: Path | None) -> list[int]:
+def model_eos_ids(folder: Path | None, vocab_size: int | None = None) -> list[int]:
     """The end-of-sequence ids a model folder lists: config.json's `eos_token_id` (an id or a list) and
     generation_config.json's (the same; [] without the files or the fields). A chat model's config.json may name one
     EOS while generation_config.json lists the end-of-turn token too (Qwen3.5: <|endoftext|> there, <|im_end|> and
-    <|endoftext|> here); some models list several in config.json itself (the model's `eos_token_id` is the first)."""
+    <|endoftext|> here); some models list several in config.json itself (the model's `eos_token_id` is the first).
+    With `vocab_size`, an id outside the vocabulary is a ValueError naming its file (nothing could end on it)."""
     ids = []
     for name in ("config.json", "generation_config.json"):
         data = folder_json(folder, name)
@@ -270,6 +271,9 @@ def model_eos_ids(folder: Path | None) -> list[int]:
             if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in listed):
                 raise ValueError(f"{Path(folder) / name}: eos_token_id must be a token id or a list of them, "
                                  f"got {eos!r}")
+            if vocab_size is not None and any(t >= vocab_size for t in listed):
+                raise ValueError(f"{Path(folder) / name}: eos_token_id {eos!r} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
             ids += listed
     return list(dict.fromkeys(ids))
 
@@ -392,7 +396,7 @@ class LLMEngine:
         folder = self.model_folder = model_folder(model)  # None for presets and configs
         self.tokenizer = get_tokenizer(folder, self.cfg.vocab_size, self.cfg.eos_token_id)
         # the folder's other end-of-sequence ids end a request as stop tokens unless ignore_eos (vLLM's way)
-        self.extra_eos_ids = [t for t in model_eos_ids(folder) if t != self.cfg.eos_token_id]
+        self.extra_eos_ids = [t for t in model_eos_ids(folder, self.cfg.vocab_size) if t != self.cfg.eos_token_id]
         # SamplingParams keywords of the model's recommended sampling (generation_config="auto")
         self.default_sampling = model_sampling_defaults(folder) if generation_config == "auto" else {}
         has_linear = bool(self.cfg.linear_layer_ids)

@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+from gdn_jax.config import folder_file
+
 
 class TextStream:
     """The text of a growing token sequence, `tokenizer.decode(all ids so far)`, fed a few ids at a time. This generic
@@ -297,9 +299,17 @@ def get_tokenizer(folder: str | None, vocab_size: int, eos_token_id: int | None)
     """`tokenizer.json` of a model folder if it has one, else the byte-level tokenizer. A folder whose vocabulary is
     given only in another format (vocab.json + merges.txt, tokenizer.model) is a ValueError naming them: the bytes
     would be the wrong ids for its model."""
-    if folder is not None and (Path(folder) / "tokenizer.json").is_file():
-        return HFTokenizer(Path(folder) / "tokenizer.json", eos_token_id)
-    other = [name for name in OTHER_VOCABULARY_FILES if folder is not None and (Path(folder) / name).is_file()]
+    path = folder_file(folder, "tokenizer.json")
+    if path is not None:
+        tokenizer = HFTokenizer(path, eos_token_id)
+        # an id the model has no row for: any text that tokenizes to it would be refused, the rest run with a
+        # tokenizer of another model
+        largest = max(tokenizer._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        if largest >= vocab_size:
+            raise ValueError(f"{path} has token ids up to {largest}, outside the model's vocabulary of {vocab_size} "
+                             f"ids: the tokenizer is not this model's")
+        return tokenizer
+    other = [name for name in OTHER_VOCABULARY_FILES if folder_file(folder, name) is not None]
     if other:
         raise ValueError(f"model folder {folder} has no tokenizer.json, only {', '.join(other)}: save the tokenizer "
                          f"with the fast tokenizer (tokenizer.json) to use it here")

@@ -7,13 +7,16 @@ import json
 import warnings
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gdn_jax.config import LINEAR, PRESETS, ModelConfig, NotAModelFolder, get_preset
 from gdn_jax.model import Qwen35Model, fused_parts, init_model
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")
+WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a weight may be stored in
 
 
 def _hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, slice | None]]:
@@ -50,10 +53,8 @@ def _hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, slice | None]]:
     return names
 
 
-def _open_tensors(folder: Path):
-    """Yields (name, array) for every tensor of a single-file or sharded safetensors checkpoint."""
-    from safetensors import SafetensorError, safe_open
-
+def _shards(folder: Path) -> list[str]:
+    """The safetensors files of a single-file or sharded checkpoint, as names inside `folder`."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -63,21 +64,68 @@ def _open_tensors(folder: Path):
                 raise TypeError
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{index} is no safetensors index (a JSON object with a 'weight_map')") from None
+        outside = [f for f in files if Path(f).is_absolute() or ".." in Path(f).parts]
+        if outside:  # (a shard may be a link to a file elsewhere, as in a download cache: its name is what counts)
+            raise ValueError(f"{index} names shard(s) outside the folder: {', '.join(outside)}")
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
             raise NotAModelFolder(f"{index} names shard(s) missing from {folder}: {', '.join(missing)}")
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise NotAModelFolder(f"no model.safetensors or model.safetensors.index.json in {folder}")
-    for fname in files:
+        return files
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise NotAModelFolder(f"no model.safetensors or model.safetensors.index.json in {folder}")
+
+
+def _tensor_names(folder: Path) -> dict[str, str]:
+    """Every tensor's name (text layout, `_canonical`) -> the file holding it, from the files' headers alone. A
+    name held twice (in two shards, or under the text and the multimodal prefix) is a ValueError naming both: which
+    copy a loader takes would decide the model's numbers."""
+    from safetensors import SafetensorError, safe_open
+
+    where: dict[str, tuple[str, str]] = {}  # name -> (file, the name as stored)
+    for fname in _shards(folder):
+        try:
+            with safe_open(str(folder / fname), framework="flax") as f:
+                names = [n for n in f.keys() if not n.startswith(SKIPPED_PREFIXES)]
+                dtypes = {n: f.get_slice(n).get_dtype() for n in names}
+        except SafetensorError as e:  # a truncated or corrupt file: the library's message names no file
+            raise ValueError(f"{folder / fname} cannot be read as safetensors: {e}") from None
+        for raw in names:
+            if dtypes[raw] not in WEIGHT_DTYPES:  # integers; float8, whose scales only a quantized config has
+                raise ValueError(f"tensor {raw!r} in {folder / fname} has dtype {dtypes[raw]}, expected a "
+                                 f"floating-point dtype ({', '.join(WEIGHT_DTYPES)})")
+            name = _canonical(raw)
+            if name in where:
+                (first, first_raw), here = where[name], f"{raw!r} in {fname}"
+                raise ValueError(f"tensor {name!r} is stored twice in {folder}: as {first_raw!r} in {first} and as "
+                                 f"{here}")
+            where[name] = fname, raw
+    return {name: fname for name, (fname, _) in where.items()}
+
+
+def _open_tensors(folder: Path):
+    """Yields (name, array) for every tensor of a single-file or sharded safetensors checkpoint."""
+    from safetensors import SafetensorError, safe_open
+
+    for fname in _shards(folder):
         try:
             with safe_open(str(folder / fname), framework="flax") as f:
                 for name in f.keys():
-                    if not name.startswith(SKIPPED_PREFIXES):
-                        yield name, f.get_tensor(name)
-        except SafetensorError as e:  # a truncated or corrupt file: the library's message names no file
+                    if name.startswith(SKIPPED_PREFIXES):
+                        continue
+                    yield name, f.get_tensor(name)  # (its dtype was checked from the header: `_tensor_names`)
+        except SafetensorError as e:
             raise ValueError(f"{folder / fname} cannot be read as safetensors: {e}") from None
+
+
+def _has_nonfinite(arr) -> bool:
+    """Whether a floating-point array holds a NaN or an infinity. A NaN or an infinity makes the float32 sum
+    non-finite, so only a non-finite sum (or a sum that overflows, which no model's weights do) is looked at value
+    by value. On the CPU backend in numpy (no copy); elsewhere on the device."""
+    if jax.default_backend() == "cpu":
+        host = np.asarray(arr)
+        return not np.isfinite(np.sum(host, dtype=np.float32)) and not bool(np.isfinite(host).all())
+    return not bool(jnp.isfinite(jnp.sum(arr, dtype=jnp.float32))) and not bool(jnp.isfinite(arr).all())
 
 
 def _canonical(name: str) -> str:
@@ -98,21 +146,30 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     says so), as transformers loads it."""
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_pretrained(folder)
+    expected = _hf_names(cfg)
+    # the names checked against the config from the files' headers, before the model is built: a config of many
+    # more layers than the checkpoint holds took minutes to trace before its first missing tensor was named
+    stored = _tensor_names(folder)
+    unexpected = [n for n in stored if n not in expected and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if unexpected:
+        raise ValueError(f"unexpected tensor {unexpected[0]!r} in {folder} (not part of the {cfg.name} layout)"
+                         + (f"; {len(unexpected) - 1} more" if len(unexpected) > 1 else ""))
+    missing = [n for n in expected if n not in stored]
+    if missing:
+        raise ValueError(f"missing tensor(s) in {folder}: {', '.join(missing[:5])}"
+                         + (" ..." if len(missing) > 5 else ""))
     graphdef, abstract = abstract_model(cfg, dtype)
     flat = dict(nnx.to_flat_state(abstract))
-    expected = _hf_names(cfg)
     loaded = {}  # param path -> {rows start (0 for a whole param): array}
     head = None  # a tied model's stored lm_head.weight
     for name, arr in _open_tensors(folder):
         name = _canonical(name)
-        if name not in expected:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                head = arr
-                continue
-            raise ValueError(f"unexpected tensor {name!r} in {folder} (not part of the {cfg.name} layout)")
+        if _has_nonfinite(arr):  # the model would run, and every logit come out NaN: tokens 0, 0, 0, ...
+            raise ValueError(f"tensor {name!r} in {folder} holds NaN or infinite values: the checkpoint is damaged")
+        if name not in expected:  # (`stored` was checked: a tied model's lm_head.weight of its own)
+            head = arr
+            continue
         path, rows = expected[name]
-        if not jnp.issubdtype(arr.dtype, jnp.floating):
-            raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, expected a floating-point dtype")
         param = flat[path].get_value()
         want = param.shape if rows is None else (rows.stop - rows.start, *param.shape[1:])
         conv = name.endswith("conv1d.weight")
@@ -122,9 +179,6 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
             hf_want = (want[0], 1, want[1]) if conv else want  # the shape the HF layout has
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(hf_want)}")
         loaded.setdefault(path, {})[0 if rows is None else rows.start] = jnp.asarray(arr, dtype=param.dtype)
-    missing = [n for n, (p, rows) in expected.items() if (0 if rows is None else rows.start) not in loaded.get(p, {})]
-    if missing:
-        raise ValueError(f"missing tensor(s) in {folder}: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
     embed = loaded[("embed_tokens",)][0]
     if head is not None and not (head.shape == embed.shape and bool(jnp.array_equal(jnp.asarray(head, embed.dtype),
                                                                                      embed))):
@@ -181,7 +235,14 @@ def restore_params(path: str | Path, cfg: ModelConfig, dtype=jnp.float32):
 
     graphdef, abstract = abstract_model(cfg, dtype)
     target = nnx.to_pure_dict(abstract)
-    restored = ocp.StandardCheckpointer().restore(Path(path).absolute(), target)
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise NotAModelFolder(f"no params saved at {path} (save_params writes a folder)")
+    try:
+        restored = ocp.StandardCheckpointer().restore(path, target)
+    except Exception as e:  # orbax's and TensorStore's errors name neither the folder nor, often, what is wrong
+        raise ValueError(f"{path}: cannot restore params for {cfg.name} (saved by save_params for this config?): "
+                         f"{type(e).__name__}: {str(e)[:400]}") from e
     nnx.replace_by_pure_dict(abstract, restored)
     return graphdef, abstract
 

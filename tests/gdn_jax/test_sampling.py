@@ -485,6 +485,10 @@ def test_end_of_sequence_ids_are_read_from_every_place_a_folder_lists_them(tmp_p
                                                       "eos_token_id": 7}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, 8]}))
     assert model_eos_ids(tmp_path) == [5, 6, 7, 8]
+    assert model_eos_ids(tmp_path, vocab_size=9) == [5, 6, 7, 8]
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id \[6, 8\] is outside the vocabulary "
+                                         r"\[0, 8\)"):
+        model_eos_ids(tmp_path, vocab_size=8)  # the model could never end on 8
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, "9"]}))
     with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be a token id.*'9'"):
         model_eos_ids(tmp_path)

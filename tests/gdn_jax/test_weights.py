@@ -86,8 +86,108 @@ def test_a_conv_weight_with_more_than_one_input_channel_is_named(tmp_path):
 def test_an_integer_tensor_is_named(tmp_path):
     name = "model.norm.weight"
     folder = _copy_with(tmp_path, edit_tensors=lambda t: t.__setitem__(name, t[name].astype(np.int32)))
-    with pytest.raises(ValueError, match=f"{name}.*dtype int32"):
+    with pytest.raises(ValueError, match=f"{name}.*dtype I32, expected a floating-point dtype"):
         load_hf_weights(folder)
+
+
+def test_a_float8_tensor_without_a_quantization_config_is_named(tmp_path):
+    """Float8 weights come with scales that only a quantized config describes: without one the raw values would be
+    the weights. Named from the file's header, whatever the array library could make of them."""
+    import ml_dtypes
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    folder = _copy_with(tmp_path, edit_tensors=lambda t: t.__setitem__(name, t[name].astype(ml_dtypes.float8_e4m3fn)))
+    with pytest.raises(ValueError, match=rf"{name}' in .*model.safetensors has dtype F8_E4M3, expected a "
+                                         rf"floating-point dtype \(F16, BF16, F32, F64\)"):
+        load_hf_weights(folder)
+
+
+@pytest.mark.parametrize("name, value", [("model.layers.0.mlp.down_proj.weight", np.nan),
+                                         ("model.embed_tokens.weight", np.inf),
+                                         ("model.layers.1.linear_attn.A_log", -np.inf)])
+def test_a_tensor_holding_nan_or_infinity_is_named(tmp_path, name, value):
+    """A damaged checkpoint loaded, and every logit came out NaN: the engine answered token 0 over and over, as a
+    normal finish."""
+    def damage(t):
+        t[name] = t[name].copy()
+        t[name].flat[3] = value
+    with pytest.raises(ValueError, match=f"tensor '{name}' in .* holds NaN or infinite values"):
+        load_hf_weights(_copy_with(tmp_path, edit_tensors=damage))
+
+
+def test_a_tied_models_own_lm_head_holding_nan_is_named(tmp_path):
+    def damage(t):
+        t["lm_head.weight"] = np.full_like(t["model.embed_tokens.weight"], np.nan)
+    folder = _copy_with(tmp_path, edit_tensors=damage, edit_config=lambda c: c.update(tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="tensor 'lm_head.weight' in .* holds NaN or infinite values"):
+        load_hf_weights(folder)
+
+
+def _shard(folder: Path, tensors: dict, split: str) -> None:
+    """Rewrites the folder as two shards and an index: the tensors up to `split` (in name order) in the first."""
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    first = {n: tensors[n] for n in names if n <= split}
+    second = {n: tensors[n] for n in names if n > split}
+    save_file(first, folder / "a.safetensors")
+    save_file(second, folder / "b.safetensors")
+    weight_map = {n: "a.safetensors" for n in first} | {n: "b.safetensors" for n in second}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_a_tensor_stored_twice_is_named_with_both_files(tmp_path):
+    """Two copies of one weight (in two shards, or under the text and the multimodal prefix in one file): the copy
+    read last silently won, and the model's numbers depended on the file order."""
+    folder = _copy_with(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.norm.weight"
+    _shard(folder, tensors, split="model.layers.2")
+    extra = load_file(folder / "a.safetensors") | {name: np.full_like(tensors[name], 7.0)}
+    save_file(extra, folder / "a.safetensors")
+    with pytest.raises(ValueError, match=f"tensor '{name}' is stored twice in .*: as '{name}' in a.safetensors and "
+                                         f"as '{name}' in b.safetensors"):
+        load_hf_weights(folder)
+    prefixed = tmp_path / "prefixed"
+    prefixed.mkdir()
+    (prefixed / "config.json").write_text((FIXTURE / "config.json").read_text())
+    alias = "model.language_model.layers.0.mlp.down_proj.weight"
+    save_file(tensors | {alias: tensors["model.layers.0.mlp.down_proj.weight"]}, prefixed / "model.safetensors")
+    with pytest.raises(ValueError, match=f"'model.layers.0.mlp.down_proj.weight' is stored twice .*as '{alias}' in "
+                                         f"model.safetensors and as 'model.layers.0.mlp.down_proj.weight' in"):
+        load_hf_weights(prefixed)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors"])
+def test_an_index_naming_a_shard_outside_the_folder_is_refused(tmp_path, shard):
+    folder = _copy_with(tmp_path)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": shard}}))
+    with pytest.raises(ValueError, match=f"names shard\\(s\\) outside the folder: {shard}"):
+        load_hf_weights(folder)
+
+
+def test_a_config_of_more_layers_than_the_checkpoint_is_named_before_the_model_is_built(tmp_path, monkeypatch):
+    """The names are checked against the files' headers first: building a 400-layer model only to find layer 4
+    missing took minutes."""
+    import gdn_jax.weights as weights
+
+    def edit(c):
+        c.pop("layer_types")
+        c["num_hidden_layers"] = 400
+    folder = _copy_with(tmp_path, edit_config=edit)
+    monkeypatch.setattr(weights, "abstract_model", lambda *a, **k: pytest.fail("the model was built first"))
+    with pytest.raises(ValueError, match="missing tensor.*model.layers.4."):
+        load_hf_weights(folder)
+
+
+def test_a_damaged_orbax_checkpoint_is_named(tmp_path):
+    cfg, _, params = load_hf_weights(FIXTURE)
+    save_params(params, tmp_path / "ckpt")
+    for meta in (tmp_path / "ckpt").rglob("_METADATA"):
+        meta.write_text("{bad")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'ckpt'}: cannot restore params for"):
+        restore_params(tmp_path / "ckpt", cfg)
+    with pytest.raises(ValueError, match=f"no params saved at {tmp_path / 'nothing'}"):
+        restore_params(tmp_path / "nothing", cfg)
 
 
 def test_a_broken_checkpoint_file_is_named(tmp_path):
@@ -122,16 +222,26 @@ def test_unsupported_model_type_is_named(tmp_path):
     (lambda c: c.__setitem__("hidden_size", None), "the model config lacks 'hidden_size'"),
     (lambda c: c.__setitem__("tie_word_embeddings", "false"), "'tie_word_embeddings' must be true or false"),
     (lambda c: c.__setitem__("eos_token_id", "1"), "'eos_token_id' must be a token id"),
-    (lambda c: c.__setitem__("rms_norm_eps", "1e-6"), "'rms_norm_eps' must be a positive number"),
+    (lambda c: c.__setitem__("rms_norm_eps", "1e-6"), "'rms_norm_eps' must be a small positive number"),
+    (lambda c: c.__setitem__("rms_norm_eps", 1e30), r"'rms_norm_eps' must be a small positive number \(0 < eps < 1\)"),
+    (lambda c: c.__setitem__("rms_norm_eps", float("inf")), "'rms_norm_eps' must be a small positive number"),
+    (lambda c: c.__setitem__("eos_token_id", 99999), r"'eos_token_id' is 99999, outside the vocabulary \[0, 512\)"),
+    (lambda c: c.__setitem__("num_key_value_heads", 3),
+     r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+    (lambda c: c.update(model_type="qwen3_5", text_config=[1]), "'text_config' must be a JSON object, got \\[1\\]"),
     (lambda c: c.__setitem__("num_key_value_heads", 0), "'num_key_value_heads' must be a positive int, got 0"),
     (lambda c: c.__setitem__("hidden_size", "64"), "'hidden_size' must be a positive int, got '64'"),
     (lambda c: c.__setitem__("vocab_size", 512.0), "'vocab_size' must be a positive int, got 512.0"),
     (lambda c: c.update(model_type="qwen3_5"), "a qwen3_5 config needs its text_config"),
 ])
 def test_a_config_field_missing_or_of_the_wrong_type_is_named(tmp_path, edit, message):
-    """A string "false" is true in Python: such fields are refused, not converted (the model would be another)."""
-    with pytest.raises(ValueError, match=message):
-        load_hf_weights(_copy_with(tmp_path, edit_config=edit))
+    """A string "false" is true in Python: such fields are refused, not converted (the model would be another).
+    Nonsense values a model would still compute with (an rms_norm_eps of 1e30: constant logits; an EOS the
+    vocabulary cannot produce: requests that never end) are refused too; the error names config.json."""
+    folder = _copy_with(tmp_path, edit_config=edit)
+    with pytest.raises(ValueError, match=message) as e:
+        load_hf_weights(folder)
+    assert str(e.value).startswith(f"{folder / 'config.json'}: ")
 
 
 def test_unknown_model_name_is_an_error():
@@ -211,7 +321,8 @@ def test_rope_fields_are_read_as_transformers_reads_them():
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144,
                           "rope_theta": 1e7, "partial_rotary_factor": 0.25}}, "unsupported rope_type 'yarn'"),
     ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "unsupported rope_type 'linear'"),
-    ({"rope_parameters": {"rope_theta": "1e7"}}, "'rope_theta' must be a positive number, got '1e7'"),
+    ({"rope_parameters": {"rope_theta": "1e7"}}, "'rope_theta' must be a finite positive number, got '1e7'"),
+    ({"rope_parameters": {"rope_theta": float("inf")}}, "'rope_theta' must be a finite positive number, got inf"),
     ({"rope_parameters": {"partial_rotary_factor": 2}}, "'partial_rotary_factor' must be at most 1"),
     ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
     ({"attention_bias": True}, "unsupported attention_bias True"),
@@ -266,6 +377,50 @@ def test_a_folder_with_a_vocabulary_but_no_tokenizer_json_is_named(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
     with pytest.raises(ValueError, match=r"tokenizer\.json cannot be read as a tokenizer"):
         get_tokenizer(str(tmp_path), 248320, 1)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "generation_config.json", "chat_template.jinja"])
+def test_an_optional_file_that_is_a_link_to_nothing_or_a_directory_is_named(tmp_path, name):
+    """A download cut short leaves links to missing files in a cache's folder: taken for absent files, the model ran
+    with the byte-level tokenizer (every prompt the wrong ids) or without its sampling defaults."""
+    from gdn_jax.chat import load_chat_template
+    from gdn_jax.engine import LLM
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for f in FIXTURE.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    (folder / name).symlink_to(tmp_path / "missing-blob")
+    with pytest.raises(ValueError, match=f"{folder / name} is a link to nothing"):
+        load_chat_template(folder) if name.endswith(".jinja") else LLM(str(folder), max_model_len=64, verbose=False)
+    (folder / name).unlink()
+    (folder / name).mkdir()
+    with pytest.raises(ValueError, match=f"{folder / name} is not a file"):
+        load_chat_template(folder) if name.endswith(".jinja") else LLM(str(folder), max_model_len=64, verbose=False)
+
+
+def test_a_tokenizer_with_ids_beyond_the_models_vocabulary_is_named(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    from gdn_jax.tokenizer import get_tokenizer
+
+    vocab = {"<unk>": 0, "a": 5, "far": 900}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"tokenizer\.json has token ids up to 900, outside the model's vocabulary "
+                                         r"of 512 ids"):
+        get_tokenizer(str(tmp_path), 512, 1)
+    assert get_tokenizer(str(tmp_path), 901, 1).encode("far") == [900]
+
+
+def test_a_chat_template_that_is_not_utf8_or_a_list_of_objects_is_named(tmp_path):
+    from gdn_jax.chat import load_chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": ["x", 1]}))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat_template must be a string or a list of"):
+        load_chat_template(tmp_path)
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja is not UTF-8 text"):
+        load_chat_template(tmp_path)
 
 
 def test_a_folder_without_a_tokenizer_and_too_few_ids_for_bytes_is_named(tmp_path):
