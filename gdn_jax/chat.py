@@ -159,8 +159,16 @@ class ChatTemplate:
     @classmethod
     def from_folder(cls, folder: str | Path | None, source: str | None = None) -> "ChatTemplate | None":
         """The folder's template (`source` instead, if given) with its special tokens; None if it has none."""
-        source = source if source is not None else load_chat_template(folder)
-        return None if source is None else cls(source, load_special_tokens(folder))
+        if source is not None:
+            return cls(source, load_special_tokens(folder))
+        source = load_chat_template(folder)
+        if source is None:
+            return None
+        try:
+            return cls(source, load_special_tokens(folder))
+        except ValueError as e:  # which file held it
+            jinja = folder_file(folder, "chat_template.jinja")
+            raise ValueError(f"{jinja or Path(folder) / 'tokenizer_config.json'}: {e}") from None
 
     def render(self, messages: list, add_generation_prompt: bool = True, continue_final_message: bool = False,
                chat_template_kwargs: dict | None = None) -> str:

@@ -412,12 +412,18 @@ def test_a_tokenizer_with_ids_beyond_the_models_vocabulary_is_named(tmp_path):
     assert get_tokenizer(str(tmp_path), 901, 1).encode("far") == [900]
 
 
-def test_a_chat_template_that_is_not_utf8_or_a_list_of_objects_is_named(tmp_path):
-    from gdn_jax.chat import load_chat_template
+def test_a_chat_template_that_is_not_utf8_a_list_of_objects_or_jinja_is_named_with_its_file(tmp_path):
+    from gdn_jax.chat import ChatTemplate, load_chat_template
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": ["x", 1]}))
     with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat_template must be a string or a list of"):
         load_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: the chat template does not parse \(line 1\)"):
+        ChatTemplate.from_folder(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{% if %}")  # the file wins over tokenizer_config.json
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: the chat template does not parse \(line 1\)"):
+        ChatTemplate.from_folder(tmp_path)
     (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
     with pytest.raises(ValueError, match=r"chat_template\.jinja is not UTF-8 text"):
         load_chat_template(tmp_path)
