@@ -17,6 +17,12 @@ Every finished request is then run alone on a cache-off engine of the same block
 max_model_len (one per such triple, its results kept): token ids, finish and stop reasons, text, the prompt
 logprobs it computed, and the logprobs (within `--tolerance`) must be the same. Float32 only: in bfloat16 a
 request's numbers also depend on which other rows share its steps (README, "Accuracy"), with the cache off too.
+In float32 they depend, by a rounding (~5e-7 in a logprob), on how a prompt is split into steps: a prompt computed
+in one step and the same prompt in two (a smaller token budget, a fork that fell back to its own prefill, a cache
+hit) sum in another order. A sampled token drawn at a top-k or top-p boundary can then change (about 1 request in
+1400). A request that differs is therefore run again on a cache-off engine with the round's token budget; if that
+gives the round's output, the difference is counted as a split-order flip, not a mismatch (both references are
+cache-off: a cache error cannot hide there).
 
 Prints a line per round, then the totals (requests checked, cache hits, restores, preemptions, forks); writes JSON
 (the totals, and each mismatch with its round's seed and geometry, enough to replay it). Exits 1 if any request
@@ -149,12 +155,14 @@ def run_round(rng, g: dict, requests: int, unsafe_reuse: str | None = None) -> t
     return finished, stats
 
 
-def alone(refs: dict, g: dict, prompt_ids: list[int], params: SamplingParams):
-    """The request run alone on a cache-off engine of the same block size, chunk_stride and max_model_len."""
-    key = (g["block_size"], g["chunk_stride"], g["max_model_len"])
+def alone(refs: dict, g: dict, prompt_ids: list[int], params: SamplingParams, budget: int | None = None):
+    """The request run alone on a cache-off engine of the same block size, chunk_stride and max_model_len (and with
+    `budget`, of that max_num_batched_tokens)."""
+    key = (g["block_size"], g["chunk_stride"], g["max_model_len"], budget)
     if key not in refs:
         refs[key] = LLMEngine(MODEL, enable_prefix_caching=False, verbose=False, max_num_seqs=1, **{
-            k: g[k] for k in ("block_size", "chunk_stride", "max_model_len")})
+            k: g[k] for k in ("block_size", "chunk_stride", "max_model_len")},
+            **({} if budget is None else {"max_num_batched_tokens": budget}))
     engine, out = refs[key], None
     engine.add_request("alone", prompt_ids, copy.deepcopy(params))
     while engine.has_unfinished_requests():
@@ -201,7 +209,7 @@ def main(argv=None) -> dict:
         ap.error(f"--minutes must be positive, got {args.minutes}")
     # the small pools are on purpose: the engine's warnings about them (few checkpoint slots) would fill the output
     warnings.simplefilter("ignore", UserWarning)
-    refs, totals, mismatches = {}, dict.fromkeys(("rounds", "requests", *COUNTERS), 0), []
+    refs, totals, mismatches = {}, dict.fromkeys(("rounds", "requests", "split_order_flips", *COUNTERS), 0), []
     start = time.perf_counter()
     while time.perf_counter() - start < 60 * args.minutes and totals["rounds"] < (args.rounds or sys.maxsize):
         seed = args.seed + totals["rounds"]
@@ -211,6 +219,13 @@ def main(argv=None) -> dict:
             finished, stats = run_round(rng, g, args.requests, args.unsafe_reuse)
             for out, params in finished:
                 found = differences(out, alone(refs, g, out.prompt_token_ids, params), args.tolerance)
+                if found and not differences(out, alone(refs, g, out.prompt_token_ids, params,
+                                                        g["max_num_batched_tokens"]), args.tolerance):
+                    # the cache-off engine whose token budget splits prompts as the round's engine did gives the
+                    # same output: sums in another order (float32 rounding) moved a sampled token across a top-k /
+                    # top-p boundary; no cache error, counted apart
+                    totals["split_order_flips"] += 1
+                    continue
                 if found:
                     mismatches.append({"seed": seed, "geometry": g, "request_id": out.request_id,
                                        "prompt_token_ids": out.prompt_token_ids, "params": repr(params),
@@ -230,7 +245,9 @@ def main(argv=None) -> dict:
               "tolerance": args.tolerance, "seconds": time.perf_counter() - start, "totals": totals,
               "mismatches": mismatches}
     print(f"\n{totals['rounds']} rounds, {totals['requests']} requests compared with each alone without the cache: "
-          + ", ".join(f"{k} {totals[k]}" for k in COUNTERS) + f"; {len(mismatches)} mismatches")
+          + ", ".join(f"{k} {totals[k]}" for k in COUNTERS) + f"; {len(mismatches)} mismatches"
+          + (f" ({totals['split_order_flips']} sampled differently only as a cache-off engine splitting prompts the "
+             f"same way samples them too)" if totals["split_order_flips"] else ""))
     for m in mismatches:
         what = (f"{m['differences'][0][:160]}" + (f" (+{len(m['differences']) - 1} more)" if len(m["differences"]) > 1
                                                    else "")) if "differences" in m else m["error"].splitlines()[-1]
