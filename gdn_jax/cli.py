@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -40,9 +41,56 @@ def nonnegative_int(text: str) -> int:
     return _int_in(text, 0)
 
 
+def _number(text: str, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):  # nan passes every comparison
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {'positive' if positive else 'nonnegative'} finite "
+                                         f"number")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    return _number(text, True)
+
+
+def nonnegative_number(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    return _number(text, False)
+
+
 def positive_ints(text: str) -> list[int]:
     """An argparse type: comma-separated integers >= 1, e.g. "1,4,16"."""
     return [_int_in(item, 1) for item in text.split(",")]
+
+
+def writable_file(path: Path) -> str | None:
+    """Why `path` cannot be written as a file (None: it can): tried now, by creating its folder and opening it for
+    appending (a file this creates is removed again), so that a run fails before its work, not after it. Permission
+    bits alone would not tell (root passes os.access on a read-only file system's files)."""
+    if path.is_dir():
+        return "is a folder"
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"cannot be written ({e.strerror or e})"
+    if not existed:
+        path.unlink()
+    return None
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file path a benchmark writes at its end, checked writable now (`writable_file`)."""
+    problem = writable_file(Path(text))
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text} {problem}")
+    return text
 
 
 def port(text: str) -> int:
@@ -98,19 +146,50 @@ def _engine_kwargs(args) -> dict:
                 generation_config=args.generation_config, gpu_memory_utilization=args.gpu_memory_utilization)
 
 
+def _check_address(host: str, port: int) -> None:
+    """A ValueError naming --host / --port if the server could not listen there (a name that does not resolve, an
+    address of another machine, a port in use), found by binding a socket as the server will (SO_REUSEADDR) and
+    closing it at once."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn picks it
+    try:
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror or e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+
+
 def _serve(args) -> None:
     try:
         from gdn_jax.server import ServerConfig, serve
     except ImportError as e:
         sys.exit(f"gdn-jax serve needs the server extra: pip install 'gdn-jax[serve]' ({e})")
-    from gdn_jax.chat import load_chat_template, load_special_tokens
+    from gdn_jax.chat import ChatTemplate, load_chat_template, load_special_tokens
     from gdn_jax.engine import LLMEngine
     from gdn_jax.weights import model_folder
     folder = model_folder(args.model)  # as the engine resolves the name: a shipped model wins over a same-named folder
-    try:  # before the engine: a bad file fails at once, not after a warm-up
+    # before the engine: a bad template or address fails at once, not after a warm-up of minutes
+    try:
         template = Path(args.chat_template).read_text() if args.chat_template else load_chat_template(folder)
     except OSError as e:
         raise ValueError(f"--chat-template {args.chat_template}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--chat-template {args.chat_template}: not UTF-8 text ({e})") from None
+    if args.chat_template:
+        try:
+            ChatTemplate(template)
+        except ValueError as e:
+            raise ValueError(f"--chat-template {args.chat_template}: {e}") from None
+    elif template is not None:
+        ChatTemplate.from_folder(folder)  # its error names the folder's file
+    _check_address(args.host, args.port)
     special_tokens = load_special_tokens(folder)  # the template's bos_token, eos_token, ...: the tokenizer's
     engine = LLMEngine(args.model, **_engine_kwargs(args))
     if not args.no_warm_up:

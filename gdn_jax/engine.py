@@ -231,6 +231,9 @@ def enable_compilation_cache() -> str | None:
     if not folder:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         folder = os.path.join(base, "gdn_jax", "jax")
+    if os.path.exists(folder) and not os.path.isdir(folder):  # JAX would warn and compile everything every start
+        raise ValueError(f"the compilation cache folder {folder} (GDN_JAX_CACHE_DIR, gdn-jax --compilation-cache) "
+                         f"is a file, not a folder")
     if max_bytes != -1 and os.path.isdir(folder) and not os.access(folder, os.W_OK):
         max_bytes = -1  # a read-only (shared, prefilled) folder: eviction's lock file could not be written, every
         # read would fail, and nothing is written there anyway
@@ -427,6 +430,10 @@ class LLMEngine:
                                                  + self.extra_eos_ids))
         if verbose:
             print(f"[gdn_jax] {self.cfg.name}: {self.memory.describe()}", file=sys.stderr)
+        if enable_prefix_caching and has_linear and chunk_stride > max_model_len:  # (a step profile needs no cache)
+            warnings.warn(f"chunk_stride ({chunk_stride}) exceeds max_model_len ({max_model_len}): no sequence reaches "
+                          f"a checkpoint boundary, so the prefix cache will never reuse a token",
+                          stacklevel=_outside_package())
         if enable_prefix_caching and has_linear and self.memory.num_checkpoint_slots < max_num_seqs:
             warnings.warn(f"only {self.memory.num_checkpoint_slots} checkpoint slots for {max_num_seqs} sequences: "
                           f"under full concurrency most boundaries cannot be saved", stacklevel=_outside_package())

@@ -262,6 +262,8 @@ def model_folder(model: "str | ModelConfig") -> Path | None:
     directory; pass "./name" for that one), or an existing folder; None for presets and configs."""
     if isinstance(model, ModelConfig) or model in PRESETS:
         return None
+    if not isinstance(model, (str, Path)) or not str(model).strip():  # "" would be the working directory
+        raise ValueError(f"model must be a preset name, a shipped model's name or a model folder, got {model!r}")
     if model in shipped_models():
         return MODELS_DIR / model
     path = Path(model).expanduser()  # "~/models/x" from Python, where no shell expands it

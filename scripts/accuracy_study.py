@@ -207,7 +207,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=positive_int, default=SIZES["full"]["max_tokens"],
                     help="reference continuation length (greedy; --quick caps it at 12)")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
-    args = parse(ap, argv)
+    args = parse(ap, argv, files=("accuracy_study.json", "accuracy_study.png"))
     check_stride(args.chunk_stride, ENGINE["block_size"])  # (make_workload's check, before any engine is built)
 
     sizes = dict(SIZES["quick" if args.quick else "full"])

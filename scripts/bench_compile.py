@@ -56,7 +56,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from gdn_jax import executables  # noqa: E402
-from gdn_jax.cli import nonnegative_int, positive_int  # noqa: E402
+from gdn_jax.cli import nonnegative_int, output_file, positive_int  # noqa: E402
 from gdn_jax.config import get_preset  # noqa: E402
 from gdn_jax.weights import abstract_model  # noqa: E402
 from gdn_jax.worker import Worker, compile_threads_default, default_memory_budget, plan_memory  # noqa: E402
@@ -282,7 +282,7 @@ def main(argv=None):
     p.add_argument("--cache-dir", default="off", help="persistent compilation cache folder, or 'off' (default)")
     p.add_argument("--second-start", action="store_true", help="run twice in fresh processes on one new cache "
                    "folder (or --cache-dir) and report the second start")
-    p.add_argument("--out", default=None, help="JSON output (default results/bench_compile_<preset>.json)")
+    p.add_argument("--out", type=output_file, default=None, help="JSON output (default results/bench_compile_<preset>.json)")
     a = p.parse_args(argv)
     if a.shapes:
         try:

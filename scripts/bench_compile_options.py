@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from gdn_jax import executables
-from gdn_jax.cli import positive_int
+from gdn_jax.cli import output_file, positive_int
 from gdn_jax.engine import LLMEngine
 from gdn_jax.model import Batch
 from gdn_jax.restore import RestoreOps
@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
                   help='timed runs per option set and shape, after a warm-up round (default: %(default)s)')
     p.add_argument("--sets", default="", help="names of the option sets to run, ';'-separated (default: all; "
                   "XLA's defaults always run, as the reference of the logits)")
-    p.add_argument("--out", default="results/bench_compile_options.json",
+    p.add_argument("--out", type=output_file, default="results/bench_compile_options.json",
                   help='JSON output (default: %(default)s)')
     a = p.parse_args(argv)
     shapes = [tuple(int(n) for n in s.split("x")) for s in a.shapes.split(",")]

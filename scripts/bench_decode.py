@@ -72,7 +72,7 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax import LLMEngine, SamplingParams, cpu_kernels
-from gdn_jax.cli import nonnegative_int, positive_int, positive_ints
+from gdn_jax.cli import nonnegative_int, output_file, positive_int, positive_ints
 from gdn_jax.config import PRESETS, ModelConfig, get_preset, hybrid_layer_types
 from gdn_jax.model import dense
 from gdn_jax.worker import DECODE_VECTOR_BITS, vector_width_options
@@ -238,7 +238,7 @@ def model_config(args) -> ModelConfig:
 def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     batches = args.batches
     room = 256  # tokens a request may generate after its prompt (max_model_len - prompt)
-    engine = LLMEngine(model_config(args), dtype=dtype, max_num_seqs=max(args.max_num_seqs, *batches),
+    engine = LLMEngine(model_config(args), dtype=dtype, max_num_seqs=args.max_num_seqs,
                        chunk_stride=args.chunk_stride, max_model_len=args.prompt + room,
                        max_num_batched_tokens=args.max_num_batched_tokens, verbose=True)
     from bench_forward import matmul_peak  # here: bench_forward imports this module
@@ -391,11 +391,14 @@ def main(argv=None):
                          "(default: measured at the start of each dtype)")
     ap.add_argument("--profile-steps", type=nonnegative_int, default=3,
                     help="steps traced for the op kinds and parts; 0: no trace (default: %(default)s)")
-    ap.add_argument("--out", default="results/bench_decode.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_decode.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     unknown = sorted(set(args.peak) - set(args.dtypes))
     if unknown:  # a rate for no dtype measured (a misspelt name) would leave the floor measured without a word
         ap.error(f"--peak: {', '.join(unknown)} not among --dtypes ({','.join(args.dtypes)})")
+    if max(args.batches) > args.max_num_seqs:  # it was raised without a word: the engine measured was not the one asked
+        ap.error(f"--max-num-seqs {args.max_num_seqs} is below the largest of --batches ({max(args.batches)}): a step "
+                 f"runs at most max_num_seqs rows")
 
     bw = measure_read_bandwidth(args.probe_mib)
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(16e9, bw["best"])
@@ -419,7 +422,8 @@ def main(argv=None):
               f"{r['bound_ms']:5.1f}m {r['x_bound']:7.2f} {r['compute_ms']:6.1f}m {r['x_compute']:9.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"preset": args.preset, "prompt": args.prompt, "measured_bandwidth": bw,
+    out.write_text(json.dumps({"preset": args.preset, "prompt": args.prompt, "max_num_seqs": args.max_num_seqs,
+                               "measured_bandwidth": bw,
                                "bound_bandwidth_bytes_per_s": bandwidth, "jax": jax.__version__,
                                "backend": jax.default_backend(), "cpu_kernels": kernel, "rows": rows},
                               indent=1))

@@ -42,7 +42,7 @@ from bench_decode import best_time, decode_bytes, measure_read_bandwidth  # noqa
 from op_profile import op_kind, trace_events  # noqa: E402
 
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
-from gdn_jax.cli import positive_int  # noqa: E402
+from gdn_jax.cli import output_file, positive_int  # noqa: E402
 from gdn_jax.config import get_preset  # noqa: E402
 from gdn_jax.model import UNROLL_ENV, Batch, forward, init_state  # noqa: E402
 
@@ -186,7 +186,7 @@ def main():
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: forward,ttft,decode,off")
     ap.add_argument("--profile", action="store_true",
                     help="also trace two forwards and two decode steps: XLA op time by kind, busy and wall time")
-    ap.add_argument("--out", default="results/bench_gpu.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_gpu.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     cfg = get_preset(args.preset)

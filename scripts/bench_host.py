@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from gdn_jax.cli import positive_int, positive_ints
+from gdn_jax.cli import output_file, positive_int, positive_ints
 from gdn_jax.tokenizer import HFTokenizer, TextStream
 from scheduler.sampling_params import MAX_LOGPROBS
 
@@ -106,7 +106,7 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="a tokenizer.json to detokenise the outputs with (default: the preset's bytes)")
     ap.add_argument("--whole-decode", action="store_true",
                     help="with --tokenizer: decode each output whole on every step (the generic stream)")
-    ap.add_argument("--out", default="results/bench_host.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_host.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.whole_decode and not args.tokenizer:
         ap.error("--whole-decode applies to an HF tokenizer: give --tokenizer")

@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 
-from gdn_jax.cli import nonnegative_int, positive_int
+from gdn_jax.cli import nonnegative_int, output_file, positive_int
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 VOCAB = 32000
@@ -76,7 +76,7 @@ def main(argv=None):
     ap.add_argument("--prefix-len", type=positive_int, default=512, help="tokens of the shared prefix")
     ap.add_argument("--suffix-len", type=positive_int, default=64, help="tokens of each request's own suffix")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
-    ap.add_argument("--out", default="results/bench_scheduler.json", help="JSON output")
+    ap.add_argument("--out", type=output_file, default="results/bench_scheduler.json", help="JSON output")
     args = ap.parse_args(argv)
 
     results = [run(n, args.steps, args.warmup, args.prefix_len, args.suffix_len, args.seed)

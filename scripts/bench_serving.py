@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from gdn_jax.cli import nonnegative_int, positive_int
+from gdn_jax.cli import nonnegative_int, output_file, positive_int
 
 
 def pct(xs, q):
@@ -130,8 +130,9 @@ class ServerProcess:
 
     def __enter__(self):
         for _ in range(2400):  # bounded: 20 minutes (start-up compiles every step shape)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            if self.proc.poll() is not None:  # a setting it refused: its one-line error is printed above
+                raise ValueError(f"the server (gdn-jax serve) exited with status {self.proc.returncode} before it "
+                                 f"was up: its error is above")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
@@ -203,7 +204,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="bench_serving.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="preset or HF folder (default: %(default)s)")
-    ap.add_argument("--dtype", default="float32", help="weights and activations (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights and activations (default: %(default)s)")
     ap.add_argument("--url", default=None, help="benchmark this running server instead of starting two")
     ap.add_argument("--api-key", default=os.environ.get("GDN_JAX_API_KEY"), help="bearer key (default: $GDN_JAX_API_KEY)")
     ap.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 8], help="concurrent clients, one run each (default: %(default)s)")
@@ -215,7 +217,7 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=positive_int, default=1024, help="engine max_model_len (default: %(default)s)")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline-engine comparison")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed (default: %(default)s)")
-    ap.add_argument("--out", default="results/bench_serving.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_serving.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.system + args.question + args.max_tokens > args.max_model_len:
         ap.error(f"--system ({args.system}) + --question ({args.question}) + --max-tokens ({args.max_tokens}) "
@@ -227,6 +229,10 @@ def main(argv=None):
     vocab = (get_preset(args.model) if folder is None else ModelConfig.from_pretrained(folder)).vocab_size
     rows = {}
     if args.url:
+        try:  # before the workload: a wrong address is one line naming it, not a traceback from the first request
+            httpx.get(args.url.rstrip("/") + "/health", timeout=30)
+        except httpx.HTTPError as e:
+            ap.error(f"--url {args.url}: no server answers there ({type(e).__name__}: {e})")
         rows["server (external)"] = run_server(args.url.rstrip("/"), args, vocab, args.api_key)
     else:
         for caching in (True, False):

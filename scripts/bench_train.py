@@ -22,7 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gdn_jax.cli import positive_int  # noqa: E402
+from gdn_jax.cli import output_file, positive_int  # noqa: E402
 from gdn_jax.config import ModelConfig  # noqa: E402
 from gdn_jax.train import (Forward, TrainConfig, init_params, load_corpus, make_optimizer,  # noqa: E402
                            make_train_step, param_count, sample_batch)
@@ -32,7 +32,7 @@ from gdn_jax.weights import MODELS_DIR  # noqa: E402
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="bench_train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=positive_int, default=10, help="timed steps per dtype (default: %(default)s)")
-    ap.add_argument("--out", default=str(ROOT / "results" / "bench_train.json"), help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default=str(ROOT / "results" / "bench_train.json"), help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     folder = MODELS_DIR / "tiny"
     cfg = ModelConfig.from_pretrained(folder)

@@ -368,7 +368,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
     ap.add_argument("--passes", type=positive_int, default=None,
                     help="the study: measured passes per cell, each on fresh tokens (default: 1 with --quick, else 3)")
-    args = parse(ap, argv)
+    args = parse(ap, argv, files=("bench_ttft.json", "bench_ttft.png", "bench_ttft_ab.json", "bench_ttft_prefill.json"))
     long = args.ab or args.prefill
     if args.ab and args.prefill:
         ap.error("--ab and --prefill are two different runs: pass one")
@@ -387,6 +387,14 @@ def main(argv=None) -> dict:
     if args.ab and args.shared < args.chunk_stride:  # B would restore nothing: found at once, not after the rounds
         ap.error(f"--shared ({args.shared}) is below --chunk-stride ({args.chunk_stride}): request B must share a "
                  f"checkpoint boundary with A for the A/B to compare a restoring step")
+    # the engines' own errors would name settings this script takes no flag for (block_size 16, and a prefill
+    # budget of --prompt tokens)
+    if not args.quick and args.chunk_stride % 16:  # (--quick takes blocks that divide it)
+        ap.error(f"--chunk-stride ({args.chunk_stride}) must be a multiple of 16, the KV block size of "
+                 f"{'--ab / --prefill' if long else 'the study without --quick'}")
+    if args.prefill and args.prompt < args.chunk_stride:
+        ap.error(f"--prompt ({args.prompt}) must be at least --chunk-stride ({args.chunk_stride}): --prefill "
+                 f"computes each prompt in one step of --prompt tokens, and a step holds a whole stride")
     if long:  # passes are the study's: the A/B and prefill runs time rounds, and their JSON records their settings
         del args.passes
         check_length(ap, args.model, args.prompt + 64, f"--prompt {args.prompt} (and 64 tokens of room)")

@@ -158,14 +158,22 @@ def plot(rows, strides, caps, path: Path | None = None, ax=None):
 def main(argv=None) -> dict:
     ap = study_parser("checkpoint_tradeoff.py", __doc__, "checkpoint_tradeoff.json and .png",
                       "a 2 x 2 sweep (strides 64, 128; 1 and 4 slots per sequence) on a small workload with 64-token "
-                      "blocks; it ignores the workload flags")
-    ap.add_argument("--conversations", type=positive_int, default=FULL["conversations"],
-                    help="concurrent conversations (= max_num_seqs)")
-    ap.add_argument("--turns", type=positive_int, default=FULL["turns"], help="turns per conversation")
-    ap.add_argument("--max-tokens", type=positive_int, default=FULL["max_tokens"], help="tokens per answer (greedy)")
-    ap.add_argument("--block-size", type=positive_int, default=FULL["block_size"], help="KV block size (tokens)")
+                      "blocks; the workload flags do not apply to it")
+    # the workload flags default to None, so that one given with --quick (which has its own workload) is refused
+    # rather than ignored without a word
+    workload = {"conversations": "concurrent conversations (= max_num_seqs)", "turns": "turns per conversation",
+                "max_tokens": "tokens per answer (greedy)", "block_size": "KV block size (tokens)"}
+    for name, text in workload.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
+                        help=f"{text} (default: {FULL[name]})")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
-    args = parse(ap, argv)
+    args = parse(ap, argv, files=("checkpoint_tradeoff.json", "checkpoint_tradeoff.png"))
+    given = [f"--{name.replace('_', '-')}" for name in workload if getattr(args, name) is not None]
+    if args.quick and given:
+        ap.error(f"--quick runs its own small workload: {', '.join(given)} would be ignored")
+    for name in workload:
+        if getattr(args, name) is None:
+            setattr(args, name, FULL[name])
 
     strides, caps = ([64, 128], [1, 4]) if args.quick else ([64, 128, 256, 512], [1, 2, 4, 8])
     if not args.quick and any(s % args.block_size for s in strides):  # else the engine's error names no flag

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 from jax._src.lib import _profile_data  # noqa: E402
 
 from bench_compile import DTYPES, build_worker, parse_shapes  # noqa: E402
-from gdn_jax.cli import nonnegative_int, positive_int  # noqa: E402
+from gdn_jax.cli import nonnegative_int, output_file, positive_int  # noqa: E402
 
 
 def xla_events(trace_dir: str) -> dict[str, float]:
@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
                   help='checkpoint policy of scan mode (default: %(default)s)')
     p.add_argument("--top", type=positive_int, default=25,
                   help='XLA trace events to print (default: %(default)s)')
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", type=output_file, default=None,
                   help='JSON output (default: results/profile_compile_<preset>_<shape>.json)')
     a = p.parse_args(argv)
     (shape,) = parse_shapes(a.shape, "--shape")

@@ -37,7 +37,7 @@ from op_profile import PARTS, compiled_text, op_parts, part_times, self_times, t
 from study_cli import dtype_names  # noqa: E402
 
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
-from gdn_jax.cli import positive_int  # noqa: E402
+from gdn_jax.cli import output_file, positive_int  # noqa: E402
 
 
 def profile_dtype(args, dtype: str) -> dict:
@@ -105,7 +105,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", type=dtype_names, default="float32,bfloat16", help="dtypes, comma-separated (default: %(default)s)")
     ap.add_argument("--steps", type=positive_int, default=8, help="timed steps per dtype (default: %(default)s)")
     ap.add_argument("--runs", type=positive_int, default=3, help="traced steps per dtype (default: %(default)s)")
-    ap.add_argument("--out", default="results/profile_step.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/profile_step.json", help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
 
     results = [profile_dtype(args, dtype) for dtype in args.dtypes]

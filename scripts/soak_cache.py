@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from gdn_jax.cli import positive_int
+from gdn_jax.cli import nonnegative_int, nonnegative_number, output_file, positive_int, positive_number
 
 MODEL = "tiny-random"
 COUNTERS = ("hits", "checkpoints_restored", "preemptions", "forks", "fork_fallbacks", "checkpoints_evicted",
@@ -194,19 +194,19 @@ def differences(got, want, tolerance: float) -> list[str]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="soak_cache.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=10.0,
+    ap.add_argument("--minutes", type=positive_number, default=10.0,
                     help="start no round after this many minutes (default: %(default)s)")
     ap.add_argument("--rounds", type=positive_int, default=None, help="stop after this many rounds (default: no limit)")
-    ap.add_argument("--seed", type=int, default=0, help="the first round's seed; round i uses seed + i")
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="the first round's seed; round i uses seed + i")
     ap.add_argument("--requests", type=positive_int, default=12, help="requests per round (default: %(default)s)")
-    ap.add_argument("--tolerance", type=float, default=1e-5, help="float32 logprob tolerance (default: %(default)s)")
+    ap.add_argument("--tolerance", type=nonnegative_number, default=1e-5,
+                    help="float32 logprob tolerance (default: %(default)s)")
     ap.add_argument("--unsafe-reuse", choices=("cold", "stale"), default=None,
                     help="run the cache-on engines with the accuracy ablation's unsafe reuse instead of the exact "
                          "cache, to see the soak catch a cache that is not exact")
-    ap.add_argument("--out", default="results/soak_cache.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/soak_cache.json",
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
-    if args.minutes <= 0:
-        ap.error(f"--minutes must be positive, got {args.minutes}")
     # the small pools are on purpose: the engine's warnings about them (few checkpoint slots) would fill the output
     warnings.simplefilter("ignore", UserWarning)
     refs, totals, mismatches = {}, dict.fromkeys(("rounds", "requests", "split_order_flips", *COUNTERS), 0), []

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gdn_jax.cli import HelpFormatter, nonnegative_int, positive_int  # noqa: F401 - the studies' flag types
+from gdn_jax.cli import HelpFormatter, nonnegative_int, positive_int, writable_file  # noqa: F401 - the flag types
 from gdn_jax.worker import GPU_MEMORY_UTILIZATION
 
 DEFAULT_MODEL = "tiny"  # the trained built-in model
@@ -45,16 +45,20 @@ def study_parser(prog: str, doc: str, outputs: str, quick: str, *, model_default
     return ap
 
 
-def parse(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """`ap.parse_args(argv)`, then --out made ready before anything runs: a folder that cannot be written ends the
-    run now (an argparse error naming it), not after the study has run."""
+def parse(ap: argparse.ArgumentParser, argv=None, files: tuple[str, ...] = ()) -> argparse.Namespace:
+    """`ap.parse_args(argv)`, then --out made ready before anything runs: a folder that cannot be written, or one of
+    the `files` the study writes there that cannot be (a folder of that name), ends the run now (an argparse error
+    naming it), not after the study has run. Tried by writing (`gdn_jax.cli.writable_file`): permission bits alone
+    pass root on a read-only file system."""
     args = ap.parse_args(argv)
     try:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         ap.error(f"--out {args.out}: {e.strerror or e}")
-    if not os.access(args.out, os.W_OK):
-        ap.error(f"--out {args.out}: the folder cannot be written")
+    for name in files or (".write-probe",):
+        problem = writable_file(Path(args.out) / name)
+        if problem:
+            ap.error(f"--out {args.out}: {Path(args.out) / name} {problem}")
     return args
 
 

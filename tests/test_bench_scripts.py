@@ -358,6 +358,15 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
     ("bench_compile", ["--preset", "tiny-random", "--shapes", "1x1", "--out", "/dev/null"],
      "--shapes: expected ROWSxTOKENSxBLOCKS,... (e.g. 16x64x256,1x1x8), got '1x1'"),
     ("bench_serving", ["--system", "200", "--max-model-len", "128"], "exceeds --max-model-len (128)"),
+    # refused before the run, not raised without a word (the engine measured was not the one asked for)
+    ("bench_decode", ["--batches", "1,4", "--max-num-seqs", "2"],
+     "--max-num-seqs 2 is below the largest of --batches (4)"),
+    # an --out that cannot be written ended the run with a traceback after its work (a 10-minute soak's)
+    ("bench_decode", ["--out", "/"], "argument --out: / is a folder"),
+    ("soak_cache", ["--out", "/proc/version"], "argument --out: /proc/version cannot be written"),
+    ("soak_cache", ["--minutes", "nan"], "argument --minutes: 'nan' is not a positive finite number"),  # 0 rounds, passed
+    ("soak_cache", ["--tolerance", "-1"], "argument --tolerance: '-1' is not a nonnegative finite number"),
+    ("soak_cache", ["--seed", "-1"], "argument --seed: -1 is below 0"),
 ])
 def test_a_bad_count_is_an_error_naming_it_before_anything_runs(script, argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -62,15 +62,54 @@ def test_a_bad_option_is_one_line_naming_it(argv, message, capsys):
     assert e.value.code == 2 and message in err and "Traceback" not in err
 
 
-def test_a_chat_template_that_does_not_parse_is_one_line(tmp_path, capsys):
+def _no_engine(monkeypatch):
+    """Makes building an engine fail the test: a serve error that should come before it (and its warm-up)."""
+    import gdn_jax.engine
+
+    monkeypatch.setattr(gdn_jax.engine, "LLMEngine", lambda *a, **k: pytest.fail("the engine was built first"))
+
+
+def test_a_chat_template_that_does_not_parse_is_one_line(tmp_path, capsys, monkeypatch):
+    """Named with its flag and file, before the engine and its warm-up (it came after a warm-up of a minute)."""
     from gdn_jax.cli import main
     bad = tmp_path / "t.jinja"
     bad.write_text("{{ messages }}\n{% if %}")
+    _no_engine(monkeypatch)
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--chat-template", str(bad), "--port", "0", "--no-warm-up"])
+        main(["serve", "--chat-template", str(bad), "--port", "0"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err
-    assert "the chat template does not parse (line 2): Expected an expression" in err
+    assert f"--chat-template {bad}: the chat template does not parse (line 2): Expected an expression" in err
+
+
+def test_serve_refuses_a_port_in_use_before_the_engine(capsys, monkeypatch):
+    import socket
+
+    from gdn_jax.cli import main
+    _no_engine(monkeypatch)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--model", "tiny-random", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--host 127.0.0.1 --port {port}: cannot listen there" in err
+
+
+def test_engine_settings_that_would_silently_do_nothing_are_one_line(tmp_path, capsys, monkeypatch):
+    """A compilation cache "folder" that is a file (the cache and the CPU kernels were off, with warnings), an empty
+    model name (the working directory)."""
+    from gdn_jax.cli import main
+    (tmp_path / "afile").write_text("")
+    for argv, message in (  # (--compilation-cache sets GDN_JAX_CACHE_DIR: monkeypatch restores it afterwards)
+            (["--compilation-cache", str(tmp_path / "afile")], f"compilation cache folder {tmp_path / 'afile'}"),
+            (["--model", ""], "model must be a preset name, a shipped model's name or a model folder, got ''")):
+        monkeypatch.setenv("GDN_JAX_CACHE_DIR", "off")
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--model", "tiny-random", *argv, "hi"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and "Traceback" not in err, (argv, err)
 
 
 def test_a_model_folder_without_weights_is_one_line_naming_what_is_missing(tmp_path, capsys):

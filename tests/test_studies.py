@@ -99,6 +99,14 @@ def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
      "--chunk-stride 2048 and --max-tokens 24: sequences of up to 7808 tokens, beyond the 4096 positions of model"),
     ("bench_ttft", ["--prefill", "--model", "tiny-random", "--prompt", "4096", "--shared", "2048"],
      "--prompt 4096 (and 64 tokens of room): sequences of up to 4160 tokens, beyond the 4096 positions"),
+    # settings the script fixes itself were named by the engine's words (max_num_batched_tokens, block_size)
+    ("bench_ttft", ["--prefill", "--model", "tiny-random", "--prompt", "100", "--shared", "50"],
+     "--prompt (100) must be at least --chunk-stride (256)"),
+    ("bench_ttft", ["--ab", "--model", "tiny-random", "--chunk-stride", "250"],
+     "--chunk-stride (250) must be a multiple of 16, the KV block size of --ab / --prefill"),
+    # --quick has its own workload: the flags were ignored without a word
+    ("checkpoint_tradeoff", ["--quick", "--turns", "9", "--block-size", "7"],
+     "--quick runs its own small workload: --turns, --block-size would be ignored"),
 ])
 def test_a_bad_option_is_an_error_naming_it_before_anything_runs(script, argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -111,6 +119,11 @@ def test_an_unwritable_out_folder_fails_at_once(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         _script("checkpoint_tradeoff").main(["--quick", "--out", str(tmp_path / "file" / "results")])
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
+    # a folder where the study's file goes: found after the whole study, with a traceback
+    (tmp_path / "out" / "accuracy_study.json").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        _script("accuracy_study").main(["--quick", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and f"{tmp_path / 'out' / 'accuracy_study.json'} is a folder" in capsys.readouterr().err
 
 
 def test_the_engine_refusing_a_setting_ends_the_command_with_its_message(tmp_path):

@@ -182,6 +182,14 @@ def test_invalid_cache_configuration_is_rejected(kwargs, message):
         LLM(kwargs.pop("model", "tiny-random"), max_model_len=64, verbose=False, **kwargs)
 
 
+def test_a_chunk_stride_no_sequence_reaches_is_warned():
+    """The prefix cache of such an engine never saves a checkpoint (every "cache on" cell of a study read 0 reused
+    tokens); an engine that only profiles a step needs none, so it is a warning."""
+    with pytest.warns(UserWarning, match=r"chunk_stride \(128\) exceeds max_model_len \(64\): no sequence reaches a "
+                                         r"checkpoint boundary"):
+        LLM("tiny-random", max_model_len=64, chunk_stride=128, verbose=False)
+
+
 def test_numpy_token_ids_are_accepted(engine):
     ids = np.arange(10, 40, dtype=np.int64)
     engine.add_request("np", ids, SamplingParams(temperature=0.0, max_tokens=2))
