@@ -282,7 +282,8 @@ def main(argv=None):
     p.add_argument("--cache-dir", default="off", help="persistent compilation cache folder, or 'off' (default)")
     p.add_argument("--second-start", action="store_true", help="run twice in fresh processes on one new cache "
                    "folder (or --cache-dir) and report the second start")
-    p.add_argument("--out", type=output_file, default=None, help="JSON output (default results/bench_compile_<preset>.json)")
+    p.add_argument("--out", type=output_file, default=None,
+                   help="JSON output (default results/bench_compile_<preset>.json)")
     a = p.parse_args(argv)
     if a.shapes:
         try:

@@ -391,7 +391,8 @@ def main(argv=None):
                          "(default: measured at the start of each dtype)")
     ap.add_argument("--profile-steps", type=nonnegative_int, default=3,
                     help="steps traced for the op kinds and parts; 0: no trace (default: %(default)s)")
-    ap.add_argument("--out", type=output_file, default="results/bench_decode.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_decode.json",
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     unknown = sorted(set(args.peak) - set(args.dtypes))
     if unknown:  # a rate for no dtype measured (a misspelt name) would leave the floor measured without a word

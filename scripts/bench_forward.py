@@ -156,7 +156,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=positive_int, default=2048, help="tokens in the one-pass forward (default: %(default)s)")
     ap.add_argument("--repeats", type=positive_int, default=3, help="timed repeats after compilation; the minimum is reported (default: %(default)s)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows (they need the reference extra) (default: off)")
-    ap.add_argument("--out", type=output_file, default="results/bench_forward.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_forward.json",
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
 
     cfg = get_preset(args.preset)

@@ -186,7 +186,8 @@ def main():
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: forward,ttft,decode,off")
     ap.add_argument("--profile", action="store_true",
                     help="also trace two forwards and two decode steps: XLA op time by kind, busy and wall time")
-    ap.add_argument("--out", type=output_file, default="results/bench_gpu.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_gpu.json",
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     cfg = get_preset(args.preset)

@@ -106,7 +106,8 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="a tokenizer.json to detokenise the outputs with (default: the preset's bytes)")
     ap.add_argument("--whole-decode", action="store_true",
                     help="with --tokenizer: decode each output whole on every step (the generic stream)")
-    ap.add_argument("--out", type=output_file, default="results/bench_host.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_host.json",
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.whole_decode and not args.tokenizer:
         ap.error("--whole-decode applies to an HF tokenizer: give --tokenizer")

@@ -88,7 +88,8 @@ def main(argv=None):
                     help="scheduling modes to measure (default: %(default)s)")
     ap.add_argument("--runs", type=positive_int, default=3, help="measured passes per mode (default: %(default)s)")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed (default: %(default)s)")
-    ap.add_argument("--out", type=output_file, default="results/bench_itl.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_itl.json",
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.lead >= args.max_tokens:
         ap.error(f"--lead ({args.lead}) must be below --max-tokens ({args.max_tokens}): the long prompt arrives while "

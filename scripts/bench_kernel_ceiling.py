@@ -259,7 +259,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--gdn-dim", type=positive_int, default=64,
                     help="key and value head dimension (the package's kernel takes up to 256; above, XLA's form "
                          "alone) (default: %(default)s)")
-    ap.add_argument("--out", type=output_file, default="results/bench_kernel_ceiling.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_kernel_ceiling.json",
+                    help="JSON output (default: %(default)s)")
     a = ap.parse_args(argv)
     if a.k % 2 or a.n % 16 or a.n < 48:
         ap.error(f"--k must be even and --n a multiple of 16 of at least 48, got {a.k} and {a.n}")

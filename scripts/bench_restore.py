@@ -67,7 +67,8 @@ def main(argv=None):
     ap.add_argument("--hidden", type=positive_int, default=1024, help="hidden size (default: %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter and activation dtype (default: %(default)s)")
     ap.add_argument("--repeats", type=positive_int, default=25, help="timed steps per variant (default: %(default)s)")
-    ap.add_argument("--out", type=output_file, default="results/bench_restore.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_restore.json",
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.slots < 1 + 2 * args.rows:  # slot 0 is padding; each row has a live slot and a checkpoint source
         ap.error(f"--slots ({args.slots}) must be at least 1 + 2 x --rows ({args.rows}) = {1 + 2 * args.rows}")

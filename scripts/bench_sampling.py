@@ -53,7 +53,8 @@ def main(argv=None) -> None:
     ap.add_argument("--width", type=positive_int, nargs="+", default=[512, 4096],
                     help="history width = tokens per row, prompt + output (default 512 4096)")
     ap.add_argument("--repeats", type=positive_int, default=10, help="timed repeats per cell (default 10)")
-    ap.add_argument("--out", type=output_file, default="results/bench_sampling.json", help="JSON output (default results/...)")
+    ap.add_argument("--out", type=output_file, default="results/bench_sampling.json",
+                    help="JSON output (default results/...)")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     fn = jax.jit(sample)

@@ -217,7 +217,8 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=positive_int, default=1024, help="engine max_model_len (default: %(default)s)")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline-engine comparison")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed (default: %(default)s)")
-    ap.add_argument("--out", type=output_file, default="results/bench_serving.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_serving.json",
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.system + args.question + args.max_tokens > args.max_model_len:
         ap.error(f"--system ({args.system}) + --question ({args.question}) + --max-tokens ({args.max_tokens}) "

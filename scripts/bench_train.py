@@ -32,7 +32,8 @@ from gdn_jax.weights import MODELS_DIR  # noqa: E402
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="bench_train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=positive_int, default=10, help="timed steps per dtype (default: %(default)s)")
-    ap.add_argument("--out", type=output_file, default=str(ROOT / "results" / "bench_train.json"), help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default=str(ROOT / "results" / "bench_train.json"),
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     folder = MODELS_DIR / "tiny"
     cfg = ModelConfig.from_pretrained(folder)

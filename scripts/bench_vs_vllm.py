@@ -115,7 +115,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--n", type=positive_int, default=5, help="timed rounds per figure (default: %(default)s)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="(default: %(default)s)")
     ap.add_argument("--vllm", help="file with vLLM's RESULT lines for the same folder and shapes")
-    ap.add_argument("--out", type=output_file, default="results/bench_vs_vllm.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/bench_vs_vllm.json",
+                    help="JSON output (default: %(default)s)")
     ap.add_argument("--decode-prompt", type=positive_int, default=512, help="prompt tokens of the decode rounds (default: %(default)s)")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                     help="the engine's token budget per step (default: the engine's, 2048). vLLM-CPU's default is 4096 "

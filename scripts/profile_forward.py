@@ -69,7 +69,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=positive_int, default=2048, help="tokens in the one-pass forward (default: %(default)s)")
     ap.add_argument("--dtypes", type=dtype_names, default="float32,bfloat16", help="activation dtypes, comma-separated (default: %(default)s)")
     ap.add_argument("--runs", type=positive_int, default=3, help="traced forwards per dtype (default: %(default)s)")
-    ap.add_argument("--out", type=output_file, default="results/profile_forward.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/profile_forward.json",
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     cfg = get_preset(args.preset)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, args.tokens).tolist()

@@ -105,7 +105,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", type=dtype_names, default="float32,bfloat16", help="dtypes, comma-separated (default: %(default)s)")
     ap.add_argument("--steps", type=positive_int, default=8, help="timed steps per dtype (default: %(default)s)")
     ap.add_argument("--runs", type=positive_int, default=3, help="traced steps per dtype (default: %(default)s)")
-    ap.add_argument("--out", type=output_file, default="results/profile_step.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--out", type=output_file, default="results/profile_step.json",
+                    help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
 
     results = [profile_dtype(args, dtype) for dtype in args.dtypes]
