@@ -135,6 +135,9 @@ def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
 
 def _engine_kwargs(args) -> dict:
     """LLMEngine keyword arguments from the shared flags (and the compilation cache set up on the way)."""
+    if args.compilation_cache and Path(args.compilation_cache).exists() and not Path(args.compilation_cache).is_dir():
+        # (JAX would warn, and run without the cache and without the CPU kernels built beside it)
+        raise ValueError(f"--compilation-cache {args.compilation_cache}: a file, not a folder")
     if args.compilation_cache is not None:  # the engine turns the cache on (engine.enable_compilation_cache)
         os.environ["GDN_JAX_CACHE_DIR"] = args.compilation_cache or "off"
     return dict(dtype=args.dtype, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,

@@ -103,7 +103,7 @@ def test_engine_settings_that_would_silently_do_nothing_are_one_line(tmp_path, c
     from gdn_jax.cli import main
     (tmp_path / "afile").write_text("")
     for argv, message in (  # (--compilation-cache sets GDN_JAX_CACHE_DIR: monkeypatch restores it afterwards)
-            (["--compilation-cache", str(tmp_path / "afile")], f"compilation cache folder {tmp_path / 'afile'}"),
+            (["--compilation-cache", str(tmp_path / "afile")], f"--compilation-cache {tmp_path / 'afile'}: a file"),
             (["--model", ""], "model must be a preset name, a shipped model's name or a model folder, got ''")):
         monkeypatch.setenv("GDN_JAX_CACHE_DIR", "off")
         with pytest.raises(SystemExit) as e:
@@ -255,3 +255,19 @@ def test_generate_whose_step_failed_says_so_in_one_line(monkeypatch, capsys, jso
     captured = capsys.readouterr()
     assert e.value.code not in (0, None) and captured.out == ""
     assert "RESOURCE_EXHAUSTED: out of memory" in str(e.value.code)
+
+
+def test_a_cache_folder_variable_naming_a_file_is_an_error(tmp_path, monkeypatch):
+    """GDN_JAX_CACHE_DIR naming a file: JAX warned and compiled everything at every start."""
+    import jax
+
+    from gdn_jax.engine import enable_compilation_cache
+    (tmp_path / "f").write_text("")
+    monkeypatch.setenv("GDN_JAX_CACHE_DIR", str(tmp_path / "f"))
+    before = jax.config.jax_compilation_cache_dir  # (the suite's own folder, set by conftest)
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        with pytest.raises(ValueError, match=f"the compilation cache folder {tmp_path / 'f'} .* is a file"):
+            enable_compilation_cache()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
