@@ -18,27 +18,31 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def load_chat_template(folder: str | Path | None) -> str | None:
-    """`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or the `default` entry)."""
+def _template_and_file(folder: str | Path | None) -> tuple[str, Path] | None:
+    """(the folder's chat template, the file it is in), or None (`load_chat_template`)."""
     if folder is None or not Path(folder).is_dir():
         return None
     path = Path(folder)
     jinja = folder_file(path, "chat_template.jinja")
     if jinja is not None:
         try:
-            return jinja.read_text(encoding="utf-8")
+            return jinja.read_text(encoding="utf-8"), jinja
         except UnicodeDecodeError as e:
             raise ValueError(f"{jinja} is not UTF-8 text ({e})") from None
-    cfg = folder_json(path, "tokenizer_config.json")
-    if cfg:
-        tpl = cfg.get("chat_template")
-        if isinstance(tpl, list):  # named templates: [{"name": ..., "template": ...}, ...]
-            if not all(isinstance(t, dict) for t in tpl):
-                raise ValueError(f"{path / 'tokenizer_config.json'}: chat_template must be a string or a list of "
-                                 f"{{\"name\", \"template\"}} objects, got {tpl!r:.200}")
-            tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
-        return tpl if isinstance(tpl, str) else None
-    return None
+    config = path / "tokenizer_config.json"
+    tpl = folder_json(path, config.name).get("chat_template")
+    if isinstance(tpl, list):  # named templates: [{"name": ..., "template": ...}, ...]
+        if not all(isinstance(t, dict) for t in tpl):
+            raise ValueError(f"{config}: chat_template must be a string or a list of {{\"name\", \"template\"}} "
+                             f"objects, got {tpl!r:.200}")
+        tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+    return (tpl, config) if isinstance(tpl, str) else None
+
+
+def load_chat_template(folder: str | Path | None) -> str | None:
+    """`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or the `default` entry)."""
+    found = _template_and_file(folder)
+    return None if found is None else found[0]
 
 
 def load_special_tokens(folder: str | Path | None) -> dict[str, str]:
@@ -123,6 +127,14 @@ def chat_message(i: int, m: Any) -> dict:
     return {"role": role, "content": content, **({"name": name} if name is not None else {})}
 
 
+def _mode(kwargs: dict, name: str, default: bool) -> bool:
+    """kwargs.pop(name, default), which must be a bool: a string such as "false" would read as true."""
+    value = kwargs.pop(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
 def chat_modes(add_generation_prompt: bool, continue_final_message: bool, chat_template_kwargs: dict | None
                ) -> tuple[bool, bool, dict]:
     """(add_generation_prompt, continue_final_message, the other template variables): as vLLM does, the two modes
@@ -134,14 +146,8 @@ def chat_modes(add_generation_prompt: bool, continue_final_message: bool, chat_t
     if not all(isinstance(name, str) for name in kwargs):
         raise ValueError(f"chat_template_kwargs: the names of template variables must be strings, got "
                          f"{[name for name in kwargs if not isinstance(name, str)]!r}")
-    modes = {}
-    for name, default in (("add_generation_prompt", add_generation_prompt),
-                          ("continue_final_message", continue_final_message)):
-        value = kwargs.pop(name, default)
-        if not isinstance(value, bool):  # a string such as "false" would read as true
-            raise ValueError(f"{name} must be a bool, got {value!r}")
-        modes[name] = value
-    add_generation_prompt, continue_final_message = modes["add_generation_prompt"], modes["continue_final_message"]
+    add_generation_prompt = _mode(kwargs, "add_generation_prompt", add_generation_prompt)
+    continue_final_message = _mode(kwargs, "continue_final_message", continue_final_message)
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true: the first opens a "
                          "new assistant turn, the second continues the last message")
@@ -161,14 +167,13 @@ class ChatTemplate:
         """The folder's template (`source` instead, if given) with its special tokens; None if it has none."""
         if source is not None:
             return cls(source, load_special_tokens(folder))
-        source = load_chat_template(folder)
-        if source is None:
+        found = _template_and_file(folder)
+        if found is None:
             return None
         try:
-            return cls(source, load_special_tokens(folder))
+            return cls(found[0], load_special_tokens(folder))
         except ValueError as e:  # which file held it
-            jinja = folder_file(folder, "chat_template.jinja")
-            raise ValueError(f"{jinja or Path(folder) / 'tokenizer_config.json'}: {e}") from None
+            raise ValueError(f"{found[1]}: {e}") from None
 
     def render(self, messages: list, add_generation_prompt: bool = True, continue_final_message: bool = False,
                chat_template_kwargs: dict | None = None) -> str:

@@ -174,24 +174,22 @@ def _serve(args) -> None:
         from gdn_jax.server import ServerConfig, serve
     except ImportError as e:
         sys.exit(f"gdn-jax serve needs the server extra: pip install 'gdn-jax[serve]' ({e})")
-    from gdn_jax.chat import ChatTemplate, load_chat_template, load_special_tokens
+    from gdn_jax.chat import ChatTemplate, load_special_tokens
     from gdn_jax.engine import LLMEngine
     from gdn_jax.weights import model_folder
     folder = model_folder(args.model)  # as the engine resolves the name: a shipped model wins over a same-named folder
     # before the engine: a bad template or address fails at once, not after a warm-up of minutes
-    try:
-        template = Path(args.chat_template).read_text() if args.chat_template else load_chat_template(folder)
-    except OSError as e:
-        raise ValueError(f"--chat-template {args.chat_template}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--chat-template {args.chat_template}: not UTF-8 text ({e})") from None
     if args.chat_template:
         try:
-            ChatTemplate(template)
-        except ValueError as e:
+            template = Path(args.chat_template).read_text()
+            ChatTemplate(template)  # compiled once here, for its error
+        except OSError as e:
+            raise ValueError(f"--chat-template {args.chat_template}: {e.strerror or e}") from None
+        except ValueError as e:  # a template that does not parse, or a file that is not UTF-8 text
             raise ValueError(f"--chat-template {args.chat_template}: {e}") from None
-    elif template is not None:
-        ChatTemplate.from_folder(folder)  # its error names the folder's file
+    else:
+        chat = ChatTemplate.from_folder(folder)  # its error names the folder's file
+        template = None if chat is None else chat.source
     _check_address(args.host, args.port)
     special_tokens = load_special_tokens(folder)  # the template's bos_token, eos_token, ...: the tokenizer's
     engine = LLMEngine(args.model, **_engine_kwargs(args))

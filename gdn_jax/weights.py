@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import warnings
@@ -76,46 +77,48 @@ def _shards(folder: Path) -> list[str]:
     raise NotAModelFolder(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
-def _tensor_names(folder: Path) -> dict[str, str]:
-    """Every tensor's name (text layout, `_canonical`) -> the file holding it, from the files' headers alone. A
-    name held twice (in two shards, or under the text and the multimodal prefix) is a ValueError naming both: which
-    copy a loader takes would decide the model's numbers."""
+@contextlib.contextmanager
+def _safe_open(folder: Path, fname: str):
+    """safetensors' `safe_open` of one shard; a truncated or corrupt file is a ValueError naming it (the library's
+    message names no file)."""
     from safetensors import SafetensorError, safe_open
 
+    try:
+        with safe_open(str(folder / fname), framework="flax") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{folder / fname} cannot be read as safetensors: {e}") from None
+
+
+def _tensor_names(folder: Path, shards: list[str]) -> set[str]:
+    """Every tensor's name (text layout, `_canonical`), from the shards' headers alone. A name held twice (in two
+    shards, or under the text and the multimodal prefix) is a ValueError naming both: which copy a loader takes
+    would decide the model's numbers. So is a dtype no weight is stored in."""
     where: dict[str, tuple[str, str]] = {}  # name -> (file, the name as stored)
-    for fname in _shards(folder):
-        try:
-            with safe_open(str(folder / fname), framework="flax") as f:
-                names = [n for n in f.keys() if not n.startswith(SKIPPED_PREFIXES)]
-                dtypes = {n: f.get_slice(n).get_dtype() for n in names}
-        except SafetensorError as e:  # a truncated or corrupt file: the library's message names no file
-            raise ValueError(f"{folder / fname} cannot be read as safetensors: {e}") from None
+    for fname in shards:
+        with _safe_open(folder, fname) as f:
+            names = [n for n in f.keys() if not n.startswith(SKIPPED_PREFIXES)]
+            dtypes = {n: f.get_slice(n).get_dtype() for n in names}
         for raw in names:
             if dtypes[raw] not in WEIGHT_DTYPES:  # integers; float8, whose scales only a quantized config has
                 raise ValueError(f"tensor {raw!r} in {folder / fname} has dtype {dtypes[raw]}, expected a "
                                  f"floating-point dtype ({', '.join(WEIGHT_DTYPES)})")
             name = _canonical(raw)
             if name in where:
-                (first, first_raw), here = where[name], f"{raw!r} in {fname}"
+                first, first_raw = where[name]
                 raise ValueError(f"tensor {name!r} is stored twice in {folder}: as {first_raw!r} in {first} and as "
-                                 f"{here}")
+                                 f"{raw!r} in {fname}")
             where[name] = fname, raw
-    return {name: fname for name, (fname, _) in where.items()}
+    return set(where)
 
 
-def _open_tensors(folder: Path):
-    """Yields (name, array) for every tensor of a single-file or sharded safetensors checkpoint."""
-    from safetensors import SafetensorError, safe_open
-
-    for fname in _shards(folder):
-        try:
-            with safe_open(str(folder / fname), framework="flax") as f:
-                for name in f.keys():
-                    if name.startswith(SKIPPED_PREFIXES):
-                        continue
-                    yield name, f.get_tensor(name)  # (its dtype was checked from the header: `_tensor_names`)
-        except SafetensorError as e:
-            raise ValueError(f"{folder / fname} cannot be read as safetensors: {e}") from None
+def _open_tensors(folder: Path, shards: list[str]):
+    """Yields (name, array) for every tensor of the checkpoint's shards (their dtypes checked: `_tensor_names`)."""
+    for fname in shards:
+        with _safe_open(folder, fname) as f:
+            for name in f.keys():
+                if not name.startswith(SKIPPED_PREFIXES):
+                    yield name, f.get_tensor(name)
 
 
 def _has_nonfinite(arr) -> bool:
@@ -149,7 +152,8 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     expected = _hf_names(cfg)
     # the names checked against the config from the files' headers, before the model is built: a config of many
     # more layers than the checkpoint holds took minutes to trace before its first missing tensor was named
-    stored = _tensor_names(folder)
+    shards = _shards(folder)
+    stored = _tensor_names(folder, shards)
     unexpected = [n for n in stored if n not in expected and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if unexpected:
         raise ValueError(f"unexpected tensor {unexpected[0]!r} in {folder} (not part of the {cfg.name} layout)"
@@ -162,7 +166,7 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     flat = dict(nnx.to_flat_state(abstract))
     loaded = {}  # param path -> {rows start (0 for a whole param): array}
     head = None  # a tied model's stored lm_head.weight
-    for name, arr in _open_tensors(folder):
+    for name, arr in _open_tensors(folder, shards):
         name = _canonical(name)
         if _has_nonfinite(arr):  # the model would run, and every logit come out NaN: tokens 0, 0, 0, ...
             raise ValueError(f"tensor {name!r} in {folder} holds NaN or infinite values: the checkpoint is damaged")
