@@ -856,15 +856,16 @@ class Attention(nnx.Module):
 
     def __call__(self, x, k_cache, v_cache, batch: Batch, layer):
         """x: [B, T, D]; caches: [kvh, layers, NB, bs, hd] paged, of which this layer's is [:, layer]
-        -> (out, k_cache, v_cache).
+        -> (out, k_cache, v_cache): `project_write`, then `attend` over each row's keys up to its last token."""
+        q, gate, k_cache, v_cache = self.project_write(x, k_cache, v_cache, batch, layer)
+        positions = batch.start_pos[:, None] + jnp.arange(x.shape[1])[None, :]
+        out = self.attend(q, gate, k_cache, v_cache, layer, positions, batch.block_tables,
+                          batch.start_pos + batch.lengths)
+        return out, k_cache, v_cache
 
-        Each row attends to its keys in chunks of `kv_chunk_keys(T)` (an online softmax), as many chunks as the
-        longest row of the batch needs (start + length): the block tables' width (padding blocks) costs nothing.
-        A long chunk's queries go in tiles (`query_tiles`), each over the key chunks up to its last query only.
-        The caches are head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv
-        head) in front: the products read them as they are gathered, with no transposed copy. A one-token step on the
-        CPU backend runs the compiled kernel instead (`cpu_kernels.attention_decode`: the keys and values read in
-        place, no gathered copy) where it is available."""
+    def project_write(self, x, k_cache, v_cache, batch: Batch, layer):
+        """x: [B, T, D] -> (q [B, T, H, hd] normed and rotated, output gate [B, T, H * hd], caches with the chunk's
+        keys and values written)."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -877,19 +878,35 @@ class Attention(nnx.Module):
         positions = batch.start_pos[:, None] + jnp.arange(T)[None, :]  # [B, T]
         q = rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
         k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
-
-        # write this chunk's K/V into the paged cache, then read each row's whole prefix back
         bs = k_cache.shape[3]
         flat = batch.slot_mapping.reshape(-1)
         at = (layer_ids(layer, flat), flat // bs, flat % bs)  # (layer, block, offset) per token
         k_cache = write_rows(k_cache, at, k.reshape(B * T, kvh, hd), axis=1)
         v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd), axis=1)
-        if T == 1 and cpu_kernels.attention_applies(k_cache, H):  # a one-token step on CPU: the compiled kernel
-            out = cpu_kernels.attention_decode(k_cache, v_cache, layer, q[:, 0], batch.block_tables,
-                                               batch.start_pos + 1)
-            return self.gated_output(out.astype(x.dtype).reshape(B, T, H * hd), gate), k_cache, v_cache
+        return q, gate, k_cache, v_cache
+
+    def attend(self, q, gate, k_cache, v_cache, layer, positions, block_tables, extent):
+        """The attention output [B, T, D] of queries q [B, T, H, hd] at `positions` [B, T] over the cached keys
+        (causal: a query sees the keys at its position and before), through the output gate and projection. `extent`
+        [B]: the keys a row's queries reach at most (start + length), which bounds the chunks read.
+
+        Each row attends to its keys in chunks of `kv_chunk_keys(T)` (an online softmax), as many chunks as the
+        longest row of the batch needs: the block tables' width (padding blocks) costs nothing. A long chunk's
+        queries go in tiles (`query_tiles`), each over the key chunks up to its last query only. The caches are
+        head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv head) in front: the
+        products read them as they are gathered, with no transposed copy. One query per row on the CPU backend runs
+        the compiled kernel instead (`cpu_kernels.attention_decode`: the keys and values read in place, no gathered
+        copy) where it is available."""
+        cfg = self.cfg
+        B, T = q.shape[:2]
+        H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        dtype = gate.dtype
+        if T == 1 and cpu_kernels.attention_applies(k_cache, H):  # one query per row on CPU: the compiled kernel
+            out = cpu_kernels.attention_decode(k_cache, v_cache, layer, q[:, 0], block_tables, positions[:, 0] + 1)
+            return self.gated_output(out.astype(dtype).reshape(B, T, H * hd), gate)
+        bs = k_cache.shape[3]
         g = H // kvh  # per (row, kv head) one matmul over its g * Tq queries
-        NB = batch.block_tables.shape[1]
+        NB = block_tables.shape[1]
         cb = max(1, min(NB, kv_chunk_keys(T) // bs))  # blocks per chunk
         keys_per_chunk = cb * bs
         nq = query_tiles(T, keys_per_chunk)
@@ -897,26 +914,26 @@ class Attention(nnx.Module):
         # [B, T, kvh, g, hd] -> [nq, B, kvh, g * Tq, hd]: a tile's queries of one kv head in one matrix
         qh = q.reshape(B, nq, Tq, kvh, g, hd).transpose(1, 0, 3, 4, 2, 5).reshape(nq, B, kvh, g * Tq, hd)
         qpos = jnp.tile(positions.reshape(B, nq, Tq).transpose(1, 0, 2), (1, 1, g))  # [nq, B, g * Tq]
-        tables = jnp.pad(batch.block_tables, ((0, 0), (0, -NB % cb)))  # whole chunks (padding block 0)
-        chunks = jnp.clip(-(-jnp.max(batch.start_pos + batch.lengths) // keys_per_chunk), 1, tables.shape[1] // cb)
-        # the chunks query tile i reaches: its last query is at most at max(start) + (i + 1) * Tq - 1
-        reach = -(-(jnp.max(batch.start_pos) + Tq * jnp.arange(1, nq + 1)) // keys_per_chunk)
+        tables = jnp.pad(block_tables, ((0, 0), (0, -NB % cb)))  # whole chunks (padding block 0)
+        chunks = jnp.clip(-(-jnp.max(extent) // keys_per_chunk), 1, tables.shape[1] // cb)
+        # the chunks query tile i reaches: its last query is at most at max(first position) + (i + 1) * Tq - 1
+        reach = -(-(jnp.max(positions[:, 0]) + Tq * jnp.arange(1, nq + 1)) // keys_per_chunk)
         tile_chunks = jnp.clip(reach, 1, chunks)  # [nq]
 
         def attend(qh, table, qpos, n):  # one row: [kvh, gTq, hd], [NB], [gTq], n chunks -> [kvh, gTq, hd] float32
             def chunk(c, carry):  # keys [c * cb * bs, (c + 1) * cb * bs)
                 top, total, acc = carry  # running max [kvh, gTq], sum of exp [kvh, gTq], output [kvh, gTq, hd]
                 blocks = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
-                keys = from_pool(k_cache[:, layer, blocks], x.dtype).reshape(kvh, cb * bs, hd)
-                values = from_pool(v_cache[:, layer, blocks], x.dtype).reshape(kvh, cb * bs, hd)
+                keys = from_pool(k_cache[:, layer, blocks], dtype).reshape(kvh, cb * bs, hd)
+                values = from_pool(v_cache[:, layer, blocks], dtype).reshape(kvh, cb * bs, hd)
                 scores = attention_scores(qh, keys) * hd**-0.5
                 causal = c * cb * bs + jnp.arange(cb * bs)[None, :] <= qpos[:, None]  # [gTq, cb * bs]
                 scores = jnp.where(causal[None], scores, -jnp.inf)
                 new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # finite: key 0 is in every query's reach
                 p = jnp.exp(scores - new_top[..., None])
                 scale = jnp.exp(top - new_top)
-                pv = jnp.einsum("kqs,ksd->kqd", p.astype(x.dtype), values, preferred_element_type=jnp.float32,
-                                precision=float32_precision(x.dtype))
+                pv = jnp.einsum("kqs,ksd->kqd", p.astype(dtype), values, preferred_element_type=jnp.float32,
+                                precision=float32_precision(dtype))
                 return new_top, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
 
             init = (jnp.full(qh.shape[:2], -jnp.inf, jnp.float32), jnp.zeros(qh.shape[:2], jnp.float32),
@@ -924,7 +941,7 @@ class Attention(nnx.Module):
             _, total, acc = jax.lax.fori_loop(0, n, chunk, init)
             return acc / total[..., None]
 
-        per_row = 2 * kvh * cb * bs * hd * jnp.dtype(x.dtype).itemsize  # the keys + values of one chunk
+        per_row = 2 * kvh * cb * bs * hd * jnp.dtype(dtype).itemsize  # the keys + values of one chunk
         rows = rows_per_iteration(B, per_row, "attention")
 
         def tile(a):  # one query tile of every row; its chunk count is the same for all rows (a loop, not a mask)
@@ -935,8 +952,8 @@ class Attention(nnx.Module):
             out = tile((qh[0], qpos[0], tile_chunks[0]))[None]
         else:
             out = jax.lax.map(tile, (qh, qpos, tile_chunks))  # [nq, B, kvh, g * Tq, hd]
-        out = out.astype(x.dtype).reshape(nq, B, kvh, g, Tq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H * hd)
-        return self.gated_output(out, gate), k_cache, v_cache
+        out = out.astype(dtype).reshape(nq, B, kvh, g, Tq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H * hd)
+        return self.gated_output(out, gate)
 
     def gated_output(self, out, gate):
         """The heads' outputs [B, T, H * hd] through the output gate and the output projection."""
@@ -1060,8 +1077,38 @@ class Qwen35Model(nnx.Module):
         ids = batch.linear_state_ids
         src = ids if batch.initial_state_ids is None else batch.initial_state_ids
 
+        T = batch.tokens.shape[1]
+        last = jnp.maximum(batch.lengths - 1, 0)  # each row's last real token
+
+        def at_last(a):  # [B, T, ...] -> [B, ...] at each row's last token
+            return jnp.take_along_axis(a, last.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
+
+        # A step that samples needs the last layer's output at each row's last token only: there that layer's loop
+        # turn computes what every position needs (its keys and values, its GDN state), keeps the rest of its inputs
+        # at those tokens (`pending`), and `last_layer_tail` finishes one row each after the loop.
+        defer = not all_logits and T > 1
+        last_kind, last_j = self.cfg.layer_types[-1], self.cfg.layer_types.count(self.cfg.layer_types[-1]) - 1
+        positions = batch.start_pos[:, None] + jnp.arange(T)[None, :]
+
+        def tail(kind, j, whole, at_tokens, x, pending):
+            """(x, pending) after a layer: (whole(), pending) for any layer but the last of a deferring step,
+            (x, at_tokens()) for that one; by a switch on j where the loop's layer is traced."""
+            if not defer or kind != last_kind:
+                return whole(), pending
+            if isinstance(j, int):
+                return (x, at_tokens()) if j == last_j else (whole(), pending)
+            return jax.lax.cond(j == last_j, lambda: (x, at_tokens()), lambda: (whole(), pending))
+
+        pending = ()
+        if defer:
+            B, cfg = batch.tokens.shape[0], self.cfg
+            pending = (jnp.zeros((B, cfg.hidden_size), x.dtype),) + (
+                (jnp.zeros((B, cfg.hidden_size), x.dtype),) if last_kind == LINEAR else
+                (jnp.zeros((B, cfg.num_attention_heads, cfg.head_dim), x.dtype),
+                 jnp.zeros((B, cfg.num_attention_heads * cfg.head_dim), x.dtype)))
+
         def linear(layer, j, carry):
-            x, st = carry
+            x, st, pending = carry
             h = layer.input_layernorm(x)
             conv_in = jnp.where(warm[:, None, None], from_pool(read_slots(st.conv, src, j), x.dtype), 0)
             slots = ids
@@ -1081,18 +1128,38 @@ class Qwen35Model(nnx.Module):
                     conv_out, ssm_out = jnp.concatenate([conv_out, conv_sv]), jnp.concatenate([ssm_out, ssm_sv])
                 ssm = write_rows(st.ssm, (layer_ids(j, slots), slots), ssm_out)
             conv = write_rows(st.conv, (layer_ids(j, slots), slots), conv_out)
-            return layer.residual(x, h), dataclasses.replace(st, conv=conv, ssm=ssm)
+            x, pending = tail(LINEAR, j, lambda: layer.residual(x, h), lambda: (at_last(x), at_last(h)), x, pending)
+            return x, dataclasses.replace(st, conv=conv, ssm=ssm), pending
 
         def full(layer, j, carry):
-            x, st = carry
-            h, k, v = layer.self_attn(layer.input_layernorm(x), st.k, st.v, batch, j)
-            return layer.residual(x, h), dataclasses.replace(st, k=k, v=v)
+            x, st, pending = carry
+            q, gate, k, v = layer.self_attn.project_write(layer.input_layernorm(x), st.k, st.v, batch, j)
+            x, pending = tail(FULL, j, lambda: layer.residual(x, layer.self_attn.attend(
+                q, gate, k, v, j, positions, batch.block_tables, batch.start_pos + batch.lengths)),
+                              lambda: (at_last(x), at_last(q), at_last(gate)), x, pending)
+            return x, dataclasses.replace(st, k=k, v=v), pending
 
-        x, state = self.scan_layers((x, state), linear, full, unroll=unroll_layers(batch.tokens.shape[1]))
-        if not all_logits:  # hidden state of each row's last real token
-            last = jnp.maximum(batch.lengths - 1, 0)
-            x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
+        x, state, pending = self.scan_layers((x, state, pending), linear, full, unroll=unroll_layers(T))
+        if defer:
+            x = self.last_layer_tail(pending, state, batch, last)
+        elif not all_logits:  # hidden state of each row's last real token
+            x = at_last(x)
         return self.logits(x), state
+
+    def last_layer_tail(self, pending, state: DeviceState, batch: Batch, last):
+        """The last layer's output [B, D] at each row's last token, from what its loop turn left (`pending`: the
+        layer's input there, and the GDN mixer's output or the attention's query and gate there): the attention of
+        those queries, the output projection and the MLP, one row each."""
+        layer, kind = self.layers[-1], self.cfg.layer_types[-1]
+        if kind == LINEAR:
+            x, h = pending
+        else:
+            x, q, gate = pending
+            position = batch.start_pos + last
+            j = len(self.cfg.full_layer_ids) - 1
+            h = layer.self_attn.attend(q[:, None], gate[:, None], state.k, state.v, j, position[:, None],
+                                       batch.block_tables, position + 1)[:, 0]
+        return layer.residual(x, h)
 
     def logits(self, x):
         """Final norm and LM head (tied or not): hidden [..., D] -> float32 logits [..., V]."""

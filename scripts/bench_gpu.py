@@ -43,7 +43,7 @@ from op_profile import op_kind, trace_events  # noqa: E402
 
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
 from gdn_jax.cli import output_file, positive_int  # noqa: E402
-from gdn_jax.config import get_preset  # noqa: E402
+from gdn_jax.config import FULL, LINEAR, get_preset  # noqa: E402
 from gdn_jax.model import UNROLL_ENV, Batch, forward, init_state  # noqa: E402
 
 
@@ -56,19 +56,23 @@ def matmul_peak(n: int, dtype, repeats: int = 10) -> float:
 
 
 def forward_flops(cfg, T: int, chunk: int = 64) -> dict:
-    """Matmul FLOPs of a T-token prefill forward that returns the last position's logits."""
+    """Matmul FLOPs of a T-token prefill forward that returns the last position's logits: the last layer's output
+    projection, MLP and (a full-attention layer) attention at that position only (`Qwen35Model.last_layer_tail`)."""
     D, I = cfg.hidden_size, cfg.intermediate_size
     H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mlp = 3 * D * I
-    full = D * (2 * H * hd + 2 * kvh * hd) + H * hd * D  # q (+ gate), k, v, o
-    linear = D * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * D  # q, k, v, z, a, b, out
-    n_full, n_lin = len(cfg.full_layer_ids), len(cfg.linear_layer_ids)
-    dense = 2 * T * (cfg.num_hidden_layers * mlp + n_full * full + n_lin * linear) + 2 * D * cfg.vocab_size
-    attention = n_full * 2 * 2 * H * hd * T * (T + 1) / 2  # scores + values over the causal triangle
+    mixer_in = {FULL: D * (2 * H * hd + 2 * kvh * hd),               # q (+ gate), k, v
+                LINEAR: D * (2 * hk * dk + 2 * hv * dv + 2 * hv)}    # q, k, v, z, a, b
+    mixer_out = {FULL: H * hd * D, LINEAR: hv * dv * D}              # o, out
+    *layers, last = cfg.layer_types
+    dense = (2 * T * (sum(mixer_in[t] + mixer_out[t] + mlp for t in layers) + mixer_in[last])
+             + 2 * (mixer_out[last] + mlp) + 2 * D * cfg.vocab_size)
+    per_key = 2 * 2 * H * hd  # scores + values, per query and key
+    attention = sum(per_key * T * (T + 1) / 2 for t in layers if t == FULL) + (per_key * T if last == FULL else 0)
     # chunked delta rule per token and value head: K K^T, A K, A V, Q K^T, attn V within the chunk (6 C dk + 4 C dv)
     # and the state products Q S, K S, K^T U (6 dk dv)
-    gdn = n_lin * T * hv * (6 * chunk * dk + 4 * chunk * dv + 6 * dk * dv)
+    gdn = len(cfg.linear_layer_ids) * T * hv * (6 * chunk * dk + 4 * chunk * dv + 6 * dk * dv)
     return {"dense": dense, "attention": attention, "gdn": gdn, "total": dense + attention + gdn}
 
 

@@ -629,23 +629,31 @@ def test_bench_host_runs_as_a_command(tmp_path, monkeypatch):
 
 
 def test_forward_flops_counts_the_models_own_matrices():
-    """bench_forward's matmul work for tiny-random at 100 tokens, counted from the model's parameters (every
-    projection matrix once per token, the LM head once: only the last position's logits) and, for attention, the
-    causal triangle summed position by position."""
+    """bench_forward's matmul work for tiny-random at 100 tokens, counted from the model's parameters: every
+    projection matrix once per token, but the last layer's output projection and MLP once (only the last position's
+    logits are computed), as the LM head; for attention, the causal triangle summed position by position, and one
+    query in the last layer (a full-attention one in tiny-random)."""
     import jax
     from flax import nnx
 
-    from gdn_jax.config import get_preset
+    from gdn_jax.config import FULL, get_preset
     from gdn_jax.model import init_model
 
     cfg, T = get_preset("tiny-random"), 100
+    assert cfg.layer_types[-1] == FULL
     work = _script("bench_gpu").forward_flops(cfg, T)
     pure = nnx.to_pure_dict(init_model(cfg)[1])
-    projections = sum(x.size for path, x in jax.tree_util.tree_flatten_with_path(pure["layers"])[0]
-                      if jax.tree_util.keystr(path).endswith("['kernel']"))
-    assert work["dense"] == 2 * T * projections + 2 * pure["lm_head"]["kernel"].size
+
+    def kernels(tree):
+        return sum(x.size for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+                   if jax.tree_util.keystr(path).endswith("['kernel']"))
+
+    last = pure["layers"][len(cfg.layer_types) - 1]
+    once = kernels(last["mlp"]) + last["self_attn"]["o_proj"]["kernel"].size
+    assert work["dense"] == 2 * T * (kernels(pure["layers"]) - once) + 2 * once + 2 * pure["lm_head"]["kernel"].size
     scores_and_values = 2 * cfg.num_attention_heads * cfg.head_dim  # multiply-adds per query and key position
-    assert work["attention"] == 2 * len(cfg.full_layer_ids) * sum(scores_and_values * (t + 1) for t in range(T))
+    triangle = sum(scores_and_values * (t + 1) for t in range(T))
+    assert work["attention"] == 2 * (len(cfg.full_layer_ids) - 1) * triangle + 2 * scores_and_values * T
 
 
 def test_bench_compile_without_a_cache_uses_none_the_environment_names(tmp_path):

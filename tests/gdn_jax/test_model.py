@@ -68,6 +68,52 @@ def test_padded_batch_rows_equal_single_rows(tiny, step):
             np.testing.assert_allclose(np.asarray(out.conv[j][slot]), np.asarray(ref_state.conv[j][slot]), atol=1e-5)
 
 
+def _two_chunk_batches(rng, T: int = 40):
+    """Two steps of a 3-row batch: rows of 37 and 21 prompt tokens and a padding row (lengths 0, garbage tokens),
+    then their next 17 and 6 tokens on top (warm, positions 37 and 21 on). Row r owns blocks 1 + 5r .. 5 + 5r and
+    linear slot r + 1."""
+    steps, starts = [], np.zeros(3, np.int32)
+    for lengths in (np.array([37, 21, 0], np.int32), np.array([17, 6, 0], np.int32)):
+        tokens = rng.integers(2, 500, (3, T)).astype(np.int32)
+        pos = starts[:, None] + np.arange(T)[None, :]
+        tables = 1 + 5 * np.arange(3)[:, None] + np.arange(5)[None, :]
+        slot_map = np.where(np.arange(T)[None, :] < lengths[:, None],
+                            tables[np.arange(3)[:, None], pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE, 0)
+        tables[2] = 0
+        steps.append(Batch(tokens=jnp.asarray(tokens), start_pos=jnp.asarray(starts), lengths=jnp.asarray(lengths),
+                           block_tables=jnp.asarray(tables), slot_mapping=jnp.asarray(slot_map.astype(np.int32)),
+                           linear_state_ids=jnp.asarray([1, 2, 0], jnp.int32),
+                           has_initial_state=jnp.asarray(starts > 0)))
+        starts = starts + lengths
+    return steps
+
+
+@pytest.mark.parametrize("layer_types", [
+    hybrid_layer_types(8),            # the last layer inside the loop: a switch on its index
+    hybrid_layer_types(4),            # one group, no loop: the last layer known when traced
+    (LINEAR, FULL, LINEAR, LINEAR),   # a GDN layer last
+    (FULL, FULL, FULL),
+], ids=lambda t: "".join("G" if x == LINEAR else "A" for x in t))
+def test_sampling_step_finishes_the_last_layer_at_the_last_tokens_only(layer_types, step):
+    """A step that samples computes the last layer's attention output and MLP at each row's last token only
+    (`Qwen35Model.last_layer_tail`): its logits are those of the whole-chunk forward there, its caches and states
+    the same, for a cold and a warm chunk, a padding row among them."""
+    cfg = dataclasses.replace(get_preset("tiny-random"), layer_types=layer_types)
+    graphdef, params = init_model(cfg)
+    state_last = state_all = init_state(cfg, 16, BLOCK_SIZE, 4)
+    for batch in _two_chunk_batches(np.random.default_rng(5)):
+        logits, state_last = step(graphdef, params, batch, state_last, False)
+        every, state_all = step(graphdef, params, batch, state_all, True)
+        at_last = np.asarray(every)[np.arange(3), np.maximum(np.asarray(batch.lengths) - 1, 0)]
+        np.testing.assert_allclose(np.asarray(logits)[:2], at_last[:2], atol=2e-5, rtol=0)
+        assert np.isfinite(np.asarray(logits)).all()
+        for a, b in zip(jax.tree.leaves(state_last), jax.tree.leaves(state_all)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if layer_types == hybrid_layer_types(4):  # and the sampling step has no whole-chunk softmax in its last layer
+        texts = [step.lower(graphdef, params, batch, state_all, every).as_text() for every in (False, True)]
+        assert texts[0].count("stablehlo.exponential") < texts[1].count("stablehlo.exponential")
+
+
 def test_cold_start_ignores_garbage_in_the_slot(tiny, step):
     cfg, graphdef, params = tiny
     toks = np.random.default_rng(1).integers(2, 512, 40)
@@ -120,8 +166,10 @@ def test_layer_loop_computes_what_the_layers_one_by_one_compute(layer_types):
 
 
 def test_step_traces_one_layer_of_each_kind_whatever_the_depth():
-    """The lowered step of a 16-layer model holds as many exponentials (gates, softmax, decay) as a 4-layer one: one
-    GDN and one attention layer body (only the switch branches that pick the layers' matrices grow with depth)."""
+    """The lowered step of a 16-layer model holds as many exponentials (gates, softmax, decay) as an 8-layer one: one
+    GDN and one attention layer body (only the switch branches that pick the layers' matrices grow with depth). (A
+    4-layer model's single group runs without a loop, its last layer known when traced: its step holds no whole-chunk
+    attention for that layer, only its last tokens' tail.)"""
     def lowered(n_layers):
         cfg = dataclasses.replace(get_preset("tiny-random"), layer_types=hybrid_layer_types(n_layers))
         graphdef, params = init_model(cfg)
@@ -129,7 +177,7 @@ def test_step_traces_one_layer_of_each_kind_whatever_the_depth():
             graphdef, params, single_row_batch(np.arange(4, 20), 0, NB), init_state(cfg, NB + 1, BLOCK_SIZE, 4),
             False).as_text()
 
-    small, deep = lowered(4), lowered(16)  # unrolled layers would hold 4x as many
+    small, deep = lowered(8), lowered(16)  # unrolled layers would hold twice as many
     assert small.count("stablehlo.exponential") == deep.count("stablehlo.exponential") > 0
 
 
