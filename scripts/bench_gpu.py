@@ -56,8 +56,9 @@ def matmul_peak(n: int, dtype, repeats: int = 10) -> float:
 
 
 def forward_flops(cfg, T: int, chunk: int = 64) -> dict:
-    """Matmul FLOPs of a T-token prefill forward that returns the last position's logits: the last layer's output
-    projection, MLP and (a full-attention layer) attention at that position only (`Qwen35Model.last_layer_tail`)."""
+    """Matmul FLOPs of a T-token prefill forward that returns the last position's logits: the last layer's MLP and,
+    a full-attention layer, its attention and output projection at that position only (`Qwen35Model.last_layer_tail`;
+    a GDN layer's mixer runs whole)."""
     D, I = cfg.hidden_size, cfg.intermediate_size
     H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -66,8 +67,13 @@ def forward_flops(cfg, T: int, chunk: int = 64) -> dict:
                 LINEAR: D * (2 * hk * dk + 2 * hv * dv + 2 * hv)}    # q, k, v, z, a, b
     mixer_out = {FULL: H * hd * D, LINEAR: hv * dv * D}              # o, out
     *layers, last = cfg.layer_types
-    dense = (2 * T * (sum(mixer_in[t] + mixer_out[t] + mlp for t in layers) + mixer_in[last])
-             + 2 * (mixer_out[last] + mlp) + 2 * D * cfg.vocab_size)
+    every, once = mixer_in[last], mlp  # the last layer's matrices at every position, and at the last one only
+    if last == FULL:
+        once += mixer_out[FULL]
+    else:  # a GDN layer's output projection runs inside its mixer, at every position
+        every += mixer_out[LINEAR]
+    dense = (2 * T * (sum(mixer_in[t] + mixer_out[t] + mlp for t in layers) + every) + 2 * once
+             + 2 * D * cfg.vocab_size)
     per_key = 2 * 2 * H * hd  # scores + values, per query and key
     attention = sum(per_key * T * (T + 1) / 2 for t in layers if t == FULL) + (per_key * T if last == FULL else 0)
     # chunked delta rule per token and value head: K K^T, A K, A V, Q K^T, attn V within the chunk (6 C dk + 4 C dv)

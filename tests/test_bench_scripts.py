@@ -1,6 +1,7 @@
 """Smoke tests of the benchmark scripts: each `main` runs with its smallest flags on a tiny model and writes the JSON
 its docstring describes, with one row per configuration and positive times. (No timing is asserted.)"""
 
+import dataclasses
 import importlib
 import json
 import os
@@ -632,11 +633,12 @@ def test_forward_flops_counts_the_models_own_matrices():
     """bench_forward's matmul work for tiny-random at 100 tokens, counted from the model's parameters: every
     projection matrix once per token, but the last layer's output projection and MLP once (only the last position's
     logits are computed), as the LM head; for attention, the causal triangle summed position by position, and one
-    query in the last layer (a full-attention one in tiny-random)."""
+    query in the last layer (a full-attention one in tiny-random). A GDN layer last runs its mixer (output projection
+    included) at every position, its MLP once."""
     import jax
     from flax import nnx
 
-    from gdn_jax.config import FULL, get_preset
+    from gdn_jax.config import FULL, LINEAR, get_preset
     from gdn_jax.model import init_model
 
     cfg, T = get_preset("tiny-random"), 100
@@ -654,6 +656,13 @@ def test_forward_flops_counts_the_models_own_matrices():
     scores_and_values = 2 * cfg.num_attention_heads * cfg.head_dim  # multiply-adds per query and key position
     triangle = sum(scores_and_values * (t + 1) for t in range(T))
     assert work["attention"] == 2 * (len(cfg.full_layer_ids) - 1) * triangle + 2 * scores_and_values * T
+
+    gdn_last = dataclasses.replace(cfg, layer_types=(LINEAR, FULL, LINEAR, LINEAR))  # its mixer runs whole
+    work = _script("bench_gpu").forward_flops(gdn_last, T)
+    pure = nnx.to_pure_dict(init_model(gdn_last)[1])
+    once = kernels(pure["layers"][3]["mlp"])
+    assert work["dense"] == 2 * T * (kernels(pure["layers"]) - once) + 2 * once + 2 * pure["lm_head"]["kernel"].size
+    assert work["attention"] == 2 * triangle
 
 
 def test_bench_compile_without_a_cache_uses_none_the_environment_names(tmp_path):
