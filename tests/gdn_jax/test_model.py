@@ -105,7 +105,8 @@ def test_sampling_step_finishes_the_last_layer_at_the_last_tokens_only(layer_typ
         logits, state_last = step(graphdef, params, batch, state_last, False)
         every, state_all = step(graphdef, params, batch, state_all, True)
         at_last = np.asarray(every)[np.arange(3), np.maximum(np.asarray(batch.lengths) - 1, 0)]
-        np.testing.assert_allclose(np.asarray(logits)[:2], at_last[:2], atol=2e-5, rtol=0)
+        # worst seen 6.0e-7 (scripts/tolerance_audit.py; the CPU kernels on and off)
+        np.testing.assert_allclose(np.asarray(logits)[:2], at_last[:2], atol=2.5e-6, rtol=0)
         assert np.isfinite(np.asarray(logits)).all()
         for a, b in zip(jax.tree.leaves(state_last), jax.tree.leaves(state_all)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
