@@ -101,6 +101,8 @@ FUNCTION_PARTS = {
     "Qwen35Model.__call__.<locals>.linear": "gdn_state",
     "rope": "attention",
     "Attention.__call__": "attention",
+    "Attention.project_write": "attention",
+    "Attention.attend": "attention",
     "RMSNorm.__call__": "norms_elementwise",
     "GatedRMSNorm.__call__": "norms_elementwise",
     "MLP.__call__": "norms_elementwise",

@@ -120,6 +120,26 @@ def test_profile_forward_splits_the_op_time_by_part(tmp_path):
     assert all(r["parts_ms"][p] > 0 for p in ("projections", "gdn_rule", "conv", "attention", "logits"))
 
 
+def test_op_parts_attribute_the_attention_beyond_rope():
+    """The attention part holds the attention's own ops (its loops over key chunks, or the one-query kernel's call),
+    not only RoPE's: the layer loop calls `Attention.project_write` and `Attention.attend`, not `__call__` (whose ops
+    alone counted as attention before, leaving the scores and softmax under "other")."""
+    import numpy as np
+
+    from gdn_jax.config import get_preset
+    from gdn_jax.model import init_model, init_state
+
+    bench, profile = _script("bench_forward"), _script("op_profile")
+    cfg = get_preset("tiny-random")
+    graphdef, params = init_model(cfg)
+    batch, nb = bench._batch(np.arange(64) % 100 + 2, 16)
+    state = init_state(cfg, nb + 1, 16, 2)
+    text = bench.forward_jit(64).lower(graphdef, params, batch, state, False).compile().as_text()
+    parts, _ = profile.op_parts(text)
+    attention = [name for name, part in parts.items() if part == "attention"]
+    assert any(name.startswith(("while", "ffi_call", "custom-call")) for name in attention), attention
+
+
 def test_self_times_subtract_nested_spans():
     profile = _script("op_profile")
 
