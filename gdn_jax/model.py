@@ -57,6 +57,11 @@ class Batch:
     save_offsets: jax.Array | None = None
     save_slots: jax.Array | None = None
 
+    @property
+    def positions(self) -> jax.Array:
+        """[B, T] int32: the absolute position of every token of the step."""
+        return self.start_pos[:, None] + jnp.arange(self.tokens.shape[1])[None, :]
+
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "conv", "ssm"], meta_fields=[])
 @dataclasses.dataclass
@@ -858,8 +863,7 @@ class Attention(nnx.Module):
         """x: [B, T, D]; caches: [kvh, layers, NB, bs, hd] paged, of which this layer's is [:, layer]
         -> (out, k_cache, v_cache): `project_write`, then `attend` over each row's keys up to its last token."""
         q, gate, k_cache, v_cache = self.project_write(x, k_cache, v_cache, batch, layer)
-        positions = batch.start_pos[:, None] + jnp.arange(x.shape[1])[None, :]
-        out = self.attend(q, gate, k_cache, v_cache, layer, positions, batch.block_tables,
+        out = self.attend(q, gate, k_cache, v_cache, layer, batch.positions, batch.block_tables,
                           batch.start_pos + batch.lengths)
         return out, k_cache, v_cache
 
@@ -875,9 +879,8 @@ class Attention(nnx.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.reshape(B, T, kvh, hd))
         v = v.reshape(B, T, kvh, hd)
-        positions = batch.start_pos[:, None] + jnp.arange(T)[None, :]  # [B, T]
-        q = rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
-        k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
+        q = rope(q, batch.positions, cfg.rotary_dim, cfg.rope_theta)
+        k = rope(k, batch.positions, cfg.rotary_dim, cfg.rope_theta)
         bs = k_cache.shape[3]
         flat = batch.slot_mapping.reshape(-1)
         at = (layer_ids(layer, flat), flat // bs, flat % bs)  # (layer, block, offset) per token
@@ -1088,7 +1091,6 @@ class Qwen35Model(nnx.Module):
         # at those tokens (`pending`), and `last_layer_tail` finishes one row each after the loop.
         defer = not all_logits and T > 1
         last_kind, last_j = self.cfg.layer_types[-1], self.cfg.layer_types.count(self.cfg.layer_types[-1]) - 1
-        positions = batch.start_pos[:, None] + jnp.arange(T)[None, :]
 
         def tail(kind, j, whole, at_tokens, x, pending):
             """(x, pending) after a layer: (whole(), pending) for any layer but the last of a deferring step,
@@ -1135,28 +1137,28 @@ class Qwen35Model(nnx.Module):
             x, st, pending = carry
             q, gate, k, v = layer.self_attn.project_write(layer.input_layernorm(x), st.k, st.v, batch, j)
             x, pending = tail(FULL, j, lambda: layer.residual(x, layer.self_attn.attend(
-                q, gate, k, v, j, positions, batch.block_tables, batch.start_pos + batch.lengths)),
+                q, gate, k, v, j, batch.positions, batch.block_tables, batch.start_pos + batch.lengths)),
                               lambda: (at_last(x), at_last(q), at_last(gate)), x, pending)
             return x, dataclasses.replace(st, k=k, v=v), pending
 
         x, state, pending = self.scan_layers((x, state, pending), linear, full, unroll=unroll_layers(T))
         if defer:
-            x = self.last_layer_tail(pending, state, batch, last)
+            x = self.last_layer_tail(pending, state, batch, last, last_j)
         elif not all_logits:  # hidden state of each row's last real token
             x = at_last(x)
         return self.logits(x), state
 
-    def last_layer_tail(self, pending, state: DeviceState, batch: Batch, last):
-        """The last layer's output [B, D] at each row's last token, from what its loop turn left (`pending`: the
-        layer's input there, and the GDN mixer's output or the attention's query and gate there): the attention of
-        those queries, the output projection and the MLP, one row each."""
+    def last_layer_tail(self, pending, state: DeviceState, batch: Batch, last, j: int):
+        """The last layer's output [B, D] at each row's last token `last` [B], from what its loop turn left
+        (`pending`: the layer's input there, and the GDN mixer's output or the attention's query and gate there): the
+        attention of those queries, the output projection and the MLP, one row each. `j`: the layer's index among
+        its kind's layers (its pools')."""
         layer, kind = self.layers[-1], self.cfg.layer_types[-1]
         if kind == LINEAR:
             x, h = pending
         else:
             x, q, gate = pending
             position = batch.start_pos + last
-            j = len(self.cfg.full_layer_ids) - 1
             h = layer.self_attn.attend(q[:, None], gate[:, None], state.k, state.v, j, position[:, None],
                                        batch.block_tables, position + 1)[:, 0]
         return layer.residual(x, h)
