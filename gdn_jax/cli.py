@@ -117,7 +117,8 @@ def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
     ap.add_argument("--no-mixed-steps", action="store_true",
                     help="a step prefills or decodes, not both (\"scan\" mode; \"promote\" never mixes)")
     ap.add_argument("--gdn-schedule", default="auto", choices=["auto", "fused", "parallel"],
-                    help="the chunked GDN rule's schedule (same maths; auto: fused on CPU, parallel elsewhere)")
+                    help="how prefill steps compute the GDN rule (same maths; auto: the compiled kernel on CPU, "
+                         "else fused; parallel elsewhere)")
     ap.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                     help="auto: the model folder's generation_config.json sampling defaults (temperature, top_p, "
                          "top_k, min_p, repetition_penalty, max_new_tokens) for what a request leaves unset, as vLLM "

@@ -1,6 +1,7 @@
-"""Compiled kernels for XLA's CPU backend, for one-token steps: the GDN decode update (`gdn_decode`, source
+"""Compiled kernels for XLA's CPU backend: for one-token steps the GDN decode update (`gdn_decode`, source
 csrc/gdn_decode.cc), decode attention (`attention_decode`, csrc/attention_decode.cc) and few-row bfloat16 products
-(`rows_product`, csrc/rows_product.cc; used where `model.rows_kernel_rows` measured it faster).
+(`rows_product`, csrc/rows_product.cc; used where `model.rows_kernel_rows` measured it faster); for prefill steps the
+GDN rule over the step's tokens (`gdn_prefill`, csrc/gdn_prefill.cc).
 
 XLA compiles a one-token step's GDN update (`model.advance_in_pool`) to a gathered copy of each row's state, a
 product, and an in-place write that runs on one thread: 72-93 us per row and layer at hybrid-1024's 256 KiB states,
@@ -11,7 +12,12 @@ attention copies each chunk of a row's paged keys and values into a contiguous b
 attention kernel reads every key and value row once where it lies, for all the query heads of its KV head, with an
 online softmax in float32. XLA's bfloat16 products of 2-16 rows stream the weights at about half the speed of one
 row on a CPU without matrix units; the product kernel reads each weight row once for all the rows, with the CPU's
-bfloat16 dot-product instruction where it has one.
+bfloat16 dot-product instruction where it has one. XLA's form of a prefill step's rule is the chunked one
+(`gated_delta.chunk_gated_delta_rule`), a chain of small products and loops one chunk after the other; the prefill
+kernel runs the rule token by token with each (row, head) state in the core's cache, one pass over it per token for
+the update and the next token's products, the (row, head) pairs shared among the threads: 3-4x faster at
+hybrid-1024's shapes, ~2.3x at Qwen3.5-9B's (docs/design.md, "The GDN rule of prefill steps as a compiled CPU
+kernel").
 
 They are built, one library, on first use by the system's C++ compiler (`c++`, `g++` or `clang++`, or `$CXX`)
 against the FFI headers jaxlib ships, `-O3 -march=native`, into `kernels/` beside JAX's persistent compilation cache
@@ -44,10 +50,11 @@ from gdn_jax.gated_delta import _inert, _valid_mask
 
 KERNELS_ENV = "GDN_JAX_CPU_KERNELS"  # "0": never, "1": required, unset: when it builds
 TARGET = "gdn_jax_gdn_decode"
+PREFILL_TARGET = "gdn_jax_gdn_prefill"
 ATTENTION_TARGET = "gdn_jax_attention_decode"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 ROWS_TARGET = "gdn_jax_rows_product"
-SOURCES = ("gdn_decode.cc", "attention_decode.cc", "rows_product.cc")  # (and their headers, parallel.h and lanes.h)
+SOURCES = ("gdn_decode.cc", "gdn_prefill.cc", "attention_decode.cc", "rows_product.cc")  # (and their headers, parallel.h and lanes.h)
 MAX_DIM = 256  # the kernels' largest head dimension (their per-head buffers)
 MAX_GROUP = 16  # attention: the most query heads per KV head
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -119,7 +126,7 @@ def _succeeded(cxx: str, code: int, messages: str) -> None:
 
 @functools.cache
 def available() -> bool:
-    """Whether one-token steps on this process's CPU backend run the compiled kernels: built (or found) and
+    """Whether steps on this process's CPU backend run the compiled kernels: built (or found) and
     registered with XLA once per process. See the module's docstring for `KERNELS_ENV`."""
     setting = _setting()
     if setting == "0" or jax.default_backend() != "cpu":
@@ -131,14 +138,15 @@ def available() -> bool:
             raise RuntimeError(f"no C++ compiler on PATH (c++, g++ or clang++; or name one in CXX{named})")
         lib = ctypes.CDLL(str(build(cxx, folder())))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.GdnJaxGdnDecode), platform="cpu")
+        jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(lib.GdnJaxGdnPrefill), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.GdnJaxAttentionDecode), platform="cpu")
         jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(lib.GdnJaxRowsProduct), platform="cpu")
     except Exception as exc:
         if setting == "1":
             raise RuntimeError(f"{KERNELS_ENV}=1, but the CPU kernels could not be built or loaded: {exc}") from exc
-        warnings.warn(f"gdn_jax: the CPU decode kernels could not be built or loaded ({exc}); one-token steps run "
-                      f"XLA's forms of the GDN update, attention and few-row products (slower at many rows; "
-                      f"{KERNELS_ENV}=0 says so without trying)",
+        warnings.warn(f"gdn_jax: the CPU kernels could not be built or loaded ({exc}); steps run XLA's forms of "
+                      f"the GDN rule (prefill: the chunked \"fused\" schedule), decode attention and few-row "
+                      f"products (slower; {KERNELS_ENV}=0 says so without trying)",
                       RuntimeWarning, stacklevel=2)
         return False
     return True
@@ -162,6 +170,32 @@ def gdn_decode(pool, src, live, warm, lengths, q, k, v, g, beta, layer):
     pool, o = call(pool, jnp.asarray(layer, jnp.int32).reshape(1), src.astype(jnp.int32), live.astype(jnp.int32),
                    warm.astype(jnp.bool_), q, k, v, g, beta)  # (`_inert` made q, k, v, g, beta float32)
     return o[:, None].astype(out_dtype), pool
+
+
+def prefill_applies(k, v) -> bool:
+    """Whether `gdn_prefill` runs the rule for keys k [B, T, H, dk] and values v [B, T, H, dv]: dk = dv <= MAX_DIM,
+    on the CPU backend, with the kernels available."""
+    return (k.ndim == 4 and k.shape == v.shape and k.shape[-1] <= MAX_DIM and jax.default_backend() == "cpu"
+            and available())
+
+
+def gdn_prefill(q, k, v, g, beta, initial_state, lengths, saves=None):
+    """The gated delta rule over a prefill step's tokens by the kernel, token by token: q, k [B, T, H, D] (normed, k
+    expanded to the value heads), v [B, T, H, D], g, beta [B, T, H]; initial_state [B, H, D, D]; lengths [B] (None:
+    every token is real) -> (o [B, T, H, D] in v's dtype, the final states float32 [B, H, D, D]), and with `saves` =
+    (rows, counts) [S] each, also the states of those rows after that many of their tokens, [S, H, D, D]. The same
+    inputs and outputs as `gated_delta.chunk_gated_delta_rule` (with its chunk-end saves given as token counts).
+    Only where `prefill_applies` said so: that registers the kernel with XLA."""
+    B, T, H, D = k.shape
+    out_dtype = v.dtype
+    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths).astype(jnp.int32)
+    rows, counts = (jnp.zeros((0,), jnp.int32),) * 2 if saves is None else (a.astype(jnp.int32) for a in saves)
+    f32 = jax.ShapeDtypeStruct
+    call = jax.ffi.ffi_call(PREFILL_TARGET, (f32(k.shape, jnp.float32), f32((B, H, D, D), jnp.float32),
+                                             f32((rows.shape[0], H, D, D), jnp.float32)))
+    o, state, saved = call(*(a.astype(jnp.float32) for a in (q, k, v, g, beta, initial_state)), lengths, rows, counts)
+    o = o.astype(out_dtype)
+    return (o, state) if saves is None else (o, state, saved)
 
 
 def attention_applies(k_cache, heads: int) -> bool:

@@ -30,7 +30,7 @@ from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 from scheduler.sampling_params import MAX_STOP_TOKEN_IDS, SEED_BOUND
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-GDN_SCHEDULES = ("auto", "fused", "parallel")  # chunked GDN rule schedules (gated_delta.chunk_gated_delta_rule)
+GDN_SCHEDULES = ("auto", "fused", "parallel")  # the prefill GDN rule's forms (model.GatedDeltaNet)
 MAX_FULL_ROW_VOCAB = 65_536  # prompt_logprobs=-1 returns whole rows only for vocabularies up to this size
 
 
@@ -355,8 +355,10 @@ class LLMEngine:
         `mixed_steps` ("scan"): a step decodes every running sequence and prefills within the rest of the token
         budget; False (and "promote"): a step is all-prefill or all-decode, prefill first.
 
-        `gdn_schedule`: how the chunked GDN rule is computed, "auto" ("fused" on CPU, "parallel" on accelerators),
-        "fused" or "parallel": the same maths, so outputs agree to float rounding.
+        `gdn_schedule`: how a prefill step's GDN rule is computed: "auto" (on the CPU the compiled prefill kernel,
+        token by token, `cpu_kernels.gdn_prefill`, where the kernels build, else "fused"; "parallel" on
+        accelerators), or the chunked rule's "fused" or "parallel" schedule: the same maths, so outputs agree to
+        float rounding.
 
         `generation_config` (vLLM's option): "auto" takes the sampling defaults of the model folder's
         generation_config.json (`model_sampling_defaults`: temperature, top_p, top_k, min_p, repetition_penalty,

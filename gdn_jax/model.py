@@ -743,7 +743,13 @@ class GatedDeltaNet(nnx.Module):
         v = v.reshape(B, T, nv, dv)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
-        if saves is not None:
+        if T > 1 and rule is None and schedule == "auto" and cpu_kernels.prefill_applies(k, v):
+            # the CPU kernel: token by token, each state in the core's cache (cpu_kernels.gdn_prefill)
+            res = cpu_kernels.gdn_prefill(q, k, v, g, beta, ssm_state, lengths, saves)
+            o, ssm_state = res[:2]
+            if saves is not None:
+                saved = (saved_conv, res[2])
+        elif saves is not None:
             rows, offsets = saves
             o, ssm_state, saved_ssm = chunk_gated_delta_rule(
                 q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, chunk_size=chunk_size,

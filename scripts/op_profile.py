@@ -96,6 +96,7 @@ FUNCTION_PARTS = {
     "token_step": "gdn_rule",
     "new_state": "gdn_rule",
     "decode_token": "gdn_rule",
+    "gdn_prefill": "gdn_rule",  # the CPU kernel of prefill steps (cpu_kernels.gdn_prefill)
     "advance_in_pool.<locals>.body": "gdn_state",
     "advance_in_pool": "gdn_state",
     "Qwen35Model.__call__.<locals>.linear": "gdn_state",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gdn_jax import cpu_kernels, model
+from gdn_jax import cpu_kernels, gated_delta, model
 from gdn_jax.config import get_preset
 
 
@@ -114,6 +114,87 @@ def test_float32_outputs_agree_to_rounding(fresh_choice):
     fresh_choice.setattr(cpu_kernels, "applies", lambda pool: False)
     (o_xla, _), _ = _run(pool, args, False)
     np.testing.assert_allclose(np.asarray(o_kernel), np.asarray(o_xla), rtol=2e-5, atol=2e-6)
+
+
+def _prefill_case(rng, dim, rows=4, tokens=37, heads=2):
+    """A prefill step's inputs: row 0 full, row 1 shorter, row 2 a padding row (length 0), row 3 with a reset
+    (g = -inf) and NaN garbage past its end; warm states; saves at several counts per row, out of order, at 0, at
+    the row's length and past it (clamped to it), and one of a padding row."""
+    shape = (rows, tokens, heads, dim)
+    q = rng.standard_normal(shape).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal(shape).astype(np.float32)
+    g = -rng.uniform(0.0, 0.5, shape[:3]).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, shape[:3]).astype(np.float32)
+    lengths = np.array([tokens, 20, 0, 30], np.int32)[:rows]
+    g[3, 9, 1] = -np.inf
+    q[3, 30:], v[3, 31:] = np.nan, np.inf
+    s0 = (rng.standard_normal((rows, heads, dim, dim)) * 0.2).astype(np.float32)
+    save_rows = np.array([0, 1, 0, 3, 1, 2, 3, 0], np.int32)
+    save_counts = np.array([32, 16, 8, 30, 40, 0, 0, 37], np.int32)
+    return (q, k, v, g, beta, s0, lengths), (save_rows, save_counts)
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128, 256])
+def test_the_prefill_kernel_runs_the_rule_as_xla_does(dim, fresh_choice):
+    """Every token of a prefill step, token by token (`cpu_kernels.gdn_prefill`): the outputs, final states and
+    saved states of XLA's recurrent form to float32 rounding, with ragged rows, a padding row, a reset and garbage
+    past a row's end, at each of the kernel's forms of a state's pass (16: any width; 64 and 128: the state's row in
+    registers; 256: two blocks of 128 columns)."""
+    if cpu_kernels.compiler() is None:
+        with pytest.warns(RuntimeWarning):
+            assert not cpu_kernels.available()
+        return
+    rng = np.random.default_rng(dim)
+    args, saves = _prefill_case(rng, dim)
+    q, k, v, g, beta, s0, lengths = args
+    assert cpu_kernels.prefill_applies(jnp.asarray(k), jnp.asarray(v))
+    fn = jax.jit(cpu_kernels.gdn_prefill)
+    o, final, saved = fn(*args, saves)
+    assert cpu_kernels.PREFILL_TARGET in fn.lower(*args, saves).compile().as_text()
+    o_ref, final_ref = gated_delta.recurrent_gated_delta_rule(*map(jnp.asarray, args))
+    tol = dict(rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), **tol)
+    np.testing.assert_allclose(np.asarray(final), np.asarray(final_ref), **tol)
+    assert np.isfinite(np.asarray(o)).all()
+    for r, n in enumerate(lengths):
+        assert not np.asarray(o[r, n:]).any()  # padding: zeros
+    np.testing.assert_array_equal(np.asarray(final[2]), s0[2])  # a padding row's state is left as it was
+    rows, counts = saves
+    for s, (r, c) in enumerate(zip(rows, counts)):
+        upto = np.minimum(lengths, 0)
+        upto[r] = min(c, lengths[r])
+        _, state = gated_delta.recurrent_gated_delta_rule(*map(jnp.asarray, args[:6]), jnp.asarray(upto))
+        np.testing.assert_allclose(np.asarray(saved[s]), np.asarray(state[r]), err_msg=f"save {s}", **tol)
+    np.testing.assert_array_equal(np.asarray(saved[5]), s0[2])  # after 0 tokens: the entering state
+    o2, final2 = fn(*args)  # no saves: the same rule
+    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
+    np.testing.assert_array_equal(np.asarray(final2), np.asarray(final))
+
+
+def test_the_prefill_kernel_gives_a_row_the_same_bits_whatever_the_other_rows_and_the_split(fresh_choice):
+    """A row's outputs and states do not depend on the other rows of the step, and a prompt run in two steps (the
+    second from the first's final state) gives the bits of one step: what makes a restored checkpoint's
+    continuation bitwise the uncached prefill's in the rule."""
+    if cpu_kernels.compiler() is None:
+        with pytest.warns(RuntimeWarning):
+            assert not cpu_kernels.available()
+        return
+    args, _ = _prefill_case(np.random.default_rng(5), 64)
+    q, k, v, g, beta, s0, lengths = args
+    fn = jax.jit(cpu_kernels.gdn_prefill)
+    o, final = fn(*args)
+    o1, final1 = fn(*(a[:1] for a in args))
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o[:1]))
+    np.testing.assert_array_equal(np.asarray(final1), np.asarray(final[:1]))
+    cut = 16
+    first = [a[:1, :cut] for a in (q, k, v, g, beta)]
+    oa, sa = fn(*first, s0[:1], np.array([cut], np.int32))
+    ob, sb = fn(*(a[:1, cut:] for a in (q, k, v, g, beta)), sa, lengths[:1] - cut)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(oa), np.asarray(ob)], 1), np.asarray(o[:1]))
+    np.testing.assert_array_equal(np.asarray(sb), np.asarray(final[:1]))
 
 
 def test_no_compiler_means_xla_form_with_one_warning_or_an_error_when_required(fresh_choice, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 import gdn_jax.model as model_mod
 import gdn_jax.worker as worker_mod
-from gdn_jax import LLM, LLMEngine, SamplingParams
+from gdn_jax import LLM, LLMEngine, SamplingParams, cpu_kernels
 from gdn_jax.config import FULL, LINEAR, get_preset
 from tests.gdn_jax.helpers import random_ids
 
@@ -189,26 +189,37 @@ def test_unknown_gdn_schedule_is_refused():
         LLM("tiny-random", gdn_schedule="chunked", **ENGINE_KW)
 
 
-@pytest.mark.parametrize("schedule", ["parallel", "fused"])
+@pytest.mark.parametrize("schedule", ["parallel", "fused", "auto"])
 def test_gdn_schedule_reaches_the_chunked_rule(schedule, monkeypatch):
     """The engine's `gdn_schedule` is the `impl` the chunked GDN rule is traced with in a prefill step (so the
-    "scan-parallel" equivalence above really compares two schedules). The step functions get a fresh cache here, so
-    this engine's step is traced anew, not taken from an engine built earlier in the process."""
-    seen = []
-    rule = model_mod.chunk_gated_delta_rule
+    "scan-parallel" equivalence above really compares two schedules); "auto" on the CPU runs the compiled prefill
+    kernel instead (`cpu_kernels.gdn_prefill`), where it builds (so "scan" and "promote" above compare it with the
+    "fused" schedule). The step functions get a fresh cache here, so this engine's step is traced anew, not taken
+    from an engine built earlier in the process."""
+    seen, kernel = [], []
+    rule, prefill = model_mod.chunk_gated_delta_rule, cpu_kernels.gdn_prefill
 
     def spy(*args, impl="auto", **kwargs):
         seen.append(impl)
         return rule(*args, impl=impl, **kwargs)
 
+    def kernel_spy(*args, **kwargs):
+        kernel.append(True)
+        return prefill(*args, **kwargs)
+
     monkeypatch.setattr(model_mod, "chunk_gated_delta_rule", spy)
+    monkeypatch.setattr(cpu_kernels, "gdn_prefill", kernel_spy)
     for name in ("step_function", "prompt_step_function"):
         monkeypatch.setattr(worker_mod, name, functools.lru_cache(maxsize=None)(getattr(worker_mod, name).__wrapped__))
     llm = LLM("tiny-random", gdn_schedule=schedule, **ENGINE_KW)
     prompt = random_ids(np.random.default_rng(3), 2 * STRIDE + 5)  # crosses two boundaries: the saving path too
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
-    assert llm.engine.cfg.linear_layer_ids and seen and set(seen) == {schedule}  # (the layers trace it once)
+    assert llm.engine.cfg.linear_layer_ids
+    if schedule == "auto" and cpu_kernels.available():
+        assert kernel and not seen
+    else:
+        assert seen and set(seen) == {schedule} and not kernel
 
 
 def _random_workload(rng, num_requests: int) -> list[tuple[int, str, list[int], SamplingParams, int | None]]:
