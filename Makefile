@@ -43,10 +43,11 @@ GROUP_D := tests/gdn_jax/test_tiny_model.py tests/gdn_jax/test_weights.py tests/
 # compiling a request's shapes: test_server_default_compile.py), compile as a user's engine does. (Group B compiled
 # with the flags above took 219 against 343 s, but C, which loads many of B's steps from the lane's cache, then took
 # ~160 s longer: no gain for the lane.)
-# Where the CPU decode kernels build (gdn_jax/cpu_kernels.py: a C++ compiler on PATH) the groups above run them;
+# Where the CPU kernels build (gdn_jax/cpu_kernels.py: a C++ compiler on PATH) the groups above run them;
 # XLA's forms of the GDN update and of one-token attention, which run where they do not (and on accelerators), keep
 # the tests that depend on them in a process of their own: every step shape in place, and a one-token step's rows
-# a few at a time. (The rest of those files' tests take the same path either way and run once, above.)
+# a few at a time. (The rest of those files' tests take the same path either way and run once, above. XLA's forms of
+# the prefill rule, the "fused" and "parallel" schedules, run above by the engine's `gdn_schedule`.)
 XLA_FORMS := GDN_JAX_CPU_KERNELS=0
 GROUP_XLA_FORMS := tests/gdn_jax/test_donation.py \
                    "tests/gdn_jax/test_decode_path.py::test_rows_a_few_at_a_time_equal_all_rows_at_once[1]"
