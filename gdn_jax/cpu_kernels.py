@@ -54,7 +54,8 @@ PREFILL_TARGET = "gdn_jax_gdn_prefill"
 ATTENTION_TARGET = "gdn_jax_attention_decode"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 ROWS_TARGET = "gdn_jax_rows_product"
-SOURCES = ("gdn_decode.cc", "gdn_prefill.cc", "attention_decode.cc", "rows_product.cc")  # (and their headers, parallel.h and lanes.h)
+# (and their headers, parallel.h and lanes.h)
+SOURCES = ("gdn_decode.cc", "gdn_prefill.cc", "attention_decode.cc", "rows_product.cc")
 MAX_DIM = 256  # the kernels' largest head dimension (their per-head buffers)
 MAX_GROUP = 16  # attention: the most query heads per KV head
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")

@@ -27,9 +27,10 @@ Two forms of the rule, with the same inputs and outputs:
 
   Two schedules of the same maths (``impl``):
   - ``"fused"`` (default on CPU; the model's prefill steps on the CPU run the compiled token-by-token kernel
-    instead, ``cpu_kernels.gdn_prefill``, where it builds, 3-4x faster at hybrid-1024's shapes): one ``lax.scan`` step handles ``chunks_per_step`` chunks (1 by
-    default: two per step ran 5-8% slower on the AVX-512 Xeon at 32- and 64-token chunks) and does
-    everything for them (intra-chunk matrices, the solve, the state recurrence, the output), so
+    instead, ``cpu_kernels.gdn_prefill``, where it builds, 3-4x faster at hybrid-1024's shapes): one
+    ``lax.scan`` step handles ``chunks_per_step`` chunks (1 by default: two per step ran 5-8% slower on
+    the AVX-512 Xeon at 32- and 64-token chunks) and does everything for them (intra-chunk matrices,
+    the solve, the state recurrence, the output), so
     every intermediate stays in cache. On the bandwidth-poor development CPU this is ~2x faster
     than materialising the intra-chunk tensors for the whole sequence (B=1, T=2048, H=16,
     dk=dv=64, float32: ~24 ms vs ~50 ms).
