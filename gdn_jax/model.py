@@ -715,14 +715,16 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = _linear(rngs, cfg.linear_value_dim, cfg.hidden_size, dtype, std)
 
     def __call__(self, x, conv_state, ssm_state, lengths, chunk_size: int | None = None, rule=None, saves=None,
-                 schedule: str = "auto"):
+                 schedule: str = "auto", kernel: bool = True):
         """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state).
         `chunk_size` of the chunked rule (same maths; None: `gated_delta.default_chunk_size()`). `rule`, if given,
         replaces the gated delta rule and the ssm_state argument: (q, k, v, g, beta) -> (o, new ssm state); the
         engine's decode step passes one that advances the states inside their pool. `saves` = (rows, offsets), [S]
         each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv
         [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states. `schedule`: the chunked
-        rule's (`chunk_gated_delta_rule`'s impl: "auto", "fused" or "parallel"; same maths)."""
+        rule's (`chunk_gated_delta_rule`'s impl: "auto", "fused" or "parallel"; same maths); with "auto" and
+        `kernel`, a step of more than one token per row on the CPU runs the compiled kernel instead
+        (`cpu_kernels.gdn_prefill`), which has no gradient: training passes `kernel=False`."""
         cfg = self.cfg
         chunk_size = chunk_size or default_chunk_size()
         B, T, _ = x.shape
@@ -743,7 +745,7 @@ class GatedDeltaNet(nnx.Module):
         v = v.reshape(B, T, nv, dv)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
-        if T > 1 and rule is None and schedule == "auto" and cpu_kernels.prefill_applies(k, v):
+        if T > 1 and kernel and rule is None and schedule == "auto" and cpu_kernels.prefill_applies(k, v):
             # the CPU kernel: token by token, each state in the core's cache (cpu_kernels.gdn_prefill)
             res = cpu_kernels.gdn_prefill(q, k, v, g, beta, ssm_state, lengths, saves)
             o, ssm_state = res[:2]

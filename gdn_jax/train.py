@@ -70,7 +70,7 @@ def dense_forward(model, tokens, chunk_size: int = 32):
             cfg = layer.linear_attn.cfg
             conv0 = jnp.zeros((B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), h.dtype)
             ssm0 = jnp.zeros((B, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
-            h = layer.linear_attn(h, conv0, ssm0, None, chunk_size=chunk_size)[0]
+            h = layer.linear_attn(h, conv0, ssm0, None, chunk_size=chunk_size, kernel=False)[0]  # differentiable
         else:
             h = dense_attention(layer.self_attn, h)
         x = x + h
