@@ -721,7 +721,8 @@ class GatedDeltaNet(nnx.Module):
         replaces the gated delta rule and the ssm_state argument: (q, k, v, g, beta) -> (o, new ssm state); the
         engine's decode step passes one that advances the states inside their pool. `saves` = (rows, offsets), [S]
         each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv
-        [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states. `schedule`: the chunked
+        [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states (or copied out by the CPU
+        kernel as it passes them). `schedule`: the chunked
         rule's (`chunk_gated_delta_rule`'s impl: "auto", "fused" or "parallel"; same maths); with "auto" and
         `kernel`, a step of more than one token per row on the CPU runs the compiled kernel instead
         (`cpu_kernels.gdn_prefill`), which has no gradient: training passes `kernel=False`."""

@@ -5,9 +5,9 @@
 // Here each (row, head) state stays in the core's cache for the whole row, and one pass over it per token both
 // updates it and takes its products with the next token's key and query:
 //   e = exp(g_t), delta_t = beta_t (v_t - e S^T k_t), o_t = e S^T q_t + (k_t . q_t) delta_t, S <- e S + k_t delta_t^T
-// (the update and the output of gdn_decode.cc, in the same order of operations). The (row, head) pairs are shared
-// among XLA's CPU threads (parallel.h). A state after a given number of a row's tokens is copied out on the way (the
-// checkpoints a prefill step saves).
+// (the update and the output of gdn_decode.cc, its products summed in the same order). The (row, head) pairs are
+// shared among XLA's CPU threads (parallel.h). A state after a given number of a row's tokens is copied out on the
+// way (the checkpoints a prefill step saves).
 //
 // q, k, v [B, T, H, D] (dk = dv = D), g, beta [B, T, H], s0 [B, H, D, D]: float32; lengths [B] (tokens at
 // t >= lengths[b] are padding: outputs 0, the state left as after the last real token); save_rows, save_counts [S]
