@@ -174,25 +174,26 @@ def gdn_decode(pool, src, live, warm, lengths, q, k, v, g, beta, layer):
 
 
 def prefill_applies(k, v) -> bool:
-    """Whether `gdn_prefill` runs the rule for keys k [B, T, H, dk] and values v [B, T, H, dv]: dk = dv <= MAX_DIM,
-    on the CPU backend, with the kernels available."""
-    return (k.ndim == 4 and k.shape == v.shape and k.shape[-1] <= MAX_DIM and jax.default_backend() == "cpu"
-            and available())
+    """Whether `gdn_prefill` runs the rule for keys k [B, T, Hk, dk] and values v [B, T, H, dv]: dk = dv <= MAX_DIM,
+    Hk dividing H, on the CPU backend, with the kernels available."""
+    return (k.ndim == v.ndim == 4 and k.shape[:2] == v.shape[:2] and k.shape[-1] == v.shape[-1] <= MAX_DIM
+            and v.shape[2] % k.shape[2] == 0 and jax.default_backend() == "cpu" and available())
 
 
 def gdn_prefill(q, k, v, g, beta, initial_state, lengths, saves=None):
-    """The gated delta rule over a prefill step's tokens by the kernel, token by token: q, k [B, T, H, D] (normed, k
-    expanded to the value heads), v [B, T, H, D], g, beta [B, T, H]; initial_state [B, H, D, D]; lengths [B] (None:
+    """The gated delta rule over a prefill step's tokens by the kernel, token by token: q, k [B, T, Hk, D] (normed;
+    value head h reads key head h // (H / Hk), as `jnp.repeat` would expand them), v [B, T, H, D], g, beta [B, T,
+    H]; initial_state [B, H, D, D]; lengths [B] (None:
     every token is real) -> (o [B, T, H, D] in v's dtype, the final states float32 [B, H, D, D]), and with `saves` =
     (rows, counts) [S] each, also the states of those rows after that many of their tokens, [S, H, D, D]. The same
     inputs and outputs as `gated_delta.chunk_gated_delta_rule` (with its chunk-end saves given as token counts).
     Only where `prefill_applies` said so: that registers the kernel with XLA."""
-    B, T, H, D = k.shape
+    B, T, H, D = v.shape
     out_dtype = v.dtype
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths).astype(jnp.int32)
     rows, counts = (jnp.zeros((0,), jnp.int32),) * 2 if saves is None else (a.astype(jnp.int32) for a in saves)
     f32 = jax.ShapeDtypeStruct
-    call = jax.ffi.ffi_call(PREFILL_TARGET, (f32(k.shape, jnp.float32), f32((B, H, D, D), jnp.float32),
+    call = jax.ffi.ffi_call(PREFILL_TARGET, (f32(v.shape, jnp.float32), f32((B, H, D, D), jnp.float32),
                                              f32((rows.shape[0], H, D, D), jnp.float32)))
     o, state, saved = call(*(a.astype(jnp.float32) for a in (q, k, v, g, beta, initial_state)), lengths, rows, counts)
     o = o.astype(out_dtype)

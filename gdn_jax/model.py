@@ -742,28 +742,30 @@ class GatedDeltaNet(nnx.Module):
         q, k, v = jnp.split(qkv, [cfg.linear_key_dim, 2 * cfg.linear_key_dim], axis=-1)
         q = l2norm(q.reshape(B, T, nk, dk).astype(jnp.float32)) * dk**-0.5
         k = l2norm(k.reshape(B, T, nk, dk).astype(jnp.float32))
-        q, k = jnp.repeat(q, nv // nk, axis=2), jnp.repeat(k, nv // nk, axis=2)  # value head h -> key head h // (nv/nk)
         v = v.reshape(B, T, nv, dv)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
         if T > 1 and kernel and rule is None and schedule == "auto" and cpu_kernels.prefill_applies(k, v):
-            # the CPU kernel: token by token, each state in the core's cache (cpu_kernels.gdn_prefill)
+            # the CPU kernel: token by token, each state in the core's cache, the key heads read where they lie
+            # (cpu_kernels.gdn_prefill)
             res = cpu_kernels.gdn_prefill(q, k, v, g, beta, ssm_state, lengths, saves)
             o, ssm_state = res[:2]
-            if saves is not None:
-                saved = (saved_conv, res[2])
-        elif saves is not None:
-            rows, offsets = saves
-            o, ssm_state, saved_ssm = chunk_gated_delta_rule(
-                q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, chunk_size=chunk_size,
-                save_chunks=(rows, jnp.maximum(offsets // chunk_size - 1, 0)), impl=schedule)  # [S, Hv, dk, dv]
-            saved = (saved_conv, saved_ssm)
+            saved = None if saves is None else (saved_conv, res[2])
         else:
-            if rule is None:
-                kw = {} if T == 1 else {"chunk_size": chunk_size, "impl": schedule}
-                rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
-                               initial_state=ssm_state, lengths=lengths, **kw)
-            o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
+            # value head h reads key head h // (nv / nk)
+            q, k = jnp.repeat(q, nv // nk, axis=2), jnp.repeat(k, nv // nk, axis=2)
+            if saves is not None:
+                rows, offsets = saves
+                o, ssm_state, saved_ssm = chunk_gated_delta_rule(
+                    q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, chunk_size=chunk_size,
+                    save_chunks=(rows, jnp.maximum(offsets // chunk_size - 1, 0)), impl=schedule)  # [S, Hv, dk, dv]
+                saved = (saved_conv, saved_ssm)
+            else:
+                if rule is None:
+                    kw = {} if T == 1 else {"chunk_size": chunk_size, "impl": schedule}
+                    rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
+                                   initial_state=ssm_state, lengths=lengths, **kw)
+                o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
         o = self.norm(o.astype(x.dtype), z.reshape(B, T, nv, dv))
         out = self.out_proj(o.reshape(B, T, nv * dv))
         return (out, conv_state, ssm_state) if saves is None else (out, conv_state, ssm_state, saved)

@@ -9,7 +9,8 @@
 // shared among XLA's CPU threads (parallel.h). A state after a given number of a row's tokens is copied out on the
 // way (the checkpoints a prefill step saves).
 //
-// q, k, v [B, T, H, D] (dk = dv = D), g, beta [B, T, H], s0 [B, H, D, D]: float32; lengths [B] (tokens at
+// q, k [B, T, Hk, D], v [B, T, H, D] (dk = dv = D; value head h reads key head h / (H / Hk)), g, beta [B, T, H],
+// s0 [B, H, D, D]: float32; lengths [B] (tokens at
 // t >= lengths[b] are padding: outputs 0, the state left as after the last real token); save_rows, save_counts [S]
 // (save s: the state of row save_rows[s] after its first save_counts[s] tokens, clamped to [0, lengths]).
 // Results: o [B, T, H, D], the final states [B, H, D, D], the saved states [S, H, D, D].
@@ -38,7 +39,7 @@ constexpr int64_t kBlock = 128;
 struct Rule {
   const float *q, *k, *v, *g, *beta, *s0;
   const int32_t *lengths, *save_rows, *save_counts;
-  int64_t rows, tokens, heads, dim, saves;
+  int64_t rows, tokens, heads, key_heads, dim, saves;
   float *out, *final_state, *saved;
 
   // One pass over a block of the state's columns, S [D, W] with rows `stride` apart: S <- e S + k delta^T, row by
@@ -121,9 +122,11 @@ struct Rule {
         for (int64_t i = 0; i < D; i++) std::memcpy(to + i * D, S + i * D, W * sizeof(float));
       }
     };
-    const size_t step = static_cast<size_t>(H) * D;  // one token's stride in q, k, v, o
+    const size_t step = static_cast<size_t>(H) * D;  // one token's stride in v and o
+    const size_t key_step = static_cast<size_t>(key_heads) * D;  // in q and k
     const size_t at = (static_cast<size_t>(r) * T * H + h) * D;
-    const float *qq = q + at, *kk = k + at, *vv = v + at + c0;
+    const size_t key_at = (static_cast<size_t>(r) * T * key_heads + h / (H / key_heads)) * D;
+    const float *qq = q + key_at, *kk = k + key_at, *vv = v + at + c0;
     const float *gg = g + static_cast<size_t>(r) * T * H + h, *bb = beta + static_cast<size_t>(r) * T * H + h;
     float* o = out + at + c0;
     alignas(64) float sk[kMaxDim], sq[kMaxDim], delta[kMaxDim];
@@ -140,7 +143,7 @@ struct Rule {
     }
     for (int64_t t = 0; t < n; t++) {
       save_at(t);
-      const float *kt = kk + t * step, *qt = qq + t * step, *vt = vv + t * step;
+      const float *kt = kk + t * key_step, *qt = qq + t * key_step, *vt = vv + t * step;
       const float e = std::exp(gg[t * H]), b = bb[t * H];
       float kq = 0.0f;
       for (int64_t i = 0; i < D; i++) kq += kt[i] * qt[i];
@@ -149,7 +152,7 @@ struct Rule {
         delta[j] = (vt[j] - e * sk[j]) * b;
         ot[j] = e * sq[j] + kq * delta[j];
       }
-      const float *nk = t + 1 < n ? kt + step : nullptr, *nq = t + 1 < n ? qt + step : nullptr;
+      const float *nk = t + 1 < n ? kt + key_step : nullptr, *nq = t + 1 < n ? qt + key_step : nullptr;
       if (W == 8 * kLanes) Pass<8>(D, D, S, e, kt, delta, nk, nq, sk, sq);
       else if (W == 4 * kLanes) Pass<4>(D, D, S, e, kt, delta, nk, nq, sk, sq);
       else if (W == 2 * kLanes) Pass<2>(D, D, S, e, kt, delta, nk, nq, sk, sq);
@@ -165,11 +168,13 @@ ffi::Error GdnPrefill(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
                       ffi::Buffer<ffi::F32> s0, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> save_rows,
                       ffi::Buffer<ffi::S32> save_counts, ffi::ResultBuffer<ffi::F32> out,
                       ffi::ResultBuffer<ffi::F32> final_state, ffi::ResultBuffer<ffi::F32> saved) {
-  auto dims = q.dimensions();
-  auto same = [&dims](auto other) { return std::equal(dims.begin(), dims.end(), other.begin(), other.end()); };
-  if (dims.size() != 4 || dims[3] > kMaxDim || !same(k.dimensions()) || !same(v.dimensions()))
-    return ffi::Error::InvalidArgument("gdn_prefill: q, k, v must be [B, T, H, D] alike, D <= 256");
-  const int64_t B = dims[0], T = dims[1], H = dims[2], D = dims[3];
+  auto dims = v.dimensions(), kd = k.dimensions();
+  const bool alike = std::equal(kd.begin(), kd.end(), q.dimensions().begin(), q.dimensions().end());
+  if (dims.size() != 4 || dims[3] > kMaxDim || !alike || kd.size() != 4 || kd[0] != dims[0] || kd[1] != dims[1] ||
+      kd[3] != dims[3] || kd[2] == 0 || dims[2] % kd[2] != 0)
+    return ffi::Error::InvalidArgument("gdn_prefill: q, k [B, T, Hk, D] and v [B, T, H, D] with Hk dividing H, "
+                                       "D <= 256, expected");
+  const int64_t B = dims[0], T = dims[1], H = dims[2], Hk = kd[2], D = dims[3];
   auto sd = s0.dimensions();
   if (sd.size() != 4 || sd[0] != B || sd[1] != H || sd[2] != D || sd[3] != D || g.element_count() != B * T * H ||
       beta.element_count() != B * T * H || lengths.element_count() != B ||
@@ -182,7 +187,7 @@ ffi::Error GdnPrefill(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
   }
   const Rule rule{q.typed_data(), k.typed_data(), v.typed_data(), g.typed_data(), beta.typed_data(),
                   s0.typed_data(), lengths.typed_data(), save_rows.typed_data(), save_counts.typed_data(),
-                  B, T, H, D, S, out->typed_data(), final_state->typed_data(), saved->typed_data()};
+                  B, T, H, Hk, D, S, out->typed_data(), final_state->typed_data(), saved->typed_data()};
   const int64_t W = rule.Width(), blocks = D / W;
   const int64_t bytes = T * D * W * sizeof(float);  // a pass over the block per token
   ParallelFor(threads, B * H * blocks, bytes,

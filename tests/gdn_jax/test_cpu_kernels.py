@@ -116,14 +116,14 @@ def test_float32_outputs_agree_to_rounding(fresh_choice):
     np.testing.assert_allclose(np.asarray(o_kernel), np.asarray(o_xla), rtol=2e-5, atol=2e-6)
 
 
-def _prefill_case(rng, dim, rows=4, tokens=37, heads=2):
+def _prefill_case(rng, dim, rows=4, tokens=37, heads=2, key_heads=2):
     """A prefill step's inputs: row 0 full, row 1 shorter, row 2 a padding row (length 0), row 3 with a reset
     (g = -inf) and NaN garbage past its end; warm states; saves at several counts per row, out of order, at 0, at
-    the row's length and past it (clamped to it), and one of a padding row."""
+    the row's length and past it (clamped to it), and one of a padding row. q and k have `key_heads` heads."""
     shape = (rows, tokens, heads, dim)
-    q = rng.standard_normal(shape).astype(np.float32)
+    q = rng.standard_normal((rows, tokens, key_heads, dim)).astype(np.float32)
     q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dim)
-    k = rng.standard_normal(shape).astype(np.float32)
+    k = rng.standard_normal(q.shape).astype(np.float32)
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal(shape).astype(np.float32)
     g = -rng.uniform(0.0, 0.5, shape[:3]).astype(np.float32)
@@ -137,24 +137,27 @@ def _prefill_case(rng, dim, rows=4, tokens=37, heads=2):
     return (q, k, v, g, beta, s0, lengths), (save_rows, save_counts)
 
 
-@pytest.mark.parametrize("dim", [16, 64, 128, 256])
-def test_the_prefill_kernel_runs_the_rule_as_xla_does(dim, fresh_choice):
+@pytest.mark.parametrize("dim, key_heads", [(16, 2), (64, 1), (128, 2), (256, 1)])
+def test_the_prefill_kernel_runs_the_rule_as_xla_does(dim, key_heads, fresh_choice):
     """Every token of a prefill step, token by token (`cpu_kernels.gdn_prefill`): the outputs, final states and
     saved states of XLA's recurrent form to float32 rounding, with ragged rows, a padding row, a reset and garbage
     past a row's end, at each of the kernel's forms of a state's pass (16: any width; 64 and 128: the state's row in
-    registers; 256: two blocks of 128 columns)."""
+    registers; 256: two blocks of 128 columns), with a key head for each value head or one for both (read where
+    it lies, where XLA's form takes them repeated)."""
     if cpu_kernels.compiler() is None:
         with pytest.warns(RuntimeWarning):
             assert not cpu_kernels.available()
         return
     rng = np.random.default_rng(dim)
-    args, saves = _prefill_case(rng, dim)
+    args, saves = _prefill_case(rng, dim, key_heads=key_heads)
     q, k, v, g, beta, s0, lengths = args
     assert cpu_kernels.prefill_applies(jnp.asarray(k), jnp.asarray(v))
+    assert not cpu_kernels.prefill_applies(jnp.zeros((4, 37, 3, dim)), jnp.asarray(v[:, :, :2]))  # 3 into 2 heads
     fn = jax.jit(cpu_kernels.gdn_prefill)
     o, final, saved = fn(*args, saves)
     assert cpu_kernels.PREFILL_TARGET in fn.lower(*args, saves).compile().as_text()
-    o_ref, final_ref = gated_delta.recurrent_gated_delta_rule(*map(jnp.asarray, args))
+    expanded = [np.repeat(a, v.shape[2] // key_heads, axis=2) for a in (q, k)] + list(args[2:])
+    o_ref, final_ref = gated_delta.recurrent_gated_delta_rule(*map(jnp.asarray, expanded))
     tol = dict(rtol=1e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), **tol)
     np.testing.assert_allclose(np.asarray(final), np.asarray(final_ref), **tol)
@@ -166,7 +169,7 @@ def test_the_prefill_kernel_runs_the_rule_as_xla_does(dim, fresh_choice):
     for s, (r, c) in enumerate(zip(rows, counts)):
         upto = np.minimum(lengths, 0)
         upto[r] = min(c, lengths[r])
-        _, state = gated_delta.recurrent_gated_delta_rule(*map(jnp.asarray, args[:6]), jnp.asarray(upto))
+        _, state = gated_delta.recurrent_gated_delta_rule(*map(jnp.asarray, expanded[:6]), jnp.asarray(upto))
         np.testing.assert_allclose(np.asarray(saved[s]), np.asarray(state[r]), err_msg=f"save {s}", **tol)
     np.testing.assert_array_equal(np.asarray(saved[5]), s0[2])  # after 0 tokens: the entering state
     o2, final2 = fn(*args)  # no saves: the same rule
