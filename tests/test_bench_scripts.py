@@ -178,6 +178,33 @@ def test_bench_scheduler_reports_each_concurrency(tmp_path):
         assert r["decode"]["p50_ms"] > 0 and 0 <= r["hit_rate"] <= 1
 
 
+def test_bench_gdn_rule_times_each_form_checked_against_the_token_by_token_rule(tmp_path):
+    from gdn_jax import cpu_kernels
+
+    out = tmp_path / "rule.json"
+    result = _script("bench_gdn_rule").main(["--shapes", "2x40x4x16", "--repeats", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    (row,) = result["results"]
+    assert row["shape"] == [2, 40, 4, 16] and row["key_heads"] == 2  # half the value heads by default
+    forms = row["forms"]
+    assert set(forms) == ({"kernel", "fused", "parallel"} if cpu_kernels.available() else {"fused", "parallel"})
+    for r in forms.values():
+        assert 0 < r["min_ms"] <= r["median_ms"]
+        assert r["max_abs_o_diff"] < 1e-5 and r["max_abs_state_diff"] < 1e-5
+    if "kernel" in forms:
+        assert forms["kernel"]["over_kernel"] == 1.0
+        assert forms["fused"]["over_kernel"] == pytest.approx(forms["fused"]["min_ms"] / forms["kernel"]["min_ms"])
+
+
+@pytest.mark.parametrize("argv, message", [(["--shapes", "2x40x4"], "ROWSxTOKENSxHEADSxDIM"),
+                                           (["--forms", "kernel,chunked"], "forms are some of"),
+                                           (["--shapes", "1x8x4x16", "--key-heads", "3"], "does not divide")])
+def test_bench_gdn_rule_refuses_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _script("bench_gdn_rule").main(argv + ["--out", "/dev/null"])
+    assert message in capsys.readouterr().err
+
+
 def test_bench_kernel_ceiling_checks_its_kernel_and_reports_both_products(tmp_path):
     """The peaks, then each rows count timed by the kernel and by the engine's product, then the GDN decode update in
     XLA's form and by the package's kernel (checked against XLA's); on a CPU without AVX-512 BF16 or a machine without
