@@ -182,12 +182,12 @@ def prefill_applies(k, v) -> bool:
 
 def gdn_prefill(q, k, v, g, beta, initial_state, lengths, saves=None):
     """The gated delta rule over a prefill step's tokens by the kernel, token by token: q, k [B, T, Hk, D] (normed;
-    value head h reads key head h // (H / Hk), as `jnp.repeat` would expand them), v [B, T, H, D], g, beta [B, T,
-    H]; initial_state [B, H, D, D]; lengths [B] (None:
-    every token is real) -> (o [B, T, H, D] in v's dtype, the final states float32 [B, H, D, D]), and with `saves` =
-    (rows, counts) [S] each, also the states of those rows after that many of their tokens, [S, H, D, D]. The same
-    inputs and outputs as `gated_delta.chunk_gated_delta_rule` (with its chunk-end saves given as token counts).
-    Only where `prefill_applies` said so: that registers the kernel with XLA."""
+    value head h reads key head h // (H / Hk), as `jnp.repeat` would expand them), v [B, T, H, D], g, beta
+    [B, T, H]; initial_state [B, H, D, D]; lengths [B] (None: every token is real) -> (o [B, T, H, D] in v's dtype,
+    the final states float32 [B, H, D, D]), and with `saves` = (rows, counts) [S] each, also the states of those
+    rows after that many of their tokens, [S, H, D, D]. The same inputs and outputs as
+    `gated_delta.chunk_gated_delta_rule` (with its chunk-end saves given as token counts). Only where
+    `prefill_applies` said so: that registers the kernel with XLA."""
     B, T, H, D = v.shape
     out_dtype = v.dtype
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths).astype(jnp.int32)

@@ -748,9 +748,8 @@ class GatedDeltaNet(nnx.Module):
         if T > 1 and kernel and rule is None and schedule == "auto" and cpu_kernels.prefill_applies(k, v):
             # the CPU kernel: token by token, each state in the core's cache, the key heads read where they lie
             # (cpu_kernels.gdn_prefill)
-            res = cpu_kernels.gdn_prefill(q, k, v, g, beta, ssm_state, lengths, saves)
-            o, ssm_state = res[:2]
-            saved = None if saves is None else (saved_conv, res[2])
+            o, ssm_state, *saved_ssm = cpu_kernels.gdn_prefill(q, k, v, g, beta, ssm_state, lengths, saves)
+            saved = (saved_conv, *saved_ssm)  # (used only with saves)
         else:
             # value head h reads key head h // (nv / nk)
             q, k = jnp.repeat(q, nv // nk, axis=2), jnp.repeat(k, nv // nk, axis=2)
