@@ -15,7 +15,12 @@ import openai
 import pytest
 
 from gdn_jax import LLM, LLMEngine, SamplingParams
-from gdn_jax.server import CompletionRequest, EngineLoop, ServerConfig, ServerThread, create_app
+from gdn_jax.entrypoints.openai.api_server import ServerThread, create_app
+from gdn_jax.entrypoints.openai.engine_loop import EngineLoop
+from gdn_jax.entrypoints.openai.protocol import CompletionRequest
+from gdn_jax.entrypoints.openai.serving_engine import ServerConfig
+
+pytestmark = pytest.mark.server
 
 KEY = "test-key-123"
 ENGINE_KW = dict(block_size=16, chunk_stride=32, max_num_seqs=32, max_model_len=256)
@@ -306,6 +311,19 @@ def test_a_model_the_server_does_not_serve_is_a_404_and_none_named_is_served(ser
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2 and r.json()["model"] == "tiny"
 
 
+def test_chat_naming_another_model_is_a_404_before_the_missing_template_is_a_400(server):
+    """A wrong `model` is a 404 on /v1/chat/completions too, also where the model has no chat template (that 400
+    came first); the served name, or none, still gets the template's 400."""
+    auth, msgs = {"Authorization": f"Bearer {KEY}"}, [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth, timeout=60,
+                   json={"model": "qwen3.5-9b", "messages": msgs, "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+    assert "`qwen3.5-9b` does not exist" in r.json()["error"]["message"]
+    for named in ({"model": "tiny"}, {}):
+        r = httpx.post(server.url + "/v1/chat/completions", headers=auth, timeout=60,
+                       json={**named, "messages": msgs, "max_tokens": 2})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"], r.text
+
 def test_the_models_recommended_sampling_fills_what_a_request_leaves_unset(server, monkeypatch):
     """vLLM's --generation-config auto: generation_config.json's temperature (and top_p, top_k, min_p,
     repetition_penalty) for the fields a request leaves unset, its max_new_tokens as a cap on max_tokens."""
@@ -315,7 +333,7 @@ def test_the_models_recommended_sampling_fills_what_a_request_leaves_unset(serve
     greedy = _post(server, {**body, "temperature": 0.0}).json()
     assert unset["usage"]["completion_tokens"] == 3 == greedy["usage"]["completion_tokens"]
     assert unset["choices"][0]["text"] == greedy["choices"][0]["text"]
-    srv = server.server.config.app.state.server
+    srv = server.server.config.app.state.serving_completion
     params = srv.sampling_params(CompletionRequest(prompt="x", temperature=0.5, top_k=3), 10, None, None, 1)
     assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.5, 3, 1.0, 3)
 
@@ -647,7 +665,7 @@ def test_serve_renders_the_template_with_the_tokenizer_special_tokens(server, tm
     --chat-template."""
     import shutil
 
-    from gdn_jax import cli
+    from gdn_jax.entrypoints import cli
     from tests.gdn_jax.helpers import FIXTURE
     folder = tmp_path / "m"
     shutil.copytree(FIXTURE, folder)
@@ -663,7 +681,7 @@ def test_serve_renders_the_template_with_the_tokenizer_special_tokens(server, tm
             {"role": "user", "content": "more"}]
     for extra, reply in (([], "<|assistant|>"), (["--chat-template", str(tmp_path / "t.jinja")], "<|bot|>")):
         configs = []
-        monkeypatch.setattr("gdn_jax.server.serve", lambda engine, config, **kw: configs.append(config))
+        monkeypatch.setattr("gdn_jax.entrypoints.openai.api_server.serve", lambda engine, config, **kw: configs.append(config))
         cli.main(["serve", "--model", str(folder), "--no-warm-up", "--max-model-len", "64", "--max-num-seqs", "2",
                   *extra])
         with ServerThread(create_app(server.loop, configs[0])) as chat:
@@ -761,10 +779,10 @@ def test_a_reply_splits_into_reasoning_and_content_alike_whole_or_streamed(opene
     """vLLM's qwen3 reasoning parser's split: the reasoning runs to the first </think>, from the reply's start when the
     prompt opened the block (Qwen3.5), or after a <think> the reply starts with. Streamed in pieces of any size, the
     deltas join to the same parts and never carry a tag's characters (a possible tag start is held back)."""
-    from gdn_jax.server import _ReasoningStream, split_reasoning
+    from gdn_jax.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
     assert split_reasoning(text, opened, finished=True) == (reasoning, content)
     for size in (1, 2, 3, 5, 64):
-        stream, sent = _ReasoningStream(opened), {"reasoning": "", "content": ""}
+        stream, sent = ReasoningStream(opened), {"reasoning": "", "content": ""}
         cuts = list(range(0, len(text), size)) + [len(text)]
         for end in cuts:
             for name, new in stream.advance(text[:end], finished=end == cuts[-1] and end == len(text)).items():
@@ -774,7 +792,7 @@ def test_a_reply_splits_into_reasoning_and_content_alike_whole_or_streamed(opene
 
 
 def test_prompts_that_leave_a_think_block_open():
-    from gdn_jax.server import prompt_opens_reasoning
+    from gdn_jax.entrypoints.openai.reasoning import prompt_opens_reasoning
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking false
     assert not prompt_opens_reasoning("<|im_start|>assistant\n")
