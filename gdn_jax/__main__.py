@@ -8,7 +8,7 @@ import statistics
 import time
 
 from gdn_jax import LLM, SamplingParams
-from gdn_jax.cli import HelpFormatter, positive_int
+from gdn_jax.entrypoints.cli import HelpFormatter, positive_int
 
 SYSTEM = ("The Python Language Reference describes the syntax and core semantics of the language. Each section "
           "below explains one statement or concept, with its grammar and an example.\n\n")

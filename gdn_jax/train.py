@@ -30,9 +30,9 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.config import LINEAR, ModelConfig
-from gdn_jax.model import float32_precision
+from gdn_jax.model.dense import float32_precision
 from gdn_jax.tokenizer import ByteTokenizer
-from gdn_jax.weights import abstract_model
+from gdn_jax.model.weights import abstract_model
 
 LN2 = math.log(2.0)
 
@@ -250,7 +250,7 @@ def train_step_for(cfg: ModelConfig, tc: TrainConfig):
 def init_params(cfg: ModelConfig, seed: int = 0):
     """Float32 master params for training: normal(0.02) projections, zero-centred norms at identity, the GDN decay
     rates of `model.Qwen35Model`; output projections scaled down by sqrt(2 * layers) (residual-stream init)."""
-    from gdn_jax.model import Qwen35Model
+    from gdn_jax.model.qwen35 import Qwen35Model
 
     model = Qwen35Model(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed), std=0.02)
     scale = 1.0 / math.sqrt(2 * cfg.num_hidden_layers)

@@ -29,7 +29,7 @@ figure of a first start). `--cache-dir DIR` turns it on in DIR (every compilatio
 new cache folder (the first fills it, the second reads it) and reports both, with each process's wall time (imports,
 model setup and every shape). `--warm-up` times `Worker.warm_up()` as a whole instead (the engine's own warm-up,
 which lowers one executable while `--compile-threads` threads, by default one per core, compile the ones before, and
-first looks each up in the executable store beside the cache, `gdn_jax.executables`): with `--second-start`, the
+first looks each up in the executable store beside the cache, `gdn_jax.worker.executable_store`): with `--second-start`, the
 second start of the engine. Timing shape by shape (without `--warm-up`) fills JAX's persistent cache but not the
 executable store; it times one compilation at a time, so its `total_s` is the sum over shapes, not a warm-up's wall
 time on a machine of several cores.
@@ -55,11 +55,14 @@ T_START = time.perf_counter()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from gdn_jax import executables  # noqa: E402
-from gdn_jax.cli import nonnegative_int, output_file, positive_int  # noqa: E402
+from gdn_jax.worker import executable_store as executables  # noqa: E402
+from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int  # noqa: E402
 from gdn_jax.config import get_preset  # noqa: E402
-from gdn_jax.weights import abstract_model  # noqa: E402
-from gdn_jax.worker import Worker, compile_threads_default, default_memory_budget, plan_memory  # noqa: E402
+from gdn_jax.model.weights import abstract_model  # noqa: E402
+from gdn_jax.worker.worker import Worker
+from gdn_jax.worker.compilation import compile_threads_default
+from gdn_jax.worker.memory import default_memory_budget
+from gdn_jax.worker.memory import plan_memory  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

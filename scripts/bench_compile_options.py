@@ -24,12 +24,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gdn_jax import executables
-from gdn_jax.cli import output_file, positive_int
+from gdn_jax.worker import executable_store as executables
+from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.engine import LLMEngine
-from gdn_jax.model import Batch
-from gdn_jax.restore import RestoreOps
-from gdn_jax.worker import LLVM_IR_CPU_COMPILER_OPTIONS, host_batch, vector_width_options
+from gdn_jax.model.state import Batch
+from gdn_jax.model.state import RestoreOps
+from gdn_jax.worker.compilation import LLVM_IR_CPU_COMPILER_OPTIONS, vector_width_options
+from gdn_jax.worker.step import host_batch
 
 # each set overrides the jitted step's own options (worker.compiler_options: JAX appends a set's options to those), so
 # every option is spelled out; 256 bits is XLA's preferred vector width, optimisation level 3 its default

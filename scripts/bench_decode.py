@@ -71,11 +71,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn_jax import LLMEngine, SamplingParams, cpu_kernels
-from gdn_jax.cli import nonnegative_int, output_file, positive_int, positive_ints
+from gdn_jax import LLMEngine, SamplingParams
+from gdn_jax.backends.cpu import kernels as cpu_kernels, library
+from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int, positive_ints
 from gdn_jax.config import PRESETS, ModelConfig, get_preset, hybrid_layer_types
-from gdn_jax.model import dense
-from gdn_jax.worker import DECODE_VECTOR_BITS, vector_width_options
+from gdn_jax.model.dense import dense
+from gdn_jax.worker.compilation import DECODE_VECTOR_BITS, vector_width_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from op_profile import compiled_text, op_kind, op_parts, part_times, self_times, trace_events  # noqa: E402
@@ -407,7 +408,7 @@ def main(argv=None):
           + f"; the bound uses {bandwidth / 1e9:.1f} GB/s")
     kernel = cpu_kernels.available()  # the GDN decode update and decode attention: compiled CPU kernels, or XLA's
     print(f"GDN decode update and decode attention: {'the compiled CPU kernels' if kernel else 'XLA'} "
-          f"({cpu_kernels.KERNELS_ENV}={os.environ.get(cpu_kernels.KERNELS_ENV, '')!r})")
+          f"({library.KERNELS_ENV}={os.environ.get(library.KERNELS_ENV, '')!r})")
     rows = []
     for dtype in args.dtypes:
         rows += run_dtype(args, dtype, bandwidth)

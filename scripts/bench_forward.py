@@ -33,11 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax.cli import output_file, positive_int
+from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.config import PRESETS, get_preset
-from gdn_jax.model import Batch, forward, fused_parts, init_model, init_state
-from gdn_jax.weights import hf_tensors
-from gdn_jax.worker import compiler_options, executable_kind
+from gdn_jax.model.state import Batch, init_state
+from gdn_jax.model.qwen35 import forward, init_model
+from gdn_jax.model.layers import fused_parts
+from gdn_jax.model.weights import hf_tensors
+from gdn_jax.worker.compilation import compiler_options, executable_kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import best_time  # noqa: E402

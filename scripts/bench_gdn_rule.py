@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax import cpu_kernels
-from gdn_jax.cli import nonnegative_int, output_file, positive_int
-from gdn_jax.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from gdn_jax.backends.cpu import kernels as cpu_kernels, library
+from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
+from gdn_jax.model.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 
 FORMS = ("kernel", "fused", "parallel")
 
@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
     forms = list(args.forms)
     if "kernel" in forms and not cpu_kernels.available():
         print("kernel: the CPU kernels are not in use here (no C++ compiler, another backend, or "
-              f"{cpu_kernels.KERNELS_ENV}=0); timing XLA's forms only")
+              f"{library.KERNELS_ENV}=0); timing XLA's forms only")
         forms.remove("kernel")
     results = []
     print(f"{'shape (B x T x H x D)':<22} {'Hk':>3} {'form':<9} {'min ms':>9} {'median ms':>10} {'/ kernel':>9} "

@@ -42,9 +42,11 @@ from bench_decode import best_time, decode_bytes, measure_read_bandwidth  # noqa
 from op_profile import op_kind, trace_events  # noqa: E402
 
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
-from gdn_jax.cli import output_file, positive_int  # noqa: E402
+from gdn_jax.entrypoints.cli import output_file, positive_int  # noqa: E402
 from gdn_jax.config import FULL, LINEAR, get_preset  # noqa: E402
-from gdn_jax.model import UNROLL_ENV, Batch, forward, init_state  # noqa: E402
+from gdn_jax.model.qwen35 import UNROLL_ENV, forward
+from gdn_jax.model.state import Batch
+from gdn_jax.model.state import init_state  # noqa: E402
 
 
 def matmul_peak(n: int, dtype, repeats: int = 10) -> float:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from gdn_jax.cli import output_file, positive_int, positive_ints
+from gdn_jax.entrypoints.cli import output_file, positive_int, positive_ints
 from gdn_jax.tokenizer import HFTokenizer, TextStream
 from scheduler.sampling_params import MAX_LOGPROBS
 

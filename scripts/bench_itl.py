@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gdn_jax.cli import nonnegative_int, output_file, positive_int
+from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
 
 
 def one_pass(engine, args, rng) -> dict:

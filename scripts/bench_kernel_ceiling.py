@@ -43,9 +43,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from gdn_jax.cli import nonnegative_int, output_file, positive_int
-from gdn_jax import cpu_kernels
-from gdn_jax.model import advance_in_pool, dense
+from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
+from gdn_jax.backends.cpu import kernels as cpu_kernels
+from gdn_jax.model.qwen35 import advance_in_pool
+from gdn_jax.model.dense import dense
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sampling import _timeit  # noqa: E402  (min and median seconds of repeated calls)

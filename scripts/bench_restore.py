@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax.cli import output_file, positive_int
+from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.config import LINEAR, ModelConfig
-from gdn_jax.model import Batch, forward, init_model, init_state
-from gdn_jax.restore import restore_linear_state_slots, restore_sources
+from gdn_jax.model.state import Batch, init_state
+from gdn_jax.model.qwen35 import forward, init_model
+from gdn_jax.model.state import restore_linear_state_slots, restore_sources
 
 
 def gdn_9b_config(layers: int, hidden: int) -> ModelConfig:

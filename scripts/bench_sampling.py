@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax.cli import output_file, positive_int
+from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.sampling import SamplingMetadata, sample
 from scheduler import SamplingParams, ScheduledSequence
 

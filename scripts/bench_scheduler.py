@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 
-from gdn_jax.cli import nonnegative_int, output_file, positive_int
+from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 VOCAB = 32000

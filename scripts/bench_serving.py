@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from gdn_jax.cli import nonnegative_int, output_file, positive_int
+from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
 
 
 def pct(xs, q):
@@ -118,7 +118,7 @@ class ServerProcess:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "gdn_jax.cli", "serve", "--model", args.model, "--dtype", args.dtype,
+        cmd = [sys.executable, "-m", "gdn_jax.entrypoints.cli", "serve", "--model", args.model, "--dtype", args.dtype,
                "--port", str(self.port), "--log-level", "warning", "--max-num-seqs",
                str(max(args.concurrency)), "--max-model-len", str(args.max_model_len), "--chunk-stride",
                str(args.chunk_stride), "--max-tokens-limit", str(args.max_tokens)]
@@ -225,7 +225,7 @@ def main(argv=None):
                  f"exceeds --max-model-len ({args.max_model_len})")
 
     from gdn_jax.config import ModelConfig, get_preset
-    from gdn_jax.weights import model_folder
+    from gdn_jax.model.weights import model_folder
     folder = model_folder(args.model)  # the shipped `tiny`, or an HF folder; else a preset
     vocab = (get_preset(args.model) if folder is None else ModelConfig.from_pretrained(folder)).vocab_size
     rows = {}

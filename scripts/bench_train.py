@@ -22,11 +22,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gdn_jax.cli import output_file, positive_int  # noqa: E402
+from gdn_jax.entrypoints.cli import output_file, positive_int  # noqa: E402
 from gdn_jax.config import ModelConfig  # noqa: E402
 from gdn_jax.train import (Forward, TrainConfig, init_params, load_corpus, make_optimizer,  # noqa: E402
                            make_train_step, param_count, sample_batch)
-from gdn_jax.weights import MODELS_DIR  # noqa: E402
+from gdn_jax.model.weights import MODELS_DIR  # noqa: E402
 
 
 def main(argv=None) -> list[dict]:

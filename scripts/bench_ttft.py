@@ -122,7 +122,8 @@ def prefill(args) -> dict:
     """Cold and hit TTFT of one long prompt against one jitted forward of the same tokens, per checkpoint mode and
     policy, in one run: "scan" (all, last) prefills as many strides per step as the budget allows and writes the
     checkpoints from the scan; "promote" takes one stride per step. Same weights for every engine."""
-    from gdn_jax.model import Batch, forward, init_state
+    from gdn_jax.model.state import Batch, init_state
+    from gdn_jax.model.qwen35 import forward
 
     variants = {"scan / all": dict(checkpoint_mode="scan"), "scan / last": dict(checkpoint_mode="scan",
                                                                                 checkpoint_policy="last"),

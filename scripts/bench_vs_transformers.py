@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLM, ModelConfig, SamplingParams, get_preset
-from gdn_jax.cli import nonnegative_int, positive_int
-from gdn_jax.weights import model_folder
+from gdn_jax.entrypoints.cli import nonnegative_int, positive_int
+from gdn_jax.model.weights import model_folder
 from scheduler.sampling_params import MAX_LOGPROBS
 from study_cli import study_parser, write_json
 

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from gdn_jax import LLM, SamplingParams
-from gdn_jax.cli import output_file, positive_int
+from gdn_jax.entrypoints.cli import output_file, positive_int
 
 
 def measure(args) -> dict:

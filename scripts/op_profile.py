@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jax
 
-from gdn_jax import executables
+from gdn_jax.worker import executable_store as executables
 
 
 def compiled_text(fn, args) -> str:

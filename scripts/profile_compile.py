@@ -30,7 +30,7 @@ import jax  # noqa: E402
 from jax._src.lib import _profile_data  # noqa: E402
 
 from bench_compile import DTYPES, build_worker, parse_shapes  # noqa: E402
-from gdn_jax.cli import nonnegative_int, output_file, positive_int  # noqa: E402
+from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int  # noqa: E402
 
 
 def xla_events(trace_dir: str) -> dict[str, float]:

@@ -30,9 +30,10 @@ from op_profile import PARTS, compiled_text, op_parts, part_times, self_times, t
 from bench_forward import _batch, forward_jit  # noqa: E402
 from study_cli import dtype_names  # noqa: E402
 
-from gdn_jax.cli import output_file, positive_int  # noqa: E402
+from gdn_jax.entrypoints.cli import output_file, positive_int  # noqa: E402
 from gdn_jax.config import PRESETS, get_preset  # noqa: E402
-from gdn_jax.model import init_model, init_state  # noqa: E402
+from gdn_jax.model.qwen35 import init_model
+from gdn_jax.model.state import init_state  # noqa: E402
 
 def profile(cfg, tokens, dtype, runs: int) -> dict:
     graphdef, params = init_model(cfg, seed=0, dtype=dtype)

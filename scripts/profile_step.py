@@ -37,7 +37,7 @@ from op_profile import PARTS, compiled_text, op_parts, part_times, self_times, t
 from study_cli import dtype_names  # noqa: E402
 
 from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
-from gdn_jax.cli import output_file, positive_int  # noqa: E402
+from gdn_jax.entrypoints.cli import output_file, positive_int  # noqa: E402
 
 
 def profile_dtype(args, dtype: str) -> dict:

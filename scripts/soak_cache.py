@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from gdn_jax.cli import nonnegative_int, nonnegative_number, output_file, positive_int, positive_number
+from gdn_jax.entrypoints.cli import nonnegative_int, nonnegative_number, output_file, positive_int, positive_number
 
 MODEL = "tiny-random"
 COUNTERS = ("hits", "checkpoints_restored", "preemptions", "forks", "fork_fallbacks", "checkpoints_evicted",

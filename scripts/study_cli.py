@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gdn_jax.cli import HelpFormatter, nonnegative_int, positive_int, writable_file  # noqa: F401 - the flag types
-from gdn_jax.worker import GPU_MEMORY_UTILIZATION
+from gdn_jax.entrypoints.cli import HelpFormatter, nonnegative_int, positive_int, writable_file  # noqa: F401 - the flag types
+from gdn_jax.worker.memory import GPU_MEMORY_UTILIZATION
 
 DEFAULT_MODEL = "tiny"  # the trained built-in model
 DTYPES = ("float32", "bfloat16")
@@ -48,7 +48,7 @@ def study_parser(prog: str, doc: str, outputs: str, quick: str, *, model_default
 def parse(ap: argparse.ArgumentParser, argv=None, files: tuple[str, ...] = ()) -> argparse.Namespace:
     """`ap.parse_args(argv)`, then --out made ready before anything runs: a folder that cannot be written, or one of
     the `files` the study writes there that cannot be (a folder of that name), ends the run now (an argparse error
-    naming it), not after the study has run. Tried by writing (`gdn_jax.cli.writable_file`): permission bits alone
+    naming it), not after the study has run. Tried by writing (`gdn_jax.entrypoints.cli.writable_file`): permission bits alone
     pass root on a read-only file system."""
     args = ap.parse_args(argv)
     try:
@@ -66,7 +66,7 @@ def model_config(model: str):
     """`model`'s `ModelConfig` read from its config alone (no weights), so that a study can check its settings against
     the model before it builds an engine; None for a name the engine will refuse with its own error."""
     from gdn_jax.config import PRESETS, ModelConfig
-    from gdn_jax.weights import model_folder
+    from gdn_jax.model.weights import model_folder
 
     if model in PRESETS:
         return PRESETS[model]

@@ -31,12 +31,12 @@ import jax
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gdn_jax.cli import nonnegative_int, positive_int  # noqa: E402
+from gdn_jax.entrypoints.cli import nonnegative_int, positive_int  # noqa: E402
 from gdn_jax.config import ModelConfig, hybrid_layer_types  # noqa: E402
 from gdn_jax.tokenizer import ByteTokenizer  # noqa: E402
 from gdn_jax.train import (LN2, TrainConfig, bits_per_byte, forward_for, load_corpus, param_count,  # noqa: E402
                            steady_tokens_per_s, train)
-from gdn_jax.weights import save_hf_weights  # noqa: E402
+from gdn_jax.model.weights import save_hf_weights  # noqa: E402
 
 HELDOUT_AT = 0.9  # where the held-out slice starts, as a fraction of the corpus text
 PROMPT = "The \"for\" statement is used to"

@@ -7,7 +7,7 @@ persistent compilation cache, every executable kept, so that a process loads the
 compiled, in a fresh clone too, and a re-traced identical program (a fresh jit of the same function) loads instead
 of compiling. Unset, the cache stays off.
 
-Either way the engine's executable store (gdn_jax.executables) stays off unless a test names its folder, and the
+Either way the engine's executable store (gdn_jax.worker.executable_store) stays off unless a test names its folder, and the
 subprocesses the tests start (servers, CLIs) run without any cache: an executable that JAX loaded from its cache
 cannot be serialized again on the CPU (the copy fails at dispatch, "Function ... not found"), and the store saves
 what warm-up compiled, which with the cache on may be such a load."""
@@ -21,7 +21,7 @@ os.environ["GDN_JAX_CACHE_DIR"] = "off"  # engines enable no cache of their own,
 import jax  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-from gdn_jax import executables  # noqa: E402
+from gdn_jax.worker import executable_store as executables  # noqa: E402
 
 _cache = os.environ.get("GDN_JAX_TEST_COMPILE_CACHE", "")
 if _cache and _cache != "0":

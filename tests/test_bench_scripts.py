@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.bench
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -127,7 +129,8 @@ def test_op_parts_attribute_the_attention_beyond_rope():
     import numpy as np
 
     from gdn_jax.config import get_preset
-    from gdn_jax.model import init_model, init_state
+    from gdn_jax.model.qwen35 import init_model
+    from gdn_jax.model.state import init_state
 
     bench, profile = _script("bench_forward"), _script("op_profile")
     cfg = get_preset("tiny-random")
@@ -179,7 +182,7 @@ def test_bench_scheduler_reports_each_concurrency(tmp_path):
 
 
 def test_bench_gdn_rule_times_each_form_checked_against_the_token_by_token_rule(tmp_path):
-    from gdn_jax import cpu_kernels
+    from gdn_jax.backends.cpu import kernels as cpu_kernels
 
     out = tmp_path / "rule.json"
     result = _script("bench_gdn_rule").main(["--shapes", "2x40x4x16", "--repeats", "2", "--out", str(out)])
@@ -231,7 +234,7 @@ def test_bench_kernel_ceiling_checks_its_kernel_and_reports_both_products(tmp_pa
     # the GDN update: checked against the engine's (a cold row, a restoring one, the others continuing their slots)
     gdn = result["gdn"]
     assert (gdn["layers"], gdn["slots"], gdn["heads"], gdn["dim"]) == (2, 13, 3, 16)
-    from gdn_jax import cpu_kernels  # the package's own kernel beside them where it builds
+    from gdn_jax.backends.cpu import kernels as cpu_kernels  # the package's own kernel beside them where it builds
 
     impls = ["engine"] + ["package_kernel"] * cpu_kernels.available()
     assert [(r["gdn_rows"], r["impl"]) for r in gdn["rows"]] == [(n, i) for n in (1, 6) for i in impls]
@@ -600,8 +603,8 @@ def test_bench_compile_makes_the_cpus_one_time_choices_before_the_first_shape(tm
     """The kernels' build and the bfloat16 products' measured forms are made once, before any shape is timed (with
     the cache off they are made in every process, and they landed in the first shape that needed them: 1.2 s in a
     Qwen3.5-9B one-row decode shape), for a 16-bit model's forms only when the model is 16-bit."""
-    from gdn_jax import executables
-    from gdn_jax.worker import Worker
+    from gdn_jax.worker import executable_store as executables
+    from gdn_jax.worker.worker import Worker
 
     events = []
     monkeypatch.setattr(executables, "machine_choices", lambda sixteen_bit: events.append(("choices", sixteen_bit)))
@@ -686,7 +689,7 @@ def test_forward_flops_counts_the_models_own_matrices():
     from flax import nnx
 
     from gdn_jax.config import FULL, LINEAR, get_preset
-    from gdn_jax.model import init_model
+    from gdn_jax.model.qwen35 import init_model
 
     cfg, T = get_preset("tiny-random"), 100
     assert cfg.layer_types[-1] == FULL

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.studies
+
 ROOT = Path(__file__).resolve().parent.parent
 # The studies' default model. (Compiling step shapes, not running them, is what the quick studies spend their time on,
 # and the trained tiny compiles as fast as tiny-random.) notebooks/02_accuracy_study.ipynb's reduced run, tested in
@@ -226,7 +228,7 @@ def test_the_studies_engines_share_the_accelerators_memory(monkeypatch):
     accelerator share (`gpu_memory_utilization` is per engine), the others copy its pools and ask for no budget (on a
     GPU a second full share would not fit beside the first)."""
     import gdn_jax.engine
-    from gdn_jax.worker import CPU_MEMORY_BUDGET_BYTES, GPU_MEMORY_UTILIZATION
+    from gdn_jax.worker.memory import CPU_MEMORY_BUDGET_BYTES, GPU_MEMORY_UTILIZATION
 
     asked = []
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax.model import Batch
-from gdn_jax.worker import compiler_options
+from gdn_jax.model.state import Batch
+from gdn_jax.worker.compilation import compiler_options
 
 BLOCK_SIZE = 16
 # What the engine compiles its prefill steps with (on the CPU, the LLVM IR emitters): the tests' own jits of the model

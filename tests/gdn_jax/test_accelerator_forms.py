@@ -11,10 +11,14 @@ import pytest
 from flax import nnx
 
 from gdn_jax.config import get_preset
-from gdn_jax.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from gdn_jax.model import KEYS_LEFT_QUERIES, advance_in_pool, attention_scores, forward, init_model, init_state
+from gdn_jax.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from gdn_jax.model.attention import KEYS_LEFT_QUERIES, attention_scores
+from gdn_jax.model.qwen35 import advance_in_pool, forward, init_model
+from gdn_jax.model.state import init_state
 from gdn_jax.train import dense_forward
 from tests.gdn_jax.helpers import single_row_batch
+
+pytestmark = pytest.mark.model
 
 
 def _dots(jaxpr, out):

@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gdn_jax import cpu_kernels, gated_delta, model
+from gdn_jax.backends.cpu import library
+from gdn_jax.backends.cpu import kernels as cpu_kernels
+from gdn_jax.model import gated_delta
+from gdn_jax.model import attention
+from gdn_jax.model import dense
+from gdn_jax.model import qwen35
+from gdn_jax.model import state
 from gdn_jax.config import get_preset
+
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture
@@ -51,13 +59,13 @@ def _over_layers(pool, args, layer_known: bool):
     if layer_known:
         outs = []
         for j in range(layers):
-            o, pool = model.advance_in_pool(pool, *args, layer=j)
+            o, pool = qwen35.advance_in_pool(pool, *args, layer=j)
             outs.append(o)
         return jnp.stack(outs), pool
 
     def body(j, carry):
         pool, outs = carry
-        o, pool = model.advance_in_pool(pool, *args, layer=j)
+        o, pool = qwen35.advance_in_pool(pool, *args, layer=j)
         return pool, outs.at[j].set(o)
     v = args[6]
     pool, outs = jax.lax.fori_loop(0, layers, body, (pool, jnp.zeros((layers,) + v.shape, v.dtype)))
@@ -77,7 +85,7 @@ def test_the_kernel_updates_states_as_xla_does(layer_known, dim, fresh_choice):
     loop). Where none is, the engine warns once and runs XLA's form."""
     rng = np.random.default_rng(0)
     pool, args = _case(rng, dim=dim)
-    if cpu_kernels.compiler() is None:
+    if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
             assert not cpu_kernels.available()
         return
@@ -103,7 +111,7 @@ def test_the_kernel_updates_states_as_xla_does(layer_known, dim, fresh_choice):
 
 def test_float32_outputs_agree_to_rounding(fresh_choice):
     """The rows' outputs in float32 (v float32): the same values as XLA's to float32 rounding."""
-    if cpu_kernels.compiler() is None:
+    if library.compiler() is None:
         with pytest.warns(RuntimeWarning):
             assert not cpu_kernels.available()
         return
@@ -144,7 +152,7 @@ def test_the_prefill_kernel_runs_the_rule_as_xla_does(dim, key_heads, fresh_choi
     past a row's end, at each of the kernel's forms of a state's pass (16: any width; 64 and 128: the state's row in
     registers; 256: two blocks of 128 columns), with a key head for each value head or one for both (read where
     it lies, where XLA's form takes them repeated)."""
-    if cpu_kernels.compiler() is None:
+    if library.compiler() is None:
         with pytest.warns(RuntimeWarning):
             assert not cpu_kernels.available()
         return
@@ -181,7 +189,7 @@ def test_the_prefill_kernel_gives_a_row_the_same_bits_whatever_the_other_rows_an
     """A row's outputs and states do not depend on the other rows of the step, and a prompt run in two steps (the
     second from the first's final state) gives the bits of one step: what makes a restored checkpoint's
     continuation bitwise the uncached prefill's in the rule."""
-    if cpu_kernels.compiler() is None:
+    if library.compiler() is None:
         with pytest.warns(RuntimeWarning):
             assert not cpu_kernels.available()
         return
@@ -207,7 +215,7 @@ def test_no_compiler_means_xla_form_with_one_warning_or_an_error_when_required(f
     assert not cpu_kernels.applies(jnp.zeros((1, 2, 1, 4, 4), jnp.float32))  # decided once: no second warning
     assert not cpu_kernels.attention_applies(jnp.zeros((1, 1, 2, 16, 32), jnp.uint16), 4)
     cpu_kernels.available.cache_clear()
-    fresh_choice.setenv(cpu_kernels.KERNELS_ENV, "1")
+    fresh_choice.setenv(library.KERNELS_ENV, "1")
     with pytest.raises(RuntimeError, match="GDN_JAX_CPU_KERNELS=1, but the CPU kernels could not be built"):
         cpu_kernels.available()
 
@@ -219,7 +227,7 @@ def test_a_failed_build_names_the_compilers_message(fresh_choice, tmp_path):
     fake.write_text("#!/bin/sh\necho 'fatal: cannot build this' >&2\nexit 1\n")
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match="exit 1.*fatal: cannot build this"):
-        cpu_kernels.build(str(fake), tmp_path / "kernels")
+        library.build(str(fake), tmp_path / "kernels")
     assert list((tmp_path / "kernels").iterdir()) == []
 
 
@@ -237,24 +245,24 @@ exit 2
 """)
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match="exit 2.*ld: cannot link these"):
-        cpu_kernels.build(str(fake), tmp_path / "kernels")
+        library.build(str(fake), tmp_path / "kernels")
     assert list((tmp_path / "kernels").iterdir()) == []
     calls = log.read_text().splitlines()
     compiled = sorted(call.split(" -c ")[1].split()[0].rsplit("/", 1)[1] for call in calls if " -c " in call)
-    assert compiled == sorted(cpu_kernels.SOURCES) and all("-shared" not in c for c in calls if " -c " in c)
+    assert compiled == sorted(library.SOURCES) and all("-shared" not in c for c in calls if " -c " in c)
     (link,) = [call for call in calls if " -c " not in call]
-    assert "-shared" in link and sum(arg.endswith(".o") for arg in link.split()) == len(cpu_kernels.SOURCES)
+    assert "-shared" in link and sum(arg.endswith(".o") for arg in link.split()) == len(library.SOURCES)
 
 
 @pytest.mark.parametrize("value", ["2", "yes"])
 def test_the_setting_is_checked(value, fresh_choice):
-    fresh_choice.setenv(cpu_kernels.KERNELS_ENV, value)
+    fresh_choice.setenv(library.KERNELS_ENV, value)
     with pytest.raises(ValueError, match="GDN_JAX_CPU_KERNELS must be 0"):
         cpu_kernels.available()
 
 
 def test_off_means_xla_form(fresh_choice):
-    fresh_choice.setenv(cpu_kernels.KERNELS_ENV, "0")
+    fresh_choice.setenv(library.KERNELS_ENV, "0")
     assert not cpu_kernels.available()
     assert not cpu_kernels.applies(jnp.zeros((1, 2, 1, 4, 4), jnp.float32))
     assert not cpu_kernels.attention_applies(jnp.zeros((1, 1, 2, 16, 32), jnp.uint16), 4)
@@ -267,7 +275,7 @@ def _attention_case(dtype, block_size, dim, longest, rng, heads=8):
     0."""
     cfg = dataclasses.replace(get_preset("tiny-random"), num_attention_heads=heads, num_key_value_heads=2,
                               head_dim=dim)
-    layer = model.Attention(cfg, dtype, nnx.Rngs(0), 0.2)
+    layer = attention.Attention(cfg, dtype, nnx.Rngs(0), 0.2)
     starts = np.array([0, 36, 15, longest - 1, 0], np.int32)
     width = -(-longest // block_size) + 1
     blocks = 3 * width + 2
@@ -277,13 +285,13 @@ def _attention_case(dtype, block_size, dim, longest, rng, heads=8):
         tables[r, :s // block_size + 1] = [free.pop() for _ in range(s // block_size + 1)]
     slot = tables[np.arange(5), starts // block_size] * block_size + starts % block_size
     slot[4] = 0
-    batch = model.Batch(tokens=jnp.zeros((5, 1), jnp.int32), start_pos=jnp.asarray(starts),
+    batch = state.Batch(tokens=jnp.zeros((5, 1), jnp.int32), start_pos=jnp.asarray(starts),
                         lengths=jnp.asarray([1, 1, 1, 1, 0], jnp.int32), block_tables=jnp.asarray(tables),
                         slot_mapping=jnp.asarray(slot[:, None]), linear_state_ids=jnp.zeros(5, jnp.int32),
                         has_initial_state=jnp.ones(5, bool))
     shape = (2, 3, blocks, block_size, dim)
     k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
-    k, v = (model.to_pool(a, jnp.zeros((), model.pool_dtype(dtype))) for a in (k, v))
+    k, v = (state.to_pool(a, jnp.zeros((), state.pool_dtype(dtype))) for a in (k, v))
     x = jnp.asarray(rng.standard_normal((5, 1, cfg.hidden_size)), dtype)
     return layer, x, k, v, batch
 
@@ -317,7 +325,7 @@ def test_the_attention_kernel_attends_as_xla_does(dtype, block_size, dim, longes
     are not a multiple of the kernel's 16-lane vectors (40, 80), and groups of 1, 3, 4 and 16 query heads per KV head
     (the kernel multiplies four at a time). Where no compiler is, the engine warns and runs XLA's form."""
     layer, x, k, v, batch = _attention_case(dtype, block_size, dim, longest, np.random.default_rng(2), heads)
-    if cpu_kernels.compiler() is None:
+    if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
             assert not cpu_kernels.attention_applies(k, heads)
         return
@@ -336,30 +344,30 @@ def test_the_attention_kernel_attends_as_xla_does(dtype, block_size, dim, longes
 
 @pytest.mark.parametrize("rows", [2, 5, 11, 12, 16])
 def test_the_product_kernel_multiplies_few_bfloat16_rows_as_the_library_does(rows, fresh_choice):
-    """Where `model.rows_kernel_rows` gives the kernel these rows, a bfloat16 product of 2-16 rows is its FFI call,
+    """Where `dense.rows_kernel_rows` gives the kernel these rows, a bfloat16 product of 2-16 rows is its FFI call,
     else XLA's library with the weight on the left; both equal the float64 product to float32 accuracy (an odd
     number of weight rows, so a last block of fewer than 16; widths that are not a multiple of the kernel's vectors
     nor of its packed chunks, and an odd one, which 9-16 rows multiply in the 2-8 rows' form), and the kernel's result
     for a row does not depend on the batch's other rows (bit for bit, among row counts that take the same form)."""
     n = 75
     kx, kw = jax.random.split(jax.random.PRNGKey(rows))
-    if cpu_kernels.compiler() is None:
+    if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
             assert not cpu_kernels.available()
         return
     for most, k in ((16, 1000 + rows), (0, 1100 + rows)):  # widths of their own: `_products` keeps its trace per shape
-        fresh_choice.setattr(model, "rows_kernel_rows", lambda most=most: most)
+        fresh_choice.setattr(dense, "rows_kernel_rows", lambda most=most: most)
         x = jax.random.normal(kx, (rows, 1, k), jnp.bfloat16)
         w = jax.random.normal(kw, (n, k), jnp.bfloat16)
-        text = jax.jit(model.dense).lower(x, w).as_text()
+        text = jax.jit(dense.dense).lower(x, w).as_text()
         assert (cpu_kernels.ROWS_TARGET in text) == bool(most)
-        y = np.asarray(jax.jit(model.dense)(x, w))
+        y = np.asarray(jax.jit(dense.dense)(x, w))
         ref = np.asarray(x, np.float64)[:, 0] @ np.asarray(w, np.float64).T
         assert y.shape == (rows, 1, n) and y.dtype == np.float32
         np.testing.assert_allclose(y[:, 0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
         if most:  # fewer rows of the same form (2-8 rows, 9-16): the same values for them
             fewer = 9 if rows > 8 else 2
-            np.testing.assert_array_equal(np.asarray(jax.jit(model.dense)(x[:fewer], w)), y[:fewer])
+            np.testing.assert_array_equal(np.asarray(jax.jit(dense.dense)(x[:fewer], w)), y[:fewer])
 
 
 @pytest.mark.parametrize("rows", [3, 12, 16])
@@ -367,17 +375,17 @@ def test_the_product_kernel_behind_the_layer_switch_gives_each_layer_its_own_pro
     """Through `dense_all` on `LayerKernel`s (a switch over the layers, the layer known only on the device), two
     projections of one input: the kernel's rows-major result (no transpose after the switch) and the library's
     (transposed after it: 16 rows) both equal each layer's float64 product, [rows, 1, n_out] each."""
-    if cpu_kernels.compiler() is None:
+    if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
             assert not cpu_kernels.available()
         return
     rng = np.random.default_rng(rows)
 
     def project(x, layer, *ws):
-        return model.dense_all(x, [model.LayerKernel(tuple(w), layer) for w in (ws[:3], ws[3:])])
+        return dense.dense_all(x, [dense.LayerKernel(tuple(w), layer) for w in (ws[:3], ws[3:])])
 
     for most in (16, 0):
-        fresh_choice.setattr(model, "rows_kernel_rows", lambda most=most: most)
+        fresh_choice.setattr(dense, "rows_kernel_rows", lambda most=most: most)
         k = 96 + rows + (0 if most else 2)  # a width of its own: `_weight_left_products` keeps its trace per shape
         x = jnp.asarray(rng.standard_normal((rows, 1, k)), jnp.bfloat16)
         ws = [[jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16) for _ in range(3)] for n in (40, 24)]
@@ -392,7 +400,7 @@ def test_the_product_kernel_behind_the_layer_switch_gives_each_layer_its_own_pro
 
 
 def test_the_measured_products_run_in_turn_each_on_the_rows_the_last_one_left():
-    """`model._chained`: x += product(x, w)[:, :n_in] / 1024 for each weight in turn, so every product waits for the
+    """`dense._chained`: x += product(x, w)[:, :n_in] / 1024 for each weight in turn, so every product waits for the
     one before (as a decode step's do); the same values as that loop written out."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16)
@@ -401,21 +409,21 @@ def test_the_measured_products_run_in_turn_each_on_the_rows_the_last_one_left():
     for w in ws:
         want = want + (jnp.einsum("md,vd->mv", want, w, preferred_element_type=jnp.float32)[:, :8] / 1024).astype(
             jnp.bfloat16)
-    got = model._chained(lambda x, w: model._library_weight_left(x, w).T)(x, ws)
+    got = dense._chained(lambda x, w: dense._library_weight_left(x, w).T)(x, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert not np.array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
 
 
 def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_says(fresh_choice):
-    """`model.rows_kernel_rows` times the kernel against XLA's library form at 4, 8 and 16 rows of 8 bfloat16 matrices
+    """`dense.rows_kernel_rows` times the kernel against XLA's library form at 4, 8 and 16 rows of 8 bfloat16 matrices
     of 4096 x 1024, each product's rows feeding the next's (one result: the rows after the last), and takes the counts
     up to the first where the kernel is not `FEW_ROWS_MARGIN` faster;
     GDN_JAX_BF16_ROWS_KERNEL=1 / 0 decides without measuring (16 / none); another value is an error naming it;
     without the kernels, none."""
-    fresh_choice.delenv(model.ROWS_KERNEL_ENV, raising=False)
-    if cpu_kernels.compiler() is None:
+    fresh_choice.delenv(dense.ROWS_KERNEL_ENV, raising=False)
+    if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
-            assert model.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == 0
+            assert dense.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == 0
         return
     seen = []
 
@@ -431,17 +439,17 @@ def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_s
     for kernel_seconds, want in (({4: 0.5, 8: 0.9, 16: 1.0}, 8), ({4: 0.97, 8: 0.5, 16: 0.5}, 0),
                                  ({4: 0.5, 8: 0.5, 16: 0.5}, 16), ({4: 0.5, 8: 2.0, 16: 0.5}, 4)):
         seen.clear()
-        assert model.rows_kernel_rows.__wrapped__(timer(kernel_seconds)) == want
+        assert dense.rows_kernel_rows.__wrapped__(timer(kernel_seconds)) == want
         assert {s[1:4] for s in seen} == {(8, (4096, 1024), "bfloat16")} and all(s[5] for s in seen)
         measured = [4, 8, 16][:[0, 4, 8, 16].index(want) + 1]  # up to the first count the kernel loses at
-        assert [s[0] for s in seen] == [r for r in measured for _ in range(2 * model.FEW_ROWS_ROUNDS)]
+        assert [s[0] for s in seen] == [r for r in measured for _ in range(2 * dense.FEW_ROWS_ROUNDS)]
     for value, want in (("1", 16), ("0", 0)):
-        fresh_choice.setenv(model.ROWS_KERNEL_ENV, value)
-        assert model.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == want
-    fresh_choice.setenv(model.ROWS_KERNEL_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{model.ROWS_KERNEL_ENV} must be 0 or 1"):
-        model.rows_kernel_rows.__wrapped__()
-    fresh_choice.setenv(model.ROWS_KERNEL_ENV, "1")
-    fresh_choice.setenv(cpu_kernels.KERNELS_ENV, "0")
+        fresh_choice.setenv(dense.ROWS_KERNEL_ENV, value)
+        assert dense.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == want
+    fresh_choice.setenv(dense.ROWS_KERNEL_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{dense.ROWS_KERNEL_ENV} must be 0 or 1"):
+        dense.rows_kernel_rows.__wrapped__()
+    fresh_choice.setenv(dense.ROWS_KERNEL_ENV, "1")
+    fresh_choice.setenv(library.KERNELS_ENV, "0")
     cpu_kernels.available.cache_clear()
-    assert model.rows_kernel_rows.__wrapped__() == 0
+    assert dense.rows_kernel_rows.__wrapped__() == 0

@@ -9,14 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import gdn_jax.model as model
-from gdn_jax import cpu_kernels
+from gdn_jax.model import attention
+from gdn_jax.model import dense
+from gdn_jax.backends.cpu import kernels as cpu_kernels
 from gdn_jax.config import get_preset
-from gdn_jax.model import Batch, DeviceState, forward, init_model, init_state
-from gdn_jax.restore import restore_linear_state_slots
-from gdn_jax.worker import Worker, plan_memory
+from gdn_jax.model.state import Batch, DeviceState, init_state
+from gdn_jax.model.qwen35 import forward, init_model
+from gdn_jax.model.state import restore_linear_state_slots
+from gdn_jax.worker.worker import Worker
+from gdn_jax.worker.memory import plan_memory
 from scheduler import LinearStateCacheOp, SamplingParams, ScheduledSequence, StepPlan
 from scheduler.sampling_params import MAX_LOGPROBS
+
+pytestmark = pytest.mark.model
 
 BS, NB, SLOTS = 16, 3, 8
 
@@ -35,7 +40,7 @@ def _per_layer(state):
             + [state.v[:, j].swapaxes(0, 1) for j in range(state.v.shape[1])] + list(state.conv) + list(state.ssm))
 
 
-@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("T", [pytest.param(1, marks=pytest.mark.xla_forms), 16])
 def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
     """Four rows (one restoring from slot 6, two continuing, one padding row), decode and prefill: one row per loop
     iteration gives the logits and pools of one iteration for all rows, and both equal the previous design, a
@@ -56,8 +61,8 @@ def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
                   initial_state_ids=jnp.asarray([6, 2, 3, 0], jnp.int32))
     results = []
     for budget in (1 << 30, 1):  # all rows in one iteration; one row per iteration
-        monkeypatch.setitem(model.CPU_ROWS_BYTES, "attention", budget)
-        monkeypatch.setitem(model.CPU_ROWS_BYTES, "gdn_decode", budget)
+        monkeypatch.setitem(attention.CPU_ROWS_BYTES, "attention", budget)
+        monkeypatch.setitem(attention.CPU_ROWS_BYTES, "gdn_decode", budget)
         step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s))  # a fresh trace under this budget
         results.append(jax.device_get(step(params, batch, _random_state(cfg, 0))))
     (l1, s1), (l2, s2) = results
@@ -98,33 +103,33 @@ def _materialised_shapes(hlo: str) -> set[tuple[str, tuple[int, ...]]]:
 
 
 @pytest.mark.parametrize("rows, k, cap, faster", [
-    (model.UPCAST_ROWS - 1, 256, None, True), (model.UPCAST_ROWS, 256, None, True),
-    (model.UPCAST_ROWS, 320, 96 * 320 * 4 - 1, True), (model.UPCAST_ROWS, 192, None, False)])
+    (dense.UPCAST_ROWS - 1, 256, None, True), (dense.UPCAST_ROWS, 256, None, True),
+    (dense.UPCAST_ROWS, 320, 96 * 320 * 4 - 1, True), (dense.UPCAST_ROWS, 192, None, False)])
 def test_many_row_bfloat16_products_multiply_in_float32(monkeypatch, rows, k, cap, faster):
     """From `UPCAST_ROWS` rows on (prefill) a bfloat16 product converts its operands to float32 and multiplies in
     float32 where that routine is the faster (`upcast_is_faster`: a CPU without fast bfloat16 products); with fewer
     rows, a weight whose float32 copy would pass `UPCAST_MAX_BYTES`, or a CPU whose bfloat16 routine is the faster,
     the weight is multiplied as it is. Either way the result equals the float64 product to float32 accuracy."""
-    monkeypatch.setattr(model, "upcast_is_faster", lambda: faster)
+    monkeypatch.setattr(dense, "upcast_is_faster", lambda: faster)
     if cap is not None:  # (a width of its own: `_products` keeps its trace per shape)
-        monkeypatch.setattr(model, "UPCAST_MAX_BYTES", cap)
+        monkeypatch.setattr(dense, "UPCAST_MAX_BYTES", cap)
     n = 96
     kx, kw = jax.random.split(jax.random.PRNGKey(rows))
     x = jax.random.normal(kx, (1, rows, k), jnp.bfloat16)
     w = jax.random.normal(kw, (n, k), jnp.bfloat16)
-    step = jax.jit(model.dense)
+    step = jax.jit(dense.dense)
     y = np.asarray(step(x, w))
     ref = np.asarray(x, np.float64)[0] @ np.asarray(w, np.float64).T
     assert y.shape == (1, rows, n) and y.dtype == np.float32
     np.testing.assert_allclose(y[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
     written = _materialised_shapes(step.lower(x, w).compile().as_text())
-    assert (("f32", (n, k)) in written) == (rows >= model.UPCAST_ROWS and cap is None and faster), written
+    assert (("f32", (n, k)) in written) == (rows >= dense.UPCAST_ROWS and cap is None and faster), written
 
 
 def test_the_faster_many_row_form_is_measured_unless_the_environment_says(monkeypatch):
     """`upcast_is_faster` times both forms of a prefill-sized bfloat16 product (off the caller's trace) and picks the
     faster; GDN_JAX_BF16_UPCAST=1 / 0 decides without measuring; another value is an error naming the variable."""
-    monkeypatch.delenv(model.UPCAST_ENV, raising=False)
+    monkeypatch.delenv(dense.UPCAST_ENV, raising=False)
     seen = []
 
     def timer(conversion_first):
@@ -135,10 +140,10 @@ def test_the_faster_many_row_form_is_measured_unless_the_environment_says(monkey
         return time_of
 
     for conversion_first in (True, False):
-        assert model.upcast_is_faster.__wrapped__(timer(conversion_first)) is conversion_first
+        assert dense.upcast_is_faster.__wrapped__(timer(conversion_first)) is conversion_first
     assert sorted(seen)[0][:2] == (jnp.bfloat16, (2048, 1024)) and {c for _, _, c in seen} == {True, False}
-    _environment_decides(monkeypatch, model.upcast_is_faster.__wrapped__, model.UPCAST_ENV)
-    assert model.UPCAST_ENV == "GDN_JAX_BF16_UPCAST"
+    _environment_decides(monkeypatch, dense.upcast_is_faster.__wrapped__, dense.UPCAST_ENV)
+    assert dense.UPCAST_ENV == "GDN_JAX_BF16_UPCAST"
 
 
 def _environment_decides(monkeypatch, choice, variable: str):
@@ -157,17 +162,17 @@ def test_one_row_bfloat16_product_takes_the_measured_form(monkeypatch, library):
     """A one-row bfloat16 product is multiplied as two rows (the row and a zero row) with the weight on the left
     where `few_rows_weight_left` says the library is faster, else as XLA's loop over the weight (`_one_row`); it
     equals the float64 product to float32 accuracy either way. (The library's form: the few-row kernel off.)"""
-    monkeypatch.setattr(model, "few_rows_weight_left", lambda: library)
-    monkeypatch.setattr(model, "rows_kernel_rows", lambda: 0)
+    monkeypatch.setattr(dense, "few_rows_weight_left", lambda: library)
+    monkeypatch.setattr(dense, "rows_kernel_rows", lambda: 0)
     n, k = 80, (328 if library else 344)  # widths of their own: `_products` keeps its trace per shape
     kx, kw = jax.random.split(jax.random.PRNGKey(k))
     x = jax.random.normal(kx, (1, 1, k), jnp.bfloat16)
     w = jax.random.normal(kw, (n, k), jnp.bfloat16)
-    y = np.asarray(jax.jit(model.dense)(x, w))
+    y = np.asarray(jax.jit(dense.dense)(x, w))
     ref = np.asarray(x, np.float64)[0] @ np.asarray(w, np.float64).T
     assert y.shape == (1, 1, n) and y.dtype == np.float32
     np.testing.assert_allclose(y[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
-    jaxpr = str(jax.make_jaxpr(model.dense)(x, w))
+    jaxpr = str(jax.make_jaxpr(dense.dense)(x, w))
     assert ("concatenate" in jaxpr) == library  # the zero row
     assert (f"f32[{n},2] = dot_general" in jaxpr) == library  # W @ x.T of the two rows
 
@@ -177,7 +182,7 @@ def test_the_faster_few_row_form_is_measured_unless_the_environment_says(monkeyp
     with the weight on the left, off the caller's trace, and picks the library form only when it is faster by
     `FEW_ROWS_MARGIN`; GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT=1 / 0 decides without measuring; another value is an error
     naming the variable."""
-    monkeypatch.delenv(model.FEW_ROWS_ENV, raising=False)
+    monkeypatch.delenv(dense.FEW_ROWS_ENV, raising=False)
     seen = []
 
     def timer(library_seconds):
@@ -188,19 +193,19 @@ def test_the_faster_few_row_form_is_measured_unless_the_environment_says(monkeyp
         return time_of
 
     for library_seconds, want in ((0.5, True), (0.97, False), (2.0, False)):
-        assert model.few_rows_weight_left.__wrapped__(timer(library_seconds)) is want
+        assert dense.few_rows_weight_left.__wrapped__(timer(library_seconds)) is want
     assert {s[:4] for s in seen} == {((1, 1024), "bfloat16", 8, (4096, 1024))}
     # per round: the loop at both widths, then the library form
-    assert [s[4] for s in seen[:3]] == [False, False, True] and len(seen) == 3 * 3 * model.FEW_ROWS_ROUNDS
-    _environment_decides(monkeypatch, model.few_rows_weight_left.__wrapped__, model.FEW_ROWS_ENV)
-    assert model.FEW_ROWS_ENV == "GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT"
+    assert [s[4] for s in seen[:3]] == [False, False, True] and len(seen) == 3 * 3 * dense.FEW_ROWS_ROUNDS
+    _environment_decides(monkeypatch, dense.few_rows_weight_left.__wrapped__, dense.FEW_ROWS_ENV)
+    assert dense.FEW_ROWS_ENV == "GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT"
 
 
 def test_the_faster_decode_vector_width_is_measured_unless_the_environment_says(monkeypatch):
     """`decode_vector_bits` runs the one-row product compiled at 256 and at 512 bits in turn and takes 512 only when
     the median round is at least DECODE_VECTOR_MARGIN faster with it (one fast round decides nothing, a tie keeps
     256); GDN_JAX_DECODE_VECTOR_BITS=256 / 512 decides without measuring; another value is an error naming it."""
-    from gdn_jax import executables, worker
+    from gdn_jax.worker import executable_store as executables, worker
 
     monkeypatch.delenv(worker.DECODE_VECTOR_BITS_ENV, raising=False)
     rounds = worker.DECODE_VECTOR_ROUNDS
@@ -230,7 +235,7 @@ def test_single_row_bfloat16_decode_reads_the_weights_as_they_are(width):
     """A one-row bfloat16 decode step multiplies every projection matrix without converting it: no float32 copy of
     a matrix is written (XLA's library path converts the whole weight first, on every step: ~3x the time), and its
     logits are those of the same row in a two-row step (the library's product) up to float32 summation order. At
-    width 4096 the products whose input is that wide take the two-row form (`model._one_row`)."""
+    width 4096 the products whose input is that wide take the two-row form (`dense._one_row`)."""
     cfg = dataclasses.replace(get_preset("tiny-random"), hidden_size=width)
     graphdef, params = init_model(cfg, dtype=jnp.bfloat16)
     mem = plan_memory(cfg, jnp.bfloat16, 16, 2, 64, num_kv_blocks=9, num_linear_slots=4, memory_budget_bytes=1 << 24)
@@ -268,7 +273,7 @@ def test_one_row_product_streams_the_weight_at_any_width(dtype, n, k):
     kx, kw = jax.random.split(jax.random.PRNGKey(n + k))
     x = jax.random.normal(kx, (1, 1, k), dtype)
     w = jax.random.normal(kw, (n, k), dtype)
-    step = jax.jit(model.dense)
+    step = jax.jit(dense.dense)
     y = np.asarray(step(x, w))
     ref = np.asarray(x, np.float64).reshape(k) @ np.asarray(w, np.float64).T
     assert y.shape == (1, 1, n) and y.dtype == np.float32
@@ -278,7 +283,7 @@ def test_one_row_product_streams_the_weight_at_any_width(dtype, n, k):
     # the product written as it was (x @ w.T) does copy the weight from 4096 columns on: the check can fail
     plain = jax.jit(lambda x, w: jnp.dot(x[0], w.T, preferred_element_type=jnp.float32))
     copies = [s for d, s in _materialised_shapes(plain.lower(x, w).compile().as_text()) if np.prod(s) == n * k]
-    assert bool(copies) == (k >= model.FUSED_MATVEC_COLUMNS)
+    assert bool(copies) == (k >= dense.FUSED_MATVEC_COLUMNS)
 
 
 def _branch_bodies(hlo: str) -> dict[str, str]:
@@ -300,9 +305,9 @@ def _branch_bodies(hlo: str) -> dict[str, str]:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rows, tokens", [(16, 1), (2, 16)])
 def test_layer_switch_branches_generate_no_code(dtype, rows, tokens):
-    """The products of few rows that put the weight on the left (16-64 rows, `model.WEIGHT_LHS_ROWS`) transpose
+    """The products of few rows that put the weight on the left (16-64 rows, `dense.WEIGHT_LHS_ROWS`) transpose
     their results after the switch over the layers, not inside its branches: a branch is then the library's product
-    (or the compiled few-row kernel's call, where this machine measured it faster: `model.rows_kernel_rows`) alone,
+    (or the compiled few-row kernel's call, where this machine measured it faster: `dense.rows_kernel_rows`) alone,
     with no kernel for XLA to generate per layer and call site (the 128 such kernels of Qwen3.5-9B's 16-row decode
     step took a sixth of its compilation)."""
     cfg = get_preset("tiny-random")

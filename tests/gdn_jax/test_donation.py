@@ -10,6 +10,8 @@ import pytest
 
 from gdn_jax.engine import LLMEngine
 
+pytestmark = [pytest.mark.engine, pytest.mark.xla_forms]
+
 # pools far larger than any activation of the tiny model, so a pool-sized temporary cannot hide among them
 ENGINE_KW = dict(max_num_seqs=2, max_model_len=64, chunk_stride=32, num_kv_blocks=1024, num_linear_slots=1024,
                  verbose=False)

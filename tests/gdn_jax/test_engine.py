@@ -11,6 +11,8 @@ import jax
 from gdn_jax import LLM, EngineStepError, LLMEngine, SamplingParams
 from tests.gdn_jax.helpers import FIXTURE, random_ids
 
+pytestmark = pytest.mark.engine
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
 
 # The engines of this file (and of test_fork_engine, test_sampling and test_sampling_engine) share one geometry, so

@@ -6,11 +6,14 @@ import functools
 import numpy as np
 import pytest
 
-import gdn_jax.model as model_mod
-import gdn_jax.worker as worker_mod
-from gdn_jax import LLM, LLMEngine, SamplingParams, cpu_kernels
+import gdn_jax.worker.worker as worker_mod
+from gdn_jax import LLM, LLMEngine, SamplingParams
+from gdn_jax.backends.cpu import kernels as cpu_kernels
+from gdn_jax.model import dense, qwen35
 from gdn_jax.config import FULL, LINEAR, get_preset
 from tests.gdn_jax.helpers import random_ids
+
+pytestmark = pytest.mark.engine
 
 STRIDE = 32
 ENGINE_KW = dict(block_size=16, chunk_stride=STRIDE, max_num_seqs=4, max_model_len=256, verbose=False)
@@ -162,7 +165,7 @@ def test_bfloat16_long_prefill_cached_equals_uncached():
     b = [off.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert [o.num_cached_tokens for o in a] == [0, 288]
-    assert max(steps) >= model_mod.UPCAST_ROWS > min(steps), steps  # both product forms ran
+    assert max(steps) >= dense.UPCAST_ROWS > min(steps), steps  # both product forms ran
 
 
 @pytest.mark.parametrize("layer_types", [(FULL, FULL), (LINEAR, LINEAR)], ids=["attention-only", "gdn-only"])
@@ -197,7 +200,7 @@ def test_gdn_schedule_reaches_the_chunked_rule(schedule, monkeypatch):
     "fused" schedule). The step functions get a fresh cache here, so this engine's step is traced anew, not taken
     from an engine built earlier in the process."""
     seen, kernel = [], []
-    rule, prefill = model_mod.chunk_gated_delta_rule, cpu_kernels.gdn_prefill
+    rule, prefill = qwen35.chunk_gated_delta_rule, cpu_kernels.gdn_prefill
 
     def spy(*args, impl="auto", **kwargs):
         seen.append(impl)
@@ -207,7 +210,7 @@ def test_gdn_schedule_reaches_the_chunked_rule(schedule, monkeypatch):
         kernel.append(True)
         return prefill(*args, **kwargs)
 
-    monkeypatch.setattr(model_mod, "chunk_gated_delta_rule", spy)
+    monkeypatch.setattr(qwen35, "chunk_gated_delta_rule", spy)
     monkeypatch.setattr(cpu_kernels, "gdn_prefill", kernel_spy)
     for name in ("step_function", "prompt_step_function"):
         monkeypatch.setattr(worker_mod, name, functools.lru_cache(maxsize=None)(getattr(worker_mod, name).__wrapped__))

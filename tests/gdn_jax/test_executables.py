@@ -1,4 +1,4 @@
-"""The executable store (gdn_jax.executables): a second worker loads every warm-up executable without lowering and
+"""The executable store (gdn_jax.worker.executable_store): a second worker loads every warm-up executable without lowering and
 generates exactly what the first did; a key changes with anything that changes the executable; a bad entry is a
 miss, never an error."""
 
@@ -15,8 +15,12 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from gdn_jax import LLM, SamplingParams, executables
+from gdn_jax.backends.cpu import library
+from gdn_jax import LLM, SamplingParams
+from gdn_jax.worker import executable_store as executables
 from tests.gdn_jax.helpers import random_ids
+
+pytestmark = pytest.mark.startup
 
 KW = dict(block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=64, verbose=False)
 
@@ -225,7 +229,7 @@ def test_a_16_bit_key_holds_the_forms_measured_for_its_products(monkeypatch):
     """On the CPU a 16-bit program's key holds the product forms measured faster on this machine
     (`model.upcast_is_faster`, `model.few_rows_weight_left`, `model.rows_kernel_rows`): each changes the compiled
     program. A float32 program takes neither form, and its key does not change with them."""
-    from gdn_jax import model
+    from gdn_jax.model import dense as model
 
     keys = {}
     for upcast in (True, False):
@@ -254,16 +258,16 @@ FLAGS = "fpu sse2 avx2 avx512f avx512_bf16"
 
 
 def test_the_host_cpu_tag_follows_the_cpu_kind_and_its_instruction_sets_not_clock_or_core():
-    one = executables.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags=FLAGS))
+    one = library.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags=FLAGS))
     assert re.fullmatch(r"\S+-[0-9a-f]{12}", one)
     two_cores = "\n".join(CPUINFO.format(n=n, mhz=mhz, flags=FLAGS) for n, mhz in ((0, "3100.2"), (1, "1500.0")))
-    assert executables.host_cpu(two_cores) == one  # the first processor; clock and core id left out
-    assert executables.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags="avx2 fpu sse2 avx512_bf16 avx512f")) == one
-    fewer = executables.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags="fpu sse2 avx2"))  # no AVX-512
-    other_model = executables.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags=FLAGS).replace("model\t\t: 17",
+    assert library.host_cpu(two_cores) == one  # the first processor; clock and core id left out
+    assert library.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags="avx2 fpu sse2 avx512_bf16 avx512f")) == one
+    fewer = library.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags="fpu sse2 avx2"))  # no AVX-512
+    other_model = library.host_cpu(CPUINFO.format(n=0, mhz="2600.0", flags=FLAGS).replace("model\t\t: 17",
                                                                                            "model\t\t: 2"))
     assert len({one, fewer, other_model}) == 3
-    assert executables.host_cpu() == executables.host_cpu()  # this machine's
+    assert library.host_cpu() == library.host_cpu()  # this machine's
 
 
 def test_the_store_key_holds_the_host_cpu(monkeypatch):
@@ -315,7 +319,7 @@ def test_a_corrupt_or_missing_entry_is_a_miss(tmp_path):
 _DAMAGED_CHILD = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
-from gdn_jax import executables
+from gdn_jax.worker import executable_store as executables
 folder = sys.argv[1]
 compiled = jax.jit(lambda x: jnp.sin(x) * 2 + jnp.cumsum(x)).lower(jnp.ones(64)).compile()
 assert executables.save(folder, "k", compiled)
@@ -411,7 +415,7 @@ def test_a_store_that_cannot_be_written_or_holds_a_damaged_entry_says_so_once(tm
 _DENIED_CHILD = """
 import sys, warnings
 import jax, jax.numpy as jnp
-from gdn_jax import executables
+from gdn_jax.worker import executable_store as executables
 warnings.simplefilter("always")
 compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
 with warnings.catch_warnings(record=True) as caught:
@@ -527,7 +531,7 @@ def test_a_measured_choice_is_kept_per_machine_and_measured_again_when_unusable(
     assert executables.remembered("width bfloat16", measure(256), either, cache) == 256  # a choice of its own
     assert calls == [512, 256]
     path = executables.choices_file(cache)
-    assert path == tmp_path / "machine" / f"{executables.host_cpu()}.json"
+    assert path == tmp_path / "machine" / f"{library.host_cpu()}.json"
     stored = json.loads(path.read_text())
     key = executables.choice_key("width float32")
     assert sorted(stored) == sorted([key, executables.choice_key("width bfloat16")])
@@ -564,7 +568,8 @@ def test_the_decode_width_and_the_bf16_form_are_read_from_the_kept_choices(tmp_p
     """With JAX's cache on, `decode_vector_bits`, `upcast_is_faster` and `few_rows_weight_left` serve what the
     machine's choices file holds (whatever it holds: both values come back as written), without measuring; the
     environment still decides first."""
-    from gdn_jax import model, worker
+    from gdn_jax.model import dense as model
+    from gdn_jax.worker import compilation as worker
 
     monkeypatch.delenv(worker.DECODE_VECTOR_BITS_ENV, raising=False)
     monkeypatch.delenv(model.UPCAST_ENV, raising=False)
@@ -586,7 +591,7 @@ def test_the_decode_width_and_the_bf16_form_are_read_from_the_kept_choices(tmp_p
 
 
 def test_compile_threads_and_executable_kinds(monkeypatch):
-    from gdn_jax import worker as w
+    from gdn_jax.worker import compilation as w
 
     monkeypatch.setenv("GDN_JAX_COMPILE_THREADS", "3")
     assert w.compile_threads_default() == 3
@@ -625,7 +630,7 @@ def test_compile_threads_and_executable_kinds(monkeypatch):
 def test_each_step_shape_runs_the_jitted_function_of_its_kind():
     """Each step shape is compiled with its kind's options: its jitted function is the worker's own for that kind
     (every prefill chunk, short or long, one; narrow and wide decode steps one each)."""
-    from gdn_jax import worker as w
+    from gdn_jax.worker import compilation as w
 
     worker = LLM("tiny-random", **KW).engine.worker
     wide = w.DECODE_DEFAULT_EMITTER_ROWS
@@ -639,12 +644,12 @@ def test_each_step_shape_runs_the_jitted_function_of_its_kind():
 def test_lowering_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     import gc
 
-    from gdn_jax import worker as w
+    from gdn_jax.worker import compilation as w, step
 
     traced = []
-    real = w.forward
-    monkeypatch.setattr(w, "forward", lambda *args, **kw: (traced.append(gc.isenabled()), real(*args, **kw))[1])
-    w.step_function.cache_clear()  # jitted afresh: lowering traces the step (calls forward) again
+    real = step.forward
+    monkeypatch.setattr(step, "forward", lambda *args, **kw: (traced.append(gc.isenabled()), real(*args, **kw))[1])
+    step.step_function.cache_clear()  # jitted afresh: lowering traces the step (calls forward) again
     worker = LLM("tiny-random", **KW).engine.worker
     assert gc.isenabled()
     worker.lowered_step(worker.shape_buckets()[0])

@@ -6,6 +6,8 @@ import pytest
 from gdn_jax import LLM, SamplingParams
 from tests.gdn_jax.helpers import random_ids
 
+pytestmark = pytest.mark.engine
+
 KW = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
 
 
@@ -109,7 +111,7 @@ def test_n_larger_than_the_batch_completes(plain):
 
 
 def test_fork_op_validation_fails_closed():
-    from gdn_jax.restore import validate_cache_ops
+    from gdn_jax.model.state import validate_cache_ops
     from scheduler import LinearStateCacheOp
 
     # a fork may read a live slot the same step advances (it reads the state before the step) ...
@@ -130,8 +132,9 @@ def test_worker_fork_reads_the_parents_state_before_the_step_advances_it():
     import jax.numpy as jnp
 
     from gdn_jax.config import get_preset
-    from gdn_jax.model import init_model
-    from gdn_jax.worker import Worker, plan_memory
+    from gdn_jax.model.qwen35 import init_model
+    from gdn_jax.worker.worker import Worker
+    from gdn_jax.worker.memory import plan_memory
     from scheduler import LinearStateCacheOp, ScheduledSequence, StepPlan
     from scheduler.sampling_params import MAX_LOGPROBS
 
@@ -161,7 +164,7 @@ def test_the_host_work_of_a_step_per_sample_does_not_grow_with_n(monkeypatch):
     preemptions of all of them, so a step of a request with n samples did work quadratic in n (n = 256: 4 ms of host
     time per step). The device is left out: a stub returns the step's tokens."""
     from gdn_jax import LLMEngine
-    from gdn_jax.worker import StepResult
+    from gdn_jax.worker.step import StepResult
     from scheduler import Sequence
 
     engine = LLMEngine("tiny-random", max_num_seqs=32, max_model_len=128, block_size=16, chunk_stride=32, verbose=False)

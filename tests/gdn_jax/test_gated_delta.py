@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn_jax.gated_delta import (
+from gdn_jax.model.gated_delta import (
     causal_conv1d,
     chunk_gated_delta_rule,
     decode_token,
@@ -19,6 +19,8 @@ from gdn_jax.gated_delta import (
     recurrent_gated_delta_rule,
 )
 from tests.gdn_jax.helpers import PREFILL_OPTIONS
+
+pytestmark = pytest.mark.model
 
 H, DK, DV = 2, 16, 8  # dk != dv so a transposed state cannot pass
 RTOL, ATOL = 1e-4, 1e-5

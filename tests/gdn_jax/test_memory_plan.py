@@ -4,7 +4,9 @@ import jax.numpy as jnp
 import pytest
 
 from gdn_jax.config import get_preset
-from gdn_jax.worker import CHECKPOINTS_PER_SEQ_MAX, CPU_MEMORY_BUDGET_BYTES, default_memory_budget, plan_memory
+from gdn_jax.worker.memory import CHECKPOINTS_PER_SEQ_MAX, CPU_MEMORY_BUDGET_BYTES, default_memory_budget, plan_memory
+
+pytestmark = pytest.mark.engine
 
 
 def test_qwen35_9b_bytes_per_block_and_slot():

@@ -12,6 +12,8 @@ from gdn_jax.engine import LLMEngine
 from scheduler.plan import StepPlan
 from tests.gdn_jax.helpers import random_ids
 
+pytestmark = pytest.mark.engine
+
 ENGINE_KW = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
                  verbose=False)
 
@@ -179,7 +181,7 @@ def test_mixed_step_checks_every_save_against_one_set_of_decode_slots():
     again for every save, saves x rows work (2048 saves, 256 decode rows: 4 ms of checks instead of 0.2)."""
     from types import SimpleNamespace
 
-    from gdn_jax.worker import Worker
+    from gdn_jax.worker.worker import Worker
     from scheduler.plan import LinearStateCacheOp
 
     class Checked(Exception):

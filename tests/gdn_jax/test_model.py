@@ -9,11 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import gdn_jax.model as model
+from gdn_jax.model import attention
+from gdn_jax.model import qwen35
 from gdn_jax.config import FULL, LINEAR, get_preset, hybrid_layer_types
-from gdn_jax.model import Batch, forward, init_model, init_state, layer_groups
+from gdn_jax.model.state import Batch, init_state
+from gdn_jax.model.qwen35 import forward, init_model, layer_groups
 from gdn_jax.train import dense_forward
 from tests.gdn_jax.helpers import BLOCK_SIZE, PREFILL_OPTIONS, single_row_batch
+
+pytestmark = pytest.mark.model
 
 NB = 8
 
@@ -200,25 +204,25 @@ def test_layers_unroll_as_the_environment_says(monkeypatch, tiny, env, unrolled)
     of a loop's."""
     cfg, graphdef, params = tiny
     toks = np.random.default_rng(6).integers(4, 500, 17)
-    monkeypatch.setenv(model.UNROLL_ENV, env)
+    monkeypatch.setenv(qwen35.UNROLL_ENV, env)
     step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s), compiler_options=PREFILL_OPTIONS)
     state = init_state(cfg, 3, BLOCK_SIZE, 4)
     for T, start in ((16, 0), (1, 16)):  # a prefill chunk, then the decode step after it
         batch = single_row_batch(toks[start:start + T], start, 2)
-        assert model.unroll_layers(T) == (T in unrolled)
+        assert qwen35.unroll_layers(T) == (T in unrolled)
         assert ("stablehlo.case" in step.lower(params, batch, state).as_text()) == (T not in unrolled)
-        monkeypatch.setenv(model.UNROLL_ENV, "0")  # the layer loop's logits, from the same state
+        monkeypatch.setenv(qwen35.UNROLL_ENV, "0")  # the layer loop's logits, from the same state
         looped = jax.jit(lambda p, b, s: forward(graphdef, p, b, s), compiler_options=PREFILL_OPTIONS)(
             params, batch, state)[0]
-        monkeypatch.setenv(model.UNROLL_ENV, env)
+        monkeypatch.setenv(qwen35.UNROLL_ENV, env)
         logits, state = step(params, batch, state)
         np.testing.assert_allclose(logits, looped, atol=1e-5, rtol=0)
 
 
 def test_layers_unroll_only_for_a_known_setting(monkeypatch):
-    monkeypatch.setenv(model.UNROLL_ENV, "yes")
+    monkeypatch.setenv(qwen35.UNROLL_ENV, "yes")
     with pytest.raises(ValueError, match="GDN_JAX_UNROLL_LAYERS must be 1, decode or 0"):
-        model.unroll_layers(1)
+        qwen35.unroll_layers(1)
 
 
 def test_prefill_key_chunks_from_the_environment_change_the_loops_not_the_attention(monkeypatch, tiny):
@@ -230,9 +234,9 @@ def test_prefill_key_chunks_from_the_environment_change_the_loops_not_the_attent
     results, programs = [], []
     for keys in (None, str(BLOCK_SIZE)):
         if keys:
-            monkeypatch.setenv(model.PREFILL_KV_CHUNK_ENV, keys)
-        assert model.kv_chunk_keys(64) == (BLOCK_SIZE if keys else model.KV_CHUNK_KEYS)
-        assert model.kv_chunk_keys(1) == model.KV_CHUNK_KEYS  # a decode step keeps its chunks
+            monkeypatch.setenv(attention.PREFILL_KV_CHUNK_ENV, keys)
+        assert attention.kv_chunk_keys(64) == (BLOCK_SIZE if keys else attention.KV_CHUNK_KEYS)
+        assert attention.kv_chunk_keys(1) == attention.KV_CHUNK_KEYS  # a decode step keeps its chunks
         step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, True), compiler_options=PREFILL_OPTIONS)
         _, state = step(params, single_row_batch(toks[:150], 0, 14), init_state(cfg, 15, BLOCK_SIZE, 4))
         chunk = single_row_batch(toks[150:214], 150, 14)
@@ -248,10 +252,10 @@ def test_prefill_key_chunks_from_the_environment_change_the_loops_not_the_attent
 
 @pytest.mark.parametrize("value", ["0", "-256", "2k", "1.5"])
 def test_prefill_key_chunks_from_the_environment_must_be_a_positive_count(monkeypatch, value):
-    monkeypatch.setenv(model.PREFILL_KV_CHUNK_ENV, value)
+    monkeypatch.setenv(attention.PREFILL_KV_CHUNK_ENV, value)
     with pytest.raises(ValueError, match="GDN_JAX_PREFILL_KV_CHUNK_KEYS must be a positive number of keys"):
-        model.kv_chunk_keys(64)
-    assert model.kv_chunk_keys(1) == model.KV_CHUNK_KEYS  # a decode step never reads it
+        attention.kv_chunk_keys(64)
+    assert attention.kv_chunk_keys(1) == attention.KV_CHUNK_KEYS  # a decode step never reads it
 
 
 @pytest.mark.parametrize("T", [1, 40, 64])
@@ -263,7 +267,7 @@ def test_attention_in_chunks_equals_attention_in_one_chunk(monkeypatch, tiny, T)
     toks = np.random.default_rng(4).integers(4, 500, 150 + T)
     results = []
     for keys in (256, BLOCK_SIZE):
-        monkeypatch.setattr(model, "KV_CHUNK_KEYS", keys)
+        monkeypatch.setattr(attention, "KV_CHUNK_KEYS", keys)
         # a fresh trace under this chunk size
         step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, True), compiler_options=PREFILL_OPTIONS)
         _, state = step(params, single_row_batch(toks[:150], 0, 14), init_state(cfg, 15, BLOCK_SIZE, 4))

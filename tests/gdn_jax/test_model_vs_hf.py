@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from gdn_jax.model import forward, init_state
-from gdn_jax.weights import load_hf_weights
+from gdn_jax.model.qwen35 import forward
+from gdn_jax.model.state import init_state
+from gdn_jax.model.weights import load_hf_weights
 from tests.gdn_jax.helpers import BLOCK_SIZE, PREFILL_OPTIONS, single_row_batch
+
+pytestmark = pytest.mark.model
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 # transformers' own save of a tied multimodal model, with shapes the first fixture lacks (see its README)

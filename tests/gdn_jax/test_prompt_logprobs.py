@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 from gdn_jax import LLM, LLMEngine, ModelConfig, SamplingParams
-from gdn_jax.engine import LogprobRow
+from gdn_jax.engine.llm_engine import LogprobRow
 from tests.gdn_jax.helpers import FIXTURE, random_ids
+
+pytestmark = pytest.mark.model
 
 
 def _log_softmax(x):

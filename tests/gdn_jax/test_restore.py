@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 
 from gdn_jax.config import get_preset
-from gdn_jax.model import DeviceState, init_state
-from gdn_jax.restore import restore_ops, validate_cache_ops
+from gdn_jax.model.state import DeviceState, init_state
+from gdn_jax.model.state import restore_ops, validate_cache_ops
 from scheduler import LinearStateCacheOp
+
+pytestmark = pytest.mark.model
 
 NUM_SLOTS = 8
 
@@ -94,8 +96,9 @@ def test_op_round_trip_keeps_forced_cold_start():
 def test_worker_cold_start_ignores_garbage_and_warm_restore_continues_exactly():
     """Through the worker's jitted step: prefill 32 tokens into slot 1, restore them into slot 2 and continue;
     the result equals one uninterrupted prefill, and a cold start on a garbage-filled slot equals a clean one."""
-    from gdn_jax.model import init_model
-    from gdn_jax.worker import Worker, plan_memory
+    from gdn_jax.model.qwen35 import init_model
+    from gdn_jax.worker.worker import Worker
+    from gdn_jax.worker.memory import plan_memory
     from scheduler import SamplingParams, ScheduledSequence, StepPlan
     from scheduler.sampling_params import MAX_LOGPROBS
 

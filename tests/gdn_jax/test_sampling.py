@@ -20,6 +20,8 @@ from gdn_jax.tokenizer import ByteTokenizer
 from scheduler import ScheduledSequence
 from scheduler.sampling_params import MAX_TEMPERATURE
 
+pytestmark = pytest.mark.model
+
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 N = 20_000
 sample_jit = jax.jit(sample)

@@ -10,6 +10,8 @@ from gdn_jax.sampling import SamplingMetadata
 from scheduler import Scheduler, SchedulerConfig, Sequence
 from tests.gdn_jax.helpers import random_ids
 
+pytestmark = pytest.mark.model
+
 KW = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=128, verbose=False)
 
 
@@ -113,7 +115,8 @@ def test_penalties_match_a_numpy_reference_on_the_models_own_logits(llm):
     frequency and presence over the output) and the engine's token must be its argmax at every step."""
     import jax
 
-    from gdn_jax.model import forward, init_model, init_state
+    from gdn_jax.model.qwen35 import forward, init_model
+    from gdn_jax.model.state import init_state
     from tests.gdn_jax.helpers import BLOCK_SIZE, single_row_batch
     from tests.gdn_jax.test_sampling import ref_penalties
 

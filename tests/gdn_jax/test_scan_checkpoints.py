@@ -11,8 +11,11 @@ import pytest
 
 from gdn_jax import LLM, LLMEngine, SamplingParams
 from gdn_jax.config import get_preset, hybrid_layer_types
-from gdn_jax.model import Batch, forward, init_model, init_state
+from gdn_jax.model.state import Batch, init_state
+from gdn_jax.model.qwen35 import forward, init_model
 from tests.gdn_jax.helpers import BLOCK_SIZE, PREFILL_OPTIONS, random_ids, single_row_batch
+
+pytestmark = pytest.mark.engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
 

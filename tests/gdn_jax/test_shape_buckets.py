@@ -8,10 +8,13 @@ import jax.numpy as jnp
 import pytest
 
 from gdn_jax.config import get_preset
-from gdn_jax.weights import abstract_model
-from gdn_jax.worker import Worker, plan_memory
+from gdn_jax.model.weights import abstract_model
+from gdn_jax.worker.worker import Worker
+from gdn_jax.worker.memory import plan_memory
 from scheduler import Scheduler, SchedulerConfig
 from tests.scheduler.sched_helpers import FakeDevice, make_seq, submit
+
+pytestmark = pytest.mark.startup
 
 GEOMETRY = dict(block_size=4, chunk_stride=8, max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64)
 

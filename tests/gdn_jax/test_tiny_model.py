@@ -13,7 +13,9 @@ from pydoc_data import topics
 from gdn_jax import LLM, SamplingParams
 from gdn_jax.config import FULL, LINEAR, get_preset
 from gdn_jax.train import Forward, bits_per_byte, encode, load_corpus, reference_documents
-from gdn_jax.weights import MODELS_DIR, load_hf_weights, load_model, model_folder, shipped_models
+from gdn_jax.model.weights import MODELS_DIR, load_hf_weights, load_model, model_folder, shipped_models
+
+pytestmark = pytest.mark.startup
 
 FOLDER = MODELS_DIR / "tiny"
 CARD = FOLDER / "README.md"

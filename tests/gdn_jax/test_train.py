@@ -14,17 +14,20 @@ import pytest
 from flax import nnx
 
 from gdn_jax.config import get_preset
-from gdn_jax.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
-from gdn_jax.model import forward, init_model, init_state
+from gdn_jax.model.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from gdn_jax.model.qwen35 import forward, init_model
+from gdn_jax.model.state import init_state
 from gdn_jax.train import (Corpus, Forward, TrainConfig, cast_params, encode, load_corpus, make_optimizer,
                            reference_documents, run_settings, train, train_step_for)
 from gdn_jax.tokenizer import ByteTokenizer
-from gdn_jax.weights import abstract_model, load_hf_weights, save_hf_weights
+from gdn_jax.model.weights import abstract_model, load_hf_weights, save_hf_weights
 from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import train_tiny  # noqa: E402
+
+pytestmark = pytest.mark.studies
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from gdn_jax.config import ModelConfig, get_preset
-from gdn_jax.weights import load_hf_weights, load_model, restore_params, save_hf_weights, save_params
+from gdn_jax.model.weights import load_hf_weights, load_model, restore_params, save_hf_weights, save_params
+
+pytestmark = pytest.mark.startup
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 
@@ -168,7 +170,7 @@ def test_an_index_naming_a_shard_outside_the_folder_is_refused(tmp_path, shard):
 def test_a_config_of_more_layers_than_the_checkpoint_is_named_before_the_model_is_built(tmp_path, monkeypatch):
     """The names are checked against the files' headers first: building a 400-layer model only to find layer 4
     missing took minutes."""
-    import gdn_jax.weights as weights
+    import gdn_jax.model.weights as weights
 
     def edit(c):
         c.pop("layer_types")
@@ -506,7 +508,7 @@ def test_a_multimodal_config_is_tied_where_either_field_says_so(top, text, tied)
 
 
 def test_a_model_folder_given_from_the_home_directory_is_found(tmp_path, monkeypatch):
-    from gdn_jax.weights import model_folder
+    from gdn_jax.model.weights import model_folder
     (tmp_path / "models" / "q").mkdir(parents=True)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert model_folder("~/models/q") == tmp_path / "models" / "q"

@@ -20,12 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax import envs
+from gdn_jax.diagnostics import user_stacklevel
 from gdn_jax.chat import ChatTemplate
 from gdn_jax.config import ModelConfig, folder_json
-from gdn_jax.executables import StaleExecutable, tag_jax_cache_keys
-from gdn_jax.weights import load_model, model_folder
+from gdn_jax.worker.executable_store import StaleExecutable, tag_jax_cache_keys
+from gdn_jax.model.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer, text_stream
-from gdn_jax.worker import GPU_MEMORY_UTILIZATION, PromptLogprobs, Worker, default_memory_budget, plan_memory
+from gdn_jax.worker.memory import GPU_MEMORY_UTILIZATION, default_memory_budget, plan_memory
+from gdn_jax.worker.step import PromptLogprobs
+from gdn_jax.worker.worker import Worker
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 from scheduler.sampling_params import MAX_STOP_TOKEN_IDS, SEED_BOUND
 
@@ -39,16 +43,6 @@ class Logprob:
     logprob: float
     rank: int                       # 1 = most likely
     decoded_token: str | None = None
-
-
-def _outside_package() -> int:
-    """The `stacklevel` of a `warnings.warn` made by the caller of this function that names the first frame outside
-    the package (the user's line), however many of the package's frames lie between (`LLM` builds an `LLMEngine`)."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class LogprobRow(Mapping):
@@ -185,7 +179,7 @@ CACHE_MAX_MB = 2048
 def compilation_cache_max_bytes() -> int:
     """The persistent compilation cache's bound in bytes: `$GDN_JAX_CACHE_MAX_MB` MiB (default CACHE_MAX_MB; -1: no
     bound, the folder only grows)."""
-    text = os.environ.get("GDN_JAX_CACHE_MAX_MB", "").strip()
+    text = envs.get("GDN_JAX_CACHE_MAX_MB")
     if not text:
         return CACHE_MAX_MB << 20
     try:
@@ -224,12 +218,12 @@ def enable_compilation_cache() -> str | None:
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
-    folder = os.environ.get("GDN_JAX_CACHE_DIR")
+    folder = envs.get("GDN_JAX_CACHE_DIR")
     if folder == "off":
         return None
     max_bytes = compilation_cache_max_bytes()
     if not folder:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = envs.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         folder = os.path.join(base, "gdn_jax", "jax")
     if os.path.exists(folder) and not os.path.isdir(folder):  # JAX would warn and compile everything every start
         raise ValueError(f"the compilation cache folder {folder} (GDN_JAX_CACHE_DIR, gdn-jax --compilation-cache) "
@@ -421,7 +415,7 @@ class LLMEngine:
         if unsafe_reuse is not None:
             warnings.warn(f"unsafe_reuse={unsafe_reuse!r}: reusing KV matches with a {unsafe_reuse} GDN state; "
                           f"outputs drift from the model's (an ablation for accuracy studies only)",
-                          stacklevel=_outside_package())
+                          stacklevel=user_stacklevel())
         self.scheduler = Scheduler(self.scheduler_config)
         sc = self.scheduler_config
         self.worker = Worker(self.cfg, graphdef, params, self.memory, block_size, max_num_seqs, max_model_len,
@@ -435,10 +429,10 @@ class LLMEngine:
         if enable_prefix_caching and has_linear and chunk_stride > max_model_len:  # (a step profile needs no cache)
             warnings.warn(f"chunk_stride ({chunk_stride}) exceeds max_model_len ({max_model_len}): no sequence reaches "
                           f"a checkpoint boundary, so the prefix cache will never reuse a token",
-                          stacklevel=_outside_package())
+                          stacklevel=user_stacklevel())
         if enable_prefix_caching and has_linear and self.memory.num_checkpoint_slots < max_num_seqs:
             warnings.warn(f"only {self.memory.num_checkpoint_slots} checkpoint slots for {max_num_seqs} sequences: "
-                          f"under full concurrency most boundaries cannot be saved", stacklevel=_outside_package())
+                          f"under full concurrency most boundaries cannot be saved", stacklevel=user_stacklevel())
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._undelivered: dict[str, RequestOutput] = {}  # outputs of a step an interrupt ended: the next step's
@@ -973,7 +967,7 @@ class LLM:
                 try:
                     outs = self.engine.step()
                 except EngineStepError as err:  # those requests end with finish_reason "error"; the rest go on
-                    warnings.warn(str(err), RuntimeWarning, stacklevel=_outside_package())
+                    warnings.warn(str(err), RuntimeWarning, stacklevel=user_stacklevel())
                     outs = err.outputs
                 for out in outs:  # requests the caller added to the engine itself run too, uncounted
                     if out.finished and out.request_id in batch:

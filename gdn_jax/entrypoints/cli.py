@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from gdn_jax import envs
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as it is written, and "(default: X)" after each flag whose default is a value (a default of
@@ -172,12 +174,12 @@ def _check_address(host: str, port: int) -> None:
 
 def _serve(args) -> None:
     try:
-        from gdn_jax.server import ServerConfig, serve
+        from gdn_jax.entrypoints.openai.api_server import ServerConfig, serve
     except ImportError as e:
         sys.exit(f"gdn-jax serve needs the server extra: pip install 'gdn-jax[serve]' ({e})")
     from gdn_jax.chat import ChatTemplate, load_special_tokens
     from gdn_jax.engine import LLMEngine
-    from gdn_jax.weights import model_folder
+    from gdn_jax.model.weights import model_folder
     folder = model_folder(args.model)  # as the engine resolves the name: a shipped model wins over a same-named folder
     # before the engine: a bad template or address fails at once, not after a warm-up of minutes
     if args.chat_template:
@@ -199,7 +201,7 @@ def _serve(args) -> None:
         n = engine.warm_up(prompt_logprobs=args.warm_up_prompt_logprobs)
         print(f"[gdn_jax] warm-up compiled {n} step shapes in {time.perf_counter() - t0:.1f} s", flush=True)
     config = ServerConfig(model_name=args.served_model_name or args.model,
-                          api_key=args.api_key or os.environ.get("GDN_JAX_API_KEY") or None,
+                          api_key=args.api_key or envs.get("GDN_JAX_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes,
                           max_tokens_limit=min(args.max_tokens_limit, args.max_model_len),
                           chat_template=template, special_tokens=special_tokens,

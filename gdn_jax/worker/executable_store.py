@@ -35,7 +35,6 @@ import hashlib
 import json
 import os
 import pickle
-import platform
 import re
 import shutil
 import tempfile
@@ -49,11 +48,14 @@ import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
-from gdn_jax import cpu_kernels, model
+from gdn_jax.diagnostics import user_stacklevel
+from gdn_jax import envs
+from gdn_jax.backends.cpu import kernels as cpu_kernels, library
+from gdn_jax.model import dense
 
 
 # environment that changes a compiled step
-ENVIRONMENT = ("XLA_FLAGS", model.UNROLL_ENV, model.PREFILL_KV_CHUNK_ENV, cpu_kernels.KERNELS_ENV)
+ENVIRONMENT = envs.COMPILE_AFFECTING
 # JAX settings that change a traced program without changing its arguments, when JAX cannot list them itself (below)
 JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_threefry_partitionable",
                 "jax_random_seed_offset", "jax_high_dynamic_range_gumbel", "jax_numpy_dtype_promotion",
@@ -74,39 +76,6 @@ def jax_settings() -> list[tuple[str, str]]:
     return [(name, repr(values[name])) for name in dict.fromkeys(names) if name in values]
 
 
-# /proc/cpuinfo fields that name the CPU and its instruction sets (x86: vendor, family, model, flags; Arm: implementer,
-# part, features; RISC-V: isa), not those that differ from core to core or over time (clock, core ids)
-CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "flags", "CPU implementer", "CPU architecture",
-              "CPU variant", "CPU part", "Features", "isa", "uarch")
-
-
-def host_cpu(cpuinfo: str | None = None) -> str:
-    """What XLA's CPU backend compiles for on this machine, as a short tag: the architecture and a digest of the CPU's
-    model and instruction-set flags (Linux's /proc/cpuinfo, first processor; elsewhere what `platform` reports).
-
-    XLA compiles CPU code for the host's own features and refuses to load an executable compiled with a feature the
-    host lacks, while a host with more features loads it and runs code tuned for the other CPU (without its wider
-    vectors, say). So a cache folder shared by two kinds of machine (a home folder on a cluster) must keep their
-    executables apart: without the tag each start on one kind replaced the other's entries, or ran them."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            cpuinfo = ""
-    first = cpuinfo.strip().split("\n\n")[0]
-    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
-    fields = {k.strip(): " ".join(sorted(v.split())) if k.strip() in ("flags", "Features") else v.strip()
-              for k, v in fields.items()}
-    named = [(k, fields[k]) for k in CPU_FIELDS if k in fields]
-    text = repr(named) if named else repr((platform.system(), platform.processor()))
-    return f"{platform.machine() or 'cpu'}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-
-
-@functools.cache
-def _host_cpu() -> str:
-    return host_cpu()
-
-
 _jax_key_tagged = False
 
 
@@ -125,7 +94,7 @@ def tag_jax_cache_keys() -> None:
         return
 
     def hook() -> str:
-        return before() + (f"host_cpu={_host_cpu()}" if jax.default_backend() == "cpu" else "")
+        return before() + (f"host_cpu={library.host_cpu_tag()}" if jax.default_backend() == "cpu" else "")
 
     cache_key.custom_hook = hook
     _jax_key_tagged = True
@@ -136,7 +105,7 @@ def source_digest() -> str:
     """Digest of the package's source (gdn_jax and scheduler: Python and the CPU kernels' C++, headers included: a
     stored step calls the kernels the current source builds) and the jax / jaxlib versions."""
     h = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     for pkg in ("gdn_jax", "scheduler"):
         for path in sorted(p for ext in ("*.py", "*.cc", "*.h") for p in (root / pkg).rglob(ext)):
             h.update(str(path.relative_to(root)).encode())
@@ -184,9 +153,9 @@ def executable_key(kind: str, static, args, options: dict | None) -> str:
     # what changes the compiled program from outside the arguments: XLA's flags, the layer-loop switch, JAX's
     # settings (precision, random bits, ...); and the runtime it was compiled for (the device's kind, the backend's
     # version: a GPU's CUDA and driver)
-    env = [(name, os.environ.get(name)) for name in ENVIRONMENT] + jax_settings()
+    env = [(name, envs.get(name) or None) for name in ENVIRONMENT] + jax_settings()
     if device.platform == "cpu":
-        env.append(("host_cpu", _host_cpu()))  # the machine code is this CPU's (`host_cpu`)
+        env.append(("host_cpu", library.host_cpu_tag()))  # the machine code is this CPU's (`host_cpu`)
         env += machine_choices(any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves))
     text = repr((source_digest(), kind, static, str(treedef), spec, sorted((options or {}).items()),
                  device.platform, device.device_kind, device.client.platform_version, jax.device_count(), env))
@@ -201,9 +170,9 @@ def machine_choices(sixteen_bit: bool) -> list[tuple[str, object]]:
     machine file (`remembered`) does not hold yet; later calls read the answers back."""
     choices = [("cpu_kernels", cpu_kernels.available())]
     if sixteen_bit:
-        choices += [("bf16_upcast", model.upcast_is_faster()),
-                    ("bf16_few_rows_weight_left", model.few_rows_weight_left()),
-                    ("bf16_rows_kernel", model.rows_kernel_rows())]
+        choices += [("bf16_upcast", dense.upcast_is_faster()),
+                    ("bf16_few_rows_weight_left", dense.few_rows_weight_left()),
+                    ("bf16_rows_kernel", dense.rows_kernel_rows())]
     return choices
 
 
@@ -218,15 +187,14 @@ def _say(what: str, message: str) -> None:
     if what in _said:
         return
     _said.add(what)
-    from gdn_jax.engine import _outside_package  # (engine imports this module)
-    warnings.warn(message, RuntimeWarning, stacklevel=_outside_package())
+    warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def choices_file(cache: str | None = None) -> Path | None:
     """Where this machine's measured choices are kept (`remembered`): `machine/<host_cpu>.json` in `cache`, by
     default JAX's persistent compilation cache folder; None when that cache is off."""
     cache = cache or jax.config.jax_compilation_cache_dir
-    return Path(cache, "machine", f"{_host_cpu()}.json") if cache else None
+    return Path(cache, "machine", f"{library.host_cpu_tag()}.json") if cache else None
 
 
 def usable_cores() -> int:

@@ -16,425 +16,30 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
-import gc
 import math
-import os
-import threading
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax import executables
+from gdn_jax.diagnostics import user_stacklevel
+from gdn_jax.worker import executable_store as executables
 from gdn_jax.config import ModelConfig
-from gdn_jax.gated_delta import default_chunk_size
-from gdn_jax.model import Batch, dense, forward, init_state, seconds_of
-from gdn_jax.restore import RestoreOps, validate_cache_ops
-from gdn_jax.sampling import SamplingMetadata, sample
-from scheduler.sampling_params import MAX_LOGPROBS
+from gdn_jax.model.gated_delta import default_chunk_size
+from gdn_jax.model.state import Batch, init_state
+from gdn_jax.model.state import RestoreOps, validate_cache_ops
+from gdn_jax.sampling import SamplingMetadata
+from gdn_jax.worker.memory import MemoryPlan
+from gdn_jax.worker.compilation import compile_threads_default, compiler_options, executable_kind, gc_paused
+from gdn_jax.worker.step import PromptLogprobs, StepResult, host_batch, prompt_step_function, sample_function, step_function, unpack_sampled
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
     """Smallest power of two >= n, clamped to [lo, hi]."""
     return min(max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1))))), hi)
 
-
-CPU_MEMORY_BUDGET_BYTES = 2 << 30   # pools' budget on a device that reports no memory size (the CPU)
-GPU_MEMORY_UTILIZATION = 0.9        # default fraction of an accelerator's memory for weights + pools
-CHECKPOINTS_PER_SEQ_MAX = 8         # the default plan never holds more checkpoint slots than this per sequence
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    bytes_per_kv_block: int
-    bytes_per_linear_slot: int
-    num_kv_blocks: int
-    num_linear_slots: int
-    max_num_seqs: int = 0
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_kv_blocks * self.bytes_per_kv_block + self.num_linear_slots * self.bytes_per_linear_slot
-
-    @property
-    def num_checkpoint_slots(self) -> int:
-        """Slots beyond padding slot 0 and one live slot per sequence: the room checkpoints always have."""
-        return max(0, self.num_linear_slots - 1 - self.max_num_seqs) if self.bytes_per_linear_slot else 0
-
-    def describe(self) -> str:
-        mib = 1 << 20
-        linear = (f"linear state: {self.num_linear_slots} slots x {self.bytes_per_linear_slot / mib:.2f} MiB "
-                  f"(1 padding + {self.max_num_seqs} live + {self.num_checkpoint_slots} checkpoint); "
-                  if self.bytes_per_linear_slot else "")
-        return (f"KV: {self.num_kv_blocks} blocks x {self.bytes_per_kv_block / 1024:.1f} KiB; {linear}"
-                f"total {self.total_bytes / mib:.1f} MiB")
-
-
-def default_memory_budget(params_bytes: int, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-                          device=None) -> int:
-    """Bytes for the KV and linear-state pools. On a device that reports its memory (a GPU): this engine's share,
-    `gpu_memory_utilization` of what XLA may allocate there (`memory_stats()["bytes_limit"]`: by default 75% of the
-    GPU's memory, XLA_PYTHON_CLIENT_MEM_FRACTION sets it), minus its weights (on the device already). The share is
-    per engine, as vLLM's is per instance: two engines of one process at 0.45 each fit where one at 0.9 does; a share
-    that does not fit beside what the process holds there already (another engine's weights and pools) is a
-    ValueError naming both, not an allocation failure later. Elsewhere (the CPU, or a device that reports no limit,
-    which warns) `CPU_MEMORY_BUDGET_BYTES`."""
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    device = device or jax.devices()[0]
-    if device.platform == "cpu":
-        return CPU_MEMORY_BUDGET_BYTES
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:
-        from gdn_jax.engine import _outside_package  # (engine imports this module)
-        warnings.warn(f"the {device.platform} device reports no memory limit (memory_stats: {sorted(stats)}), so the "
-                      f"pools get the CPU's {CPU_MEMORY_BUDGET_BYTES / 2**30:.0f} GiB budget: pass memory_budget_bytes "
-                      f"(or num_kv_blocks and num_linear_slots) to size them", RuntimeWarning,
-                      stacklevel=_outside_package())
-        return CPU_MEMORY_BUDGET_BYTES
-    gib, share = 2**30, int(gpu_memory_utilization * limit)
-    others = max(0, stats.get("bytes_in_use", 0) - params_bytes)  # other engines' weights and pools
-    if share + others > limit:
-        raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization:g} asks for {share / gib:.2f} GiB of the "
-                         f"{limit / gib:.2f} GiB XLA may allocate on the device, but {others / gib:.2f} GiB of it are "
-                         f"held already (another engine's weights and pools): release an engine no longer used "
-                         f"before building the next (in a notebook: `del llm; gc.collect()`), or give each engine of "
-                         f"a process its share (e.g. 0.45 for two)")
-    if share <= params_bytes:
-        raise ValueError(f"the weights ({params_bytes / gib:.2f} GiB) leave no room for the caches in "
-                         f"{gpu_memory_utilization:.0%} of the {limit / gib:.2f} GiB XLA may allocate on the device "
-                         f"(by default 75% of its memory; XLA_PYTHON_CLIENT_MEM_FRACTION, set before JAX starts, "
-                         f"changes it)")
-    return share - params_bytes
-
-
-def plan_memory(cfg: ModelConfig, dtype, block_size: int, max_num_seqs: int, max_model_len: int,
-                num_kv_blocks: int | None, num_linear_slots: int | None, memory_budget_bytes: int,
-                enable_prefix_caching: bool = True) -> MemoryPlan:
-    """Sizes the pools; counts given explicitly win, otherwise they come from the memory budget.
-
-    Linear-state slots: slot 0 (padding), one live slot per sequence, and checkpoint room: with prefix caching on at
-    least one checkpoint slot per sequence, more (up to `CHECKPOINTS_PER_SEQ_MAX` per sequence) while they fit in a
-    quarter of the budget. KV blocks take the rest, up to twice what full concurrency needs; at least one whole
-    sequence of `max_model_len` must fit. A minimum that does not fit the budget is an error naming both pools.
-    """
-    itemsize = jnp.dtype(dtype).itemsize
-    per_block = 2 * len(cfg.full_layer_ids) * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
-    per_slot = len(cfg.linear_layer_ids) * (
-        (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * itemsize
-        + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
-    caches_linear = enable_prefix_caching and per_slot > 0
-    live = 1 + max_num_seqs
-    if num_linear_slots is not None and caches_linear and num_linear_slots < live + 1:
-        raise ValueError(f"num_linear_slots={num_linear_slots} leaves no room for a checkpoint with prefix caching on: "
-                         f"slot 0 is padding and max_num_seqs={max_num_seqs} need live slots, so at least "
-                         f"{live + 1} are needed ({live + max_num_seqs} for one checkpoint per sequence)")
-    min_blocks = 1 + math.ceil(max_model_len / block_size)
-    if num_linear_slots is None:
-        if per_slot == 0:
-            num_linear_slots = 1
-        else:
-            min_slots = live + (max_num_seqs if caches_linear else 0)
-            need = min_slots * per_slot + (0 if num_kv_blocks is not None else min_blocks * per_block)
-            if need > memory_budget_bytes:
-                raise ValueError(
-                    f"the memory budget ({memory_budget_bytes / 2**20:.1f} MiB) cannot hold the minimum pools: "
-                    f"{min_slots} linear-state slots x {per_slot / 2**20:.2f} MiB (padding, {max_num_seqs} live, "
-                    f"{min_slots - live} checkpoint) + {min_blocks} KV blocks x {per_block / 2**10:.1f} KiB; "
-                    f"raise memory_budget_bytes or lower max_num_seqs / max_model_len")
-            extra = 0
-            if caches_linear:
-                quarter = memory_budget_bytes // 4 // per_slot - min_slots
-                fits = (memory_budget_bytes - need) // per_slot
-                extra = max(0, min(quarter, fits, (CHECKPOINTS_PER_SEQ_MAX - 1) * max_num_seqs))
-            num_linear_slots = min_slots + extra
-    if num_kv_blocks is None:
-        want = 1 + 2 * max_num_seqs * math.ceil(max_model_len / block_size)  # room for full concurrency, twice
-        if per_block == 0:
-            num_kv_blocks = want
-        else:
-            left = memory_budget_bytes - num_linear_slots * per_slot
-            if left // per_block < min_blocks:
-                raise ValueError(
-                    f"the memory budget ({memory_budget_bytes / 2**20:.1f} MiB) minus {num_linear_slots} linear-state "
-                    f"slots x {per_slot / 2**20:.2f} MiB leaves {max(left, 0) / 2**20:.1f} MiB for KV, less than one "
-                    f"sequence of max_model_len={max_model_len} needs ({min_blocks} blocks x {per_block / 2**10:.1f} KiB)")
-            num_kv_blocks = min(want, left // per_block)
-    return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs)
-
-
-def host_batch(tokens, start_pos, lengths, block_tables, slot_mapping, ops: RestoreOps, saves) -> Batch:
-    """The step's `Batch` as host arrays, its restores folded into the forward's read of the initial state: from
-    the source slot, written to the live slot (a copy: the source is never written). `saves`: (rows, offsets, slots)
-    of the checkpoints the step writes, or None."""
-    initial_state_ids, has_initial_state = ops.sources()
-    return Batch(tokens, start_pos, lengths, block_tables, slot_mapping, linear_state_ids=ops.linear_state_ids,
-                 has_initial_state=has_initial_state, initial_state_ids=initial_state_ids,
-                 **dict(zip(("save_rows", "save_offsets", "save_slots"), saves or (None,) * 3)))
-
-
-def _step(graphdef, params, rule, state, batch: Batch):
-    """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`sample_function`). `rule`:
-    the chunked GDN rule's (chunk size, schedule)."""
-    logits, state = forward(graphdef, params, batch, state, chunk_size=rule[0], gdn_schedule=rule[1])
-    return state, logits
-
-
-def _step_prompt_logprobs(graphdef, params, rule, state, batch: Batch, targets, full_rows):
-    """`_step` plus the log-distribution at every position of the chunk (prompt logprobs). A separate executable,
-    so that steps without a prompt-logprobs row never pay for [B, T, V] logits. targets[b, t]: the prompt token at
-    position start + t + 1, scored by the logits of position start + t. `full_rows` (static) also returns every row."""
-    logits, state = forward(graphdef, params, batch, state, all_logits=True, chunk_size=rule[0],
-                            gdn_schedule=rule[1])  # [B, T, V]
-    last = jnp.take_along_axis(logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T]
-    rank = 1 + jnp.sum(logprobs > target_lp[..., None], axis=-1, dtype=jnp.int32)
-    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
-    prompt = (target_lp, rank, top_ids.astype(jnp.int32), top_lp) + ((logprobs,) if full_rows else ())
-    return state, last, prompt
-
-
-# XLA options of the step and sampling executables on the CPU backend. XLA's CPU fusion emitters (MLIR, the default)
-# spend most of a step's compilation generating and optimizing the code of its elementwise fusions; the older LLVM IR
-# emitters compile a Qwen3.5-9B prefill shape about twice as fast, and the prefill runs as fast: its time is in the
-# matmuls, library calls either way. Decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows and sampling compile
-# with them too (20-35% less CPU time each at Qwen3.5-9B's shapes), and run as fast (hybrid-1024, 1-16 rows,
-# bfloat16 and float32: within 1%; sampling at Qwen3.5-9B's vocabulary: the same). A decode step of 32 rows or more
-# keeps XLA's defaults: with the older emitters it took 0-2% more time at 32 rows, 3-5% at 64 in bfloat16
-# (scripts/bench_compile_options.py; docs/design.md, "Compiling the step"). The options are part of the persistent
-# cache's key and of the executable store's.
-LLVM_IR_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
-DECODE_DEFAULT_EMITTER_ROWS = 32
-# Those decode steps also choose LLVM's vector width (XLA prefers 256 bits; `decode_vector_bits`). A one-row step's
-# time is its matrix-vector products, loops that stream the weights, and which width streams them faster depends on the
-# CPU and the dtype: on an AVX-512 Xeon 512-bit registers run a one-row step 11-15% faster in either dtype
-# (hybrid-1024: bfloat16 16.0 -> 14.3 ms, float32 22.0 -> 18.8 ms, median), on an AMD EPYC (Zen 4, whose 512-bit
-# operations take two passes) float32 runs 1.5x slower with them and bfloat16 ~25% faster. So the width is measured,
-# once per machine and dtype (kept beside the persistent cache), on the step's own form of product. 2-16 rows and
-# prefill: the same within 1-2% either way, so only these steps take it. A CPU without AVX-512 vectorises at 256 bits
-# either way. docs/design.md, "Compiling the step".
-DECODE_VECTOR_BITS_ENV = "GDN_JAX_DECODE_VECTOR_BITS"  # "256" or "512": no measurement
-DECODE_VECTOR_BITS = (256, 512)
-DECODE_VECTOR_ROUNDS, DECODE_VECTOR_MARGIN = 15, 0.05
-
-
-def vector_width_options(bits: int) -> dict:
-    """The LLVM IR emitters, vectorised at `bits` bits: a narrow decode step's XLA options on the CPU backend."""
-    return LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_cpu_prefer_vector_width": bits}
-
-
-def decode_compiler_options(dtype) -> dict:
-    """The XLA options of a narrow decode step of a `dtype` model on the CPU backend: the LLVM IR emitters, vectorised
-    at `decode_vector_bits(dtype)` bits."""
-    return vector_width_options(decode_vector_bits(jnp.dtype(dtype).name))
-
-
-@functools.cache
-def decode_vector_bits(dtype: str, timer=None) -> int:
-    """LLVM's vector width (256 or 512 bits) under which this CPU streams a one-row product of `dtype` weights faster:
-    `DECODE_VECTOR_BITS_ENV` if set, else measured once per machine and dtype (`executables.remembered`: kept beside
-    JAX's persistent cache, else measured once per process; 256 off the CPU, where the width means nothing). The
-    probe is the step's own form of product (`model.dense` of one row, compiled with the LLVM IR emitters at each
-    width) over 8 matrices of 4096 x 1024 in `dtype` (128 MB in float32, 64 in bfloat16: more than the 32 MB
-    L3 cache of the AMD EPYC development machines, as a model's weights are). The two compiled forms run in turn
-    `DECODE_VECTOR_ROUNDS` times; 512 bits only if the median of the rounds' time ratios is `DECODE_VECTOR_MARGIN`
-    below 1 (a tie keeps XLA's preference, so that a machine where the widths tie does not switch between them, and
-    between stored executables, from one start to the next). `timer(bits, fn, *args) -> seconds` replaces the clock
-    (tests; then nothing is kept). About 0.5 s, on a thread of its own (called while a step is traced, the products
-    would be staged into that trace)."""
-    env = os.environ.get(DECODE_VECTOR_BITS_ENV)
-    if env not in (None, "", "256", "512"):
-        raise ValueError(f"{DECODE_VECTOR_BITS_ENV} must be 256 or 512 (unset: measured), got {env!r}")
-    if env:
-        return int(env)
-    if jax.default_backend() != "cpu":
-        return DECODE_VECTOR_BITS[0]
-
-    def measure():
-        weights = tuple(jnp.full((4096, 1024), 0.01 * (i + 1), dtype) for i in range(8))
-        x = jnp.full((1, 1024), 0.5, dtype)
-        lowered = jax.jit(lambda x, ws: [dense(x, w) for w in ws]).lower(x, weights)
-        fns = {bits: lowered.compile(vector_width_options(bits)) for bits in DECODE_VECTOR_BITS}
-        for fn in fns.values():
-            jax.block_until_ready(fn(x, weights))
-        ratios = []  # each round's 512-bit time over its 256-bit time: a load that comes and goes hits both alike
-        for _ in range(DECODE_VECTOR_ROUNDS):
-            t256, t512 = ((timer or _seconds)(bits, fns[bits], x, weights) for bits in DECODE_VECTOR_BITS)
-            ratios.append(t512 / t256)
-        return 512 if np.median(ratios) <= 1 - DECODE_VECTOR_MARGIN else 256
-
-    return executables.measured_choice(f"decode_vector_bits {dtype}", measure, lambda bits: bits in DECODE_VECTOR_BITS,
-                                       keep=timer is None)
-
-
-def _seconds(bits: int, fn, *args) -> float:
-    """Wall seconds of one call of `fn` (compiled at `bits`), its outputs ready."""
-    return seconds_of(fn, *args)
-
-
-# Prefill steps compile at optimisation level 1 (LLVM's O1 pipeline) instead of XLA's default, 3. A step of 64 tokens
-# per row or more spends its time in the library's matmuls, and the code LLVM generates for its elementwise fusions runs
-# as fast at O1, while the shape compiles 20-45% faster (hybrid-1024, 64-2048 tokens, 1-16 rows, both dtypes; run time
-# within the noise, the logits as at level 3). Shorter chunks (16 and 32 tokens per row: prompt tails, short prompts)
-# compile 12-43% faster at O1 and run 0-5% slower (their elementwise fusions are more of their time); level 2 costs
-# them the same and compiles no faster. They take O1 too: at Qwen3.5-9B's shapes they were the prefill shapes that
-# compiled slowest, and the executable store spares a later start their compilation, but not a first start nor one
-# after an edit of the package. An optimisation level named in XLA_FLAGS (`--xla_backend_optimization_level`) holds
-# instead (scripts/bench_compile_options.py; docs/design.md, "Compiling the step").
-PREFILL_OPT_LEVEL = 1
-
-
-def executable_kind(rows: int, tokens: int) -> str:
-    """The kind of a step shape's executable, as `compiler_options` and `step_function` tell them apart: "prefill"
-    (more than one token per row), "decode" (fewer than DECODE_DEFAULT_EMITTER_ROWS rows) or "decode_wide"."""
-    if tokens > 1:
-        return "prefill"
-    return "decode" if rows < DECODE_DEFAULT_EMITTER_ROWS else "decode_wide"
-
-
-def compiler_options(kind: str, dtype=None) -> dict | None:
-    """On the CPU backend: `decode_compiler_options(dtype)` for a "decode" step (`executable_kind`; `dtype`, the
-    model's, is then required), `LLVM_IR_CPU_COMPILER_OPTIONS` for "sample", and those at `PREFILL_OPT_LEVEL` for a
-    "prefill" step (unless XLA_FLAGS names an optimisation level); XLA's defaults otherwise ("decode_wide", and every
-    kind on an accelerator)."""
-    if kind not in ("prefill", "decode", "decode_wide", "sample"):
-        raise ValueError(f"kind must be 'prefill', 'decode', 'decode_wide' or 'sample', got {kind!r}")
-    if kind == "decode_wide" or jax.default_backend() != "cpu":
-        return None
-    if kind == "decode":
-        if dtype is None:
-            raise ValueError("a 'decode' step's options depend on the model's dtype: pass it")
-        return decode_compiler_options(dtype)
-    if kind == "prefill" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-        return LLVM_IR_CPU_COMPILER_OPTIONS | {"xla_backend_optimization_level": PREFILL_OPT_LEVEL}
-    return dict(LLVM_IR_CPU_COMPILER_OPTIONS)
-
-
-# Lowering a step (tracing it, then emitting its StableHLO) allocates hundreds of thousands of Python objects that
-# live until it ends, and so sets off Python's cyclic garbage collector over and over, its full collections included:
-# each of those walks every object of the process (~550k once a Qwen3.5-9B warm-up is under way, 0.3-0.5 s each on
-# the development machine) and finds almost nothing to free (a lowering leaves a few thousand objects in cycles). So
-# the collector is paused while a step or sampling executable is lowered (`gc_paused`); it runs again afterwards.
-_gc_lock = threading.Lock()
-_gc_pausers = [0, False]  # lowerings under way, whether the collector was enabled before the first
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Python's garbage collector off inside (as it was before, after the last of concurrent users leaves)."""
-    with _gc_lock:
-        if _gc_pausers[0] == 0:
-            _gc_pausers[1] = gc.isenabled()
-            gc.disable()
-        _gc_pausers[0] += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pausers[0] -= 1
-            if _gc_pausers[0] == 0 and _gc_pausers[1]:
-                gc.enable()
-
-
-# Most threads `Worker.warm_up` compiles on (each compilation holds its own working memory).
-COMPILE_THREADS_MAX = 8
-
-
-def compile_threads_default() -> int:
-    """Threads `Worker.warm_up` compiles on: the environment's GDN_JAX_COMPILE_THREADS, or the CPU cores this
-    process may use, at most COMPILE_THREADS_MAX."""
-    env = os.environ.get("GDN_JAX_COMPILE_THREADS")
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"GDN_JAX_COMPILE_THREADS must be a positive integer, got {env!r}")
-        return int(env)
-    return max(1, min(executables.usable_cores(), COMPILE_THREADS_MAX))
-
-
-# Sampling, compiled per (rows, vocabulary, history width) and shared by every step shape of that many rows: a
-# separate executable from the forward, so that the forward's grid (rows x tokens per row) does not compile the
-# sampling (sort, top-k, penalties: 1-1.5 s of CPU at Qwen3.5-9B's vocabulary) once per shape.
-@functools.cache
-def sample_function():
-    return jax.jit(sample_packed, compiler_options=compiler_options("sample"))
-
-
-def sample_packed(logits, md: SamplingMetadata):
-    """`sample`'s five outputs as one int32 [B, 3 + 2 * MAX_LOGPROBS] array (tokens, the chosen logprob's bits, the
-    chosen token's rank, top ids, the top logprobs' bits): the step's result comes back to the host in one transfer,
-    not five."""
-    tokens, chosen, top_ids, top_lp, rank = sample(logits, md)
-    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    return jnp.concatenate([tokens[:, None], bits(chosen)[:, None], rank[:, None], top_ids, bits(top_lp)], axis=1)
-
-
-def unpack_sampled(packed: np.ndarray) -> tuple:
-    """`sample_packed`'s host array -> (tokens [B], chosen logprobs [B], chosen ranks [B], top ids [B, K], top
-    logprobs [B, K])."""
-    k = (packed.shape[1] - 3) // 2
-    return (packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2], packed[:, 3:3 + k],
-            packed[:, 3 + k:].view(np.float32))
-
-
-@dataclasses.dataclass
-class PromptLogprobs:
-    """Per scheduled row and chunk position t: the logprob and rank of the prompt token at start + t + 1."""
-    logprobs: np.ndarray        # [rows, T]
-    ranks: np.ndarray           # [rows, T]
-    top_ids: np.ndarray         # [rows, T, MAX_LOGPROBS]
-    top_logprobs: np.ndarray    # [rows, T, MAX_LOGPROBS]
-    rows: np.ndarray | None     # [rows, T, V] the whole log-distribution, when a row asked for it
-
-
-# The step uses every argument, so the steps are jitted with keep_unused: JAX's search for unused arguments is then
-# skipped, a dead-code pass over the whole program, through every branch of the layer switches, at each loop level
-# until nothing changes (~15% of the emission of a Qwen3.5-9B step, 20-25 ms a shape). What it would still have
-# dropped are two batch arrays the layer loops carry unread; XLA drops them as well, and the compiled program is the
-# same instruction for instruction (docs/design.md, "Compiling the step").
-KEEP_UNUSED = True
-
-
-@functools.lru_cache(maxsize=None)
-def step_function(graphdef, params_def, chunk_size: int, kind: str = "prefill", gdn_schedule: str = "auto",
-                  dtype=None):
-    """The jitted step for one model structure: `(param_leaves, state, batch)`, the state donated. Cached per
-    (graphdef, params treedef, GDN chunk size and schedule, `executable_kind` and the model's dtype: their compile
-    options differ), so workers of the same model share compiled executables, and the structure is hashed here, once,
-    not per call."""
-
-    def step(param_leaves, state, *args):
-        return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule), state, *args)
-
-    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind, dtype), keep_unused=KEEP_UNUSED)
-
-
-@functools.lru_cache(maxsize=None)
-def prompt_step_function(graphdef, params_def, chunk_size: int, gdn_schedule: str = "auto"):
-    """The prompt-logprobs variant of `step_function` (its last argument, `full_rows`, is static)."""
-
-    def step(param_leaves, state, *args):
-        return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves),
-                                     (chunk_size, gdn_schedule), state,
-                                     *args)
-
-    return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options("prefill"),
-                   keep_unused=KEEP_UNUSED)
-
-
-@dataclasses.dataclass
-class StepResult:
-    tokens: np.ndarray          # [rows] sampled token per scheduled row
-    logprobs: np.ndarray        # [rows] logprob of the sampled token
-    ranks: np.ndarray           # [rows] its rank in the whole distribution (1 + the tokens strictly likelier)
-    top_ids: np.ndarray         # [rows, MAX_LOGPROBS]
-    top_logprobs: np.ndarray    # [rows, MAX_LOGPROBS]
-    prompt: PromptLogprobs | None = None
 
 
 class Worker:
@@ -577,7 +182,7 @@ class Worker:
         `prompt_logprobs` also compiles the prompt-logprobs variant (top-k, not whole rows) of every prefill shape,
         which is otherwise compiled lazily. An abstract worker only compiles.
 
-        Each step and sampling executable is first looked up in the executable store (`gdn_jax.executables`, keyed
+        Each step and sampling executable is first looked up in the executable store (`gdn_jax.worker.executable_store`, keyed
         without tracing; `executable_dir`, None: off): a second process start loads them without lowering. The
         others: the main thread lowers (traces, in Python) each executable while `compile_threads` background
         threads (default `compile_threads_default()`) compile the ones before (with the store on, afresh: not loaded
@@ -718,13 +323,12 @@ class Worker:
         called, self._called = list(dict.fromkeys(self._called)), []
         if not called or not executables.missing_function(exc):
             return False
-        from gdn_jax.engine import _outside_package  # (engine imports this module)
         for name in called:
             del self._executables[name]
             executables.discard(self.executable_dir, self._stored.pop(name))
         warnings.warn(f"a step failed in a stored executable ({exc}): deleted from the executable store, compiled "
                       f"again: {', '.join(f'{n[0]} {n[1:]}' for n in called)}", RuntimeWarning,
-                      stacklevel=_outside_package())
+                      stacklevel=user_stacklevel())
         return True
 
     def execute(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False

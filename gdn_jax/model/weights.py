@@ -14,7 +14,8 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.config import LINEAR, PRESETS, ModelConfig, NotAModelFolder, get_preset
-from gdn_jax.model import Qwen35Model, fused_parts, init_model
+from gdn_jax.model.qwen35 import Qwen35Model, init_model
+from gdn_jax.model.layers import fused_parts
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")
 WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a weight may be stored in
@@ -251,7 +252,7 @@ def restore_params(path: str | Path, cfg: ModelConfig, dtype=jnp.float32):
     return graphdef, abstract
 
 
-MODELS_DIR = Path(__file__).resolve().parent / "models"
+MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
 def shipped_models() -> list[str]:

@@ -22,7 +22,7 @@ kernel").
 They are built, one library, on first use by the system's C++ compiler (`c++`, `g++` or `clang++`, or `$CXX`)
 against the FFI headers jaxlib ships, `-O3 -march=native`, into `kernels/` beside JAX's persistent compilation cache
 (else a per-user folder under the system's temporary folder), one file per set of sources, jaxlib version, compiler
-and CPU (`executables.host_cpu`; each source compiled in a process of its own, side by side, then linked), written
+and CPU (`library.host_cpu`; each source compiled in a process of its own, side by side, then linked), written
 under a temporary name and renamed, so that processes building at once do not collide; later processes load it (a few seconds to build, milliseconds to load). `KERNELS_ENV`: "0" never uses
 them, "1" requires them (an error names what failed), unset uses them when they build, and otherwise runs XLA's
 forms after one RuntimeWarning that says why. Either way the values agree to float32 rounding (in bfloat16,
@@ -32,125 +32,12 @@ store keeps the two apart (`executables`: whether the kernels are in use is part
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
-import jaxlib
 
-from gdn_jax.gated_delta import _inert, _valid_mask
-
-KERNELS_ENV = "GDN_JAX_CPU_KERNELS"  # "0": never, "1": required, unset: when it builds
-TARGET = "gdn_jax_gdn_decode"
-PREFILL_TARGET = "gdn_jax_gdn_prefill"
-ATTENTION_TARGET = "gdn_jax_attention_decode"
-SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-ROWS_TARGET = "gdn_jax_rows_product"
-# (and their headers, parallel.h and lanes.h)
-SOURCES = ("gdn_decode.cc", "gdn_prefill.cc", "attention_decode.cc", "rows_product.cc")
-MAX_DIM = 256  # the kernels' largest head dimension (their per-head buffers)
-MAX_GROUP = 16  # attention: the most query heads per KV head
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
-
-
-def _setting() -> str:
-    env = os.environ.get(KERNELS_ENV, "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{KERNELS_ENV} must be 0 (never), 1 (required) or unset (when it builds), got {env!r}")
-    return env
-
-
-def compiler() -> str | None:
-    """The C++ compiler the kernels are built with: `$CXX` if set (it must exist), else c++, g++ or clang++."""
-    if os.environ.get("CXX"):
-        return shutil.which(os.environ["CXX"])
-    return next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
-
-
-def folder() -> Path:
-    """Where built kernels are kept: `kernels/` in JAX's persistent cache folder, else in a per-user folder under the
-    system's temporary folder."""
-    cache = jax.config.jax_compilation_cache_dir
-    base = Path(cache) if cache else Path(tempfile.gettempdir(), f"gdn-jax-{os.getuid()}")
-    return base / "kernels"
-
-
-def build(cxx: str, out_folder: Path) -> Path:
-    """The kernel library for these sources, jaxlib, compiler and CPU, built into `out_folder` unless it is there.
-    Each source compiles in a process of its own, all at once (2.3-3.2 s each on the 2-core development machines,
-    most of it the FFI headers: 8.1 s in one command, ~4.5 s side by side), then one link."""
-    from gdn_jax.executables import host_cpu  # (executables imports the model, which imports this module)
-
-    texts = [path.read_bytes() for path in sorted(SOURCE_DIR.iterdir()) if path.suffix in (".cc", ".h")]
-    key = hashlib.sha256(b"\0".join([*texts, jaxlib.__version__.encode(), cxx.encode(), host_cpu().encode(),
-                                     " ".join(FLAGS).encode()])).hexdigest()[:16]
-    lib = out_folder / f"gdn_jax_kernels-{key}.so"
-    if lib.exists():
-        return lib
-    out_folder.mkdir(parents=True, exist_ok=True)
-    # one folder per build under way (objects and the library before its rename), gone whatever happens
-    with tempfile.TemporaryDirectory(prefix=f".{lib.name}.", dir=out_folder) as work:
-        objects = [str(Path(work, Path(name).stem + ".o")) for name in SOURCES]
-        compile_flags = [flag for flag in FLAGS if flag != "-shared"]
-        jobs = [subprocess.Popen([cxx, *compile_flags, f"-I{jax.ffi.include_dir()}", "-c", str(SOURCE_DIR / name),
-                                  "-o", obj], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for name, obj in zip(SOURCES, objects)]
-        try:
-            errors = [job.communicate(timeout=300)[1] for job in jobs]
-        finally:
-            for job in jobs:  # after a timeout (or an interrupt) no compiler is left running
-                if job.poll() is None:
-                    job.kill()
-                    job.wait()
-        for job, err in zip(jobs, errors):
-            _succeeded(cxx, job.returncode, err)
-        tmp = str(Path(work, lib.name))
-        link = subprocess.run([cxx, *FLAGS, *objects, "-o", tmp], capture_output=True, text=True, timeout=300)
-        _succeeded(cxx, link.returncode, link.stderr)
-        os.replace(tmp, lib)
-    return lib
-
-
-def _succeeded(cxx: str, code: int, messages: str) -> None:
-    """Raises an error with the end of the compiler's messages if its run (exit `code`) failed."""
-    if code:
-        raise RuntimeError(f"{cxx} failed (exit {code}): {messages.strip()[-600:]}")
-
-
-@functools.cache
-def available() -> bool:
-    """Whether steps on this process's CPU backend run the compiled kernels: built (or found) and
-    registered with XLA once per process. See the module's docstring for `KERNELS_ENV`."""
-    setting = _setting()
-    if setting == "0" or jax.default_backend() != "cpu":
-        return False
-    try:
-        cxx = compiler()
-        if cxx is None:
-            named = f": {os.environ['CXX']!r}" if os.environ.get("CXX") else ""
-            raise RuntimeError(f"no C++ compiler on PATH (c++, g++ or clang++; or name one in CXX{named})")
-        lib = ctypes.CDLL(str(build(cxx, folder())))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.GdnJaxGdnDecode), platform="cpu")
-        jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(lib.GdnJaxGdnPrefill), platform="cpu")
-        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.GdnJaxAttentionDecode), platform="cpu")
-        jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(lib.GdnJaxRowsProduct), platform="cpu")
-    except Exception as exc:
-        if setting == "1":
-            raise RuntimeError(f"{KERNELS_ENV}=1, but the CPU kernels could not be built or loaded: {exc}") from exc
-        warnings.warn(f"gdn_jax: the CPU kernels could not be built or loaded ({exc}); steps run XLA's forms of "
-                      f"the GDN rule (prefill: the chunked \"fused\" schedule), decode attention and few-row "
-                      f"products (slower; {KERNELS_ENV}=0 says so without trying)",
-                      RuntimeWarning, stacklevel=2)
-        return False
-    return True
+from gdn_jax.backends.cpu.library import (ATTENTION_TARGET, MAX_DIM, MAX_GROUP, PREFILL_TARGET, ROWS_TARGET, TARGET,
+                                          available)
+from gdn_jax.model.gated_delta import _inert, _valid_mask
 
 
 def applies(pool) -> bool:

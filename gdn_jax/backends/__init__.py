@@ -1,0 +1,1 @@
+"""Backend-specific code: what one kind of device needs beyond XLA's forms."""

@@ -1,0 +1,226 @@
+"""Gated full attention over the paged KV cache, with partial NeoX RoPE."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn_jax import envs
+from gdn_jax.backends.cpu import kernels as cpu_kernels
+from gdn_jax.config import ModelConfig
+from gdn_jax.model.state import Batch, from_pool, layer_ids, write_rows
+from gdn_jax.model.dense import float32_precision
+from gdn_jax.model.layers import RMSNorm, _fused, _linear
+
+
+KV_CHUNK_KEYS = 256
+# Keys per iteration of a prefill step's attention loop (more than one token per row) when the environment sets it
+# (`kv_chunk_keys`); unset, KV_CHUNK_KEYS. For comparisons on an accelerator: see `kv_chunk_keys`.
+PREFILL_KV_CHUNK_ENV = "GDN_JAX_PREFILL_KV_CHUNK_KEYS"
+
+
+def kv_chunk_keys(tokens: int) -> int:
+    """Keys one iteration of the attention loop reads per row, in a step of `tokens` tokens per row: KV_CHUNK_KEYS, or
+    for a prefill step the positive integer `PREFILL_KV_CHUNK_ENV` names (rounded down to whole KV blocks, at least
+    one). Larger chunks mean larger query tiles (`query_tiles`) and fewer iterations: XLA's GPU runtime (outside
+    command buffers) runs every iteration of a loop whose trip count is known only on the device (the key chunks: as
+    many as the rows hold) by copying its condition to the host and waiting for it, and an 8704-token prefill runs
+    595 such iterations per attention layer at 256 keys (34 tiles), 14 at 2048 (4 tiles of 2176 queries), at the
+    price of computing the masked part of each tile's last chunks. The same attention either way, up to the online
+    softmax's rounding (tests/gdn_jax/test_model.py); not the default anywhere until measured on a GPU."""
+    if tokens > 1:
+        keys = envs.optional_int(PREFILL_KV_CHUNK_ENV)
+        if keys is not None:
+            return keys
+    return KV_CHUNK_KEYS
+
+
+# On CPU, a query tile of at most this many queries per KV head (g * Tq) has its scores multiplied with the keys on
+# the left (`attention_scores`).
+KEYS_LEFT_QUERIES = 16
+
+
+def attention_scores(qh, keys):
+    """qh [kvh, n, hd] @ keys [kvh, S, hd] -> scores [kvh, n, S], accumulated in float32.
+
+    On XLA's CPU backend a few queries (n <= `KEYS_LEFT_QUERIES`: a decode step's, a short chunk's) multiply as
+    keys @ qh.T, the keys on the left, and the small [kvh, S, n] result is transposed: the library streams the keys
+    as the left operand of a batched product faster than it packs them as a transposed right one (16 rows' 32 KV
+    heads of 4 queries, 256 keys: bfloat16 280 -> 151 us, float32 544 -> 198 us; one row's 2 heads: the same). The
+    gain shrinks as n grows: at 32 queries bfloat16 ties at 32 heads and is 2x slower at 2. The values are the same
+    products summed in float32 over hd. The optimisation barrier keeps XLA from folding the transpose back into the
+    product. docs/design.md, "Decode attention at long context"."""
+    kw = dict(preferred_element_type=jnp.float32, precision=float32_precision(qh.dtype))
+    if jax.default_backend() == "cpu" and qh.shape[-2] <= KEYS_LEFT_QUERIES:
+        return jax.lax.optimization_barrier(jnp.einsum("ksd,kqd->ksq", keys, qh, **kw)).transpose(0, 2, 1)
+    return jnp.einsum("kqd,ksd->kqs", qh, keys, **kw)
+
+
+def query_tiles(T: int, keys_per_chunk: int) -> int:
+    """How many tiles of queries the attention of a T-token chunk runs one after the other: the most tiles of at least
+    `keys_per_chunk` queries that divide T (1 for a decode step). A tile reads only the key chunks up to its own last
+    query, so a long prefill skips most of the upper (masked) triangle of its scores: at 2048 tokens and 256 keys per
+    chunk, 36 of the 64 (tile, chunk) pairs."""
+    n = max(1, T // keys_per_chunk)
+    while T % n:
+        n -= 1
+    return n
+
+
+# Working set of one iteration of the loops over a batch's rows that run on CPU (`rows_per_iteration`).
+CPU_ROWS_BYTES = {"attention": 4 << 20, "gdn_decode": 2 << 20}
+
+
+def rows_per_iteration(rows: int, bytes_per_row: int, kind: str) -> int:
+    """How many of `rows` rows one iteration of a loop over them handles: on CPU the largest power of two dividing
+    `rows` whose working set fits CPU_ROWS_BYTES[kind] (at least 1), elsewhere all of them. On CPU a few rows at a
+    time keep their gathered state in cache and the step's temporaries small: tens of MB of temporaries are
+    mapped fresh by glibc, and zero-filled by the kernel, on every step."""
+    if jax.default_backend() != "cpu":
+        return rows
+    return math.gcd(rows, 1 << max(0, (CPU_ROWS_BYTES[kind] // bytes_per_row).bit_length() - 1))
+
+
+
+def rope(x, positions, rotary_dim: int, theta: float):
+    """Partial NeoX RoPE on the first `rotary_dim` dims. x: [B, T, H, hd]; positions: [B, T]."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, r/2]
+    cos = jnp.concatenate([jnp.cos(freqs)] * 2, -1)[:, :, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(freqs)] * 2, -1)[:, :, None, :].astype(x.dtype)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    x1, x2 = jnp.split(x_rot, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, std):
+        self.cfg = cfg
+        H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = _fused(rngs, cfg, "self_attn", "qkv_proj", dtype, std)  # [q (per head query | gate) | k | v]
+        self.o_proj = _linear(rngs, H * hd, cfg.hidden_size, dtype, std)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+
+    def project(self, x, positions):
+        """x: [B, T, D], positions: [B, T] -> q [B, T, H, hd], k and v [B, T, kvh, hd] (normed, rotated), and the
+        output gate [B, T, H * hd]: the projections of `__call__`, for the dense training path (gdn_jax/train.py)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg, k, v = self.qkv_proj(x)
+        qg = qg.reshape(B, T, H, 2 * hd)
+        q, gate = self.q_norm(qg[..., :hd]), qg[..., hd:].reshape(B, T, H * hd)
+        k = self.k_norm(k.reshape(B, T, kvh, hd))
+        v = v.reshape(B, T, kvh, hd)
+        q = rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
+        k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
+        return q, k, v, gate
+
+    def __call__(self, x, k_cache, v_cache, batch: Batch, layer):
+        """x: [B, T, D]; caches: [kvh, layers, NB, bs, hd] paged, of which this layer's is [:, layer]
+        -> (out, k_cache, v_cache): `project_write`, then `attend` over each row's keys up to its last token."""
+        q, gate, k_cache, v_cache = self.project_write(x, k_cache, v_cache, batch, layer)
+        out = self.attend(q, gate, k_cache, v_cache, layer, batch.positions, batch.block_tables,
+                          batch.start_pos + batch.lengths)
+        return out, k_cache, v_cache
+
+    def project_write(self, x, k_cache, v_cache, batch: Batch, layer):
+        """x: [B, T, D] -> (q [B, T, H, hd] normed and rotated, output gate [B, T, H * hd], caches with the chunk's
+        keys and values written)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg, k, v = self.qkv_proj(x)
+        qg = qg.reshape(B, T, H, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, H * hd)
+        q = self.q_norm(q)
+        k = self.k_norm(k.reshape(B, T, kvh, hd))
+        v = v.reshape(B, T, kvh, hd)
+        q = rope(q, batch.positions, cfg.rotary_dim, cfg.rope_theta)
+        k = rope(k, batch.positions, cfg.rotary_dim, cfg.rope_theta)
+        bs = k_cache.shape[3]
+        flat = batch.slot_mapping.reshape(-1)
+        at = (layer_ids(layer, flat), flat // bs, flat % bs)  # (layer, block, offset) per token
+        k_cache = write_rows(k_cache, at, k.reshape(B * T, kvh, hd), axis=1)
+        v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd), axis=1)
+        return q, gate, k_cache, v_cache
+
+    def attend(self, q, gate, k_cache, v_cache, layer, positions, block_tables, extent):
+        """The attention output [B, T, D] of queries q [B, T, H, hd] at `positions` [B, T] over the cached keys
+        (causal: a query sees the keys at its position and before), through the output gate and projection. `extent`
+        [B]: the keys a row's queries reach at most (start + length), which bounds the chunks read.
+
+        Each row attends to its keys in chunks of `kv_chunk_keys(T)` (an online softmax), as many chunks as the
+        longest row of the batch needs: the block tables' width (padding blocks) costs nothing. A long chunk's
+        queries go in tiles (`query_tiles`), each over the key chunks up to its last query only. The caches are
+        head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv head) in front: the
+        products read them as they are gathered, with no transposed copy. One query per row on the CPU backend runs
+        the compiled kernel instead (`cpu_kernels.attention_decode`: the keys and values read in place, no gathered
+        copy) where it is available."""
+        cfg = self.cfg
+        B, T = q.shape[:2]
+        H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        dtype = gate.dtype
+        if T == 1 and cpu_kernels.attention_applies(k_cache, H):  # one query per row on CPU: the compiled kernel
+            out = cpu_kernels.attention_decode(k_cache, v_cache, layer, q[:, 0], block_tables, positions[:, 0] + 1)
+            return self.gated_output(out.astype(dtype).reshape(B, T, H * hd), gate)
+        bs = k_cache.shape[3]
+        g = H // kvh  # per (row, kv head) one matmul over its g * Tq queries
+        NB = block_tables.shape[1]
+        cb = max(1, min(NB, kv_chunk_keys(T) // bs))  # blocks per chunk
+        keys_per_chunk = cb * bs
+        nq = query_tiles(T, keys_per_chunk)
+        Tq = T // nq
+        # [B, T, kvh, g, hd] -> [nq, B, kvh, g * Tq, hd]: a tile's queries of one kv head in one matrix
+        qh = q.reshape(B, nq, Tq, kvh, g, hd).transpose(1, 0, 3, 4, 2, 5).reshape(nq, B, kvh, g * Tq, hd)
+        qpos = jnp.tile(positions.reshape(B, nq, Tq).transpose(1, 0, 2), (1, 1, g))  # [nq, B, g * Tq]
+        tables = jnp.pad(block_tables, ((0, 0), (0, -NB % cb)))  # whole chunks (padding block 0)
+        chunks = jnp.clip(-(-jnp.max(extent) // keys_per_chunk), 1, tables.shape[1] // cb)
+        # the chunks query tile i reaches: its last query is at most at max(first position) + (i + 1) * Tq - 1
+        reach = -(-(jnp.max(positions[:, 0]) + Tq * jnp.arange(1, nq + 1)) // keys_per_chunk)
+        tile_chunks = jnp.clip(reach, 1, chunks)  # [nq]
+
+        def attend(qh, table, qpos, n):  # one row: [kvh, gTq, hd], [NB], [gTq], n chunks -> [kvh, gTq, hd] float32
+            def chunk(c, carry):  # keys [c * cb * bs, (c + 1) * cb * bs)
+                top, total, acc = carry  # running max [kvh, gTq], sum of exp [kvh, gTq], output [kvh, gTq, hd]
+                blocks = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
+                keys = from_pool(k_cache[:, layer, blocks], dtype).reshape(kvh, cb * bs, hd)
+                values = from_pool(v_cache[:, layer, blocks], dtype).reshape(kvh, cb * bs, hd)
+                scores = attention_scores(qh, keys) * hd**-0.5
+                causal = c * cb * bs + jnp.arange(cb * bs)[None, :] <= qpos[:, None]  # [gTq, cb * bs]
+                scores = jnp.where(causal[None], scores, -jnp.inf)
+                new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # finite: key 0 is in every query's reach
+                p = jnp.exp(scores - new_top[..., None])
+                scale = jnp.exp(top - new_top)
+                pv = jnp.einsum("kqs,ksd->kqd", p.astype(dtype), values, preferred_element_type=jnp.float32,
+                                precision=float32_precision(dtype))
+                return new_top, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
+
+            init = (jnp.full(qh.shape[:2], -jnp.inf, jnp.float32), jnp.zeros(qh.shape[:2], jnp.float32),
+                    jnp.zeros(qh.shape, jnp.float32))
+            _, total, acc = jax.lax.fori_loop(0, n, chunk, init)
+            return acc / total[..., None]
+
+        per_row = 2 * kvh * cb * bs * hd * jnp.dtype(dtype).itemsize  # the keys + values of one chunk
+        rows = rows_per_iteration(B, per_row, "attention")
+
+        def tile(a):  # one query tile of every row; its chunk count is the same for all rows (a loop, not a mask)
+            qt, pt, n = a
+            return jax.lax.map(lambda r: attend(*r, n), (qt, tables, pt), batch_size=rows)
+
+        if nq == 1:  # a decode step, a short chunk: no loop over tiles
+            out = tile((qh[0], qpos[0], tile_chunks[0]))[None]
+        else:
+            out = jax.lax.map(tile, (qh, qpos, tile_chunks))  # [nq, B, kvh, g * Tq, hd]
+        out = out.astype(dtype).reshape(nq, B, kvh, g, Tq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H * hd)
+        return self.gated_output(out, gate)
+
+    def gated_output(self, out, gate):
+        """The heads' outputs [B, T, H * hd] through the output gate and the output projection."""
+        return self.o_proj(out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype))

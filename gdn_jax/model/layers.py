@@ -1,0 +1,79 @@
+"""The model's building blocks: bias-free projections (fused where they share an input) and RMSNorms."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn_jax.config import ModelConfig
+from gdn_jax.model.dense import dense
+
+
+class Linear(nnx.Module):
+    """Bias-free projection with its matrix in the HF layout, kernel [n_out, n_in], accumulating in float32 (the
+    fast bfloat16 path on CPU and GPU) and returning the activation dtype. `parts` names the HF projections a fused
+    matrix stacks along its rows, with their sizes (see `fused_parts`)."""
+
+    def __init__(self, n_in: int, n_out: int, dtype, std: float, rngs: nnx.Rngs, parts: tuple = ()):
+        self.kernel = nnx.Param(nnx.initializers.normal(std)(rngs.params(), (n_out, n_in), dtype))
+        self.dtype, self.parts = dtype, parts
+
+    def __call__(self, x):
+        y = dense(x.astype(self.dtype), self.kernel[...]).astype(self.dtype)
+        if not self.parts:
+            return y
+        return jnp.split(y, list(itertools.accumulate(n for _, n in self.parts[:-1])), axis=-1)
+
+
+def _linear(rngs, n_in, n_out, dtype, std, parts: tuple = ()):
+    return Linear(n_in, n_out, dtype, std, rngs, parts)
+
+
+def fused_parts(cfg: ModelConfig) -> dict[str, dict[str, tuple[tuple[str, int], ...]]]:
+    """The fused projections: per submodule of a layer, fused matrix -> ((HF projection name, output rows), ...) in
+    the order its rows stack them. Projections of one input are one matrix, so a step runs one product per input
+    (a decode step reads the weights in fewer, larger passes); the loader (`weights.load_hf_weights`) stacks the HF
+    tensors, the writer splits them back."""
+    H, kvh, hd, nv = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.linear_num_value_heads
+    return {
+        "linear_attn": {"in_proj": (("in_proj_qkv", cfg.conv_dim), ("in_proj_z", cfg.linear_value_dim),
+                                    ("in_proj_b", nv), ("in_proj_a", nv))},
+        "self_attn": {"qkv_proj": (("q_proj", 2 * H * hd), ("k_proj", kvh * hd), ("v_proj", kvh * hd))},
+        "mlp": {"gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))},
+    }
+
+
+def _fused(rngs, cfg, module: str, name: str, dtype, std):
+    parts = fused_parts(cfg)[module][name]
+    return _linear(rngs, cfg.hidden_size, sum(n for _, n in parts), dtype, std, parts)
+
+
+def rms_norm(x, eps):
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return (rms_norm(x, self.eps) * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """GDN output norm (not zero-centred): w * rmsnorm(o) * silu(z), per value head."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, o, z):
+        h = self.weight[...] * rms_norm(o, self.eps).astype(o.dtype)
+        return (h.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)

@@ -1,0 +1,422 @@
+"""Qwen3.5 hybrid model (Gated DeltaNet + gated full attention) as Flax NNX modules.
+
+The modules hold parameters only. The recurrent and KV state lives outside them in `DeviceState`, so a jitted
+step can take it as a donated argument: `forward(graphdef, params, batch, state) -> (logits, state)`.
+
+Donation holds (XLA updates the pools in place and never copies one) as long as, within a step, every read of a
+pool's old contents is ordered before its write by data dependence. So a KV pool is written first and read after
+(attention reads the updated pool), and a GDN pool is read by one gather whose result feeds the write (see
+`read_slots`); scatters promise in-bounds indices (the host validates them), since an out-of-bounds check reads
+the pool too. `tests/gdn_jax/test_donation.py` checks every compiled step shape.
+
+Batch layout: `B` rows (sequences), `T` tokens per row (a prefill chunk, or 1 for decode), rows right-padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn_jax import envs
+from gdn_jax.backends.cpu import kernels as cpu_kernels
+from gdn_jax.config import FULL, LINEAR, ModelConfig
+from gdn_jax.model.gated_delta import (causal_conv1d, chunk_gated_delta_rule, decode_token, default_chunk_size, l2norm,
+                                       new_state, recurrent_gated_delta_rule)
+from gdn_jax.model.state import Batch, DeviceState, from_pool, layer_ids, read_slots, write_rows
+from gdn_jax.model.dense import LayerKernel, _identity, dense
+from gdn_jax.model.layers import GatedRMSNorm, RMSNorm, _fused, _linear
+from gdn_jax.model.attention import Attention, rows_per_iteration
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, std):
+        self.gate_up_proj = _fused(rngs, cfg, "mlp", "gate_up_proj", dtype, std)  # [gate | up]
+        self.down_proj = _linear(rngs, cfg.intermediate_size, cfg.hidden_size, dtype, std)
+
+    def __call__(self, x):
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(silu_mul(gate, up))
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up in the dtype of `gate`, each of the two results rounded once to that dtype, as transformers
+    computes them (in float32 inside each kernel).
+
+    For a 16-bit dtype the silu runs in float32 and `lax.reduce_precision` rounds it, and the product, to the dtype:
+    XLA removes no reduce_precision, while it may keep float32 values where a program converts to bfloat16 and back
+    inside one fusion (`xla_allow_excess_precision`), so that a result would depend on how XLA fuses the step, and so
+    on the batch. `jax.nn.silu` on a bfloat16 input is instead five operations each rounded to bfloat16: 16
+    conversions in the fused kernel, which made the MLP's silu the forward's costliest elementwise fusion
+    (docs/design.md, "The MLP's silu in bfloat16")."""
+    if gate.dtype == jnp.float32:
+        return jax.nn.silu(gate) * up
+    info = jnp.finfo(gate.dtype)
+
+    def rounded(a):
+        return jax.lax.reduce_precision(a, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+    s = rounded(jax.nn.silu(gate.astype(jnp.float32)))
+    return rounded(s * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, std):
+        self.cfg = cfg
+        nv, K = cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim
+        self.in_proj = _fused(rngs, cfg, "linear_attn", "in_proj", dtype, std)  # [qkv | z | b | a]
+        self.conv1d = nnx.Param(jax.random.normal(rngs.params(), (cfg.conv_dim, K), dtype) * 0.3)  # [C, K]
+        self.dt_bias = nnx.Param(jnp.ones((nv,), jnp.float32))
+        # Mild decay by default (exp(A_log) in [0.01, 0.3]) so the state carries information over many tokens.
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (nv,), jnp.float32, 0.01, 0.3)))
+        self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype)
+        self.out_proj = _linear(rngs, cfg.linear_value_dim, cfg.hidden_size, dtype, std)
+
+    def __call__(self, x, conv_state, ssm_state, lengths, chunk_size: int | None = None, rule=None, saves=None,
+                 schedule: str = "auto", kernel: bool = True):
+        """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state).
+        `chunk_size` of the chunked rule (same maths; None: `gated_delta.default_chunk_size()`). `rule`, if given,
+        replaces the gated delta rule and the ssm_state argument: (q, k, v, g, beta) -> (o, new ssm state); the
+        engine's decode step passes one that advances the states inside their pool. `saves` = (rows, offsets), [S]
+        each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv
+        [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states (or copied out by the CPU
+        kernel as it passes them). `schedule`: the chunked
+        rule's (`chunk_gated_delta_rule`'s impl: "auto", "fused" or "parallel"; same maths); with "auto" and
+        `kernel`, a step of more than one token per row on the CPU runs the compiled kernel instead
+        (`cpu_kernels.gdn_prefill`), which has no gradient: training passes `kernel=False`."""
+        cfg = self.cfg
+        chunk_size = chunk_size or default_chunk_size()
+        B, T, _ = x.shape
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        mixed, z, b, a = self.in_proj(x)
+        saved_conv = None
+        if saves is not None:  # the K-1 conv inputs before each boundary, as causal_conv1d keeps them
+            rows, offsets = saves
+            xx = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
+            idx = offsets[:, None] + jnp.arange(conv_state.shape[1], dtype=jnp.int32)[None, :]
+            saved_conv = xx[rows[:, None], idx].astype(conv_state.dtype)       # [S, K-1, C]
+        qkv, conv_state = causal_conv1d(mixed, self.conv1d[...], conv_state, lengths)  # [B, T, C]
+        q, k, v = jnp.split(qkv, [cfg.linear_key_dim, 2 * cfg.linear_key_dim], axis=-1)
+        q = l2norm(q.reshape(B, T, nk, dk).astype(jnp.float32)) * dk**-0.5
+        k = l2norm(k.reshape(B, T, nk, dk).astype(jnp.float32))
+        v = v.reshape(B, T, nv, dv)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
+        if T > 1 and kernel and rule is None and schedule == "auto" and cpu_kernels.prefill_applies(k, v):
+            # the CPU kernel: token by token, each state in the core's cache, the key heads read where they lie
+            # (cpu_kernels.gdn_prefill)
+            o, ssm_state, *saved_ssm = cpu_kernels.gdn_prefill(q, k, v, g, beta, ssm_state, lengths, saves)
+            saved = (saved_conv, *saved_ssm)  # (used only with saves)
+        else:
+            # value head h reads key head h // (nv / nk)
+            q, k = jnp.repeat(q, nv // nk, axis=2), jnp.repeat(k, nv // nk, axis=2)
+            if saves is not None:
+                rows, offsets = saves
+                o, ssm_state, saved_ssm = chunk_gated_delta_rule(
+                    q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, chunk_size=chunk_size,
+                    save_chunks=(rows, jnp.maximum(offsets // chunk_size - 1, 0)), impl=schedule)  # [S, Hv, dk, dv]
+                saved = (saved_conv, saved_ssm)
+            else:
+                if rule is None:
+                    kw = {} if T == 1 else {"chunk_size": chunk_size, "impl": schedule}
+                    rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
+                                   initial_state=ssm_state, lengths=lengths, **kw)
+                o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
+        o = self.norm(o.astype(x.dtype), z.reshape(B, T, nv, dv))
+        out = self.out_proj(o.reshape(B, T, nv * dv))
+        return (out, conv_state, ssm_state) if saves is None else (out, conv_state, ssm_state, saved)
+
+
+def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
+    """One decode token of the gated delta rule for every row, on the states of GDN layer `layer` kept in their
+    stacked pool [layers, num_slots, Hv, dk, dv]: a few rows at a time
+    (`rows_per_iteration`), each reads its initial state from slot `src` (zeros where not `warm`) and writes the
+    new one to its live slot in place. Returns (o [B, 1, Hv, dv], pool).
+
+    Why a few rows at a time: XLA schedules every layer's state gather at the start of the step, so the batch's
+    states of all GDN layers are live at once (256 KiB per row and layer at hidden 1024, 2 MiB at Qwen3.5-9B):
+    tens of MB of temporaries (hidden 1024, float32, batch 16: 34 -> 7.5 MB, ~15% off the step). Rows are
+    independent, and no row reads a slot another row writes (in a one-token step a restore source is never a live
+    slot: `validate_cache_ops`), so the order does not matter.
+
+    One row at a time (a state of 2 MiB or more, as in Qwen3.5-9B, or a batch of one) reads its state with a dynamic
+    slice rather than `read_slots`' gather, which reads a padding slot besides (twice the state). The rule's output
+    comes from its product with the state it read (`gated_delta.decode_token`), never from the new state, so
+    nothing reads the pool after the write: XLA keeps the update in place.
+
+    On CPU each row's new state is written by a dynamic update slice of its own that computes it (e S + k delta^T,
+    from the state read and the token's gate and delta): XLA fuses that arithmetic into the write. (Elsewhere one
+    scatter writes them all: a loop over the rows would cost a device round trip per row.) A scatter of the
+    iteration's new states needed them materialised first, and XLA gave `where(warm, ...)` a pass of its own: 9
+    passes over the states' bytes against 5 now. Hybrid-1024, bfloat16, 16 rows: 26-29 -> 24.5 ms per decode step
+    (the 6 GDN layers' state updates alone: 6.9 -> 5.3 ms; 64 rows 33.5 -> 23.9 ms).
+
+    Where the compiled CPU kernel is available (`cpu_kernels`), it does all of this instead: each state read once,
+    written once, the rows' heads shared among the CPU threads (XLA's write above runs on one)."""
+    if cpu_kernels.applies(pool):
+        return cpu_kernels.gdn_decode(pool, src, live, warm, lengths, q, k, v, g, beta, layer)
+    B = q.shape[0]
+    chunk = rows_per_iteration(B, math.prod(pool.shape[2:]) * pool.dtype.itemsize, "gdn_decode")
+
+    def rows(i, a):
+        return jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk)
+
+    def read(pool, ids):
+        if chunk > 1:
+            return read_slots(pool, ids, layer)
+        return jax.lax.dynamic_slice(pool, (layer, ids[0]) + (0,) * (pool.ndim - 2), (1, 1) + pool.shape[2:])[0]
+
+    def body(i, carry):
+        pool, o = carry
+        s0 = jnp.where(rows(i, warm)[:, None, None, None], read(pool, rows(i, src)), 0.0)
+        oi, e, kf, delta = decode_token(s0, *(rows(i, a) for a in (q, k, v, g, beta)), lengths=rows(i, lengths))
+        ids = rows(i, live)
+        o = jax.lax.dynamic_update_slice_in_dim(o, oi, i * chunk, 0)
+        if jax.default_backend() != "cpu":  # one scatter (a loop over the rows costs a device round trip a turn)
+            return write_rows(pool, (layer_ids(layer, ids), ids), new_state(s0, e, kf, delta)), o
+
+        def write(r, pool):  # the row's new state, computed where it is written
+            s1 = new_state(s0[r], e[r], kf[r], delta[r])
+            return jax.lax.dynamic_update_slice(pool, s1[None, None], (layer, ids[r]) + (0,) * (pool.ndim - 2))
+
+        # With the layer known (layers unrolled) and one row per iteration, XLA would inline a loop of one turn and
+        # fuse the next layer's read of the pool with this write, then copy the whole pool around every layer (5
+        # copies of 228 MB in hybrid-1024's one-row step, 390 ms against 12.6); a trip count it cannot fold keeps
+        # the loop, as with two rows (live slots are never negative: `n` is `chunk`).
+        n = chunk if not isinstance(layer, int) else jnp.where(ids[0] >= 0, chunk, 0)
+        return jax.lax.fori_loop(0, n, write, pool), o
+
+    pool, o = jax.lax.fori_loop(0, B // chunk, body, (pool, jnp.zeros(v.shape, v.dtype)))
+    return o, pool
+
+
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, dtype, rngs, std):
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, dtype, rngs, std)
+        else:
+            self.self_attn = Attention(cfg, dtype, rngs, std)
+        self.mlp = MLP(cfg, dtype, rngs, std)
+
+    def residual(self, x, h):
+        """The layer's output from its input x and its mixer's (GDN or attention) output h: both residual adds
+        around the MLP."""
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def layer_groups(layer_types) -> tuple[tuple[tuple[str, int], ...], int]:
+    """The layer list as `repeats` copies of one group, the group as runs of consecutive layers of one kind:
+    Qwen3.5's 3 GDN + 1 full attention, repeated -> (((LINEAR, 3), (FULL, 1)), layers / 4). The group is the
+    shortest one that repeats to the whole list; a list with none (say G G A G) is a single group of its runs."""
+    types, n = tuple(layer_types), len(layer_types)
+    p = next(p for p in range(1, n + 1) if n % p == 0 and types[:p] * (n // p) == types)
+    return tuple((kind, len(list(run))) for kind, run in itertools.groupby(types[:p])), n // p
+
+
+UNROLL_ENV = "GDN_JAX_UNROLL_LAYERS"  # "1": every step's layers unrolled, "decode": one-token steps', unset or "0": none
+
+
+def unroll_layers(tokens: int) -> bool:
+    """Whether a step of `tokens` tokens per row traces every layer with its index known, with no layer loop and no
+    switch over the layers' matrices (`Qwen35Model.scan_layers`), as `UNROLL_ENV` says: "1" every step, "decode" the
+    one-token steps only, unset or "0" none (the default). For comparisons: XLA's GPU runtime reads each conditional's
+    branch index back to the host, and unrolled layers have none, but compile in about twice the time; a decode
+    shape compiles faster than a prefill one (docs/design.md, "On a GPU")."""
+    env = envs.get(UNROLL_ENV)
+    return env == "1" or (env == "decode" and tokens == 1)
+
+
+def _repeat(n: int, body, carry, unroll: bool = False):
+    """carry = body(i, carry) for i in range(n): a loop (its body compiled once), a plain call when n == 1; unrolled
+    (every layer traced with its index known) when `unroll`."""
+    if unroll:
+        for i in range(n):
+            carry = body(i, carry)
+        return carry
+    return body(0, carry) if n == 1 else jax.lax.fori_loop(0, n, body, carry)
+
+
+class Qwen35Model(nnx.Module):
+    """Qwen3_5ForCausalLM: embeddings, hybrid decoder layers, final norm, lm_head (tied or not)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, std: float = 0.02):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype) * std)
+        self.layers = nnx.List([DecoderLayer(cfg, t, dtype, rngs, std) for t in cfg.layer_types])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(rngs, cfg.hidden_size, cfg.vocab_size, dtype, std)
+
+    def scan_layers(self, carry, linear, full, unroll: bool = False):
+        """Runs the decoder layers in order on `carry`: `linear(layer, j, carry) -> carry` for the j-th GDN layer,
+        `full(layer, j, carry)` for the j-th full-attention layer, where `layer` is a `DecoderLayer` with that
+        layer's parameters and j (an int32 scalar, or an int) indexes its kind's stacked pools (`DeviceState`).
+
+        The layers run under loops, one over the repeats of the layer group (`layer_groups`) and inside it one per
+        run of same-kind layers, so a step compiles one GDN and one full-attention layer whatever the depth
+        (Qwen3.5-9B's 32 layers compile as 2). In the loop body `layer` holds, for each projection matrix, a
+        `LayerKernel` (every layer's matrix, each in its own buffer; `dense` multiplies by the loop's layer's), and
+        the loop's layer's small parameters (norms, conv taps, gates), picked together by one switch. With `unroll`
+        (`unroll_layers`) every layer is traced in turn with its index known: no loop and no switch."""
+        runs, repeats = layer_groups(self.cfg.layer_types)
+        fns = {LINEAR: linear, FULL: full}
+        kinds = {}  # kind -> (graphdef, treedef of its state, per leaf: the tuple of every layer's array)
+        for kind in (LINEAR, FULL):
+            layers = [layer for layer in self.layers if layer.layer_type == kind]
+            if layers:
+                paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(layers[0]))
+                leaves = zip(*(jax.tree.leaves(nnx.state(layer)) for layer in layers))
+                kinds[kind] = (nnx.graphdef(layers[0]), treedef,
+                               [(jax.tree_util.DictKey("kernel") in path, arrays)
+                                for (path, _), arrays in zip(paths, leaves)])
+
+        def layer_at(kind, j):
+            graphdef, treedef, leaves = kinds[kind]
+            small = [arrays for is_kernel, arrays in leaves if not is_kernel]
+            per_layer = list(zip(*small))  # per layer, the tuple of its small parameters
+            picked = iter(per_layer[j] if isinstance(j, int) else
+                          jax.lax.switch(j, [partial(_identity, arrays) for arrays in per_layer]))
+            return nnx.merge(graphdef, jax.tree_util.tree_unflatten(
+                treedef, [LayerKernel(arrays, j) if is_kernel else next(picked) for is_kernel, arrays in leaves]))
+
+        def group(g, carry):
+            seen = dict.fromkeys(kinds, 0)
+            for kind, n in runs:
+                per_group = sum(m for k, m in runs if k == kind)
+                base = g * per_group + seen[kind]
+                seen[kind] += n
+                carry = _repeat(n, lambda i, c, kind=kind, base=base: fns[kind](layer_at(kind, base + i),
+                                                                               base + i, c), carry, unroll)
+            return carry
+
+        return _repeat(repeats, group, carry, unroll)
+
+    def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int | None = None,
+                 gdn_schedule: str = "auto"):
+        """`gdn_schedule`: the chunked GDN rule's schedule ("auto", "fused", "parallel"; same maths).
+        `chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
+        boundary is a chunk boundary of a row's scan; None: `gated_delta.default_chunk_size()`)."""
+        x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
+        warm = batch.has_initial_state
+        ids = batch.linear_state_ids
+        src = ids if batch.initial_state_ids is None else batch.initial_state_ids
+
+        T = batch.tokens.shape[1]
+        last = jnp.maximum(batch.lengths - 1, 0)  # each row's last real token
+
+        def at_last(a):  # [B, T, ...] -> [B, ...] at each row's last token
+            return jnp.take_along_axis(a, last.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
+
+        # A step that samples needs the last layer's output at each row's last token only: there that layer's loop
+        # turn computes what every position needs (its keys and values, its GDN state), keeps the rest of its inputs
+        # at those tokens (`pending`), and `last_layer_tail` finishes one row each after the loop.
+        defer = not all_logits and T > 1
+        last_kind, last_j = self.cfg.layer_types[-1], self.cfg.layer_types.count(self.cfg.layer_types[-1]) - 1
+
+        def tail(kind, j, whole, at_tokens, x, pending):
+            """(x, pending) after a layer: (whole(), pending) for any layer but the last of a deferring step,
+            (x, at_tokens()) for that one; by a switch on j where the loop's layer is traced."""
+            if not defer or kind != last_kind:
+                return whole(), pending
+            if isinstance(j, int):
+                return (x, at_tokens()) if j == last_j else (whole(), pending)
+            return jax.lax.cond(j == last_j, lambda: (x, at_tokens()), lambda: (whole(), pending))
+
+        pending = ()
+        if defer:
+            B, cfg = batch.tokens.shape[0], self.cfg
+            pending = (jnp.zeros((B, cfg.hidden_size), x.dtype),) + (
+                (jnp.zeros((B, cfg.hidden_size), x.dtype),) if last_kind == LINEAR else
+                (jnp.zeros((B, cfg.num_attention_heads, cfg.head_dim), x.dtype),
+                 jnp.zeros((B, cfg.num_attention_heads * cfg.head_dim), x.dtype)))
+
+        def linear(layer, j, carry):
+            x, st, pending = carry
+            h = layer.input_layernorm(x)
+            conv_in = jnp.where(warm[:, None, None], from_pool(read_slots(st.conv, src, j), x.dtype), 0)
+            slots = ids
+            if batch.tokens.shape[1] == 1:  # decode: the states advance in their pool
+                rule = partial(advance_in_pool, st.ssm, src, ids, warm, batch.lengths, layer=j)
+                h, conv_out, ssm = layer.linear_attn(h, conv_in, None, batch.lengths, rule=rule)
+            else:
+                ssm_in = jnp.where(warm[:, None, None, None], read_slots(st.ssm, src, j), 0.0)
+                if batch.save_slots is None:
+                    h, conv_out, ssm_out = layer.linear_attn(h, conv_in, ssm_in, batch.lengths, chunk_size,
+                                                                     schedule=gdn_schedule)
+                else:  # also the checkpoints at the listed boundaries, written with the live slots at once
+                    h, conv_out, ssm_out, (conv_sv, ssm_sv) = layer.linear_attn(
+                        h, conv_in, ssm_in, batch.lengths, chunk_size, saves=(batch.save_rows, batch.save_offsets),
+                        schedule=gdn_schedule)
+                    slots = jnp.concatenate([ids, batch.save_slots])
+                    conv_out, ssm_out = jnp.concatenate([conv_out, conv_sv]), jnp.concatenate([ssm_out, ssm_sv])
+                ssm = write_rows(st.ssm, (layer_ids(j, slots), slots), ssm_out)
+            conv = write_rows(st.conv, (layer_ids(j, slots), slots), conv_out)
+            x, pending = tail(LINEAR, j, lambda: layer.residual(x, h), lambda: (at_last(x), at_last(h)), x, pending)
+            return x, dataclasses.replace(st, conv=conv, ssm=ssm), pending
+
+        def full(layer, j, carry):
+            x, st, pending = carry
+            q, gate, k, v = layer.self_attn.project_write(layer.input_layernorm(x), st.k, st.v, batch, j)
+            x, pending = tail(FULL, j, lambda: layer.residual(x, layer.self_attn.attend(
+                q, gate, k, v, j, batch.positions, batch.block_tables, batch.start_pos + batch.lengths)),
+                              lambda: (at_last(x), at_last(q), at_last(gate)), x, pending)
+            return x, dataclasses.replace(st, k=k, v=v), pending
+
+        x, state, pending = self.scan_layers((x, state, pending), linear, full, unroll=unroll_layers(T))
+        if defer:
+            x = self.last_layer_tail(pending, state, batch, last, last_j)
+        elif not all_logits:  # hidden state of each row's last real token
+            x = at_last(x)
+        return self.logits(x), state
+
+    def last_layer_tail(self, pending, state: DeviceState, batch: Batch, last, j: int):
+        """The last layer's output [B, D] at each row's last token `last` [B], from what its loop turn left
+        (`pending`: the layer's input there, and the GDN mixer's output or the attention's query and gate there): the
+        attention of those queries, the output projection and the MLP, one row each. `j`: the layer's index among
+        its kind's layers (its pools')."""
+        layer, kind = self.layers[-1], self.cfg.layer_types[-1]
+        if kind == LINEAR:
+            x, h = pending
+        else:
+            x, q, gate = pending
+            position = batch.start_pos + last
+            h = layer.self_attn.attend(q[:, None], gate[:, None], state.k, state.v, j, position[:, None],
+                                       batch.block_tables, position + 1)[:, 0]
+        return layer.residual(x, h)
+
+    def logits(self, x):
+        """Final norm and LM head (tied or not): hidden [..., D] -> float32 logits [..., V]."""
+        head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head.kernel
+        return dense(self.norm(x), head[...])
+
+
+def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False,
+            chunk_size: int | None = None, gdn_schedule: str = "auto"):
+    """Pure forward: (graphdef, params, batch, state) -> (logits [B, V] or [B, T, V] float32, new state)."""
+    model = nnx.merge(graphdef, params)
+    return model(batch, state, all_logits=all_logits, chunk_size=chunk_size, gdn_schedule=gdn_schedule)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
+    """Deterministic random model; returns (graphdef, params). Norm weights are perturbed so that a
+    `(1 + w)` vs `w` mistake shows."""
+    model = Qwen35Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed), std=0.05)
+    key = jax.random.PRNGKey(seed + 1)
+    for path, p in nnx.iter_graph(model):
+        if isinstance(p, (RMSNorm, GatedRMSNorm)):
+            key, sub = jax.random.split(key)
+            base = 1.0 if isinstance(p, GatedRMSNorm) else 0.0
+            p.weight[...] = (base + 0.2 * jax.random.normal(sub, p.weight.shape)).astype(dtype)
+    return nnx.split(model)
