@@ -1,4 +1,5 @@
-"""Every command-line flag of every script and of `python -m gdn_jax` documents itself (read from the source)."""
+"""The command line (`python -m gdn_jax`, `gdn-jax generate | serve`): every flag of it and of the scripts documents
+itself (read from the source), a bad option is one line naming it, and each flag reaches the engine or the server."""
 
 import ast
 import inspect
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SOURCES = sorted((ROOT / "scripts").glob("*.py")) + sorted((ROOT / "gdn_jax").glob("*.py"))
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = sorted((ROOT / "scripts").rglob("*.py")) + sorted((ROOT / "gdn_jax").rglob("*.py"))
 
 
 def _add_argument_calls(path: Path):
@@ -17,7 +18,8 @@ def _add_argument_calls(path: Path):
             yield node
 
 
-@pytest.mark.parametrize("path", [p for p in SOURCES if any(_add_argument_calls(p))], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in SOURCES if any(_add_argument_calls(p))],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_flag_has_a_help_text(path):
     missing = [ast.unparse(call.args[0]) for call in _add_argument_calls(path)
                if not any(k.arg == "help" and ast.unparse(k.value).strip("'\"") for k in call.keywords)]
@@ -32,19 +34,6 @@ def test_module_entry_point_names_itself(capsys):
     assert out.startswith("usage: python -m gdn_jax") and "(default: tiny)" in out
 
 
-def test_make_test_runs_every_test_file():
-    """`make test` lists its test files in process groups: a new file left out of every group would never run in CI."""
-    import re
-    recipe = (ROOT / "Makefile").read_text().replace("\\\n", " ")
-    listed = set()
-    for line in recipe.splitlines():
-        if re.match(r"(GROUP_\w+ :=|\t(\$\(\w+\) )?\$\(PY\) -m pytest)", line):
-            listed.update(re.findall(r"tests/[\w/]+(?:\.py)?", line))
-    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")}
-    missing = sorted(f for f in files if not any(f == t or f.startswith(t.rstrip("/") + "/") for t in listed))
-    assert not missing, f"test files in no group of `make test`: {missing}"
-
-
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--max-tokens", "-1", "x"], "argument --max-tokens: -1 is below 1"),
     (["generate", "--temperature", "-1", "x"], "temperature must be in [0, 1e+06]"),  # checked before a model loads
@@ -55,7 +44,7 @@ def test_make_test_runs_every_test_file():
     (["generate", "--model", str(ROOT / "tests"), "x"], "no config.json in model folder"),
 ])
 def test_a_bad_option_is_one_line_naming_it(argv, message, capsys):
-    from gdn_jax.cli import main
+    from gdn_jax.entrypoints.cli import main
     with pytest.raises(SystemExit) as e:
         main(argv)
     err = capsys.readouterr().err
@@ -71,7 +60,7 @@ def _no_engine(monkeypatch):
 
 def test_a_chat_template_that_does_not_parse_is_one_line(tmp_path, capsys, monkeypatch):
     """Named with its flag and file, before the engine and its warm-up (it came after a warm-up of a minute)."""
-    from gdn_jax.cli import main
+    from gdn_jax.entrypoints.cli import main
     bad = tmp_path / "t.jinja"
     bad.write_text("{{ messages }}\n{% if %}")
     _no_engine(monkeypatch)
@@ -85,7 +74,7 @@ def test_a_chat_template_that_does_not_parse_is_one_line(tmp_path, capsys, monke
 def test_serve_refuses_a_port_in_use_before_the_engine(capsys, monkeypatch):
     import socket
 
-    from gdn_jax.cli import main
+    from gdn_jax.entrypoints.cli import main
     _no_engine(monkeypatch)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -100,7 +89,7 @@ def test_serve_refuses_a_port_in_use_before_the_engine(capsys, monkeypatch):
 def test_engine_settings_that_would_silently_do_nothing_are_one_line(tmp_path, capsys, monkeypatch):
     """A compilation cache "folder" that is a file (the cache and the CPU kernels were off, with warnings), an empty
     model name (the working directory)."""
-    from gdn_jax.cli import main
+    from gdn_jax.entrypoints.cli import main
     (tmp_path / "afile").write_text("")
     for argv, message in (  # (--compilation-cache sets GDN_JAX_CACHE_DIR: monkeypatch restores it afterwards)
             (["--compilation-cache", str(tmp_path / "afile")], f"--compilation-cache {tmp_path / 'afile'}: a file"),
@@ -124,7 +113,7 @@ def test_a_model_folder_without_weights_is_one_line_naming_what_is_missing(tmp_p
 
 def test_generate_json_is_the_whole_of_stdout(capsys, monkeypatch):
     import json
-    from gdn_jax.cli import main
+    from gdn_jax.entrypoints.cli import main
     monkeypatch.setenv("GDN_JAX_CACHE_DIR", "off")
     main(["generate", "--model", "tiny-random", "--max-model-len", "64", "--max-num-seqs", "2", "--json",
           "--max-tokens", "3", "--ignore-eos", "--compilation-cache", "", "The cache"])
@@ -136,7 +125,7 @@ def test_generate_json_is_the_whole_of_stdout(capsys, monkeypatch):
 def test_a_corrupt_tokenizer_config_is_one_line_naming_the_file(tmp_path, capsys):
     import shutil
 
-    from gdn_jax.cli import main
+    from gdn_jax.entrypoints.cli import main
     folder = tmp_path / "m"
     shutil.copytree(ROOT / "tests" / "fixtures" / "hf_tiny", folder)
     (folder / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}",')
@@ -152,8 +141,8 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     record what they get). The model name resolves as the engine resolves it: the shipped `tiny` (no chat template),
     not a folder of that name in the working directory."""
     import gdn_jax.engine
-    import gdn_jax.server
-    from gdn_jax.cli import main
+    from gdn_jax.entrypoints.openai import api_server
+    from gdn_jax.entrypoints.cli import main
 
     seen = {}
 
@@ -167,7 +156,7 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
 
     real_engine = gdn_jax.engine.LLMEngine
     monkeypatch.setattr(gdn_jax.engine, "LLMEngine", Engine)
-    monkeypatch.setattr(gdn_jax.server, "serve", lambda engine, config, **kw: seen.update(config=config, **kw))
+    monkeypatch.setattr(api_server, "serve", lambda engine, config, **kw: seen.update(config=config, **kw))
     monkeypatch.setenv("GDN_JAX_CACHE_DIR", "unchanged")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny").mkdir()
@@ -205,7 +194,7 @@ def test_generate_takes_the_models_recommended_sampling_for_what_its_flags_leave
     import types
 
     import gdn_jax.engine
-    from gdn_jax.cli import main
+    from gdn_jax.entrypoints.cli import main
 
     seen = []
 
@@ -237,7 +226,7 @@ def test_generate_whose_step_failed_says_so_in_one_line(monkeypatch, capsys, jso
     import types
 
     import gdn_jax.engine
-    from gdn_jax.cli import main
+    from gdn_jax.entrypoints.cli import main
 
     class FailingLLM:
         def __init__(self, model, **kw):
