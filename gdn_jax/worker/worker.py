@@ -452,3 +452,24 @@ class Worker:
         fields = ("tokens", "logprobs", "ranks", "top_ids", "top_logprobs")
         return StepResult(*(np.concatenate([getattr(first, f), getattr(second, f)]) for f in fields),
                           prompt=first.prompt)
+
+    # the step's functions by kind (`step_functions`, `replace_functions`): the attribute holding each
+    _STEP_FUNCTION_ATTRS = {"prefill": "_fn", "decode": "_decode_fn", "decode_wide": "_decode_wide_fn",
+                            "prompt": "_prompt_fn", "sample": "_sample", "fetch": "_fetch"}
+
+    def step_functions(self) -> dict:
+        """The functions a step calls, by kind: prefill, decode, decode_wide, prompt, sample (jitted) and fetch."""
+        return {kind: getattr(self, attr) for kind, attr in self._STEP_FUNCTION_ATTRS.items()}
+
+    def replace_functions(self, **functions) -> dict:
+        """Puts `functions` (kind -> callable, the kinds of `step_functions`) in place of the step's own and returns
+        those replaced, for profiling or stubbing. Warm-up's executables are dropped, so that every step calls them;
+        a stand-in for a jitted function must pass on what the worker reads of it (its cache size)."""
+        if unknown := sorted(set(functions) - set(self._STEP_FUNCTION_ATTRS)):
+            raise ValueError(f"unknown step functions {unknown}: the kinds are {list(self._STEP_FUNCTION_ATTRS)}")
+        replaced = {kind: getattr(self, self._STEP_FUNCTION_ATTRS[kind]) for kind in functions}
+        for kind, fn in functions.items():
+            setattr(self, self._STEP_FUNCTION_ATTRS[kind], fn)
+        self._executables.clear()
+        self._stored.clear()
+        return replaced
