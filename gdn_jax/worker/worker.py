@@ -473,3 +473,7 @@ class Worker:
         self._executables.clear()
         self._stored.clear()
         return replaced
+
+    def padding_saves(self, rows: int, tokens: int):
+        """The checkpoint-save arrays of a (rows, tokens) step that saves nothing; None for a shape without saves."""
+        return self._save_arrays([], rows, tokens, None, None, RestoreOps.from_ops([], rows))
