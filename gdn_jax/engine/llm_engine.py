@@ -24,7 +24,7 @@ from gdn_jax import envs
 from gdn_jax.diagnostics import user_stacklevel
 from gdn_jax.chat import ChatTemplate
 from gdn_jax.config import ModelConfig, folder_json
-from gdn_jax.worker.executable_store import StaleExecutable, tag_jax_cache_keys
+from gdn_jax.worker.executable_store import StaleExecutable, jax_cache_folder, tag_jax_cache_keys
 from gdn_jax.model.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker.memory import GPU_MEMORY_UTILIZATION, default_memory_budget, plan_memory
@@ -212,8 +212,8 @@ def enable_compilation_cache() -> str | None:
     disables it; a folder already configured (jax_compilation_cache_dir) is kept. The folder is bounded
     (`compilation_cache_max_bytes`): past the bound JAX deletes the least recently used entries (a folder this
     process cannot write is read as it is, unbounded). On the CPU its entries are keyed by the host's CPU too
-    (`executables.tag_jax_cache_keys`), so that machines of two kinds can share the folder. Returns the folder in
-    use."""
+    (`executables.tag_jax_cache_keys`; where JAX cannot, they go to a subfolder per CPU kind:
+    `executables.jax_cache_folder`), so that machines of two kinds can share the folder. Returns the folder in use."""
     tag_jax_cache_keys()
     current = jax.config.jax_compilation_cache_dir
     if current:
@@ -228,6 +228,7 @@ def enable_compilation_cache() -> str | None:
     if os.path.exists(folder) and not os.path.isdir(folder):  # JAX would warn and compile everything every start
         raise ValueError(f"the compilation cache folder {folder} (GDN_JAX_CACHE_DIR, gdn-jax --compilation-cache) "
                          f"is a file, not a folder")
+    folder = jax_cache_folder(folder)
     if max_bytes != -1 and os.path.isdir(folder) and not os.access(folder, os.W_OK):
         max_bytes = -1  # a read-only (shared, prefilled) folder: eviction's lock file could not be written, every
         # read would fail, and nothing is written there anyway

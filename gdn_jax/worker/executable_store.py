@@ -49,55 +49,42 @@ from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
 from gdn_jax.diagnostics import user_stacklevel
-from gdn_jax import envs
+from gdn_jax import envs, jax_compat
 from gdn_jax.backends.cpu import kernels as cpu_kernels, library
 from gdn_jax.model import dense
 
 
 # environment that changes a compiled step
 ENVIRONMENT = envs.COMPILE_AFFECTING
-# JAX settings that change a traced program without changing its arguments, when JAX cannot list them itself (below)
-JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_threefry_partitionable",
-                "jax_random_seed_offset", "jax_high_dynamic_range_gumbel", "jax_numpy_dtype_promotion",
-                "jax_numpy_rank_promotion", "jax_default_prng_impl")
-
-
 def jax_settings() -> list[tuple[str, str]]:
-    """The JAX settings a traced program depends on, as (name, repr): those JAX's own trace cache keys by (its trace
-    context: the default matmul precision, how random bits are drawn (threefry_partitionable, the seed offset, the
-    Gumbel sampler), 64-bit types, promotion rules, ...), and the default PRNG implementation."""
-    try:
-        from jax._src.config import trace_context_names
-        names = [*(trace_context_names() if callable(trace_context_names) else trace_context_names),
-                 "jax_default_prng_impl"]
-    except (ImportError, TypeError):  # another jax: the settings known to change a step
-        names = list(JAX_SETTINGS)
+    """The JAX settings a traced program depends on, as (name, repr): those JAX's own trace cache keys by
+    (`jax_compat.trace_settings`: the default matmul precision, how random bits are drawn, 64-bit types, promotion
+    rules, ...), and the default PRNG implementation."""
     values = jax.config.values
-    return [(name, repr(values[name])) for name in dict.fromkeys(names) if name in values]
+    names = dict.fromkeys([*jax_compat.trace_settings(), "jax_default_prng_impl"])
+    return [(name, repr(values[name])) for name in names if name in values]
 
 
 _jax_key_tagged = False
 
 
-def tag_jax_cache_keys() -> None:
+def tag_jax_cache_keys() -> bool:
     """Adds `host_cpu` to the key of every entry JAX's persistent compilation cache writes or reads in this process
-    while the default backend is the CPU (JAX's key holds the backend's name and version, not the CPU's), through
-    the hook JAX's cache key provides for such additions (a hook already set is kept: its string comes first). Once
-    per process; a JAX without the hook is left as it is."""
+    while the default backend is the CPU (JAX's key holds the backend's name and version, not the CPU's), after what
+    a hook set before adds (`jax_compat.add_to_cache_key`). Once per process; False where this JAX cannot."""
     global _jax_key_tagged
-    if _jax_key_tagged:
-        return
-    try:
-        from jax._src import cache_key
-        before = cache_key.custom_hook
-    except (ImportError, AttributeError):
-        return
+    if not _jax_key_tagged:
+        _jax_key_tagged = jax_compat.add_to_cache_key(
+            lambda: f"host_cpu={library.host_cpu_tag()}" if jax.default_backend() == "cpu" else "")
+    return _jax_key_tagged
 
-    def hook() -> str:
-        return before() + (f"host_cpu={library.host_cpu_tag()}" if jax.default_backend() == "cpu" else "")
 
-    cache_key.custom_hook = hook
-    _jax_key_tagged = True
+def jax_cache_folder(folder: str) -> str:
+    """The folder JAX's persistent cache uses for `folder`: itself where `tag_jax_cache_keys` keys the entries by
+    `host_cpu`, else on the CPU its subfolder `host-<host_cpu>`, so that two kinds of machine sharing it stay apart."""
+    if tag_jax_cache_keys() or jax.default_backend() != "cpu":
+        return folder
+    return os.path.join(folder, f"host-{library.host_cpu_tag()}")
 
 
 @functools.cache

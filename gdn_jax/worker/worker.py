@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax import jax_compat
 from gdn_jax.diagnostics import user_stacklevel
 from gdn_jax.worker import executable_store as executables
 from gdn_jax.config import ModelConfig
@@ -296,14 +297,14 @@ class Worker:
         """The step's forward (`fn`, with `extra` arguments), then sampling: (the packed samples (`unpack_sampled`)[,
         prompt logprobs]), on the device."""
         jitted = (self._fn, self._decode_fn, self._decode_wide_fn, self._prompt_fn, self._sample)
-        before = sum(f._cache_size() for f in jitted)
+        before = jax_compat.compilations(jitted)
         args = (self._param_leaves, self.state, batch, *extra)
         if fn is not None:
             self.state, logits, *prompt = fn(*args)
         else:
             self.state, logits, *prompt = self._call(("step", *batch.tokens.shape), self._fn_for(batch.tokens), args)
         sampled = self._call(("sample", logits.shape[0]), self._sample, (logits, sampling))
-        self.num_compilations += sum(f._cache_size() for f in jitted) - before
+        self.num_compilations += jax_compat.compilations(jitted) - before
         return (sampled, *prompt)
 
     def _call(self, name: tuple, jitted, args: tuple):

@@ -276,33 +276,10 @@ def test_the_store_key_holds_the_host_cpu(monkeypatch):
     args = (jnp.zeros((2, 3)),)
     keys = set()
     for tag in ("x86_64-aaaaaaaaaaaa", "x86_64-bbbbbbbbbbbb"):
-        monkeypatch.setattr(executables, "_host_cpu", lambda tag=tag: tag)
+        monkeypatch.setattr(library, "host_cpu_tag", lambda tag=tag: tag)
         keys.add(executables.executable_key("step", ("cfg", 64), args, None))
         assert executables.executable_key("step", ("cfg", 64), args, None) in keys
     assert len(keys) == 2
-
-
-def test_jax_cache_keys_hold_the_host_cpu_on_the_cpu_and_keep_a_hook_set_before(monkeypatch):
-    from jax._src import cache_key, compiler, xla_bridge
-
-    monkeypatch.setattr(cache_key, "custom_hook", lambda: "set-before;")  # (the original is put back afterwards)
-    monkeypatch.setattr(executables, "_jax_key_tagged", False)
-    module = jax.jit(lambda x: x + 1).lower(1.0).compiler_ir()
-    devices = np.array(jax.devices()[:1])
-    options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
-
-    def key():
-        return cache_key.get(module, devices, options, xla_bridge.get_backend())
-
-    untagged = key()
-    executables.tag_jax_cache_keys()
-    executables.tag_jax_cache_keys()  # once per process
-    keys = set()
-    for tag in ("x86_64-aaaaaaaaaaaa", "x86_64-bbbbbbbbbbbb"):
-        monkeypatch.setattr(executables, "_host_cpu", lambda tag=tag: tag)
-        assert cache_key.custom_hook() == f"set-before;host_cpu={tag}"
-        keys.add(key())
-    assert len({untagged, *keys}) == 3
 
 
 def test_a_corrupt_or_missing_entry_is_a_miss(tmp_path):

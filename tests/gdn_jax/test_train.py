@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from gdn_jax import jax_compat
 from gdn_jax.config import get_preset
 from gdn_jax.model.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 from gdn_jax.model.qwen35 import forward, init_model
@@ -213,12 +214,12 @@ def test_reduced_training_run_lowers_the_loss_and_resumes_at_the_same_step(tmp_p
     assert (first["start_step"], first["end_step"]) == (0, 12)
     assert not (out / "model.safetensors").exists()  # interrupted: nothing exported
     step = train_step_for(train_tiny.model_config(train_tiny.parse(common)), TrainConfig(steps=24, lr=3e-3, warmup=4))
-    traced = step._cache_size()
+    traced = jax_compat.compilations([step])
     second = train_tiny.main(common + ["--resume"])
     assert (second["start_step"], second["end_step"]) == (12, 24)
     # the resumed run called the program the first one compiled (orbax's arrays are committed to the device: a
     # fresh run's arrays are too, or the resume traced and compiled its own)
-    assert step._cache_size() == traced
+    assert jax_compat.compilations([step]) == traced
     history = json.loads((logs / "loss_curve.json").read_text())["history"]
     assert [r["step"] for r in history] == [6, 12, 18, 24]  # one history across both runs
     sched = make_optimizer(TrainConfig(steps=24, lr=3e-3, warmup=4))[1]  # each row: its last step's rate
@@ -243,7 +244,7 @@ def test_reduced_training_run_lowers_the_loss_and_resumes_at_the_same_step(tmp_p
                      log=lambda s: None)
     # a checkpoint logs the losses since the last row: a resume from step 10 or 20 loses none of them
     assert [r["step"] for r in straight["history"]] == [10, 20, 24]
-    assert step._cache_size() == traced
+    assert jax_compat.compilations([step]) == traced
     _, _, exported = load_hf_weights(out)
     for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(exported)), jax.tree.leaves(nnx.to_pure_dict(straight["params"]))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
