@@ -51,6 +51,8 @@ VARIABLES = {v.name: v for v in (
              "0 or unset none", choices=("0", "1", "decode")),
     Variable("GDN_JAX_COMPILE_THREADS", "threads the warm-up compiles on (default: the usable cores, at most 8)",
              positive_int=True),
+    Variable("GDN_JAX_EXECUTABLE_STORE", "0 keeps compiled steps in JAX's persistent cache alone, without the "
+             "executable store beside it (default: the store is on with the cache)", choices=("0", "1")),
     Variable("GDN_JAX_API_KEY", "the server's API key when --api-key is not given"),
     Variable("CXX", "the C++ compiler the CPU kernels are built with (default: c++, g++ or clang++ on PATH)"),
     Variable("XLA_FLAGS", "XLA's own flags; an optimisation level named there overrides the prefill steps' level"),

@@ -106,12 +106,12 @@ STALE_PARTIAL_S = 3600  # a partial write (`save`'s `.tmp` file) untouched this 
 
 def default_folder(cache: str | None = None) -> str | None:
     """`executables/<source version>/` in `cache`, by default JAX's persistent compilation cache folder (None when
-    that cache is off). Marks this version as used now and deletes all but the KEEP_VERSIONS most recently used
-    ones (and any entry of the former flat layout), and in those kept, the partial writes older than
-    STALE_PARTIAL_S: a process killed while saving (SIGKILL, a power loss) leaves its `.tmp` file, which no bound
-    counts and nothing else deletes; a younger one may be another process's save in progress."""
+    that cache is off, or GDN_JAX_EXECUTABLE_STORE is 0). Marks this version as used now and deletes all but the
+    KEEP_VERSIONS most recently used ones (and any entry of the former flat layout), and in those kept, the partial
+    writes older than STALE_PARTIAL_S: a process killed while saving (SIGKILL, a power loss) leaves its `.tmp` file,
+    which no bound counts and nothing else deletes; a younger one may be another process's save in progress."""
     cache = cache or jax.config.jax_compilation_cache_dir
-    if not cache:
+    if not cache or envs.get("GDN_JAX_EXECUTABLE_STORE") == "0":
         return None
     root = Path(cache, "executables")
     folder = root / source_digest()[:16]
