@@ -17,11 +17,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script(name):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    """The module of scripts/<folder>/<name>.py, or of scripts/common.py: imported from its folder as the command
+    runs it (the script puts scripts/ on sys.path for `common` itself)."""
+    (path,) = [p for p in (ROOT / "scripts").rglob(f"{name}.py")]
+    sys.path.insert(0, str(path.parent))
     try:
         return importlib.import_module(name)
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(path.parent))
 
 
 @pytest.mark.slow  # ~55 s: two engines compile their prefill and decode steps
@@ -101,7 +104,7 @@ def test_matmul_peak_times_each_projection_shape_in_every_form_of_its_dtype(dtyp
 
     from gdn_jax.config import get_preset
 
-    bench = _script("bench_forward")
+    bench = _script("common")
     cfg = get_preset("tiny-random")
     peak = bench.matmul_peak(cfg, 8, jnp.dtype(dtype), repeats=1)
     shapes = peak["per_shape"]
@@ -132,19 +135,19 @@ def test_op_parts_attribute_the_attention_beyond_rope():
     from gdn_jax.model.qwen35 import init_model
     from gdn_jax.model.state import init_state
 
-    bench, profile = _script("bench_forward"), _script("op_profile")
+    common = _script("common")
     cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg)
-    batch, nb = bench._batch(np.arange(64) % 100 + 2, 16)
+    batch, nb = common.one_row_batch(np.arange(64) % 100 + 2, 16)
     state = init_state(cfg, nb + 1, 16, 2)
-    text = bench.forward_jit(64).lower(graphdef, params, batch, state, False).compile().as_text()
-    parts, _ = profile.op_parts(text)
+    text = common.forward_jit(64).lower(graphdef, params, batch, state, False).compile().as_text()
+    parts, _ = common.op_parts(text)
     attention = [name for name, part in parts.items() if part == "attention"]
     assert any(name.startswith(("while", "ffi_call", "custom-call")) for name in attention), attention
 
 
 def test_self_times_subtract_nested_spans():
-    profile = _script("op_profile")
+    profile = _script("common")
 
     def span(op, ts, dur, tid=1, module="jit_step"):
         return {"ph": "X", "pid": 0, "tid": tid, "ts": ts, "dur": dur, "args": {"hlo_op": op, "hlo_module": module}}
@@ -329,7 +332,8 @@ def test_bench_host_stubs_every_step_executable():
     bench = _script("bench_host")
     engine = LLMEngine("tiny-random", max_num_seqs=2, max_model_len=64, verbose=False)
     bench.stub_device(engine, np.random.default_rng(0))
-    left = [k for k, v in vars(engine.worker).items() if callable(v) and hasattr(v, "lower") and k != "_prompt_fn"]
+    left = [kind for kind, fn in engine.worker.step_functions().items()
+            if kind not in ("prompt", "fetch") and not isinstance(fn, bench.Stub)]  # prompt logprobs; the host's
     assert left == []
 
 
@@ -652,30 +656,34 @@ def test_bench_itl_writes_the_long_chunk_step_its_table_prints(tmp_path, monkeyp
     assert row.split("|")[-2].strip() == "32.0"
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "scripts").glob("*.py")), ids=lambda p: p.name)
-def test_a_script_run_as_a_command_keeps_its_own_names(path):
-    """`from study_cli import run` in a script's `__main__` block binds `run` in the script's namespace: in a script
-    with a `run` of its own, its `main` then called study_cli's (`run() takes 1 positional argument`), so the
-    command failed whatever its flags."""
+@pytest.mark.parametrize("path", sorted((ROOT / "scripts").rglob("*.py")), ids=lambda p: p.name)
+def test_a_script_imports_no_other_script_and_no_private_name_of_the_package(path):
+    """What scripts share lives in scripts/common.py, the one module a script imports from scripts/; what a script
+    needs of the package goes through its public names (`bench_decode`, `bench_forward` and `bench_gpu` imported each
+    other in a circle, and scripts reached `worker._fn` or `engine._requests`)."""
     import ast
 
+    scripts = {p.stem for p in (ROOT / "scripts").rglob("*.py")} - {"common"}
     tree = ast.parse(path.read_text())
-    own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    own |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-    main_blocks = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
-    imported = {a.asname or a.name for block in main_blocks for n in ast.walk(block)
-                if isinstance(n, ast.ImportFrom) for a in n.names}
-    assert not own & imported, f"{path.name}: its __main__ block rebinds {sorted(own & imported)}"
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m.split(".")[0] for m in imported} & scripts, f"{path.name} imports another script"
+    private = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               and (n.module or "").split(".")[0] in ("gdn_jax", "scheduler") for a in n.names if a.name.startswith("_")]
+    # transformers' config attribute is the one private attribute a script sets (the reference scripts)
+    private += [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+                and not n.attr.startswith("__") and n.attr != "_attn_implementation"]
+    assert not private, f"{path.name} reaches private names: {private}"
 
 
 def test_bench_host_runs_as_a_command(tmp_path, monkeypatch):
     import runpy
 
     out = tmp_path / "host.json"
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "bench"))
     monkeypatch.setattr(sys, "argv", ["bench_host.py", "--preset", "tiny-random", "--prompt", "16", "--batches", "1",
                                       "--steps", "5", "--chunk-stride", "16", "--out", str(out)])
-    runpy.run_path(str(ROOT / "scripts" / "bench_host.py"), run_name="__main__")
+    runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_host.py"), run_name="__main__")
     assert [r["steps"] for r in json.loads(out.read_text())["rows"]] == [5]
 
 
@@ -693,7 +701,7 @@ def test_forward_flops_counts_the_models_own_matrices():
 
     cfg, T = get_preset("tiny-random"), 100
     assert cfg.layer_types[-1] == FULL
-    work = _script("bench_gpu").forward_flops(cfg, T)
+    work = _script("common").forward_flops(cfg, T)
     pure = nnx.to_pure_dict(init_model(cfg)[1])
 
     def kernels(tree):
@@ -708,7 +716,7 @@ def test_forward_flops_counts_the_models_own_matrices():
     assert work["attention"] == 2 * (len(cfg.full_layer_ids) - 1) * triangle + 2 * scores_and_values * T
 
     gdn_last = dataclasses.replace(cfg, layer_types=(LINEAR, FULL, LINEAR, LINEAR))  # its mixer runs whole
-    work = _script("bench_gpu").forward_flops(gdn_last, T)
+    work = _script("common").forward_flops(gdn_last, T)
     pure = nnx.to_pure_dict(init_model(gdn_last)[1])
     once = kernels(pure["layers"][3]["mlp"])
     assert work["dense"] == 2 * T * (kernels(pure["layers"]) - once) + 2 * once + 2 * pure["lm_head"]["kernel"].size
@@ -722,7 +730,7 @@ def test_bench_compile_without_a_cache_uses_none_the_environment_names(tmp_path)
     cache = tmp_path / "cache"
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_compile.py"), "--preset", "tiny-random",
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "bench_compile.py"), "--preset", "tiny-random",
                     "--dtype", "float32", "--max-num-seqs", "1", "--max-model-len", "32", "--chunk-stride", "16",
                     "--max-num-batched-tokens", "16", "--shapes", "1x1x2", "--out", str(tmp_path / "c.json")],
                    env=env, check=True, capture_output=True)
@@ -750,7 +758,7 @@ def test_bench_forward_times_compilation_apart_from_the_first_run(monkeypatch):
 
     from gdn_jax.config import get_preset
 
-    bench = _script("bench_forward")
+    bench, common = _script("bench_forward"), _script("common")
     clock = [0.0]
 
     def advance():
@@ -758,10 +766,10 @@ def test_bench_forward_times_compilation_apart_from_the_first_run(monkeypatch):
 
     def forward(*args):
         jax.debug.callback(advance)
-        return bench_forward_real(*args)
+        return forward_real(*args)
 
-    bench_forward_real = bench.forward
-    monkeypatch.setattr(bench, "forward", forward)
+    forward_real = common.forward  # the forward `common.forward_jit` jits
+    monkeypatch.setattr(common, "forward", forward)
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     setup, times, *_ = bench.time_jax(get_preset("tiny-random"), list(range(4, 20)), jnp.float32, 2)
     assert setup == {"lower_s": 0.0, "compile_s": 0.0, "first_run_s": 100.0} and times == [100.0, 100.0]
@@ -850,13 +858,13 @@ GPU_CHECK_BENCH = ("--preset tiny-random --dtype float32 --prefill-tokens 128 --
 
 
 def _gpu_check(out, tests, bench_args, compile_shapes=0, variants=""):
-    """scripts/gpu_check.sh on the CPU with `tests` (GPU_CHECK_TESTS), `bench_args` (BENCH_ARGS), the compile stage
+    """scripts/bench/gpu_check.sh on the CPU with `tests` (GPU_CHECK_TESTS), `bench_args` (BENCH_ARGS), the compile stage
     on `compile_shapes` shapes of tiny-random (COMPILE_SHAPES; 0 skips it) and `variants` (VARIANTS) of its decode."""
     env = {k: v for k, v in os.environ.items() if k != "GDN_JAX_TEST_COMPILE_CACHE"}
     env |= {"JAX_PLATFORMS": "cpu", "PYTHON": sys.executable, "GPU_CHECK_TESTS": tests, "BENCH_ARGS": bench_args,
             "COMPILE_SHAPES": str(compile_shapes), "COMPILE_ARGS": "--preset tiny-random --dtype float32",
             "VARIANTS": variants, "VARIANT_ARGS": GPU_CHECK_BENCH + " --skip forward,ttft,off"}
-    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], env=env, cwd=ROOT,
+    return subprocess.run(["bash", str(ROOT / "scripts" / "bench" / "gpu_check.sh"), str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
 

@@ -97,7 +97,7 @@ def test_the_notebooks_extra_installs_what_the_notebooks_import():
     root = NOTEBOOKS[0].parent.parent
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     allowed = _requirement_names(project["dependencies"] + project["optional-dependencies"]["notebooks"])
-    scripts = {p.stem: p for p in (root / "scripts").glob("*.py")}
+    scripts = {p.stem: p for p in (root / "scripts").rglob("*.py")}
     distributions = importlib.metadata.packages_distributions()
     missing = {}
     for path in NOTEBOOKS:

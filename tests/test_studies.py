@@ -17,11 +17,14 @@ MODEL = "tiny"
 
 
 def _script(name):
-    sys.path.insert(0, str(ROOT / "scripts"))  # the studies import their shared study_cli by name
+    """The module of scripts/<folder>/<name>.py, or of scripts/common.py: imported from its folder as the command
+    runs it (the script puts scripts/ on sys.path for `common` itself)."""
+    (path,) = [p for p in (ROOT / "scripts").rglob(f"{name}.py")]
+    sys.path.insert(0, str(path.parent))
     try:
         return importlib.import_module(name)
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(path.parent))
 
 
 @pytest.mark.slow
@@ -44,9 +47,9 @@ def test_accuracy_study_shows_exact_equals_no_cache_and_both_unsafe_modes_drift(
 
 @pytest.mark.slow
 def test_ttft_study_reports_every_workload_cache_on_and_off(tmp_path):
-    _script("bench_ttft").main(["--quick", "--model", MODEL, "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "bench_ttft.json").read_text())
-    assert (tmp_path / "bench_ttft.png").stat().st_size > 0
+    _script("ttft_study").main(["--quick", "--model", MODEL, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "ttft_study.json").read_text())
+    assert (tmp_path / "ttft_study.png").stat().st_size > 0
     rows = {(r["workload"], r["mode"], r["cache"]): r for r in result["rows"]}
     assert len(rows) == 4 * 2 * 2
     for (workload, mode, cache), r in rows.items():
@@ -84,27 +87,27 @@ def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
     ("checkpoint_tradeoff", ["--turns", "0"], "argument --turns: 0 is below 1"),
     ("checkpoint_tradeoff", ["--conversations", "two"], "'two' is not an integer"),
     ("checkpoint_tradeoff", ["--block-size", "48"], "--block-size (48) must divide every chunk_stride of the sweep"),
-    ("bench_ttft", ["--ab", "--shared", "300", "--prompt", "256"], "--shared (300) must be below --prompt (256)"),
-    ("bench_ttft", ["--ab", "--prefill"], "pass one"),
-    ("bench_ttft", ["--prefill", "--quick"], "--quick shrinks the study only"),
-    ("bench_ttft", ["--rounds", "0"], "argument --rounds: 0 is below 1"),
+    ("ttft_study", ["--ab", "--shared", "300", "--prompt", "256"], "--shared (300) must be below --prompt (256)"),
+    ("ttft_study", ["--ab", "--prefill"], "pass one"),
+    ("ttft_study", ["--prefill", "--quick"], "--quick shrinks the study only"),
+    ("ttft_study", ["--rounds", "0"], "argument --rounds: 0 is below 1"),
     # a flag of the other runs is an error, not silently ignored
-    ("bench_ttft", ["--quick", "--prompt", "512"], "--prompt: for --ab / --prefill"),
-    ("bench_ttft", ["--quick", "--rounds", "2", "--shared", "100"], "--shared, --rounds: for --ab / --prefill"),
-    ("bench_ttft", ["--ab", "--model", "tiny", "--prompt", "64", "--shared", "32", "--chunk-stride", "32", "--rounds",
+    ("ttft_study", ["--quick", "--prompt", "512"], "--prompt: for --ab / --prefill"),
+    ("ttft_study", ["--quick", "--rounds", "2", "--shared", "100"], "--shared, --rounds: for --ab / --prefill"),
+    ("ttft_study", ["--ab", "--model", "tiny", "--prompt", "64", "--shared", "32", "--chunk-stride", "32", "--rounds",
                     "1", "--passes", "2"], "--passes: for the study"),
-    ("bench_ttft", ["--ab", "--model", "tiny", "--prompt", "64", "--shared", "16", "--chunk-stride", "32"],
+    ("ttft_study", ["--ab", "--model", "tiny", "--prompt", "64", "--shared", "16", "--chunk-stride", "32"],
      "--shared (16) is below --chunk-stride (32)"),
     # sequences longer than the model's positions name the flags that ask for them (the engine's error named only
     # max_model_len, which the studies size themselves)
     ("accuracy_study", ["--model", "tiny", "--chunk-stride", "2048"],
      "--chunk-stride 2048 and --max-tokens 24: sequences of up to 7808 tokens, beyond the 4096 positions of model"),
-    ("bench_ttft", ["--prefill", "--model", "tiny-random", "--prompt", "4096", "--shared", "2048"],
+    ("ttft_study", ["--prefill", "--model", "tiny-random", "--prompt", "4096", "--shared", "2048"],
      "--prompt 4096 (and 64 tokens of room): sequences of up to 4160 tokens, beyond the 4096 positions"),
     # settings the script fixes itself were named by the engine's words (max_num_batched_tokens, block_size)
-    ("bench_ttft", ["--prefill", "--model", "tiny-random", "--prompt", "100", "--shared", "50"],
+    ("ttft_study", ["--prefill", "--model", "tiny-random", "--prompt", "100", "--shared", "50"],
      "--prompt (100) must be at least --chunk-stride (256)"),
-    ("bench_ttft", ["--ab", "--model", "tiny-random", "--chunk-stride", "250"],
+    ("ttft_study", ["--ab", "--model", "tiny-random", "--chunk-stride", "250"],
      "--chunk-stride (250) must be a multiple of 16, the KV block size of --ab / --prefill"),
     # --quick has its own workload: the flags were ignored without a word
     ("checkpoint_tradeoff", ["--quick", "--turns", "9", "--block-size", "7"],
@@ -131,7 +134,7 @@ def test_an_unwritable_out_folder_fails_at_once(tmp_path, capsys):
 def test_the_engine_refusing_a_setting_ends_the_command_with_its_message(tmp_path):
     """From the command line, a setting only the engine can judge (a stride off the block grid) gives one line."""
     import subprocess
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "accuracy_study.py"), "--quick", "--model",
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "studies" / "accuracy_study.py"), "--quick", "--model",
                         "tiny-random", "--chunk-stride", "40", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip() == (
@@ -139,7 +142,7 @@ def test_the_engine_refusing_a_setting_ends_the_command_with_its_message(tmp_pat
 
 
 def test_study_json_records_the_environment():
-    env = _script("study_cli").environment()
+    env = _script("common").environment()
     assert env["backend"] == "cpu" and env["jax"] and env["jaxlib"] and env["cpu_count"] >= 1
     assert env["git_commit"] is None or len(env["git_commit"]) == 40
 
@@ -174,7 +177,7 @@ def test_ab_pairs_the_restoring_step_with_the_cache_off_step_at_the_same_positio
     """B's deepest checkpoint (48) is not where the cache-off run's last step starts (96): the A/B compares the
     48-token steps that both start at 48, not a 48-token step with a 32-token one."""
     steps = [{"tokens": 48, "seconds": 1.0}, {"tokens": 48, "seconds": 2.0}, {"tokens": 32, "seconds": 3.0}]
-    ttft = _script("bench_ttft")
+    ttft = _script("ttft_study")
     assert ttft.step_at(steps, 48)["seconds"] == 2.0 and ttft.step_at(steps, 0)["seconds"] == 1.0
     with pytest.raises(ValueError, match="position 50"):
         ttft.step_at(steps, 50)
@@ -185,7 +188,7 @@ def test_ttft_study_counters_leave_out_the_evictions_of_its_own_cache_resets():
     (and of the warm-up), which are not evictions the workload caused: a pool with room for every checkpoint reports
     none."""
     from gdn_jax import LLMEngine
-    ttft = _script("bench_ttft")
+    ttft = _script("ttft_study")
     engine = LLMEngine(MODEL, block_size=16, chunk_stride=32, max_num_seqs=1, max_model_len=128, verbose=False)
     make = lambda r: [[[5 + (r + i) % 200 for i in range(80)]]]  # noqa: E731 - one 80-token prompt per pass
     s = ttft.measured(engine, make, False, 1, passes=2)
@@ -309,7 +312,7 @@ def test_ttft_workload_words_are_as_many_tokens_as_asked_whatever_the_tokenizer(
     tokens are longer than bytes too: the text was drawn for a byte-level one (about 1.5 bytes per asked token), so a
     tokenizer with a token per word gave a third of them."""
     import numpy as np
-    ttft = _script("bench_ttft")
+    ttft = _script("ttft_study")
 
     class Words:  # one id per word
         def encode(self, text):
@@ -323,7 +326,7 @@ def test_ttft_workload_words_are_as_many_tokens_as_asked_whatever_the_tokenizer(
 def test_ttft_ab_and_prefill_record_only_the_settings_that_apply(run, tmp_path, monkeypatch):
     """The A/B and prefill runs write their settings (`args`) into their JSON: passes, a setting of the study alone,
     was written there as 3."""
-    ttft = _script("bench_ttft")
+    ttft = _script("ttft_study")
     monkeypatch.setattr(ttft, run[2:], lambda args: vars(args))
     got = ttft.main([run, "--model", "tiny-random", "--prompt", "64", "--shared", "32", "--chunk-stride", "32",
                      "--out", str(tmp_path)])
@@ -360,7 +363,7 @@ def _max_model_len_asked(study, builder: str, monkeypatch, argv: list[str], *, k
     return asked
 
 
-@pytest.mark.parametrize("script", ["bench_ttft", "checkpoint_tradeoff"])
+@pytest.mark.parametrize("script", ["ttft_study", "checkpoint_tradeoff"])
 def test_a_study_takes_the_positions_of_a_model_that_has_fewer_than_its_max_model_len(script, tmp_path, monkeypatch,
                                                                                         capsys):
     """--quick sizes its engines for 512 tokens: a model of 300 positions (the quick sequences fit them) gets engines
@@ -376,11 +379,11 @@ def test_a_study_takes_the_positions_of_a_model_that_has_fewer_than_its_max_mode
 def test_ttft_study_refuses_a_model_too_short_for_its_sequences(tmp_path, capsys):
     model = _model_of_positions(tmp_path, 256)
     with pytest.raises(SystemExit) as e:
-        _script("bench_ttft").main(["--quick", "--model", model, "--out", str(tmp_path)])
+        _script("ttft_study").main(["--quick", "--model", model, "--out", str(tmp_path)])
     assert e.value.code == 2
     assert f"--quick: sequences of up to 284 tokens, beyond the 256 positions of model {model}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        _script("bench_ttft").main(["--model", model, "--out", str(tmp_path)])
+        _script("ttft_study").main(["--model", model, "--out", str(tmp_path)])
     assert ("the study without --quick (--quick: shorter sequences): sequences of up to 1088 tokens, beyond the 256 "
             "positions") in capsys.readouterr().err
 

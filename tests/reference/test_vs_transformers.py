@@ -1,5 +1,6 @@
-"""scripts/bench_vs_transformers.py --quick against transformers on a random checkpoint transformers makes. Needs the
-reference extra (torch, transformers): `make test-reference` builds its own venv for it; the plain suite skips it."""
+"""scripts/bench/bench_vs_transformers.py --quick against transformers on a random checkpoint transformers makes.
+Needs the reference extra (torch, transformers): `make test-reference` builds its own venv for it; the plain suite
+skips it."""
 
 import json
 import sys
@@ -10,7 +11,7 @@ import pytest
 pytest.importorskip("transformers", reason="needs the reference extra (torch, transformers): make test-reference")
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 import bench_vs_transformers  # noqa: E402
 
 

@@ -1,6 +1,7 @@
 """What a linear-state restore costs inside a decode step, on GDN layers of Qwen3.5-9B's shape.
 
-    python scripts/bench_restore.py [--rows 16] [--gdn-layers 2] [--hidden 1024] [--slots 64] [--dtype float32]
+    .venv/bin/python scripts/bench/bench_restore.py [--rows 16] [--gdn-layers 2] [--hidden 1024] [--slots 64]
+                                                    [--dtype float32]
 
 One jitted decode step (forward of `--rows` rows, one token each, over `--gdn-layers` GDN layers with 9B's
 recurrent state: 32 value heads of 128 x 128, a 2 MiB float32 SSM state per slot and layer; a small hidden size,
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +36,9 @@ from gdn_jax.config import LINEAR, ModelConfig
 from gdn_jax.model.state import Batch, init_state
 from gdn_jax.model.qwen35 import forward, init_model
 from gdn_jax.model.state import restore_linear_state_slots, restore_sources
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import run_command  # noqa: E402
 
 
 def gdn_9b_config(layers: int, hidden: int) -> ModelConfig:
@@ -113,5 +118,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

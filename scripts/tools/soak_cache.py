@@ -1,7 +1,8 @@
 """Randomized soak of the prefix cache's exactness: cache-on engines of random geometries under memory pressure, every
 request compared with the same request run alone on a cache-off engine.
 
-    python scripts/soak_cache.py [--minutes 10] [--seed 0] [--requests 12] [--out results/soak_cache.json]
+    .venv/bin/python scripts/tools/soak_cache.py [--minutes 10] [--seed 0] [--requests 12]
+                                                 [--out results/soak_cache.json]
 
 Each round draws an engine geometry (block size 8 or 16; chunk_stride 16, 32 or 64; checkpoint_mode "scan" or
 "promote"; in "scan" the checkpoint policy and mixed steps; the accelerators' "parallel" GDN schedule in about 15%

@@ -1,7 +1,7 @@
 """Training throughput of the shipped `tiny` config: one optimiser step (forward + backward + AdamW) in float32 vs
 bfloat16 compute (float32 master weights either way), at the batch shape of its training run.
 
-    python scripts/bench_train.py [--repeats 10]
+    .venv/bin/python scripts/bench/bench_train.py [--repeats 10]
 
 Prints a table and writes results/bench_train.json.
 """
@@ -19,14 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the checkout's gdn_jax; common.py
 
 from gdn_jax.entrypoints.cli import output_file, positive_int  # noqa: E402
 from gdn_jax.config import ModelConfig  # noqa: E402
 from gdn_jax.train import (Forward, TrainConfig, init_params, load_corpus, make_optimizer,  # noqa: E402
                            make_train_step, param_count, sample_batch)
 from gdn_jax.model.weights import MODELS_DIR  # noqa: E402
+from common import run_command  # noqa: E402
 
 
 def main(argv=None) -> list[dict]:
@@ -79,5 +80,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

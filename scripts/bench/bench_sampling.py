@@ -1,6 +1,7 @@
 """What the sampling knobs cost per step: the host build of `SamplingMetadata` and the jitted sampler on the device.
 
-    python scripts/bench_sampling.py [--vocab 512 248320] [--rows 1 16] [--width 512 4096] [--out results/...]
+    .venv/bin/python scripts/bench/bench_sampling.py [--vocab 512 248320] [--rows 1 16] [--width 512 4096]
+                                                     [--out results/...]
 
 Penalties need each row's prompt + output ids: the host copies them into the padded `history` array (only for rows
 that use penalties) and the device counts them with a scatter into [B, V] under a `lax.cond`, so a step without
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 import jax
@@ -23,15 +24,8 @@ from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.sampling import SamplingMetadata, sample
 from scheduler import SamplingParams, ScheduledSequence
 
-
-def _timeit(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), float(np.median(times))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import min_median_time, run_command  # noqa: E402
 
 
 def _rows(B, length, penalties, rng, vocab):
@@ -67,9 +61,9 @@ def main(argv=None) -> None:
             for W in args.width:
                 for penalties in (False, True):
                     rows = _rows(B, W, penalties, rng, V)
-                    build = _timeit(lambda: SamplingMetadata.from_rows(rows, B, W, V, (1,), 0), args.repeats)
+                    build = min_median_time(lambda: SamplingMetadata.from_rows(rows, B, W, V, (1,), 0), args.repeats)
                     md = jax.device_put(SamplingMetadata.from_rows(rows, B, W, V, (1,), 0))
-                    dev = _timeit(lambda: jax.block_until_ready(fn(logits, md)), args.repeats)
+                    dev = min_median_time(lambda: jax.block_until_ready(fn(logits, md)), args.repeats)
                     dense = (None, None)
                     if penalties:
                         def dense_counts():
@@ -77,7 +71,7 @@ def main(argv=None) -> None:
                             for b, r in enumerate(rows):
                                 np.add.at(counts[b], np.asarray(r.history, np.int64), 1.0)
                             jax.block_until_ready(jax.device_put(counts))
-                        dense = _timeit(dense_counts, args.repeats)
+                        dense = min_median_time(dense_counts, args.repeats)
                     ms = lambda t: {"min": 1e3 * t[0], "median": 1e3 * t[1]}  # noqa: E731
                     rec = dict(vocab=V, rows=B, width=W, penalties=penalties, host_build_ms=ms(build),
                                device_ms=ms(dev), dense_host_counts_ms=ms(dense) if dense[0] is not None else None)
@@ -93,5 +87,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

@@ -1,14 +1,14 @@
 """Where a prefill forward's time goes: the XLA op time of one jitted forward, by part of the model.
 
-    python scripts/profile_forward.py [--preset hybrid-1024] [--tokens 2048] [--dtypes float32,bfloat16]
-                                      [--runs 3] [--out results/profile_forward.json]
+    .venv/bin/python scripts/bench/profile_forward.py [--preset hybrid-1024] [--tokens 2048] [--dtypes float32,bfloat16]
+                                                      [--runs 3] [--out results/profile_forward.json]
 
-The forward is `bench_forward`'s (the engine's `forward`, last position's logits, paged KV and GDN slots). It is
+The forward is bench_forward.py's (the engine's `forward`, last position's logits, paged KV and GDN slots). It is
 traced `--runs` times with the JAX profiler; every op of the compiled forward is attributed to a part of the model by
-the call stack XLA's metadata keeps for it (scripts/op_profile.py: projections, gdn_rule, conv, gdn_state,
+the call stack XLA's metadata keeps for it (`common.PARTS`: projections, gdn_rule, conv, gdn_state,
 attention, norms_elementwise, logits, other).
 
-Each op counts its self time (`op_profile.self_times`): a loop (the layer loop, the attention and GDN scans) or a
+Each op counts its self time (`common.self_times`): a loop (the layer loop, the attention and GDN scans) or a
 conditional counts its span less its body's ops, which count for their parts. On two cores the ops of both threads
 add up to more than the wall time; dispatch and waits for the other core are in the wall time only. Prints a
 table per dtype and writes JSON (per part: ms per forward, share, its busiest ops; the 15 busiest ops).
@@ -25,19 +25,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from op_profile import PARTS, compiled_text, op_parts, part_times, self_times, trace_events  # noqa: E402
-from bench_forward import _batch, forward_jit  # noqa: E402
-from study_cli import dtype_names  # noqa: E402
-
-from gdn_jax.entrypoints.cli import output_file, positive_int  # noqa: E402
-from gdn_jax.config import PRESETS, get_preset  # noqa: E402
+from gdn_jax.config import PRESETS, get_preset
+from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.model.qwen35 import init_model
-from gdn_jax.model.state import init_state  # noqa: E402
+from gdn_jax.model.state import init_state
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import (PARTS, compiled_text, dtype_names, forward_jit, one_row_batch, op_parts, part_times,  # noqa: E402
+                    run_command, self_times, trace_events)
+
 
 def profile(cfg, tokens, dtype, runs: int) -> dict:
     graphdef, params = init_model(cfg, seed=0, dtype=dtype)
-    batch, nb = _batch(tokens, 16)
+    batch, nb = one_row_batch(tokens, 16)
     state = init_state(cfg, nb + 1, 16, 2, dtype)
     fn = forward_jit(len(tokens))
     parts = op_parts(compiled_text(fn, (graphdef, params, batch, state, False)))[0]
@@ -92,5 +92,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

@@ -1,9 +1,10 @@
 """What a hand-written CPU product could reach at decode's shapes, against XLA's: the evidence for (or against) a
 custom kernel for the decode step on an AVX-512 BF16 CPU.
 
-    python scripts/bench_kernel_ceiling.py [--k 1024] [--n 4096] [--matrices 8] [--rows 1 16] [--threads 2]
-        [--repeats 30] [--gdn-rows 16 64] [--gdn-layers 6] [--gdn-slots 326] [--gdn-heads 16] [--gdn-dim 64]
-        [--out results/bench_kernel_ceiling.json]
+    .venv/bin/python scripts/bench/bench_kernel_ceiling.py [--k 1024] [--n 4096] [--matrices 8] [--rows 1 16]
+                                                           [--threads 2] [--repeats 30] [--gdn-rows 16 64]
+                                                           [--gdn-layers 6] [--gdn-slots 326] [--gdn-heads 16]
+                                                           [--gdn-dim 64] [--out results/bench_kernel_ceiling.json]
 
 It compiles a small C file with the system's C compiler (`cc -O3 -march=native -fopenmp`, into a temporary folder;
 nothing is installed, the package never uses it) and measures, on this machine:
@@ -48,8 +49,8 @@ from gdn_jax.backends.cpu import kernels as cpu_kernels
 from gdn_jax.model.qwen35 import advance_in_pool
 from gdn_jax.model.dense import dense
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sampling import _timeit  # noqa: E402  (min and median seconds of repeated calls)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import min_median_time  # noqa: E402
 
 KERNEL_C = r"""
 #include <immintrin.h>
@@ -234,7 +235,7 @@ def gdn_update(a, rows: int, rng) -> list[dict]:
     moved = 2 * L * rows * H * D * D * 4  # each row's state read once and written once per layer
     result = []
     for name, fn in impls:
-        t_min, t_med = _timeit(fn, a.repeats)
+        t_min, t_med = min_median_time(fn, a.repeats)
         result.append({"gdn_rows": rows, "impl": name, "ms_min": 1e3 * t_min, "ms_median": 1e3 * t_med,
                        "state_gb_per_s": moved / t_min / 1e9, "us_per_row_and_layer": 1e6 * t_med / (rows * L),
                        **({"max_relative_error": err} if name == "package_kernel" else {})})
@@ -299,7 +300,7 @@ def main(argv=None) -> dict:
             xd = jnp.asarray(x)
             flops = 2 * rows * a.k * a.n * a.matrices
             for name, fn in (("kernel", kernel), ("engine", lambda: jax.block_until_ready(xla(xd, device)))):
-                t_min, t_med = _timeit(fn, a.repeats)
+                t_min, t_med = min_median_time(fn, a.repeats)
                 rows_out.append({"rows": rows, "impl": name, "ms_min": 1e3 * t_min, "ms_median": 1e3 * t_med,
                                  "gb_per_s": weight_bytes / t_min / 1e9, "gflop_per_s": flops / t_min / 1e9,
                                  **({"max_relative_error": err} if name == "kernel" else {})})

@@ -1,7 +1,8 @@
 """Large-model figures on an accelerator: prefill MFU, decode step against the HBM roofline, TTFT hit / off, compile.
 
-    python scripts/bench_gpu.py [--preset qwen3.5-9b] [--dtype bfloat16] [--prefill-tokens 4096]
-                                [--decode-batch 64] [--shared 8192] [--new 512] [--out results/bench_gpu.json]
+    .venv/bin/python scripts/bench/bench_gpu.py [--preset qwen3.5-9b] [--dtype bfloat16] [--prefill-tokens 4096]
+                                                [--decode-batch 64] [--shared 8192] [--new 512]
+                                                [--out results/bench_gpu.json]
 
 Random weights of the preset (nothing is downloaded), built on the default device. In one process:
 1. probes: a large bfloat16 matrix product (the measured matmul peak) and a streaming read (the measured bandwidth);
@@ -37,16 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import best_time, decode_bytes, measure_read_bandwidth  # noqa: E402
-from op_profile import op_kind, trace_events  # noqa: E402
+from gdn_jax import LLMEngine, SamplingParams
+from gdn_jax.config import get_preset
+from gdn_jax.entrypoints.cli import output_file, positive_int
+from gdn_jax.model.qwen35 import forward
+from gdn_jax.model.state import init_state
 
-from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
-from gdn_jax.entrypoints.cli import output_file, positive_int  # noqa: E402
-from gdn_jax.config import FULL, LINEAR, get_preset  # noqa: E402
-from gdn_jax.model.qwen35 import UNROLL_ENV, forward
-from gdn_jax.model.state import Batch
-from gdn_jax.model.state import init_state  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import (best_time, decode_bytes, forward_flops, measure_read_bandwidth, one_row_batch,  # noqa: E402
+                    op_kind, run_command, trace_events)
 
 
 def matmul_peak(n: int, dtype, repeats: int = 10) -> float:
@@ -55,33 +55,6 @@ def matmul_peak(n: int, dtype, repeats: int = 10) -> float:
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     fn = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype))
     return 2 * n**3 / best_time(fn, a, b, repeats=repeats)
-
-
-def forward_flops(cfg, T: int, chunk: int = 64) -> dict:
-    """Matmul FLOPs of a T-token prefill forward that returns the last position's logits: the last layer's MLP and,
-    a full-attention layer, its attention and output projection at that position only (`Qwen35Model.last_layer_tail`;
-    a GDN layer's mixer runs whole)."""
-    D, I = cfg.hidden_size, cfg.intermediate_size
-    H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mlp = 3 * D * I
-    mixer_in = {FULL: D * (2 * H * hd + 2 * kvh * hd),               # q (+ gate), k, v
-                LINEAR: D * (2 * hk * dk + 2 * hv * dv + 2 * hv)}    # q, k, v, z, a, b
-    mixer_out = {FULL: H * hd * D, LINEAR: hv * dv * D}              # o, out
-    *layers, last = cfg.layer_types
-    every, once = mixer_in[last], mlp  # the last layer's matrices at every position, and at the last one only
-    if last == FULL:
-        once += mixer_out[FULL]
-    else:  # a GDN layer's output projection runs inside its mixer, at every position
-        every += mixer_out[LINEAR]
-    dense = (2 * T * (sum(mixer_in[t] + mixer_out[t] + mlp for t in layers) + every) + 2 * once
-             + 2 * D * cfg.vocab_size)
-    per_key = 2 * 2 * H * hd  # scores + values, per query and key
-    attention = sum(per_key * T * (T + 1) / 2 for t in layers if t == FULL) + (per_key * T if last == FULL else 0)
-    # chunked delta rule per token and value head: K K^T, A K, A V, Q K^T, attn V within the chunk (6 C dk + 4 C dv)
-    # and the state products Q S, K S, K^T U (6 dk dv)
-    gdn = len(cfg.linear_layer_ids) * T * hv * (6 * chunk * dk + 4 * chunk * dv + 6 * dk * dv)
-    return {"dense": dense, "attention": attention, "gdn": gdn, "total": dense + attention + gdn}
 
 
 def busy_ms(spans: list[tuple[float, float]]) -> float:
@@ -205,7 +178,7 @@ def main():
     cfg = get_preset(args.preset)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     res = Results(args.out, {"preset": args.preset, "dtype": args.dtype, "backend": jax.default_backend(),
-                             "unroll_layers": os.environ.get(UNROLL_ENV, ""),
+                             "unroll_layers": os.environ.get("GDN_JAX_UNROLL_LAYERS", ""),
                              "xla_flags": os.environ.get("XLA_FLAGS", ""),
                              "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "args": vars(args)})
 
@@ -228,11 +201,7 @@ def main():
 
     def fwd():
         T, bs = args.prefill_tokens, 16
-        nb = -(-T // bs)
-        batch = Batch(tokens=jnp.asarray(words(T), jnp.int32)[None], start_pos=jnp.zeros(1, jnp.int32),
-                      lengths=jnp.asarray([T], jnp.int32), block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
-                      slot_mapping=jnp.asarray(np.arange(T) + bs, jnp.int32)[None],
-                      linear_state_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool))
+        batch, nb = one_row_batch(words(T), bs)
         state = init_state(cfg, nb + 1, bs, 2, dtype)
         fn = jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,))
         g, p = engine.worker.graphdef, engine.worker.params
@@ -291,9 +260,9 @@ def main():
         for i in range(B):
             engine.add_request(f"d{i}", words(P), params)
         t0 = time.perf_counter()
-        steps = 0
-        while any(r.metrics.first_token_time is None for r in engine._requests.values()) and steps < 10 * B:
-            engine.step()
+        steps, started = 0, set()  # the requests that have their first token
+        while len(started) < B and steps < 10 * B:
+            started |= {o.request_id for o in engine.step()}
             steps += 1
         prefill_s = time.perf_counter() - t0
         times = []
@@ -339,5 +308,4 @@ def main():
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

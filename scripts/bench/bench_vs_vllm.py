@@ -1,6 +1,7 @@
 """TTFT and decode step of gdn-jax measured the way the vLLM-CPU comparison measures vLLM, on the same HF folder.
 
-    python scripts/bench_vs_vllm.py --model FOLDER [--shared 1536] [--suffix 512] [--n 5] [--vllm RESULTS]
+    .venv/bin/python scripts/bench/bench_vs_vllm.py --model FOLDER [--shared 1536] [--suffix 512] [--n 5]
+                                                    [--vllm RESULTS]
 
 Through `LLM.generate`, bfloat16, prefix caching on, random token ids (no tokenizer), greedy:
 - cold: `shared + suffix` fresh random tokens, `max_tokens=1`, median of `--n` after one warm-up prompt;
@@ -15,8 +16,8 @@ Through `LLM.generate`, bfloat16, prefix caching on, random token ids (no tokeni
   than the 1-token round's (at 16 rows x 512 tokens: one more, padded prefill step), which this difference counts as
   decoding. vLLM's figure counts the same effect at its own budget (4096 on the CPU): `--max-num-batched-tokens 4096`
   gives this engine the same. Beside it, `decode_engine_step_s_B*` (the "engine step inside" rows): the median
-  `LLMEngine.step` of the 65-token rounds, 64 of whose steps decode only (scripts/bench_decode.py measures that step
-  on its own).
+  `LLMEngine.step` of the 65-token rounds, 64 of whose steps decode only (scripts/bench/bench_decode.py measures that
+  step on its own).
 `--vllm FILE`: lines `RESULT {...}` printed by vLLM's side (its TTFT and decode runs on the same folder), to print
 the ratio table. Writes JSON (`--out`).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +36,9 @@ import numpy as np
 
 from gdn_jax import LLM, SamplingParams
 from gdn_jax.entrypoints.cli import output_file, positive_int
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import run_command  # noqa: E402
 
 
 def measure(args) -> dict:
@@ -148,5 +153,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

@@ -1,6 +1,7 @@
 """Forward time of a 2048-token prefill: gdn_jax vs transformers, same config and weights, same run.
 
-    python scripts/bench_forward.py [--tokens 2048] [--preset hybrid-1024] [--out results/bench_forward.json]
+    .venv/bin/python scripts/bench/bench_forward.py [--tokens 2048] [--preset hybrid-1024]
+                                                    [--out results/bench_forward.json]
 
 The JAX side runs the engine's forward (paged KV, GDN slots) jitted, with the engine's prefill compile options;
 transformers (torch==2.13.0, float32, eager
@@ -10,10 +11,10 @@ only the JAX rows are reported. `compile s` is the JAX forward's lowering and XL
 `compile_s` in the JSON); its first run, which follows them, is `1st run s` (`first_run_s`), and the timed forwards
 come after it.
 
-Beside the times: the forward's matmul work counted from the config (`bench_gpu.forward_flops`: projections and LM
+Beside the times: the forward's matmul work counted from the config (`common.forward_flops`: projections and LM
 head, attention over the causal triangle, the chunked GDN rule), the achieved matmul GFLOP/s (work / forward time),
-and the measured matmul peak of each dtype on the forward's own projection shapes (`matmul_peak`: bare jitted dots,
-plain contractions or, for a 16-bit dtype, the operands converted to float32 if that is faster; the FLOP-weighted
+and the measured matmul peak of each dtype on the forward's own projection shapes (`common.matmul_peak`: bare jitted
+dots, plain contractions or, for a 16-bit dtype, the operands converted to float32 if that is faster; the FLOP-weighted
 rate of the forward's mix), with the fraction of it the forward reaches. With transformers: the float32 floor, the
 matmul work alone at the measured float32 peak (`float32_floor_s`), and so the most any float32 forward on this
 machine could beat transformers by (`most_vs_transformers`: its time over that floor; the attention and the GDN rule
@@ -33,33 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.config import PRESETS, get_preset
-from gdn_jax.model.state import Batch, init_state
-from gdn_jax.model.qwen35 import forward, init_model
-from gdn_jax.model.layers import fused_parts
+from gdn_jax.entrypoints.cli import output_file, positive_int
+from gdn_jax.model.qwen35 import init_model
+from gdn_jax.model.state import init_state
 from gdn_jax.model.weights import hf_tensors
-from gdn_jax.worker.compilation import compiler_options, executable_kind
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import best_time  # noqa: E402
-from bench_gpu import forward_flops  # noqa: E402
-
-
-def _batch(tokens, block_size):
-    T = len(tokens)
-    nb = -(-T // block_size)
-    return Batch(tokens=jnp.asarray(tokens, jnp.int32)[None], start_pos=jnp.zeros(1, jnp.int32),
-                 lengths=jnp.asarray([T], jnp.int32), block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
-                 slot_mapping=jnp.asarray(np.arange(T) + block_size, jnp.int32)[None],
-                 linear_state_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool)), nb
-
-
-def forward_jit(tokens: int, options: dict | None = None):
-    """The jitted forward, with the XLA options of the engine's prefill step of one row of `tokens` tokens
-    (`worker.compiler_options`) unless `options` are given."""
-    return jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,),
-                   compiler_options=compiler_options(executable_kind(1, tokens)) if options is None else options)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import forward_flops, forward_jit, matmul_peak, one_row_batch, run_command  # noqa: E402
 
 
 def time_jax(cfg, tokens, dtype, repeats, seed=0):
@@ -67,7 +49,7 @@ def time_jax(cfg, tokens, dtype, repeats, seed=0):
     allocates its outputs and warms the caches, is neither compilation nor a timed forward), then `repeats` timed
     forwards."""
     graphdef, params = init_model(cfg, seed=seed, dtype=dtype)
-    batch, nb = _batch(tokens, 16)
+    batch, nb = one_row_batch(tokens, 16)
     state = init_state(cfg, nb + 1, 16, 2, dtype)
     t0 = time.perf_counter()
     lowered = forward_jit(len(tokens)).lower(graphdef, params, batch, state, False)
@@ -84,41 +66,6 @@ def time_jax(cfg, tokens, dtype, repeats, seed=0):
         logits.block_until_ready()
         times.append(time.perf_counter() - t0)
     return setup, times, graphdef, params, np.asarray(logits[0], np.float32)
-
-
-def projection_shapes(cfg) -> list[tuple[int, int, int]]:
-    """(n_in, n_out, layers) of each projection matmul of the forward (the fused matrices, as the engine runs them)."""
-    parts = fused_parts(cfg)
-    width = {name: sum(n for _, n in p) for sub in parts.values() for name, p in sub.items()}
-    n_full, n_lin = len(cfg.full_layer_ids), len(cfg.linear_layer_ids)
-    D = cfg.hidden_size
-    shapes = [(D, width["gate_up_proj"], cfg.num_hidden_layers), (cfg.intermediate_size, D, cfg.num_hidden_layers),
-              (D, width["in_proj"], n_lin), (cfg.linear_value_dim, D, n_lin),
-              (D, width["qkv_proj"], n_full), (cfg.num_attention_heads * cfg.head_dim, D, n_full)]
-    return [s for s in shapes if s[2]]
-
-
-def matmul_peak(cfg, T: int, dtype, repeats: int = 5) -> dict:
-    """The measured matmul peak on the forward's own projection shapes: a bare jitted x [T, n_in] @ w [n_in, n_out]
-    (the plain contraction, which XLA's CPU backend gives its matmul library at any row count above one),
-    accumulated in float32, per shape (best of `repeats`), and the FLOP-weighted rate of the forward's mix (its
-    projection FLOPs / the sum of their times). A 16-bit dtype's product is also timed with both operands converted
-    to float32 first (conversion included; what `model._product` does with many rows on CPU), and the faster form
-    counts (`form` per shape)."""
-    rng = np.random.default_rng(0)
-    forms = {"direct": jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))}
-    if jnp.dtype(dtype).itemsize < 4:
-        forms["upcast"] = jax.jit(lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32)))
-    per_shape, flops, seconds = [], 0.0, 0.0
-    for n_in, n_out, layers in projection_shapes(cfg):
-        x = jnp.asarray(rng.standard_normal((T, n_in)), dtype)
-        w = jnp.asarray(rng.standard_normal((n_in, n_out)), dtype)
-        best, form = min((best_time(fn, x, w, repeats=repeats), name) for name, fn in forms.items())
-        fl = 2.0 * T * n_in * n_out
-        per_shape.append({"n_in": n_in, "n_out": n_out, "layers": layers, "s": best, "gflops": fl / best / 1e9,
-                          "form": form})
-        flops, seconds = flops + layers * fl, seconds + layers * best
-    return {"gflops": flops / seconds / 1e9, "per_shape": per_shape}
 
 
 def time_transformers(cfg, tokens, params, repeats):
@@ -223,5 +170,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass on a machine with an NVIDIA GPU: the environment, the numerical and cache-equivalence tests on the GPU,
-# scripts/bench_gpu.py on the qwen3.5-9b shapes in bfloat16 (random weights: nothing is downloaded), the step's
+# scripts/bench/bench_gpu.py on the qwen3.5-9b shapes in bfloat16 (random weights: nothing is downloaded), the step's
 # compile time on a few shapes, then, if asked, bench_gpu.py again under other settings (VARIANTS).
 #
 #     bash scripts/gpu_check.sh [OUT_DIR]        # default results/gpu
@@ -22,7 +22,7 @@ set -uo pipefail
 
 out=${1:-results/gpu}
 py=${PYTHON:-python3}
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$out"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}  # the tests' conftest would otherwise pin the CPU
@@ -73,7 +73,7 @@ if [ "${TESTS_TIMEOUT:-150}" -gt 0 ]; then  # TESTS_TIMEOUT=0: no test stage
 fi
 
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-timeout "${BENCH_TIMEOUT:-330}" "$py" scripts/bench_gpu.py --out "$out/bench_gpu.json" ${BENCH_ARGS:-} \
+timeout "${BENCH_TIMEOUT:-330}" "$py" scripts/bench/bench_gpu.py --out "$out/bench_gpu.json" ${BENCH_ARGS:-} \
   2>&1 | tee "$out/bench.log"
 bench_status=${PIPESTATUS[0]}
 
@@ -81,7 +81,7 @@ bench_status=${PIPESTATUS[0]}
 compile_status=0
 if [ "${COMPILE_SHAPES:-6}" -gt 0 ]; then
   # shellcheck disable=SC2086  # COMPILE_ARGS is a list of arguments
-  timeout "${COMPILE_TIMEOUT:-90}" "$py" scripts/bench_compile.py --limit "${COMPILE_SHAPES:-6}" \
+  timeout "${COMPILE_TIMEOUT:-90}" "$py" scripts/bench/bench_compile.py --limit "${COMPILE_SHAPES:-6}" \
     --out "$out/bench_compile.json" ${COMPILE_ARGS:---preset qwen3.5-9b --dtype bfloat16} 2>&1 | tee "$out/compile.log"
   compile_status=${PIPESTATUS[0]}
 fi
@@ -95,7 +95,7 @@ if [ -n "${VARIANTS:-}" ]; then
   IFS=';' read -ra sets <<<"$VARIANTS"
   for i in "${!sets[@]}"; do
     # shellcheck disable=SC2086  # each set and VARIANT_ARGS are lists
-    env ${sets[$i]} timeout "${VARIANT_TIMEOUT:-150}" "$py" scripts/bench_gpu.py --out "$out/variant_$i.json" \
+    env ${sets[$i]} timeout "${VARIANT_TIMEOUT:-150}" "$py" scripts/bench/bench_gpu.py --out "$out/variant_$i.json" \
       ${VARIANT_ARGS:---skip forward,ttft,off --profile} >"$out/variant_$i.log" 2>&1
     variant_status+=("$?")
     echo "gpu_check: variant ${sets[$i]}: exit ${variant_status[$i]}"

@@ -5,8 +5,8 @@ largest absolute difference and the largest fraction of the allowed error used, 
 Each setting runs in its own process (XLA flags are read at start-up). A bound set at about 4x the worst case seen
 has a used fraction of at most 0.25 everywhere.
 
-    .venv/bin/python scripts/tolerance_audit.py                 # all settings, the numerical test files
-    .venv/bin/python scripts/tolerance_audit.py --settings default one-core
+    .venv/bin/python scripts/tools/tolerance_audit.py                 # all settings, the numerical test files
+    .venv/bin/python scripts/tools/tolerance_audit.py --settings default one-core
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 NUMERICAL_TESTS = ["tests/gdn_jax/test_model_vs_hf.py", "tests/gdn_jax/test_gated_delta.py",
                    "tests/gdn_jax/test_model.py", "tests/gdn_jax/test_restore.py",
                    "tests/gdn_jax/test_engine_cache_equivalence.py", "tests/gdn_jax/test_sampling.py"]

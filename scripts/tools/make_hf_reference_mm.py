@@ -3,9 +3,9 @@
 
 Run by hand with the reference environment (torch 2.13.0 CPU, transformers 5.24), never by the tests:
 
-    .venv-ref/bin/python scripts/make_hf_reference_mm.py --out tests/fixtures/hf_tiny_mm --seed 0
+    .venv-ref/bin/python scripts/tools/make_hf_reference_mm.py --out tests/fixtures/hf_tiny_mm --seed 0
 
-It covers what tests/fixtures/hf_tiny (scripts/make_hf_reference.py) does not, in one small checkpoint:
+It covers what tests/fixtures/hf_tiny (scripts/tools/make_hf_reference.py) does not, in one small checkpoint:
 
 * the released layout, written by transformers itself: ``Qwen3_5ForConditionalGeneration.save_pretrained`` of a
   ``qwen3_5`` config (``model.language_model.*`` keys next to a tiny vision tower's ``model.visual.*``), with
@@ -21,21 +21,24 @@ It covers what tests/fixtures/hf_tiny (scripts/make_hf_reference.py) does not, i
 (token 0 as a 1-token prefill, then one token per call with the cache), ``prefix_len`` = 40 and
 ``logits_continue`` [60, 256] (the prefix prefilled with a cache, then the rest in one call), ``greedy_prompt_len``
 = 20 and ``greedy_ids`` [16] (``generate`` with do_sample=False and no eos), and provenance.
-Weights are perturbed as in the first fixture (``make_hf_reference.perturb``).
+Weights are perturbed as in the first fixture (``common.perturb``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
-import torch
-import transformers
-from transformers import GenerationConfig
-from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from make_hf_reference import parse_args_and_seed, perturb
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import import_reference, perturb, reference_args  # noqa: E402
+
+torch, transformers = import_reference("make_hf_reference_mm.py")
+from transformers import GenerationConfig  # noqa: E402
+from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration  # noqa: E402
 
 PROMPT_LEN, PREFIX_LEN, GREEDY_PROMPT_LEN, GREEDY_NEW = 100, 40, 20, 16
 VOCAB = 256
@@ -61,7 +64,7 @@ def make_config() -> Qwen3_5Config:
 
 @torch.no_grad()
 def main() -> None:
-    args = parse_args_and_seed("make_hf_reference_mm.py", __doc__, "tests/fixtures/hf_tiny_mm")
+    args = reference_args("make_hf_reference_mm.py", __doc__, "tests/fixtures/hf_tiny_mm")
 
     model = Qwen3_5ForConditionalGeneration(make_config()).to(torch.float32).eval()
     perturb(model, torch.Generator().manual_seed(args.seed + 1))

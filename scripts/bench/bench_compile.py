@@ -1,11 +1,13 @@
 """Compile time of the engine's step for every warm-up shape, from abstract shapes only: no weights and no pools are
 allocated, so the Qwen3.5-9B preset compiles on a machine that could not hold it.
 
-    python scripts/bench_compile.py --preset qwen3.5-9b [--dtype bfloat16] [--max-num-seqs 16] [--max-model-len 4096]
-        [--block-size 16] [--chunk-stride 64] [--max-num-batched-tokens 2048] [--checkpoint-mode scan|promote]
-        [--checkpoint-policy all|last] [--shapes 16x64x256,16x1x256 | --limit N] [--prompt-logprobs]
-        [--warm-up [--compile-threads N]] [--cache-dir off|DIR] [--second-start]
-        [--out results/bench_compile_<preset>.json]
+    .venv/bin/python scripts/bench/bench_compile.py --preset qwen3.5-9b [--dtype bfloat16] [--max-num-seqs 16]
+                                                    [--max-model-len 4096] [--block-size 16] [--chunk-stride 64]
+                                                    [--max-num-batched-tokens 2048] [--checkpoint-mode scan|promote]
+                                                    [--checkpoint-policy all|last]
+                                                    [--shapes 16x64x256,16x1x256 | --limit N] [--prompt-logprobs]
+                                                    [--warm-up [--compile-threads N]] [--cache-dir off|DIR]
+                                                    [--second-start] [--out results/bench_compile_<preset>.json]
 
 The worker is built as the engine builds it (same memory plan, same shape buckets, `Worker.shape_buckets()`), but on
 `weights.abstract_model` parameters, so its pools are `jax.ShapeDtypeStruct`s too. For each shape (rows, tokens per
@@ -55,26 +57,12 @@ T_START = time.perf_counter()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from gdn_jax.worker import executable_store as executables  # noqa: E402
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int  # noqa: E402
-from gdn_jax.config import get_preset  # noqa: E402
-from gdn_jax.model.weights import abstract_model  # noqa: E402
-from gdn_jax.worker.worker import Worker
-from gdn_jax.worker.compilation import compile_threads_default
-from gdn_jax.worker.memory import default_memory_budget
-from gdn_jax.worker.memory import plan_memory  # noqa: E402
+from gdn_jax.worker import executable_store as executables  # noqa: E402
+from gdn_jax.worker.compilation import compile_threads_default  # noqa: E402
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int, int]]:
-    try:
-        shapes = [tuple(int(n) for n in s.split("x")) for s in text.split(",") if s]
-    except ValueError:
-        shapes = None
-    if not shapes or any(len(s) != 3 for s in shapes):
-        raise ValueError(f"{flag}: expected ROWSxTOKENSxBLOCKS,... (e.g. 16x64x256,1x1x8), got {text!r}")
-    return shapes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import DTYPES, build_worker, parse_shapes, run_command  # noqa: E402
 
 
 def spread(shapes: list, n: int) -> list:
@@ -110,17 +98,6 @@ def row_times(r: dict) -> str:
             f"{r['lower_cpu_s']:>11.2f}")
 
 
-def build_worker(a) -> Worker:
-    cfg, dtype = get_preset(a.preset), DTYPES[a.dtype]
-    graphdef, params = abstract_model(cfg, dtype)
-    params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    memory = plan_memory(cfg, dtype, a.block_size, a.max_num_seqs, a.max_model_len, None, None,
-                         default_memory_budget(params_bytes))
-    return Worker(cfg, graphdef, params, memory, a.block_size, a.max_num_seqs, a.max_model_len, a.chunk_stride, dtype,
-                  max_num_batched_tokens=a.max_num_batched_tokens or max(a.chunk_stride, 2048),
-                  checkpoint_mode=a.checkpoint_mode, checkpoint_policy=a.checkpoint_policy)
-
-
 def measure(a) -> dict:
     if a.cache_dir != "off":
         jax.config.update("jax_compilation_cache_dir", a.cache_dir)
@@ -136,7 +113,7 @@ def measure(a) -> dict:
     # once per process with the cache off), made before the first shape so that its time holds only its own work
     t0 = time.perf_counter()
     if jax.default_backend() == "cpu":
-        executables.machine_choices(jnp.dtype(DTYPES[a.dtype]).itemsize == 2)
+        executables.machine_choices(jnp.dtype(a.dtype).itemsize == 2)
     choices_s = time.perf_counter() - t0
     grid = worker.shape_buckets()
     if a.shapes:
@@ -315,5 +292,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

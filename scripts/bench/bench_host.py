@@ -2,8 +2,9 @@
 and sampling replaced by stubs that return at once (fixed-shape placeholders), so the time is the scheduler, the
 worker's argument building, the sampled tokens' postprocessing and the outputs, and nothing the device does.
 
-    python scripts/bench_host.py [--preset hybrid-1024] [--batches 1,16] [--prompt 512] [--steps 600]
-                                 [--tokenizer tokenizer.json [--whole-decode]] [--out results/bench_host.json]
+    .venv/bin/python scripts/bench/bench_host.py [--preset hybrid-1024] [--batches 1,16] [--prompt 512] [--steps 600]
+                                                 [--tokenizer tokenizer.json [--whole-decode]]
+                                                 [--out results/bench_host.json]
 
 Per batch size: `--batches` requests of `--prompt` random tokens are prefilled (through the stubs), then `--steps`
 greedy decode steps are timed. Per-step work that grows with the output length shows as a difference between the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -30,18 +32,8 @@ from gdn_jax.entrypoints.cli import output_file, positive_int, positive_ints
 from gdn_jax.tokenizer import HFTokenizer, TextStream
 from scheduler.sampling_params import MAX_LOGPROBS
 
-
-class _Stub:
-    """Stands in for a jitted function (`_cache_size` is what the worker asks it besides calling it)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args):
-        return self.fn(*args)
-
-    def _cache_size(self) -> int:
-        return 0
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import Stub, run_command  # noqa: E402
 
 
 def stub_device(engine: LLMEngine, rng: np.random.Generator, token_ids: tuple[int, int] = (4, 260)) -> None:
@@ -59,9 +51,9 @@ def stub_device(engine: LLMEngine, rng: np.random.Generator, token_ids: tuple[in
         out[:, 0] = rng.integers(low, high, logits.shape[0])
         return out
 
-    w._fn = w._decode_fn = w._decode_wide_fn = _Stub(step)
-    w._sample = _Stub(sample)
-    w._executables = {}
+    jitted = w.step_functions()
+    w.replace_functions(**{kind: Stub(jitted[kind], step) for kind in ("prefill", "decode", "decode_wide")},
+                        sample=Stub(jitted["sample"], sample))
 
 
 def run(args, batch: int) -> dict:
@@ -128,5 +120,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import study_cli  # its `run` (a setting the engine refuses: one line naming it); this module has its own
-    study_cli.run(main)
+    run_command(main)

@@ -1,6 +1,6 @@
 """Accuracy study: the exact prefix cache against no cache and against the two unsafe reuse paths.
 
-    python scripts/accuracy_study.py [--model tiny] [--dtype float32] [--out results] [--quick]
+    .venv/bin/python scripts/studies/accuracy_study.py [--model tiny] [--dtype float32] [--out results] [--quick]
 
 One seeded workload (shared prefixes whose lengths fall between checkpoint boundaries, distinct suffixes, and
 multi-turn continuations) runs through four engines on the same weights:
@@ -18,15 +18,19 @@ log-distributions need a vocabulary of at most 65,536 ids (not Qwen3.5's 248k).
 from __future__ import annotations
 
 import statistics
+import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 
 from gdn_jax import LLM, SamplingParams
-from gdn_jax.engine import MAX_FULL_ROW_VOCAB
-from study_cli import (check_length, environment, figure, fit_model_len, model_config, nonnegative_int, parse,
-                       pools_of, positive_int, run, save, share_of, study_parser, write_json)
+from gdn_jax.engine.llm_engine import MAX_FULL_ROW_VOCAB
+from gdn_jax.entrypoints.cli import nonnegative_int, positive_int
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import (check_length, environment, figure, fit_model_len, model_config, parse, pools_of,  # noqa: E402
+                    run_command, save, share_of, study_parser, write_json)
 
 MODES = {"no_cache": dict(enable_prefix_caching=False), "exact": dict(enable_prefix_caching=True),
          "unsafe_cold": dict(enable_prefix_caching=True, unsafe_reuse="cold"),
@@ -186,7 +190,7 @@ def table(summary) -> str:
 
 def plot(summary, path: Path | None = None, ax=None):
     """KL against the distance from the reuse point, one line per mode, log scale; drawn on `ax` if given (see
-    `study_cli.figure`), saved to `path` if given."""
+    `common.figure`), saved to `path` if given."""
     fig, ax = figure((7, 4), ax)
     for name, s in summary.items():
         d = np.array(list(s["kl_by_distance"]), float)
@@ -238,4 +242,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    run(main)
+    run_command(main)

@@ -4,17 +4,21 @@ Keeps N sequences in flight (a finished request is replaced at once) over prompt
 system prefixes, with prefix caching on; times schedule() + postprocess() per step and reports
 decode and prefill steps separately.
 
-    python scripts/bench_scheduler.py --out results/bench_scheduler.json
+    .venv/bin/python scripts/bench/bench_scheduler.py --out results/bench_scheduler.json
 """
 import argparse
 import json
 import pathlib
 import random
 import statistics
+import sys
 import time
 
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import run_command  # noqa: E402
 
 VOCAB = 32000
 
@@ -95,5 +99,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import study_cli  # its `run` (a setting the engine refuses: one line naming it); this module has its own
-    study_cli.run(main)
+    run_command(main)

@@ -3,7 +3,7 @@
 
 This is the ONLY torch user in the project. It is run by hand, never by the tests:
 
-    /tmp/refvenv/bin/python scripts/make_hf_reference.py --out tests/fixtures/hf_tiny --seed 0
+    /tmp/refvenv/bin/python scripts/tools/make_hf_reference.py --out tests/fixtures/hf_tiny --seed 0
 
 (the venv has torch==2.13.0 CPU and transformers 5.24; the test suite only reads the files written here).
 
@@ -56,7 +56,7 @@ Cache layout in transformers 5.24 (``cache_utils.LinearAttentionLayer``):
 
   Value head h reads key/query head ``h // (nv // nk)`` (``repeat_interleave`` in transformers).
 
-Parameters are perturbed away from transformers' init so that mistakes show (see ``perturb``):
+Parameters are perturbed away from transformers' init so that mistakes show (see ``common.perturb``):
 zero-centred RMSNorm weights (input/post-attention/final norm, q_norm, k_norm; applied as ``1 + w``)
 ~ N(0, 0.3); the GDN gated norm weight (applied as plain ``w``) ~ 1 + N(0, 0.3); ``dt_bias`` ~ N(0, 0.5);
 ``conv1d.weight`` ~ N(0, 0.5) so the short conv matters; linear/embedding weights ~ N(0, initializer_range=0.08).
@@ -65,15 +65,19 @@ zero-centred RMSNorm weights (input/post-attention/final norm, q_norm, k_norm; a
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
-import torch
-import transformers
-from transformers import GenerationConfig
-from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import import_reference, perturb, reference_args  # noqa: E402
+
+torch, transformers = import_reference("make_hf_reference.py")
+from transformers import GenerationConfig  # noqa: E402
+from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 
 PROMPT_LEN = 150
 PREFIX_LEN = 70
@@ -112,23 +116,6 @@ def make_config() -> Qwen3_5TextConfig:
     )
     cfg._attn_implementation = "eager"
     return cfg
-
-
-@torch.no_grad()
-def perturb(model: Qwen3_5ForCausalLM, gen: torch.Generator) -> None:
-    def normal_(p: torch.Tensor, std: float, mean: float = 0.0) -> None:
-        p.copy_(mean + std * torch.randn(p.shape, generator=gen, dtype=torch.float32))
-
-    for name, p in sorted(model.named_parameters()):
-        if name.endswith("linear_attn.norm.weight"):
-            normal_(p, 0.3, mean=1.0)  # plain-w gated norm
-        elif name.endswith("layernorm.weight") or name.endswith("q_norm.weight") or name.endswith("k_norm.weight") \
-                or name == "model.norm.weight":
-            normal_(p, 0.3)  # zero-centred, applied as (1 + w)
-        elif name.endswith("dt_bias"):
-            normal_(p, 0.5)
-        elif name.endswith("conv1d.weight"):
-            normal_(p, 0.5)
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -208,22 +195,9 @@ def independent_forward_f64(sd: dict, cfg: Qwen3_5TextConfig, ids: np.ndarray) -
     return (h @ head.T).numpy()
 
 
-def parse_args_and_seed(prog: str, doc: str, out: str) -> argparse.Namespace:
-    """The reference scripts' command line (--out, --seed), with torch seeded and deterministic."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--out", default=out, help="folder for the checkpoint and reference.npz")
-    ap.add_argument("--seed", type=int, default=0, help="torch seed of the random weights and prompt")
-    args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    return args
-
-
 @torch.no_grad()
 def main() -> None:
-    args = parse_args_and_seed("make_hf_reference.py", __doc__, "tests/fixtures/hf_tiny")
+    args = reference_args("make_hf_reference.py", __doc__, "tests/fixtures/hf_tiny")
 
     cfg = make_config()
     model = Qwen3_5ForCausalLM(cfg).to(torch.float32).eval()

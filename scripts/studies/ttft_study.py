@@ -1,8 +1,10 @@
 """TTFT study: time to first token with the prefix cache on and off, on the workloads a prefix cache is for.
 
-    python scripts/bench_ttft.py [--model tiny] [--dtype float32] [--out results] [--quick]
-    python scripts/bench_ttft.py --ab [--model hybrid-1024] [--prompt 2048] [--shared 1792] [--chunk-stride 256]
-    python scripts/bench_ttft.py --prefill [--model hybrid-1024] [--prompt 2048] [--shared 1792] [--chunk-stride 256]
+    .venv/bin/python scripts/studies/ttft_study.py [--model tiny] [--dtype float32] [--out results] [--quick]
+    .venv/bin/python scripts/studies/ttft_study.py --ab [--model hybrid-1024] [--prompt 2048] [--shared 1792]
+                                                   [--chunk-stride 256]
+    .venv/bin/python scripts/studies/ttft_study.py --prefill [--model hybrid-1024] [--prompt 2048] [--shared 1792]
+                                                   [--chunk-stride 256]
 
 Study (the default). Seeded workloads: a shared system prompt with distinct questions, multi-turn conversations
 (each turn extends the previous prompt and its answer), identical repeats, and a no-sharing control. Each runs with
@@ -10,34 +12,38 @@ the cache on and off, serially (one request at a time) and concurrently (a wave 
 `LLMEngine`), after a warm-up pass of the same shapes on other tokens (the prefix cache is emptied after it). TTFT is
 client-side: from `add_request` to the step that returns the first token. Reports p50 / p90 / mean TTFT, hit rate,
 reused tokens and the counters; plots TTFT against the shared-prefix length, cache on vs off. Writes
-DIR/bench_ttft.json and DIR/bench_ttft.png. The engines' max_model_len is 2048 (--quick: 512), or the model's
+DIR/ttft_study.json and DIR/ttft_study.png. The engines' max_model_len is 2048 (--quick: 512), or the model's
 positions where it has fewer and the study's sequences (up to 1088 tokens; --quick: 284) fit them.
 
 A/B (`--ab`). Request A (a `--prompt`-token prompt) runs first; request B shares A's first `--shared` tokens and has
 its own tail. With the cache on, B restores the checkpoint at `--shared` and prefills only its tail; with it off, B
 prefills everything. Also compares the engine step in which B's prefill starts after a warm restore with the
 cache-off step of B that starts at the same position (same rows, tokens, blocks) without one. Writes
-DIR/bench_ttft_ab.json.
+DIR/ttft_study_ab.json.
 
 Prefill (`--prefill`). One jitted forward of `--prompt` tokens, then per checkpoint mode and policy ("scan" with
 "all" and "last", "promote") a cold request of that length and a hit that shares `--shared` tokens with it, with a
 token budget of `--prompt`: cold TTFT and its ratio to the forward, prefill steps of the cold prompt, hit TTFT and
-reused tokens, checkpoints and bytes written. Writes DIR/bench_ttft_prefill.json.
+reused tokens, checkpoints and bytes written. Writes DIR/ttft_study_prefill.json.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from study_cli import (check_length, environment, figure, fit_model_len, nonnegative_int, parse, pools_of,
-                       positive_int, run, save, share_of, study_parser, write_json)
+from gdn_jax.entrypoints.cli import nonnegative_int, positive_int
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import (check_length, environment, figure, fit_model_len, one_row_batch, parse, pools_of,  # noqa: E402
+                    run_command, save, share_of, study_parser, write_json)
 
 
 def run_request(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
@@ -114,7 +120,7 @@ def ab(args) -> dict:
            "ttft_ratio": ratio, "restore_step_s": restore_step, "plain_step_s": plain_step,
            "restore_step_overhead": restore_step / plain_step - 1, "rounds": results,
            "memory": {n: e.memory.describe() for n, e in engines.items()}, "environment": environment()}
-    print(f"wrote {write_json(args.out, 'bench_ttft_ab.json', out)}")
+    print(f"wrote {write_json(args.out, 'ttft_study_ab.json', out)}")
     return out
 
 
@@ -122,8 +128,8 @@ def prefill(args) -> dict:
     """Cold and hit TTFT of one long prompt against one jitted forward of the same tokens, per checkpoint mode and
     policy, in one run: "scan" (all, last) prefills as many strides per step as the budget allows and writes the
     checkpoints from the scan; "promote" takes one stride per step. Same weights for every engine."""
-    from gdn_jax.model.state import Batch, init_state
     from gdn_jax.model.qwen35 import forward
+    from gdn_jax.model.state import init_state
 
     variants = {"scan / all": dict(checkpoint_mode="scan"), "scan / last": dict(checkpoint_mode="scan",
                                                                                 checkpoint_policy="last"),
@@ -133,13 +139,9 @@ def prefill(args) -> dict:
     engines = {name: LLMEngine(args.model, **kw, **v, **share_of(len(variants))) for name, v in variants.items()}
     worker = next(iter(engines.values())).worker
     # one jitted forward of the same tokens: the engine's model, one row, fresh pools, last-position logits
-    T, nb = args.prompt, -(-args.prompt // 16)
     fwd = jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,))
+    batch, nb = one_row_batch([5] * args.prompt, 16)
     state = init_state(worker.cfg, nb + 1, 16, 2, worker.dtype)
-    batch = Batch(tokens=jnp.zeros((1, T), jnp.int32) + 5, start_pos=jnp.zeros(1, jnp.int32),
-                  lengths=jnp.full(1, T, jnp.int32), block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
-                  slot_mapping=jnp.arange(16, T + 16, dtype=jnp.int32)[None], linear_state_ids=jnp.ones(1, jnp.int32),
-                  has_initial_state=jnp.zeros(1, bool))
     fwd_times = []
     for _ in range(args.rounds + 1):
         t0 = time.perf_counter()
@@ -178,7 +180,7 @@ def prefill(args) -> dict:
               f"{r['hit_cached_tokens']:>8}{saves:>7}{saves * slot_mib:>10.1f}")
     out = {"args": vars(args), "backend": jax.default_backend(), "forward_s": forward_s, "forward_times_s": fwd_times,
            "variants": rows, "rounds": rounds, "environment": environment()}
-    path = write_json(args.out, "bench_ttft_prefill.json", out)
+    path = write_json(args.out, "ttft_study_prefill.json", out)
     print(f"wrote {path}")
     return out
 
@@ -336,7 +338,7 @@ def study(args) -> dict:
                          "engine": {k: v for k, v in kw.items() if k not in ("dtype", "verbose")},
                          "memory": on.memory.describe()}, "rows": rows,
               "prefix_sweep": sweep, "environment": environment()}
-    path = write_json(args.out, "bench_ttft.json", result)
+    path = write_json(args.out, "ttft_study.json", result)
     fig, ax = figure((6, 4))
     for cache in engines:
         pts = [(r["shared_prefix"], r["ttft_p50_ms"]) for r in sweep if r["cache"] == cache]
@@ -351,8 +353,8 @@ def study(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = study_parser("bench_ttft.py", __doc__,
-                      "bench_ttft.json and .png (bench_ttft_ab.json with --ab, bench_ttft_prefill.json with --prefill)",
+    ap = study_parser("ttft_study.py", __doc__,
+                      "ttft_study.json and .png (ttft_study_ab.json with --ab, ttft_study_prefill.json with --prefill)",
                       "smaller workloads, blocks of up to 64 tokens", model_default=None, model_aliases=("--preset",),
                       model_help="preset or HF folder (default: tiny for the study, hybrid-1024 for --ab / --prefill)")
     ap.add_argument("--ab", action="store_true", help="the A/B restore comparison instead of the study")
@@ -369,7 +371,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
     ap.add_argument("--passes", type=positive_int, default=None,
                     help="the study: measured passes per cell, each on fresh tokens (default: 1 with --quick, else 3)")
-    args = parse(ap, argv, files=("bench_ttft.json", "bench_ttft.png", "bench_ttft_ab.json", "bench_ttft_prefill.json"))
+    args = parse(ap, argv, files=("ttft_study.json", "ttft_study.png", "ttft_study_ab.json", "ttft_study_prefill.json"))
     long = args.ab or args.prefill
     if args.ab and args.prefill:
         ap.error("--ab and --prefill are two different runs: pass one")
@@ -408,4 +410,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    run(main)
+    run_command(main)

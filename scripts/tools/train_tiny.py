@@ -2,8 +2,8 @@
 and library reference that ships with Python (`pydoc_data/topics.py`), byte-level, on the CPU.
 
     pip install -e '.[train]'
-    python scripts/train_tiny.py                      # ~20 min on 2 cores; writes gdn_jax/models/tiny/
-    python scripts/train_tiny.py --resume             # continues from the latest checkpoint in --ckpt-dir
+    .venv/bin/python scripts/tools/train_tiny.py            # writes gdn_jax/models/tiny/
+    .venv/bin/python scripts/tools/train_tiny.py --resume   # continues from the latest checkpoint in --ckpt-dir
 
 A checkpoint folder belongs to the run that wrote it: a run without --resume refuses a --ckpt-dir that holds
 checkpoints, and --resume refuses settings other than those the checkpoint records (only --log-every, --eval-every
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import jax
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the checkout's gdn_jax; common.py
 
 from gdn_jax.entrypoints.cli import nonnegative_int, positive_int  # noqa: E402
 from gdn_jax.config import ModelConfig, hybrid_layer_types  # noqa: E402
@@ -37,6 +37,7 @@ from gdn_jax.tokenizer import ByteTokenizer  # noqa: E402
 from gdn_jax.train import (LN2, TrainConfig, bits_per_byte, forward_for, load_corpus, param_count,  # noqa: E402
                            steady_tokens_per_s, train)
 from gdn_jax.model.weights import save_hf_weights  # noqa: E402
+from common import run_command  # noqa: E402
 
 HELDOUT_AT = 0.9  # where the held-out slice starts, as a fraction of the corpus text
 PROMPT = "The \"for\" statement is used to"
@@ -132,8 +133,8 @@ def sample(folder: Path, prompt: str, max_tokens: int = 160) -> str:
 CARD = """# tiny: a {params_m:.2f}M-parameter Qwen3.5-layout hybrid trained on the Python reference
 
 A byte-level model with the Qwen3.5 hybrid layout ({n_lin} Gated DeltaNet + {n_full} gated full-attention layers, 3:1),
-trained from scratch on the CPU by `scripts/train_tiny.py`. It is the engine's default model (`LLM("tiny")`): small
-enough to ship inside the package, trained enough to continue Python-documentation prompts with English-like text.
+trained from scratch on the CPU by `scripts/tools/train_tiny.py`. It is the engine's default model (`LLM("tiny")`):
+small enough to ship inside the package, trained enough to continue Python-documentation prompts with English-like text.
 It knows nothing but the Python reference and is not a useful assistant.
 
 | | |
@@ -248,7 +249,7 @@ def main(argv=None) -> dict:
         machine=f"{os.cpu_count()} {jax.default_backend()} cores" + (f" ({a.host_note})" if a.host_note else ""),
         bpb32=bpb["float32"], bpb16=bpb["bfloat16"], window=a.eval_window,
         max_pos=cfg.max_position_embeddings,
-        command="python scripts/train_tiny.py" + "".join(" " + shlex.quote(x) for x in argv_shown),
+        command="python scripts/tools/train_tiny.py" + "".join(" " + shlex.quote(x) for x in argv_shown),
         prompt_repr=PROMPT, sample=PROMPT + text)
     (out / "README.md").write_text(card)
     print(json.dumps({k: v for k, v in summary.items() if k != "sample"}))
@@ -256,5 +257,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

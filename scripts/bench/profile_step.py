@@ -1,8 +1,9 @@
 """Where an engine step's time goes: prefill steps of new prompts through `LLMEngine.step`, by part of the model,
 with the step's sampling and host time beside them.
 
-    python scripts/profile_step.py [--preset hybrid-1024] [--tokens 256] [--rows 1] [--dtypes float32,bfloat16]
-                                   [--steps 8] [--runs 3] [--out results/profile_step.json]
+    .venv/bin/python scripts/bench/profile_step.py [--preset hybrid-1024] [--tokens 256] [--rows 1]
+                                                   [--dtypes float32,bfloat16] [--steps 8] [--runs 3]
+                                                   [--out results/profile_step.json]
 
 Each step takes `--rows` fresh random prompts of `--tokens` tokens (no cached prefix; the engine's defaults, prefix
 caching on, so the step also writes its checkpoints) and samples their first token (greedy). After two untimed steps
@@ -12,7 +13,7 @@ caching on, so the step also writes its checkpoints) and samples their first tok
 - `host`: the step's wall time less the time the host waits for the device (from the return of each asynchronous
   jitted call, the forward's and sampling's, to its outputs being ready): scheduling, padding, dispatch,
   postprocess;
-- per part of the model, the self time of the step executable's ops (scripts/op_profile.py: projections,
+- per part of the model, the self time of the step executable's ops (`common.PARTS`: projections,
   gdn_rule, conv, gdn_state, attention, norms_elementwise, logits, other), and `sampling`, that of the sampling
   executable. On two cores the ops of both threads add up to more than the device time; shares are of that sum.
 
@@ -31,13 +32,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import BlockTimer  # noqa: E402
-from op_profile import PARTS, compiled_text, op_parts, part_times, self_times, trace_events  # noqa: E402
-from study_cli import dtype_names  # noqa: E402
+from gdn_jax import LLMEngine, SamplingParams
+from gdn_jax.entrypoints.cli import output_file, positive_int
 
-from gdn_jax import LLMEngine, SamplingParams  # noqa: E402
-from gdn_jax.entrypoints.cli import output_file, positive_int  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import (PARTS, BlockTimer, compiled_text, dtype_names, op_parts, part_times, run_command,  # noqa: E402
+                    self_times, trace_events)
 
 
 def profile_dtype(args, dtype: str) -> dict:
@@ -47,8 +47,9 @@ def profile_dtype(args, dtype: str) -> dict:
         raise ValueError(f"--rows ({args.rows}) x --tokens ({args.tokens}) exceeds the {budget} tokens the engine "
                          "prefills in one step")
     worker = engine.worker
-    timer = worker._fn = BlockTimer(worker._fn)  # the prefill steps' jitted function
-    sampler = worker._sample = BlockTimer(worker._sample)
+    functions = worker.step_functions()
+    timer, sampler = BlockTimer(functions["prefill"]), BlockTimer(functions["sample"])
+    worker.replace_functions(prefill=timer, sample=sampler)
     rng = np.random.default_rng(0)
     count = [0]
 
@@ -128,5 +129,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

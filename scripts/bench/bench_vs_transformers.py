@@ -1,6 +1,7 @@
 """gdn-jax against transformers on one random Qwen3.5 checkpoint made here by transformers (needs the reference extra).
 
-    python scripts/bench_vs_transformers.py [--model hybrid-1024] [--dtype float32] [--out results] [--quick]
+    .venv/bin/python scripts/bench/bench_vs_transformers.py [--model hybrid-1024] [--dtype float32] [--out results]
+                                                            [--quick]
 
 transformers builds a random `Qwen3_5ForCausalLM` with the shapes of `--model` (a preset, or a model folder's
 config.json) and saves it (`save_pretrained`); the engine loads that folder. Two measurements, both greedy, outputs
@@ -16,6 +17,7 @@ Prints the times, the ratios and the greedy agreement; writes DIR/bench_vs_trans
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +28,9 @@ from gdn_jax import LLM, ModelConfig, SamplingParams, get_preset
 from gdn_jax.entrypoints.cli import nonnegative_int, positive_int
 from gdn_jax.model.weights import model_folder
 from scheduler.sampling_params import MAX_LOGPROBS
-from study_cli import study_parser, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import import_reference, run_command, study_parser, write_json  # noqa: E402
 
 
 def shapes_of(model: str) -> ModelConfig:
@@ -76,7 +80,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.tokens, args.requests, args.system, args.suffix, args.max_tokens = 256, 4, 96, 8, 8
 
-    import torch
+    torch, _ = import_reference("bench_vs_transformers.py")
     torch.set_num_threads(torch.get_num_threads())
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,5 +150,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

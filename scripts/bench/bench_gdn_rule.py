@@ -1,7 +1,8 @@
 """The gated delta rule of a prefill step alone, in each of its forms, at a model's shapes.
 
-    python scripts/bench_gdn_rule.py [--shapes 1x2048x16x64,1x4096x32x128,4x256x16x64] [--key-heads 0]
-        [--forms kernel,fused,parallel] [--chunk-size 32] [--repeats 15] [--out results/bench_gdn_rule.json]
+    .venv/bin/python scripts/bench/bench_gdn_rule.py [--shapes 1x2048x16x64,1x4096x32x128,4x256x16x64] [--key-heads 0]
+                                                     [--forms kernel,fused,parallel] [--chunk-size 32] [--repeats 15]
+                                                     [--out results/bench_gdn_rule.json]
 
 A shape is ROWSxTOKENSxHEADSxDIM: value heads of DIM (dk = dv), the defaults those of `hybrid-1024` at 2048 tokens,
 of Qwen3.5-9B at 4096, and four ragged rows of 256 (row b holds 256 - 7b real tokens). Keys and queries have
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -32,6 +34,9 @@ import numpy as np
 from gdn_jax.backends.cpu import kernels as cpu_kernels, library
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
 from gdn_jax.model.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import run_command  # noqa: E402
 
 FORMS = ("kernel", "fused", "parallel")
 
@@ -148,5 +153,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

@@ -1,6 +1,7 @@
 """Inter-token latency of running decodes while a long cold prompt arrives: separate steps against mixed steps.
 
-    python scripts/bench_itl.py [--model tiny] [--dtype float32] [--decoders 8] [--prompt 2048] [--runs 3]
+    .venv/bin/python scripts/bench/bench_itl.py [--model tiny] [--dtype float32] [--decoders 8] [--prompt 2048]
+                                                [--runs 3]
 
 Workload (offline `LLMEngine`, in-process): `--decoders` requests (short prompts of their own) decode greedily; once
 each has `--lead` tokens, a cold `--prompt`-token request (random ids, never seen) arrives. The decoders keep
@@ -23,12 +24,16 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import run_command  # noqa: E402
 
 
 def one_pass(engine, args, rng) -> dict:
@@ -142,5 +147,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

@@ -1,10 +1,11 @@
 """Decode step time and tokens/s through `LLMEngine.step`, beside the memory-bandwidth bound of each step.
 
-    python scripts/bench_decode.py [--preset hybrid-1024] [--layers N] [--vocab-size V] [--prompt 512]
-                                   [--batches 1,4,16,64] [--dtypes float32,bfloat16] [--steps 12] [--bandwidth GBPS]
-                                   [--max-num-seqs 64] [--max-num-batched-tokens N] [--chunk-stride 256]
-                                   [--probe-mib 512] [--peak float32=GFLOPS,bfloat16=GFLOPS]
-                                   [--out results/bench_decode.json]
+    .venv/bin/python scripts/bench/bench_decode.py [--preset hybrid-1024] [--layers N] [--vocab-size V] [--prompt 512]
+                                                   [--batches 1,4,16,64] [--dtypes float32,bfloat16] [--steps 12]
+                                                   [--bandwidth GBPS] [--max-num-seqs 64] [--max-num-batched-tokens N]
+                                                   [--chunk-stride 256] [--probe-mib 512]
+                                                   [--peak float32=GFLOPS,bfloat16=GFLOPS]
+                                                   [--out results/bench_decode.json]
 
 For each dtype one engine (`--max-num-seqs` 64 and the default memory budget, so the state pools are as large as a
 serving engine's) prefills `batch` random `--prompt`-token prompts, then runs greedy decode steps; after two
@@ -42,13 +43,13 @@ Per configuration it reports:
   library matrix-vector routine reads 21-26; a busy machine reads low). `x bound` = median step / bound;
 - `compute`: the step's multiply-adds (every matrix, the LM head included, times the batch's rows; attention over
   the real context; the GDN rule) divided by the machine's matmul rate in the model's dtype, measured at the start
-  on the model's projection shapes at 512 rows (`bench_forward.matmul_peak`; `--peak` GFLOP/s per dtype overrides
+  on the model's projection shapes at 512 rows (`common.matmul_peak`; `--peak` GFLOP/s per dtype overrides
   it): a floor of its own where
   the rows are many, or the hardware multiplies slowly (16 rows of bfloat16 on a CPU without matrix units do about
   16 multiply-adds per weight byte). `x compute` = median step / compute;
 - the XLA op self time of a traced step (an op's time less that of the ops nested in it: loop and conditional
   bodies) summed by kind (copy, dot, convert, fusion, scatter, sort, ...) and by part of the model (projections,
-  gdn_rule, conv, gdn_state, attention, norms_elementwise, logits, other: scripts/op_profile.py). On two cores the ops of
+  gdn_rule, conv, gdn_state, attention, norms_elementwise, logits, other: `common.PARTS`). On two cores the ops of
   both threads add up to more than the step's wall time.
 
 Prints a table and writes JSON. Timings on a shared machine are noisy: read the minimum beside the median.
@@ -75,64 +76,10 @@ from gdn_jax import LLMEngine, SamplingParams
 from gdn_jax.backends.cpu import kernels as cpu_kernels, library
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int, positive_ints
 from gdn_jax.config import PRESETS, ModelConfig, get_preset, hybrid_layer_types
-from gdn_jax.model.dense import dense
-from gdn_jax.worker.compilation import DECODE_VECTOR_BITS, vector_width_options
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from op_profile import compiled_text, op_kind, op_parts, part_times, self_times, trace_events  # noqa: E402
-from study_cli import dtype_names  # noqa: E402
-
-
-def best_time(fn, *args, repeats: int) -> float:
-    """Seconds of the fastest of `repeats` calls of fn(*args) (waited for), after one untimed call."""
-    fn(*args).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(*args).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def measure_read_bandwidth(mib: int = 512, repeats: int = 7) -> dict:
-    """Read bandwidth (bytes/s) of streaming kernels over `mib` MiB of float32: a column sum ("sum"), a vector-matrix
-    product ("gemv", XLA's library routine) and, on the CPU, the engine's own one-row product (`model.dense` of one
-    row: XLA's loop over the weight's rows, the form in which a decode step streams its weights) compiled with the
-    LLVM IR emitters at 256- and 512-bit vectors ("rows_256", "rows_512"). "best": the fastest of them, the rate this
-    machine is shown to read at."""
-    n = mib * (1 << 20) // 4
-    x = jnp.ones((n // 4096, 4096), jnp.float32)
-    v = jnp.ones((1, n // 4096), jnp.float32)
-    probes = {"sum": jax.jit(lambda a: jnp.sum(a, axis=0)), "gemv": jax.jit(lambda a, b: b @ a)}
-    out = {}
-    for name, fn in probes.items():
-        args = (x,) if name == "sum" else (x, v)
-        out[name] = x.nbytes / best_time(fn, *args, repeats=repeats)
-    if jax.default_backend() == "cpu":
-        w, row = x.reshape(-1, 2048), jnp.ones((1, 2048), jnp.float32)  # rows under model.FUSED_MATVEC_COLUMNS
-        lowered = jax.jit(dense).lower(row, w)
-        for bits in DECODE_VECTOR_BITS:
-            fn = lowered.compile(vector_width_options(bits))
-            out[f"rows_{bits}"] = x.nbytes / best_time(fn, row, w, repeats=repeats)
-    out["best"] = max(out.values())
-    return out
-
-
-def decode_bytes(engine: LLMEngine, batch: int, context: int) -> dict:
-    """Bytes one decode step of `batch` rows at `context` tokens must move (the bound's numerator)."""
-    cfg = engine.cfg
-    params = engine.worker.params
-    pure = nnx.to_pure_dict(params)
-    weights = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(pure))
-    itemsize = pure["embed_tokens"].dtype.itemsize  # the activation dtype
-    emb = cfg.vocab_size * cfg.hidden_size * itemsize
-    if not cfg.tie_word_embeddings:  # only the batch's embedding rows are read; a tied table is the lm_head
-        weights = weights - emb + batch * cfg.hidden_size * itemsize
-    kv = 2 * len(cfg.full_layer_ids) * batch * context * cfg.num_key_value_heads * cfg.head_dim * itemsize
-    per_row_state = ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * itemsize
-                     + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
-    state = 2 * len(cfg.linear_layer_ids) * batch * per_row_state  # read and written
-    return {"weights": weights, "kv": kv, "linear_state": state, "total": weights + kv + state}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import (BlockTimer, Stub, compiled_text, decode_bytes, dtype_names, matmul_peak,  # noqa: E402
+                    measure_read_bandwidth, op_kind, op_parts, part_times, run_command, self_times, trace_events)
 
 
 def decode_flops(engine: LLMEngine, batch: int, context: int) -> float:
@@ -150,67 +97,41 @@ def decode_flops(engine: LLMEngine, batch: int, context: int) -> float:
     return float(batch * (2 * matrices + attention + gdn))
 
 
-class BlockTimer:
-    """Wraps the worker's jitted step: after each (asynchronous) call returns, waits for its outputs and records how
-    long the host was blocked on the device (`blocked`), and how long the whole call took, dispatch included
-    (`calls`)."""
-
-    def __init__(self, fn, blocked: list | None = None, last: list | None = None, calls: list | None = None):
-        self.fn, self.blocked = fn, [] if blocked is None else blocked
-        self.last = [None] if last is None else last  # [(fn, args)] of the last call (shareable, like blocked)
-        self.calls = [] if calls is None else calls
-
-    def __call__(self, *args):
-        self.last[0] = (self.fn, args)
-        start = time.perf_counter()
-        out = self.fn(*args)
-        t0 = time.perf_counter()
-        jax.block_until_ready(out)
-        self.blocked.append(time.perf_counter() - t0)
-        self.calls.append(time.perf_counter() - start)
-        return out
-
-    def __getattr__(self, name):  # _cache_size, lower
-        return getattr(self.fn, name)
-
-
 class Marks:
     """Times an unwrapped engine step's critical path: when the step executable's call returned (the device has the
-    step; `launched`) and when the worker had its results on the host (`fetched`, after `Worker._fetch`). The host
-    work before the first and after the second is what the device waits for; the sampling's dispatch between them
-    runs while the device computes the step (JAX dispatches asynchronously). Nothing is waited for here."""
+    step; `launched`) and when the worker had its results on the host (`fetched`, after its step function "fetch").
+    The host work before the first and after the second is what the device waits for; the sampling's dispatch between
+    them runs while the device computes the step (JAX dispatches asynchronously). Nothing is waited for here."""
 
     def __init__(self, worker, plain: dict):
         self.worker, self.launched, self.fetched = worker, None, None
-        fetch = worker._fetch
+        fetch = worker.step_functions()["fetch"]
 
         def fetched(launched):
             out = fetch(launched)
             self.fetched = time.perf_counter()
             return out
 
-        vars(worker)["_fetch"] = fetched
-        for name in ("_decode_fn", "_decode_wide_fn"):
-            vars(worker)[name] = self._stamp(plain[name])
+        def stamped(fn):
+            def call(*args):
+                out = fn(*args)
+                self.launched = time.perf_counter()
+                return out
+            return Stub(fn, call)
 
-    def _stamp(self, fn):
-        def call(*args):
-            out = fn(*args)
-            self.launched = time.perf_counter()
-            return out
-        call._cache_size = fn._cache_size
-        return call
+        self.replaced = worker.replace_functions(fetch=fetched, decode=stamped(plain["decode"]),
+                                                 decode_wide=stamped(plain["decode_wide"]))
 
     def clear(self):
         self.launched = self.fetched = None
 
     def remove(self):
-        vars(self.worker).pop("_fetch")
+        self.worker.replace_functions(**self.replaced)
 
 
 def profile_steps(step, n: int, module: str, hlo_text: str) -> dict:
     """Traces `n` calls of `step` (an engine step): the XLA self time of the step executable `module` per step, summed by op kind
-    (`op_kind`, with the op counts) and by part of the model (`op_profile.op_parts` on the executable's compiled
+    (`op_kind`, with the op counts) and by part of the model (`common.op_parts` on the executable's compiled
     text; "unattributed": ops the text does not name)."""
     events, _ = trace_events(step, n)
     ms = self_times(events, module, n)
@@ -242,19 +163,17 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
     engine = LLMEngine(model_config(args), dtype=dtype, max_num_seqs=args.max_num_seqs,
                        chunk_stride=args.chunk_stride, max_model_len=args.prompt + room,
                        max_num_batched_tokens=args.max_num_batched_tokens, verbose=True)
-    from bench_forward import matmul_peak  # here: bench_forward imports this module
-
     peak = args.peak.get(dtype) or 1e9 * matmul_peak(engine.cfg, 512, jnp.dtype(dtype))["gflops"]
     print(f"  {dtype} matmul rate: {peak / 1e9:.0f} GFLOP/s ({'given' if args.peak.get(dtype) else 'measured now'})")
     worker = engine.worker
-    module = f"jit_{worker._decode_fn.__name__}"  # the decode step executable's name in the profile
-    plain = {name: getattr(worker, name) for name in ("_decode_fn", "_decode_wide_fn", "_sample")}
-    timer = BlockTimer(plain["_decode_fn"])
+    plain = {kind: fn for kind, fn in worker.step_functions().items() if kind in ("decode", "decode_wide", "sample")}
+    module = f"jit_{plain['decode'].__name__}"  # the decode step executable's name in the profile
+    timer = BlockTimer(plain["decode"])
     # decode steps of many rows are their own jitted function (other compile options): one record for both;
     # sampling is its own executable: its wait is device time too
-    sampler = BlockTimer(plain["_sample"])
-    wrapped = {"_decode_fn": timer, "_sample": sampler,
-               "_decode_wide_fn": BlockTimer(plain["_decode_wide_fn"], timer.blocked, timer.last, timer.calls)}
+    sampler = BlockTimer(plain["sample"])
+    wrapped = {"decode": timer, "sample": sampler,
+               "decode_wide": BlockTimer(plain["decode_wide"], timer.blocked, timer.last, timer.calls)}
     vocab = engine.cfg.vocab_size
     rng = np.random.default_rng(0)
     rows = []
@@ -295,7 +214,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             steps.append(t1 - t0)
             critical.append(marks.launched - t0 + t1 - marks.fetched)
         marks.remove()
-        vars(worker).update(wrapped)
+        worker.replace_functions(**wrapped)
         for _ in range(args.steps):  # as many again through the wrappers, each waited for: the split of the step
             for t in (timer, sampler):
                 t.blocked.clear()
@@ -306,7 +225,7 @@ def run_dtype(args, dtype: str, bandwidth: float) -> list[dict]:
             wrapped_steps.append(wall)
             host.append(wall - sum(timer.blocked) - sum(sampler.blocked))
             python.append(wall - sum(timer.calls) - sum(sampler.calls))
-        vars(worker).update(plain)
+        worker.replace_functions(**plain)
         context = round(statistics.mean(contexts))  # the rows' mean over the timed steps
         prof = (profile_steps(decode_step, args.profile_steps, module, compiled_text(*timer.last[0]))
                 if args.profile_steps else {"op_ms": {}, "op_count": {}, "part_ms": {}})
@@ -433,5 +352,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

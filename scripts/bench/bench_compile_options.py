@@ -1,7 +1,9 @@
 """XLA compile options against the step's compile time and run time, in one process, interleaved.
 
-    python scripts/bench_compile_options.py [--preset hybrid-1024] [--dtypes bfloat16,float32] [--repeats 5]
-        [--shapes 1x2048,16x1,16x64] [--context 1024] [--sets "NAME;NAME"] [--out results/bench_compile_options.json]
+    .venv/bin/python scripts/bench/bench_compile_options.py [--preset hybrid-1024] [--dtypes bfloat16,float32]
+                                                            [--repeats 5] [--shapes 1x2048,16x1,16x64] [--context 1024]
+                                                            [--sets "NAME;NAME"]
+                                                            [--out results/bench_compile_options.json]
 
 Each option set (`OPTION_SETS`: XLA's defaults, the engine's options `worker.LLVM_IR_CPU_COMPILER_OPTIONS`, those
 with LLVM's O1 and O0 pipelines, XLA's defaults with O1, and with 512-bit vectors: the engine's narrow decode steps where
@@ -18,19 +20,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from gdn_jax.worker import executable_store as executables
-from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.engine import LLMEngine
-from gdn_jax.model.state import Batch
-from gdn_jax.model.state import RestoreOps
+from gdn_jax.entrypoints.cli import output_file, positive_int
+from gdn_jax.model.state import Batch, RestoreOps
+from gdn_jax.worker import executable_store as executables
 from gdn_jax.worker.compilation import LLVM_IR_CPU_COMPILER_OPTIONS, vector_width_options
 from gdn_jax.worker.step import host_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import run_command  # noqa: E402
 
 # each set overrides the jitted step's own options (worker.compiler_options: JAX appends a set's options to those), so
 # every option is spelled out; 256 bits is XLA's preferred vector width, optimisation level 3 its default
@@ -67,9 +72,9 @@ def step_args(worker, rows: int, tokens: int, context: int, rng) -> Batch:
     lengths = np.full(rows, tokens, np.int32)
     ops = RestoreOps.from_ops([], rows)
     ops.linear_state_ids[:] = 1 + np.arange(rows)
-    saves = worker._save_arrays([], rows, tokens, np.full(rows, context, np.int32), lengths, ops)
     return host_batch(rng.integers(0, worker.cfg.vocab_size, (rows, tokens), dtype=np.int32),
-                      np.full(rows, context, np.int32), lengths, tables, slot_mapping, ops, saves)
+                      np.full(rows, context, np.int32), lengths, tables, slot_mapping, ops,
+                      worker.padding_saves(rows, tokens))
 
 
 def main(argv=None) -> dict:
@@ -99,8 +104,8 @@ def main(argv=None) -> dict:
         for rows, tokens in shapes:
             shape = (rows, tokens, worker.max_blocks)
             batch = step_args(worker, rows, tokens, 0 if tokens > 1 else a.context, rng)
-            leaves = worker._param_leaves
-            lowered = worker._fn_for(batch.tokens).lower(leaves, worker.state, batch)
+            leaves = jax.tree.leaves(worker.params)  # the step's first argument
+            lowered = worker.lowered_step(shape)
             compiled, rec = {}, {}
             for name, opts in sets.items():
                 t0 = time.perf_counter()
@@ -135,5 +140,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

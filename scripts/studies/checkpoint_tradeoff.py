@@ -1,6 +1,6 @@
 """Checkpoint trade-off: how chunk_stride and checkpoint capacity decide what a multi-turn workload reuses.
 
-    python scripts/checkpoint_tradeoff.py [--model tiny] [--dtype float32] [--out results] [--quick]
+    .venv/bin/python scripts/studies/checkpoint_tradeoff.py [--model tiny] [--dtype float32] [--out results] [--quick]
 
 Concurrent conversations (a shared system prompt, then turns that each extend the previous prompt with its answer
 and a new user message) compete for checkpoint slots. The sweep crosses `chunk_stride` with the checkpoint capacity
@@ -17,14 +17,17 @@ turn does not fit is refused before it runs.
 from __future__ import annotations
 
 import statistics
+import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
-from study_cli import (environment, figure, fit_model_len, nonnegative_int, parse, positive_int, run, save,
-                       study_parser, write_json)
+from gdn_jax.entrypoints.cli import nonnegative_int, positive_int
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import environment, figure, fit_model_len, parse, run_command, save, study_parser, write_json  # noqa: E402
 
 # Workload and engine sizes. --quick keeps the sweep 2 x 2 and makes it cheap to compile: each step shape compiles once
 # per pool size (per capacity), and compilation, not running, is where a quick sweep's time goes. 64-token blocks keep
@@ -206,4 +209,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    run(main)
+    run_command(main)

@@ -1,7 +1,7 @@
 """Client-side TTFT and inter-token latency of the HTTP server, cache on and off, against the offline engine.
 
-    python scripts/bench_serving.py [--model tiny] [--concurrency 1 8] [--requests 32] [--system 512]
-    python scripts/bench_serving.py --url http://127.0.0.1:8000 ...   # an already running `gdn-jax serve`
+    .venv/bin/python scripts/bench/bench_serving.py [--model tiny] [--concurrency 1 8] [--requests 32] [--system 512]
+    .venv/bin/python scripts/bench/bench_serving.py --url http://127.0.0.1:8000 ...  # a running `gdn-jax serve`
 
 Workload: `--requests` streaming completions, each a shared system prompt (`--system` token ids) plus its own
 question (`--question` ids), greedy, `--max-tokens` tokens each (ignore_eos). N concurrent clients (httpx, one
@@ -35,6 +35,9 @@ import httpx
 import numpy as np
 
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import run_command  # noqa: E402
 
 
 def pct(xs, q):
@@ -275,5 +278,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)

@@ -2,11 +2,12 @@
 (from the JAX profiler's trace of the compilation), and what the optimized HLO holds (instructions per computation:
 the layer-loop bodies, the `lax.switch` branches that pick a layer's matrices, the checkpoint scatters).
 
-    python scripts/profile_compile.py --preset qwen3.5-9b --shape 16x512x256 [--dtype bfloat16]
-        [--checkpoint-mode scan] [--top 25] [--out results/profile_compile_<preset>_<shape>.json]
+    .venv/bin/python scripts/bench/profile_compile.py --preset qwen3.5-9b --shape 16x512x256 [--dtype bfloat16]
+                                                      [--checkpoint-mode scan] [--top 25]
+                                                      [--out results/profile_compile_<preset>_<shape>.json]
 
-Like scripts/bench_compile.py it builds the worker on abstract weights (nothing is allocated). XLA flags under test
-go in XLA_FLAGS as usual; the script prints them with the figures. XLA's time is read from the trace: every event of
+Like scripts/bench/bench_compile.py it builds the worker on abstract weights (nothing is allocated). XLA flags under
+test go in XLA_FLAGS as usual; the script prints them with the figures. XLA's time is read from the trace: every event of
 the compiling thread, summed by name (events nest, so a phase and the passes inside it both count; read the table as
 "time inside", not as a partition). Timings on a shared machine are noisy; repeat and read the minimum.
 """
@@ -24,13 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jax
+from jax._src.lib import _profile_data
 
-import jax  # noqa: E402
-from jax._src.lib import _profile_data  # noqa: E402
+from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
 
-from bench_compile import DTYPES, build_worker, parse_shapes  # noqa: E402
-from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import DTYPES, build_worker, parse_shapes, run_command  # noqa: E402
 
 
 def xla_events(trace_dir: str) -> dict[str, float]:
@@ -122,5 +123,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from study_cli import run  # a setting the engine refuses: one line naming it
-    run(main)
+    run_command(main)
