@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
         fwd_same = int(logits[0, -1].argmax()) == out.outputs[0].token_ids[0]
         ref = torch.log_softmax(logits[0, -1].double(), -1)  # the engine's top logprobs against transformers'
         fwd_diff = max(abs(lp.logprob - float(ref[t])) for t, lp in out.outputs[0].logprobs[0].items())
-        del off
+        off = None  # its pools freed before the next engine's are made
         # ---- end to end -------------------------------------------------------------------------------------
         system = rng.integers(4, vocab, args.system).tolist()
         prompts = [system + rng.integers(4, vocab, args.suffix).tolist() for _ in range(args.requests)]
