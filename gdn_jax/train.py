@@ -31,6 +31,7 @@ from flax import nnx
 
 from gdn_jax.config import LINEAR, ModelConfig
 from gdn_jax.model.dense import float32_precision
+from gdn_jax.model.forms import Forms
 from gdn_jax.tokenizer import ByteTokenizer
 from gdn_jax.model.weights import abstract_model
 
@@ -42,13 +43,20 @@ LN2 = math.log(2.0)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def dense_attention(attn, x):
+def training_forms() -> Forms:
+    """The forms training traces in: on the CPU its forms of products and of the chunked GDN rule (the "fused"
+    schedule), never the compiled kernels (no gradient) nor a machine's measured choices; elsewhere XLA's generic
+    forms."""
+    return Forms(cpu=jax.default_backend() == "cpu")
+
+
+def dense_attention(attn, x, forms: Forms):
     """Causal gated full attention over whole rows, no cache. attn: a `model.Attention`; x: [B, T, D]."""
     cfg = attn.cfg
     B, T, _ = x.shape
     H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    q, k, v, gate = attn.project(x, positions)
+    q, k, v, gate = attn.project(x, positions, forms)
     q = q.reshape(B, T, kvh, H // kvh, hd)  # query head h reads kv head h // (H / kvh)
     precision = float32_precision(x.dtype)  # float32 products in float32 on a GPU too
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32, precision=precision) * hd**-0.5
@@ -56,12 +64,14 @@ def dense_attention(attn, x):
     probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(x.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32,
                      precision=precision).astype(x.dtype)
-    return attn.gated_output(out.reshape(B, T, H * hd), gate)
+    return attn.gated_output(out.reshape(B, T, H * hd), gate, forms)
 
 
-def dense_forward(model, tokens, chunk_size: int = 32):
+def dense_forward(model, tokens, chunk_size: int = 32, forms: Forms | None = None):
     """tokens [B, T] int -> float32 logits [B, T, V]: every row is a whole sequence starting at position 0.
-    `chunk_size` of the chunked gated delta rule: 32 is ~1.6x faster than 64 for forward + backward on CPU."""
+    `chunk_size` of the chunked gated delta rule (32 trains faster than 64 on CPU); `forms`, by default
+    `training_forms()`."""
+    forms = training_forms() if forms is None else forms
     x = model.embed_tokens[...][tokens]
     B = tokens.shape[0]
     for layer in model.layers:
@@ -70,12 +80,12 @@ def dense_forward(model, tokens, chunk_size: int = 32):
             cfg = layer.linear_attn.cfg
             conv0 = jnp.zeros((B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), h.dtype)
             ssm0 = jnp.zeros((B, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
-            h = layer.linear_attn(h, conv0, ssm0, None, chunk_size=chunk_size, kernel=False)[0]  # differentiable
+            h = layer.linear_attn(h, conv0, ssm0, None, chunk_size=chunk_size, forms=forms)[0]
         else:
-            h = dense_attention(layer.self_attn, h)
+            h = dense_attention(layer.self_attn, h, forms)
         x = x + h
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.logits(x)
+        x = x + layer.mlp(layer.post_attention_layernorm(x), forms)
+    return model.logits(x, forms)
 
 
 def cast_params(params, abstract):

@@ -9,53 +9,47 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn_jax import envs
 from gdn_jax.backends.cpu import kernels as cpu_kernels
 from gdn_jax.config import ModelConfig
 from gdn_jax.model.state import Batch, from_pool, layer_ids, write_rows
 from gdn_jax.model.dense import float32_precision
+from gdn_jax.model.forms import GENERIC, Forms
 from gdn_jax.model.layers import RMSNorm, _fused, _linear
 
 
 KV_CHUNK_KEYS = 256
-# Keys per iteration of a prefill step's attention loop (more than one token per row) when the environment sets it
-# (`kv_chunk_keys`); unset, KV_CHUNK_KEYS. For comparisons on an accelerator: see `kv_chunk_keys`.
-PREFILL_KV_CHUNK_ENV = "GDN_JAX_PREFILL_KV_CHUNK_KEYS"
 
 
-def kv_chunk_keys(tokens: int) -> int:
+def kv_chunk_keys(tokens: int, forms: Forms) -> int:
     """Keys one iteration of the attention loop reads per row, in a step of `tokens` tokens per row: KV_CHUNK_KEYS, or
-    for a prefill step the positive integer `PREFILL_KV_CHUNK_ENV` names (rounded down to whole KV blocks, at least
-    one). Larger chunks mean larger query tiles (`query_tiles`) and fewer iterations: XLA's GPU runtime (outside
-    command buffers) runs every iteration of a loop whose trip count is known only on the device (the key chunks: as
-    many as the rows hold) by copying its condition to the host and waiting for it, and an 8704-token prefill runs
-    595 such iterations per attention layer at 256 keys (34 tiles), 14 at 2048 (4 tiles of 2176 queries), at the
-    price of computing the masked part of each tile's last chunks. The same attention either way, up to the online
-    softmax's rounding (tests/gdn_jax/test_model.py); not the default anywhere until measured on a GPU."""
-    if tokens > 1:
-        keys = envs.optional_int(PREFILL_KV_CHUNK_ENV)
-        if keys is not None:
-            return keys
+    for a prefill step `forms.prefill_kv_chunk_keys` where set (rounded down to whole KV blocks, at least one).
+    Larger chunks mean larger query tiles (`query_tiles`) and fewer iterations: XLA's GPU runtime (outside command
+    buffers) runs every iteration of a loop whose trip count is known only on the device (the key chunks: as many as
+    the rows hold) by copying its condition to the host and waiting for it, so a long prefill at 256 keys runs
+    hundreds of such iterations per attention layer, at 2048 a few, at the price of computing the masked part of
+    each tile's last chunks. The same attention either way, up to the online softmax's rounding
+    (tests/gdn_jax/test_model.py); not the default anywhere until measured on a GPU."""
+    if tokens > 1 and forms.prefill_kv_chunk_keys is not None:
+        return forms.prefill_kv_chunk_keys
     return KV_CHUNK_KEYS
 
 
-# On CPU, a query tile of at most this many queries per KV head (g * Tq) has its scores multiplied with the keys on
-# the left (`attention_scores`).
+# With the CPU forms, a query tile of at most this many queries per KV head (g * Tq) has its scores multiplied with
+# the keys on the left (`attention_scores`).
 KEYS_LEFT_QUERIES = 16
 
 
-def attention_scores(qh, keys):
+def attention_scores(qh, keys, forms: Forms):
     """qh [kvh, n, hd] @ keys [kvh, S, hd] -> scores [kvh, n, S], accumulated in float32.
 
-    On XLA's CPU backend a few queries (n <= `KEYS_LEFT_QUERIES`: a decode step's, a short chunk's) multiply as
-    keys @ qh.T, the keys on the left, and the small [kvh, S, n] result is transposed: the library streams the keys
-    as the left operand of a batched product faster than it packs them as a transposed right one (16 rows' 32 KV
-    heads of 4 queries, 256 keys: bfloat16 280 -> 151 us, float32 544 -> 198 us; one row's 2 heads: the same). The
-    gain shrinks as n grows: at 32 queries bfloat16 ties at 32 heads and is 2x slower at 2. The values are the same
-    products summed in float32 over hd. The optimisation barrier keeps XLA from folding the transpose back into the
-    product. docs/design.md, "Decode attention at long context"."""
+    With the CPU forms a few queries (n <= `KEYS_LEFT_QUERIES`: a decode step's, a short chunk's) multiply as
+    keys @ qh.T, the keys on the left, and the small [kvh, S, n] result is transposed: XLA's CPU library streams the
+    keys as the left operand of a batched product faster than it packs them as a transposed right one. The gain
+    shrinks as n grows, and turns into a loss at a few heads of 32 queries. The values are the same products summed
+    in float32 over hd. The optimisation barrier keeps XLA from folding the transpose back into the product.
+    docs/design.md, "Decode attention at long context"; figures in docs/benchmarks.md."""
     kw = dict(preferred_element_type=jnp.float32, precision=float32_precision(qh.dtype))
-    if jax.default_backend() == "cpu" and qh.shape[-2] <= KEYS_LEFT_QUERIES:
+    if forms.cpu and qh.shape[-2] <= KEYS_LEFT_QUERIES:
         return jax.lax.optimization_barrier(jnp.einsum("ksd,kqd->ksq", keys, qh, **kw)).transpose(0, 2, 1)
     return jnp.einsum("kqd,ksd->kqs", qh, keys, **kw)
 
@@ -75,12 +69,12 @@ def query_tiles(T: int, keys_per_chunk: int) -> int:
 CPU_ROWS_BYTES = {"attention": 4 << 20, "gdn_decode": 2 << 20}
 
 
-def rows_per_iteration(rows: int, bytes_per_row: int, kind: str) -> int:
-    """How many of `rows` rows one iteration of a loop over them handles: on CPU the largest power of two dividing
-    `rows` whose working set fits CPU_ROWS_BYTES[kind] (at least 1), elsewhere all of them. On CPU a few rows at a
-    time keep their gathered state in cache and the step's temporaries small: tens of MB of temporaries are
+def rows_per_iteration(rows: int, bytes_per_row: int, kind: str, forms: Forms) -> int:
+    """How many of `rows` rows one iteration of a loop over them handles: with the CPU forms the largest power of two
+    dividing `rows` whose working set fits CPU_ROWS_BYTES[kind] (at least 1), else all of them. On CPU a few rows at
+    a time keep their gathered state in cache and the step's temporaries small: tens of MB of temporaries are
     mapped fresh by glibc, and zero-filled by the kernel, on every step."""
-    if jax.default_backend() != "cpu":
+    if not forms.cpu:
         return rows
     return math.gcd(rows, 1 << max(0, (CPU_ROWS_BYTES[kind] // bytes_per_row).bit_length() - 1))
 
@@ -101,19 +95,19 @@ def rope(x, positions, rotary_dim: int, theta: float):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs, std):
         self.cfg = cfg
-        H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, hd = cfg.num_attention_heads, cfg.head_dim
         self.qkv_proj = _fused(rngs, cfg, "self_attn", "qkv_proj", dtype, std)  # [q (per head query | gate) | k | v]
         self.o_proj = _linear(rngs, H * hd, cfg.hidden_size, dtype, std)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
 
-    def project(self, x, positions):
+    def project(self, x, positions, forms: Forms = GENERIC):
         """x: [B, T, D], positions: [B, T] -> q [B, T, H, hd], k and v [B, T, kvh, hd] (normed, rotated), and the
         output gate [B, T, H * hd]: the projections of `__call__`, for the dense training path (gdn_jax/train.py)."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg, k, v = self.qkv_proj(x)
+        qg, k, v = self.qkv_proj(x, forms)
         qg = qg.reshape(B, T, H, 2 * hd)
         q, gate = self.q_norm(qg[..., :hd]), qg[..., hd:].reshape(B, T, H * hd)
         k = self.k_norm(k.reshape(B, T, kvh, hd))
@@ -122,21 +116,21 @@ class Attention(nnx.Module):
         k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
         return q, k, v, gate
 
-    def __call__(self, x, k_cache, v_cache, batch: Batch, layer):
+    def __call__(self, x, k_cache, v_cache, batch: Batch, layer, forms: Forms = GENERIC):
         """x: [B, T, D]; caches: [kvh, layers, NB, bs, hd] paged, of which this layer's is [:, layer]
         -> (out, k_cache, v_cache): `project_write`, then `attend` over each row's keys up to its last token."""
-        q, gate, k_cache, v_cache = self.project_write(x, k_cache, v_cache, batch, layer)
+        q, gate, k_cache, v_cache = self.project_write(x, k_cache, v_cache, batch, layer, forms)
         out = self.attend(q, gate, k_cache, v_cache, layer, batch.positions, batch.block_tables,
-                          batch.start_pos + batch.lengths)
+                          batch.start_pos + batch.lengths, forms)
         return out, k_cache, v_cache
 
-    def project_write(self, x, k_cache, v_cache, batch: Batch, layer):
+    def project_write(self, x, k_cache, v_cache, batch: Batch, layer, forms: Forms):
         """x: [B, T, D] -> (q [B, T, H, hd] normed and rotated, output gate [B, T, H * hd], caches with the chunk's
         keys and values written)."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg, k, v = self.qkv_proj(x)
+        qg, k, v = self.qkv_proj(x, forms)
         qg = qg.reshape(B, T, H, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, H * hd)
         q = self.q_norm(q)
@@ -151,29 +145,29 @@ class Attention(nnx.Module):
         v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd), axis=1)
         return q, gate, k_cache, v_cache
 
-    def attend(self, q, gate, k_cache, v_cache, layer, positions, block_tables, extent):
+    def attend(self, q, gate, k_cache, v_cache, layer, positions, block_tables, extent, forms: Forms):
         """The attention output [B, T, D] of queries q [B, T, H, hd] at `positions` [B, T] over the cached keys
         (causal: a query sees the keys at its position and before), through the output gate and projection. `extent`
         [B]: the keys a row's queries reach at most (start + length), which bounds the chunks read.
 
-        Each row attends to its keys in chunks of `kv_chunk_keys(T)` (an online softmax), as many chunks as the
+        Each row attends to its keys in chunks of `kv_chunk_keys(T, forms)` (an online softmax), as many chunks as the
         longest row of the batch needs: the block tables' width (padding blocks) costs nothing. A long chunk's
         queries go in tiles (`query_tiles`), each over the key chunks up to its last query only. The caches are
         head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv head) in front: the
-        products read them as they are gathered, with no transposed copy. One query per row on the CPU backend runs
-        the compiled kernel instead (`cpu_kernels.attention_decode`: the keys and values read in place, no gathered
-        copy) where it is available."""
+        products read them as they are gathered, with no transposed copy. One query per row runs the compiled CPU
+        kernel instead (`cpu_kernels.attention_decode`: the keys and values read in place, no gathered copy) where
+        the forms have the kernels."""
         cfg = self.cfg
         B, T = q.shape[:2]
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         dtype = gate.dtype
-        if T == 1 and cpu_kernels.attention_applies(k_cache, H):  # one query per row on CPU: the compiled kernel
+        if T == 1 and cpu_kernels.attention_applies(k_cache, H, forms):  # one query per row: the compiled kernel
             out = cpu_kernels.attention_decode(k_cache, v_cache, layer, q[:, 0], block_tables, positions[:, 0] + 1)
-            return self.gated_output(out.astype(dtype).reshape(B, T, H * hd), gate)
+            return self.gated_output(out.astype(dtype).reshape(B, T, H * hd), gate, forms)
         bs = k_cache.shape[3]
         g = H // kvh  # per (row, kv head) one matmul over its g * Tq queries
         NB = block_tables.shape[1]
-        cb = max(1, min(NB, kv_chunk_keys(T) // bs))  # blocks per chunk
+        cb = max(1, min(NB, kv_chunk_keys(T, forms) // bs))  # blocks per chunk
         keys_per_chunk = cb * bs
         nq = query_tiles(T, keys_per_chunk)
         Tq = T // nq
@@ -192,7 +186,7 @@ class Attention(nnx.Module):
                 blocks = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
                 keys = from_pool(k_cache[:, layer, blocks], dtype).reshape(kvh, cb * bs, hd)
                 values = from_pool(v_cache[:, layer, blocks], dtype).reshape(kvh, cb * bs, hd)
-                scores = attention_scores(qh, keys) * hd**-0.5
+                scores = attention_scores(qh, keys, forms) * hd**-0.5
                 causal = c * cb * bs + jnp.arange(cb * bs)[None, :] <= qpos[:, None]  # [gTq, cb * bs]
                 scores = jnp.where(causal[None], scores, -jnp.inf)
                 new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # finite: key 0 is in every query's reach
@@ -208,7 +202,7 @@ class Attention(nnx.Module):
             return acc / total[..., None]
 
         per_row = 2 * kvh * cb * bs * hd * jnp.dtype(dtype).itemsize  # the keys + values of one chunk
-        rows = rows_per_iteration(B, per_row, "attention")
+        rows = rows_per_iteration(B, per_row, "attention", forms)
 
         def tile(a):  # one query tile of every row; its chunk count is the same for all rows (a loop, not a mask)
             qt, pt, n = a
@@ -219,8 +213,8 @@ class Attention(nnx.Module):
         else:
             out = jax.lax.map(tile, (qh, qpos, tile_chunks))  # [nq, B, kvh, g * Tq, hd]
         out = out.astype(dtype).reshape(nq, B, kvh, g, Tq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H * hd)
-        return self.gated_output(out, gate)
+        return self.gated_output(out, gate, forms)
 
-    def gated_output(self, out, gate):
+    def gated_output(self, out, gate, forms: Forms = GENERIC):
         """The heads' outputs [B, T, H * hd] through the output gate and the output projection."""
-        return self.o_proj(out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype))
+        return self.o_proj(out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype), forms)

@@ -26,16 +26,13 @@ Two forms of the rule, with the same inputs and outputs:
   ``solve_method="trsm"`` selects the library triangular solve instead.
 
   Two schedules of the same maths (``impl``):
-  - ``"fused"`` (default on CPU; the model's prefill steps on the CPU run the compiled token-by-token kernel
-    instead, ``cpu_kernels.gdn_prefill``, where it builds, 3-4x faster at hybrid-1024's shapes): one
-    ``lax.scan`` step handles ``chunks_per_step`` chunks (1 by default: two per step ran 5-8% slower on
-    the AVX-512 Xeon at 32- and 64-token chunks) and does everything for them (intra-chunk matrices,
-    the solve, the state recurrence, the output), so
-    every intermediate stays in cache. On the bandwidth-poor development CPU this is ~2x faster
-    than materialising the intra-chunk tensors for the whole sequence (B=1, T=2048, H=16,
-    dk=dv=64, float32: ~24 ms vs ~50 ms).
-  - ``"parallel"`` (default on accelerators): all intra-chunk work as large batched ops over every
-    chunk at once, then a ``lax.scan`` over chunks carrying only the state (2 small matmuls per
+  - ``"fused"`` (the default; the model's with the CPU forms, whose prefill steps run the compiled token-by-token
+    kernel instead where the forms have it, ``cpu_kernels.gdn_prefill``): one ``lax.scan`` step handles
+    ``chunks_per_step`` chunks (1 by default: two per step ran slower) and does everything for them (intra-chunk
+    matrices, the solve, the state recurrence, the output), so every intermediate stays in cache. On a CPU this is
+    about twice as fast as materialising the intra-chunk tensors for the whole sequence (docs/benchmarks.md).
+  - ``"parallel"`` (the model's without the CPU forms: accelerators): all intra-chunk work as large batched ops
+    over every chunk at once, then a ``lax.scan`` over chunks carrying only the state (2 small matmuls per
     step), then the output as one batched matmul.
 * :func:`recurrent_gated_delta_rule`: token by token under ``lax.scan``; :func:`decode_token` is one token of it
   (the engine's decode step), which leaves the new state (:func:`new_state`) to the caller to compute where it
@@ -82,18 +79,16 @@ _F32 = jnp.float32
 G_FLOOR = -128.0
 # The chunk size the model runs the chunked rule with (`default_chunk_size`). On a CPU a chunk's small products and
 # its blocked inversion are library calls and loops of a few microseconds each, one chunk after the other on one
-# core: 32-token chunks run the rule faster than 64 (Xeon with AVX-512 and AMX, B=1, float32, per layer: hybrid-1024
-# shapes, 2048 tokens, 36.2 -> 27.5 ms; Qwen3.5-9B shapes, 4096 tokens, 324 -> 269 ms) and compile faster (9B: 0.43
-# -> 0.32 s); 16 ran 4% faster than 32 at hybrid-1024's shapes and 12% slower at the 9B's (302 ms). Accelerators run
-# the "parallel" schedule, where 64 is the usual size.
+# core: 32-token chunks run the rule and compile faster than 64, and 16 no faster at the larger models' shapes
+# (docs/benchmarks.md). Accelerators run the "parallel" schedule, where 64 is the usual size.
 CPU_CHUNK_SIZE, ACCELERATOR_CHUNK_SIZE = 32, 64
 
 
-def default_chunk_size() -> int:
-    """The chunked rule's chunk size for the default backend: `CPU_CHUNK_SIZE` on the CPU, else
+def default_chunk_size(cpu: bool) -> int:
+    """The chunked rule's chunk size: `CPU_CHUNK_SIZE` with the CPU forms (`Forms.cpu`), else
     `ACCELERATOR_CHUNK_SIZE`. The engine runs gcd(this, chunk_stride), so that every checkpoint boundary is a chunk
     end."""
-    return CPU_CHUNK_SIZE if jax.default_backend() == "cpu" else ACCELERATOR_CHUNK_SIZE
+    return CPU_CHUNK_SIZE if cpu else ACCELERATOR_CHUNK_SIZE
 
 
 def _mm(spec, a, b):
@@ -248,9 +243,10 @@ def chunk_gated_delta_rule(
     output_chunk_states: bool = False,
     *,
     save_chunks: tuple | None = None,
-    impl: str = "auto",
+    impl: str = "fused",
     chunks_per_step: int = 1,
     solve_method: str = "blocked",
+    saves_in_place: bool = True,
 ):
     """Chunked (WY / UT) gated delta rule.
 
@@ -268,8 +264,10 @@ def chunk_gated_delta_rule(
     (zero-filled, then written chunk by chunk, 256 KiB per chunk at hidden 1024) made a 2048-token row's rule take
     1.2-1.5x as long on the development CPU (docs/design.md, "Checkpoints from the prefill scan").
 
-    Keyword-only tuning knobs (same maths): ``impl`` "fused" | "parallel" | "auto" (fused on CPU,
-    parallel elsewhere); ``chunks_per_step`` (fused schedule); ``solve_method`` "blocked" | "trsm".
+    Keyword-only tuning knobs (same maths): ``impl`` "fused" | "parallel"; ``chunks_per_step`` (fused
+    schedule); ``solve_method`` "blocked" | "trsm"; ``saves_in_place`` (fused schedule: each save written in place,
+    one at a time, the CPU's form; False: one pass over the save buffer per chunk, an accelerator's, where a loop
+    costs a device round trip a turn).
     """
     out_dtype = v.dtype
     B, T, H, dk = k.shape
@@ -282,8 +280,6 @@ def chunk_gated_delta_rule(
     g, beta = _inert(valid, g, beta)  # gates are small: mask them here
     g = jnp.maximum(g, G_FLOOR)  # a reset (g = -inf) is a decay of exactly 0 here too, not NaN (module docstring)
     N = max(1, -(-T // Cs))
-    if impl == "auto":
-        impl = "fused" if jax.default_backend() == "cpu" else "parallel"
     if impl == "fused":
         grp = max(1, int(chunks_per_step))
         if N % grp:
@@ -339,7 +335,7 @@ def chunk_gated_delta_rule(
     else:
 
         def save(buf, S, hit):  # the states of the saves whose chunk this is
-            if jax.default_backend() != "cpu":  # one pass over the buffer (a loop costs a device round trip a turn)
+            if not saves_in_place:  # one pass over the buffer (a loop costs a device round trip a turn)
                 return jnp.where(hit[:, None, None, None], S[save_chunks[0]], buf)
 
             def one(carry):  # on CPU one save at a time, in place (a chunk with none: no pass at all)

@@ -10,6 +10,7 @@ from flax import nnx
 
 from gdn_jax.config import ModelConfig
 from gdn_jax.model.dense import dense
+from gdn_jax.model.forms import GENERIC, Forms
 
 
 class Linear(nnx.Module):
@@ -21,8 +22,8 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(nnx.initializers.normal(std)(rngs.params(), (n_out, n_in), dtype))
         self.dtype, self.parts = dtype, parts
 
-    def __call__(self, x):
-        y = dense(x.astype(self.dtype), self.kernel[...]).astype(self.dtype)
+    def __call__(self, x, forms: Forms = GENERIC):
+        y = dense(x.astype(self.dtype), self.kernel[...], forms).astype(self.dtype)
         if not self.parts:
             return y
         return jnp.split(y, list(itertools.accumulate(n for _, n in self.parts[:-1])), axis=-1)

@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gdn_jax import envs
 from gdn_jax.backends.cpu import kernels as cpu_kernels
 from gdn_jax.config import FULL, LINEAR, ModelConfig
 from gdn_jax.model.gated_delta import (causal_conv1d, chunk_gated_delta_rule, decode_token, default_chunk_size, l2norm,
                                        new_state, recurrent_gated_delta_rule)
 from gdn_jax.model.state import Batch, DeviceState, from_pool, layer_ids, read_slots, write_rows
 from gdn_jax.model.dense import LayerKernel, _identity, dense
+from gdn_jax.model.forms import GENERIC, Forms
 from gdn_jax.model.layers import GatedRMSNorm, RMSNorm, _fused, _linear
 from gdn_jax.model.attention import Attention, rows_per_iteration
 
@@ -39,9 +39,9 @@ class MLP(nnx.Module):
         self.gate_up_proj = _fused(rngs, cfg, "mlp", "gate_up_proj", dtype, std)  # [gate | up]
         self.down_proj = _linear(rngs, cfg.intermediate_size, cfg.hidden_size, dtype, std)
 
-    def __call__(self, x):
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(silu_mul(gate, up))
+    def __call__(self, x, forms: Forms = GENERIC):
+        gate, up = self.gate_up_proj(x, forms)
+        return self.down_proj(silu_mul(gate, up), forms)
 
 
 def silu_mul(gate, up):
@@ -78,23 +78,24 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = _linear(rngs, cfg.linear_value_dim, cfg.hidden_size, dtype, std)
 
     def __call__(self, x, conv_state, ssm_state, lengths, chunk_size: int | None = None, rule=None, saves=None,
-                 schedule: str = "auto", kernel: bool = True):
+                 schedule: str = "auto", forms: Forms = GENERIC):
         """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state).
-        `chunk_size` of the chunked rule (same maths; None: `gated_delta.default_chunk_size()`). `rule`, if given,
+        `chunk_size` of the chunked rule (same maths; None: `gated_delta.default_chunk_size`). `rule`, if given,
         replaces the gated delta rule and the ssm_state argument: (q, k, v, g, beta) -> (o, new ssm state); the
         engine's decode step passes one that advances the states inside their pool. `saves` = (rows, offsets), [S]
         each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv
         [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states (or copied out by the CPU
-        kernel as it passes them). `schedule`: the chunked
-        rule's (`chunk_gated_delta_rule`'s impl: "auto", "fused" or "parallel"; same maths); with "auto" and
-        `kernel`, a step of more than one token per row on the CPU runs the compiled kernel instead
-        (`cpu_kernels.gdn_prefill`), which has no gradient: training passes `kernel=False`."""
+        kernel as it passes them). `schedule`: the chunked rule's (`chunk_gated_delta_rule`'s impl, "fused" or
+        "parallel"; same maths), or "auto": "fused" with the CPU forms, else "parallel", and a step of more than one
+        token per row runs the compiled kernel instead where the forms have the kernels (`cpu_kernels.gdn_prefill`,
+        which has no gradient: training's forms have no kernels)."""
         cfg = self.cfg
-        chunk_size = chunk_size or default_chunk_size()
+        chunk_size = chunk_size or default_chunk_size(forms.cpu)
+        impl = schedule if schedule != "auto" else "fused" if forms.cpu else "parallel"
         B, T, _ = x.shape
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed, z, b, a = self.in_proj(x)
+        mixed, z, b, a = self.in_proj(x, forms)
         saved_conv = None
         if saves is not None:  # the K-1 conv inputs before each boundary, as causal_conv1d keeps them
             rows, offsets = saves
@@ -108,7 +109,7 @@ class GatedDeltaNet(nnx.Module):
         v = v.reshape(B, T, nv, dv)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
-        if T > 1 and kernel and rule is None and schedule == "auto" and cpu_kernels.prefill_applies(k, v):
+        if T > 1 and rule is None and schedule == "auto" and cpu_kernels.prefill_applies(k, v, forms):
             # the CPU kernel: token by token, each state in the core's cache, the key heads read where they lie
             # (cpu_kernels.gdn_prefill)
             o, ssm_state, *saved_ssm = cpu_kernels.gdn_prefill(q, k, v, g, beta, ssm_state, lengths, saves)
@@ -120,20 +121,21 @@ class GatedDeltaNet(nnx.Module):
                 rows, offsets = saves
                 o, ssm_state, saved_ssm = chunk_gated_delta_rule(
                     q, k, v, g, beta, initial_state=ssm_state, lengths=lengths, chunk_size=chunk_size,
-                    save_chunks=(rows, jnp.maximum(offsets // chunk_size - 1, 0)), impl=schedule)  # [S, Hv, dk, dv]
+                    save_chunks=(rows, jnp.maximum(offsets // chunk_size - 1, 0)), impl=impl,
+                    saves_in_place=forms.cpu)  # [S, Hv, dk, dv]
                 saved = (saved_conv, saved_ssm)
             else:
                 if rule is None:
-                    kw = {} if T == 1 else {"chunk_size": chunk_size, "impl": schedule}
+                    kw = {} if T == 1 else {"chunk_size": chunk_size, "impl": impl}
                     rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
                                    initial_state=ssm_state, lengths=lengths, **kw)
                 o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
         o = self.norm(o.astype(x.dtype), z.reshape(B, T, nv, dv))
-        out = self.out_proj(o.reshape(B, T, nv * dv))
+        out = self.out_proj(o.reshape(B, T, nv * dv), forms)
         return (out, conv_state, ssm_state) if saves is None else (out, conv_state, ssm_state, saved)
 
 
-def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
+def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer, forms: Forms):
     """One decode token of the gated delta rule for every row, on the states of GDN layer `layer` kept in their
     stacked pool [layers, num_slots, Hv, dk, dv]: a few rows at a time
     (`rows_per_iteration`), each reads its initial state from slot `src` (zeros where not `warm`) and writes the
@@ -150,19 +152,18 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
     comes from its product with the state it read (`gated_delta.decode_token`), never from the new state, so
     nothing reads the pool after the write: XLA keeps the update in place.
 
-    On CPU each row's new state is written by a dynamic update slice of its own that computes it (e S + k delta^T,
-    from the state read and the token's gate and delta): XLA fuses that arithmetic into the write. (Elsewhere one
-    scatter writes them all: a loop over the rows would cost a device round trip per row.) A scatter of the
-    iteration's new states needed them materialised first, and XLA gave `where(warm, ...)` a pass of its own: 9
-    passes over the states' bytes against 5 now. Hybrid-1024, bfloat16, 16 rows: 26-29 -> 24.5 ms per decode step
-    (the 6 GDN layers' state updates alone: 6.9 -> 5.3 ms; 64 rows 33.5 -> 23.9 ms).
+    With the CPU forms each row's new state is written by a dynamic update slice of its own that computes it
+    (e S + k delta^T, from the state read and the token's gate and delta): XLA fuses that arithmetic into the write.
+    (Elsewhere one scatter writes them all: a loop over the rows would cost a device round trip per row.) A scatter of
+    the iteration's new states needed them materialised first, and XLA gave `where(warm, ...)` a pass of its own: 9
+    passes over the states' bytes against 5 now (docs/benchmarks.md).
 
-    Where the compiled CPU kernel is available (`cpu_kernels`), it does all of this instead: each state read once,
-    written once, the rows' heads shared among the CPU threads (XLA's write above runs on one)."""
-    if cpu_kernels.applies(pool):
+    Where the forms have the compiled CPU kernels (`cpu_kernels`), the kernel does all of this instead: each state
+    read once, written once, the rows' heads shared among the CPU threads (XLA's write above runs on one)."""
+    if cpu_kernels.applies(pool, forms):
         return cpu_kernels.gdn_decode(pool, src, live, warm, lengths, q, k, v, g, beta, layer)
     B = q.shape[0]
-    chunk = rows_per_iteration(B, math.prod(pool.shape[2:]) * pool.dtype.itemsize, "gdn_decode")
+    chunk = rows_per_iteration(B, math.prod(pool.shape[2:]) * pool.dtype.itemsize, "gdn_decode", forms)
 
     def rows(i, a):
         return jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk)
@@ -178,7 +179,7 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
         oi, e, kf, delta = decode_token(s0, *(rows(i, a) for a in (q, k, v, g, beta)), lengths=rows(i, lengths))
         ids = rows(i, live)
         o = jax.lax.dynamic_update_slice_in_dim(o, oi, i * chunk, 0)
-        if jax.default_backend() != "cpu":  # one scatter (a loop over the rows costs a device round trip a turn)
+        if not forms.cpu:  # one scatter (a loop over the rows costs a device round trip a turn)
             return write_rows(pool, (layer_ids(layer, ids), ids), new_state(s0, e, kf, delta)), o
 
         def write(r, pool):  # the row's new state, computed where it is written
@@ -186,8 +187,8 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer):
             return jax.lax.dynamic_update_slice(pool, s1[None, None], (layer, ids[r]) + (0,) * (pool.ndim - 2))
 
         # With the layer known (layers unrolled) and one row per iteration, XLA would inline a loop of one turn and
-        # fuse the next layer's read of the pool with this write, then copy the whole pool around every layer (5
-        # copies of 228 MB in hybrid-1024's one-row step, 390 ms against 12.6); a trip count it cannot fold keeps
+        # fuse the next layer's read of the pool with this write, then copy the whole pool around every layer (many
+        # times slower); a trip count it cannot fold keeps
         # the loop, as with two rows (live slots are never negative: `n` is `chunk`).
         n = chunk if not isinstance(layer, int) else jnp.where(ids[0] >= 0, chunk, 0)
         return jax.lax.fori_loop(0, n, write, pool), o
@@ -209,11 +210,11 @@ class DecoderLayer(nnx.Module):
             self.self_attn = Attention(cfg, dtype, rngs, std)
         self.mlp = MLP(cfg, dtype, rngs, std)
 
-    def residual(self, x, h):
+    def residual(self, x, h, forms: Forms = GENERIC):
         """The layer's output from its input x and its mixer's (GDN or attention) output h: both residual adds
         around the MLP."""
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), forms)
 
 
 def layer_groups(layer_types) -> tuple[tuple[tuple[str, int], ...], int]:
@@ -223,19 +224,6 @@ def layer_groups(layer_types) -> tuple[tuple[tuple[str, int], ...], int]:
     types, n = tuple(layer_types), len(layer_types)
     p = next(p for p in range(1, n + 1) if n % p == 0 and types[:p] * (n // p) == types)
     return tuple((kind, len(list(run))) for kind, run in itertools.groupby(types[:p])), n // p
-
-
-UNROLL_ENV = "GDN_JAX_UNROLL_LAYERS"  # "1": every step's layers unrolled, "decode": one-token steps', unset or "0": none
-
-
-def unroll_layers(tokens: int) -> bool:
-    """Whether a step of `tokens` tokens per row traces every layer with its index known, with no layer loop and no
-    switch over the layers' matrices (`Qwen35Model.scan_layers`), as `UNROLL_ENV` says: "1" every step, "decode" the
-    one-token steps only, unset or "0" none (the default). For comparisons: XLA's GPU runtime reads each conditional's
-    branch index back to the host, and unrolled layers have none, but compile in about twice the time; a decode
-    shape compiles faster than a prefill one (docs/design.md, "On a GPU")."""
-    env = envs.get(UNROLL_ENV)
-    return env == "1" or (env == "decode" and tokens == 1)
 
 
 def _repeat(n: int, body, carry, unroll: bool = False):
@@ -269,7 +257,9 @@ class Qwen35Model(nnx.Module):
         (Qwen3.5-9B's 32 layers compile as 2). In the loop body `layer` holds, for each projection matrix, a
         `LayerKernel` (every layer's matrix, each in its own buffer; `dense` multiplies by the loop's layer's), and
         the loop's layer's small parameters (norms, conv taps, gates), picked together by one switch. With `unroll`
-        (`unroll_layers`) every layer is traced in turn with its index known: no loop and no switch."""
+        (`Forms.unrolled`) every layer is traced in turn with its index known: no loop and no switch. For comparisons:
+        XLA's GPU runtime reads each conditional's branch index back to the host, and unrolled layers have none, but
+        compile in about twice the time (docs/design.md, "On a GPU")."""
         runs, repeats = layer_groups(self.cfg.layer_types)
         fns = {LINEAR: linear, FULL: full}
         kinds = {}  # kind -> (graphdef, treedef of its state, per leaf: the tuple of every layer's array)
@@ -304,10 +294,11 @@ class Qwen35Model(nnx.Module):
         return _repeat(repeats, group, carry, unroll)
 
     def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int | None = None,
-                 gdn_schedule: str = "auto"):
+                 gdn_schedule: str = "auto", forms: Forms = GENERIC):
         """`gdn_schedule`: the chunked GDN rule's schedule ("auto", "fused", "parallel"; same maths).
         `chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
-        boundary is a chunk boundary of a row's scan; None: `gated_delta.default_chunk_size()`)."""
+        boundary is a chunk boundary of a row's scan; None: `gated_delta.default_chunk_size`). `forms`: the forms
+        the step takes (`Forms`; the default: XLA's generic ones)."""
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
         warm = batch.has_initial_state
         ids = batch.linear_state_ids
@@ -348,40 +339,41 @@ class Qwen35Model(nnx.Module):
             conv_in = jnp.where(warm[:, None, None], from_pool(read_slots(st.conv, src, j), x.dtype), 0)
             slots = ids
             if batch.tokens.shape[1] == 1:  # decode: the states advance in their pool
-                rule = partial(advance_in_pool, st.ssm, src, ids, warm, batch.lengths, layer=j)
-                h, conv_out, ssm = layer.linear_attn(h, conv_in, None, batch.lengths, rule=rule)
+                rule = partial(advance_in_pool, st.ssm, src, ids, warm, batch.lengths, layer=j, forms=forms)
+                h, conv_out, ssm = layer.linear_attn(h, conv_in, None, batch.lengths, rule=rule, forms=forms)
             else:
                 ssm_in = jnp.where(warm[:, None, None, None], read_slots(st.ssm, src, j), 0.0)
                 if batch.save_slots is None:
                     h, conv_out, ssm_out = layer.linear_attn(h, conv_in, ssm_in, batch.lengths, chunk_size,
-                                                                     schedule=gdn_schedule)
+                                                             schedule=gdn_schedule, forms=forms)
                 else:  # also the checkpoints at the listed boundaries, written with the live slots at once
                     h, conv_out, ssm_out, (conv_sv, ssm_sv) = layer.linear_attn(
                         h, conv_in, ssm_in, batch.lengths, chunk_size, saves=(batch.save_rows, batch.save_offsets),
-                        schedule=gdn_schedule)
+                        schedule=gdn_schedule, forms=forms)
                     slots = jnp.concatenate([ids, batch.save_slots])
                     conv_out, ssm_out = jnp.concatenate([conv_out, conv_sv]), jnp.concatenate([ssm_out, ssm_sv])
                 ssm = write_rows(st.ssm, (layer_ids(j, slots), slots), ssm_out)
             conv = write_rows(st.conv, (layer_ids(j, slots), slots), conv_out)
-            x, pending = tail(LINEAR, j, lambda: layer.residual(x, h), lambda: (at_last(x), at_last(h)), x, pending)
+            x, pending = tail(LINEAR, j, lambda: layer.residual(x, h, forms), lambda: (at_last(x), at_last(h)), x,
+                              pending)
             return x, dataclasses.replace(st, conv=conv, ssm=ssm), pending
 
         def full(layer, j, carry):
             x, st, pending = carry
-            q, gate, k, v = layer.self_attn.project_write(layer.input_layernorm(x), st.k, st.v, batch, j)
+            q, gate, k, v = layer.self_attn.project_write(layer.input_layernorm(x), st.k, st.v, batch, j, forms)
             x, pending = tail(FULL, j, lambda: layer.residual(x, layer.self_attn.attend(
-                q, gate, k, v, j, batch.positions, batch.block_tables, batch.start_pos + batch.lengths)),
+                q, gate, k, v, j, batch.positions, batch.block_tables, batch.start_pos + batch.lengths, forms), forms),
                               lambda: (at_last(x), at_last(q), at_last(gate)), x, pending)
             return x, dataclasses.replace(st, k=k, v=v), pending
 
-        x, state, pending = self.scan_layers((x, state, pending), linear, full, unroll=unroll_layers(T))
+        x, state, pending = self.scan_layers((x, state, pending), linear, full, unroll=forms.unrolled(T))
         if defer:
-            x = self.last_layer_tail(pending, state, batch, last, last_j)
+            x = self.last_layer_tail(pending, state, batch, last, last_j, forms)
         elif not all_logits:  # hidden state of each row's last real token
             x = at_last(x)
-        return self.logits(x), state
+        return self.logits(x, forms), state
 
-    def last_layer_tail(self, pending, state: DeviceState, batch: Batch, last, j: int):
+    def last_layer_tail(self, pending, state: DeviceState, batch: Batch, last, j: int, forms: Forms):
         """The last layer's output [B, D] at each row's last token `last` [B], from what its loop turn left
         (`pending`: the layer's input there, and the GDN mixer's output or the attention's query and gate there): the
         attention of those queries, the output projection and the MLP, one row each. `j`: the layer's index among
@@ -393,20 +385,21 @@ class Qwen35Model(nnx.Module):
             x, q, gate = pending
             position = batch.start_pos + last
             h = layer.self_attn.attend(q[:, None], gate[:, None], state.k, state.v, j, position[:, None],
-                                       batch.block_tables, position + 1)[:, 0]
-        return layer.residual(x, h)
+                                       batch.block_tables, position + 1, forms)[:, 0]
+        return layer.residual(x, h, forms)
 
-    def logits(self, x):
+    def logits(self, x, forms: Forms = GENERIC):
         """Final norm and LM head (tied or not): hidden [..., D] -> float32 logits [..., V]."""
         head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head.kernel
-        return dense(self.norm(x), head[...])
+        return dense(self.norm(x), head[...], forms)
 
 
 def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False,
-            chunk_size: int | None = None, gdn_schedule: str = "auto"):
-    """Pure forward: (graphdef, params, batch, state) -> (logits [B, V] or [B, T, V] float32, new state)."""
+            chunk_size: int | None = None, gdn_schedule: str = "auto", forms: Forms = GENERIC):
+    """Pure forward: (graphdef, params, batch, state) -> (logits [B, V] or [B, T, V] float32, new state), in the
+    forms `forms` says (the default: XLA's generic ones; the engine's: `backends.cpu.tuning.resolve_forms`)."""
     model = nnx.merge(graphdef, params)
-    return model(batch, state, all_logits=all_logits, chunk_size=chunk_size, gdn_schedule=gdn_schedule)
+    return model(batch, state, all_logits=all_logits, chunk_size=chunk_size, gdn_schedule=gdn_schedule, forms=forms)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):

@@ -28,11 +28,10 @@ which call failed), compiles those shapes again, and recomputes the step (`Stale
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import hashlib
-import json
 import os
 import pickle
 import re
@@ -43,19 +42,20 @@ import warnings
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
 from gdn_jax.diagnostics import user_stacklevel
 from gdn_jax import envs, jax_compat
-from gdn_jax.backends.cpu import kernels as cpu_kernels, library
-from gdn_jax.model import dense
+from gdn_jax.backends.cpu import library
+from gdn_jax.model.forms import GENERIC, Forms
 
 
 # environment that changes a compiled step
 ENVIRONMENT = envs.COMPILE_AFFECTING
+
+
 def jax_settings() -> list[tuple[str, str]]:
     """The JAX settings a traced program depends on, as (name, repr): those JAX's own trace cache keys by
     (`jax_compat.trace_settings`: the default matmul precision, how random bits are drawn, 64-bit types, promotion
@@ -131,36 +131,29 @@ def default_folder(cache: str | None = None) -> str | None:
     return str(folder)
 
 
-def executable_key(kind: str, static, args, options: dict | None) -> str:
+def executable_key(kind: str, static, args, options: dict | None, forms: Forms = GENERIC) -> str:
     """The store's key of `kind` (e.g. "step") compiled with `options` for `args` (arrays or ShapeDtypeStructs, any
-    pytree) under `static` (whatever else the traced function closes over, as a repr-able value)."""
+    pytree) under `static` (whatever else the traced function closes over, as a repr-able value), traced in
+    `forms`."""
     leaves, treedef = jax.tree.flatten(args)
     spec = [(tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in leaves]
     device = jax.devices()[0]
     # what changes the compiled program from outside the arguments: XLA's flags, the layer-loop switch, JAX's
     # settings (precision, random bits, ...); and the runtime it was compiled for (the device's kind, the backend's
     # version: a GPU's CUDA and driver)
-    env = [(name, envs.get(name) or None) for name in ENVIRONMENT] + jax_settings()
+    env = [(name, envs.get(name) or None) for name in ENVIRONMENT] + jax_settings() + machine_choices(forms)
     if device.platform == "cpu":
         env.append(("host_cpu", library.host_cpu_tag()))  # the machine code is this CPU's (`host_cpu`)
-        env += machine_choices(any(jnp.dtype(x.dtype).itemsize == 2 for x in leaves))
     text = repr((source_digest(), kind, static, str(treedef), spec, sorted((options or {}).items()),
                  device.platform, device.device_kind, device.client.platform_version, jax.device_count(), env))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def machine_choices(sixteen_bit: bool) -> list[tuple[str, object]]:
-    """What this CPU built or measured once that changes a compiled step, as (name, value) pairs: whether the
-    package's kernels are there (its one-token steps call them), and for a 16-bit model (`sixteen_bit`) the forms its
-    prefill and few-row products take, those this machine multiplies faster (`model.upcast_is_faster`,
-    `model.few_rows_weight_left`, `model.rows_kernel_rows`). The first call of a process builds or measures what the
-    machine file (`remembered`) does not hold yet; later calls read the answers back."""
-    choices = [("cpu_kernels", cpu_kernels.available())]
-    if sixteen_bit:
-        choices += [("bf16_upcast", dense.upcast_is_faster()),
-                    ("bf16_few_rows_weight_left", dense.few_rows_weight_left()),
-                    ("bf16_rows_kernel", dense.rows_kernel_rows())]
-    return choices
+def machine_choices(forms: Forms) -> list[tuple[str, object]]:
+    """The forms a step is traced in, as (name, value) pairs: what this machine built or measured once
+    (`tuning.resolve_forms`: whether the kernels are there, the forms of its products, its decode steps' vector
+    width) and the environment's settings of the trace."""
+    return [(field.name, getattr(forms, field.name)) for field in dataclasses.fields(forms)]
 
 
 DIGEST = 32  # an entry starts with the SHA-256 of the rest (`save`)
@@ -175,79 +168,6 @@ def _say(what: str, message: str) -> None:
         return
     _said.add(what)
     warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
-
-
-def choices_file(cache: str | None = None) -> Path | None:
-    """Where this machine's measured choices are kept (`remembered`): `machine/<host_cpu>.json` in `cache`, by
-    default JAX's persistent compilation cache folder; None when that cache is off."""
-    cache = cache or jax.config.jax_compilation_cache_dir
-    return Path(cache, "machine", f"{library.host_cpu_tag()}.json") if cache else None
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may use (its affinity where the system has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def choice_key(name: str) -> str:
-    """A measured choice's key in its file (`remembered`): `name`, the jax and jaxlib versions, and the number of cores
-    this process may use."""
-    return f"{name} jax={jax.__version__} jaxlib={jaxlib.__version__} cores={usable_cores()}"
-
-
-def remembered(name: str, measure, valid, cache: str | None = None):
-    """What this machine measured for `name` at an earlier start, else `measure()`, then kept for later starts.
-
-    The engine measures a few choices on the machine it runs on (a narrow decode step's vector width, whether a
-    bfloat16 prefill multiplies faster in float32): ~0.5 s each at the first step that needs one, and near a tie a
-    measurement can come out either way from one start to the next. Each choice is part of the executables' key, so a
-    start that chose otherwise would miss the store (and JAX's cache) for those shapes and compile them again. Kept,
-    a choice is measured once per machine: in `choices_file(cache)` (one per CPU kind, `host_cpu`), under `name` and
-    the jax and jaxlib versions and the number of cores this process may use. Delete the file to measure again.
-
-    A stored value that `valid(value)` refuses, or a file that does not read as JSON, is measured again; a file that
-    cannot be written keeps the choice for this process only (said once, a RuntimeWarning). Off (every start
-    measures) when JAX's cache is off."""
-    path = choices_file(cache)
-    if path is None:
-        return measure()
-    key = choice_key(name)
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):  # none yet (or unreadable: measured, and written again below)
-        stored = {}
-    stored = stored if isinstance(stored, dict) else {}
-    entry = stored.get(key)
-    if isinstance(entry, dict) and "value" in entry and valid(entry["value"]):
-        return entry["value"]
-    value = measure()
-    stored[key] = {"value": value, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    tmp = None
-    try:  # written whole, then renamed: a reader sees the old file or the new one (two writers: the last one wins,
-        # and what the other measured is measured again at a later start)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            tmp = f.name
-            json.dump(stored, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError as exc:
-        if tmp:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        _say(f"write {path}", f"the engine's measured choices cannot be kept in {path} ({exc}): each start "
-                              f"measures them again")
-    return value
-
-
-def measured_choice(name: str, measure, valid, keep: bool = True):
-    """`measure()`, run on a thread of its own (called while a step is traced, its products would be staged into
-    that trace, JAX's trace context being per thread, not run), kept per machine (`remembered`) unless `keep` is
-    false (a test's own timer)."""
-    def run():
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(measure).result()
-
-    return remembered(name, run, valid) if keep else run()
 
 
 def load(folder: str | None, key: str):

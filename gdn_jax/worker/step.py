@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax.model.forms import GENERIC, Forms
 from gdn_jax.model.state import Batch
 from gdn_jax.model.qwen35 import forward
 from gdn_jax.model.state import RestoreOps
@@ -29,8 +30,8 @@ def host_batch(tokens, start_pos, lengths, block_tables, slot_mapping, ops: Rest
 
 def _step(graphdef, params, rule, state, batch: Batch):
     """The forward of one step: (state, logits [B, V]). Sampling is its own executable (`sample_function`). `rule`:
-    the chunked GDN rule's (chunk size, schedule)."""
-    logits, state = forward(graphdef, params, batch, state, chunk_size=rule[0], gdn_schedule=rule[1])
+    the chunked GDN rule's (chunk size, schedule) and the step's `Forms`."""
+    logits, state = forward(graphdef, params, batch, state, chunk_size=rule[0], gdn_schedule=rule[1], forms=rule[2])
     return state, logits
 
 
@@ -39,7 +40,7 @@ def _step_prompt_logprobs(graphdef, params, rule, state, batch: Batch, targets, 
     so that steps without a prompt-logprobs row never pay for [B, T, V] logits. targets[b, t]: the prompt token at
     position start + t + 1, scored by the logits of position start + t. `full_rows` (static) also returns every row."""
     logits, state = forward(graphdef, params, batch, state, all_logits=True, chunk_size=rule[0],
-                            gdn_schedule=rule[1])  # [B, T, V]
+                            gdn_schedule=rule[1], forms=rule[2])  # [B, T, V]
     last = jnp.take_along_axis(logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T]
@@ -92,26 +93,26 @@ KEEP_UNUSED = True
 
 @functools.lru_cache(maxsize=None)
 def step_function(graphdef, params_def, chunk_size: int, kind: str = "prefill", gdn_schedule: str = "auto",
-                  dtype=None):
+                  forms: Forms = GENERIC):
     """The jitted step for one model structure: `(param_leaves, state, batch)`, the state donated. Cached per
-    (graphdef, params treedef, GDN chunk size and schedule, `executable_kind` and the model's dtype: their compile
-    options differ), so workers of the same model share compiled executables, and the structure is hashed here, once,
+    (graphdef, params treedef, GDN chunk size and schedule, `executable_kind`, whose compile options differ, and the
+    step's `Forms`), so workers of the same model share compiled executables, and the structure is hashed here, once,
     not per call."""
 
     def step(param_leaves, state, *args):
-        return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule), state, *args)
+        return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule, forms), state,
+                     *args)
 
-    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind, dtype), keep_unused=KEEP_UNUSED)
+    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind, forms), keep_unused=KEEP_UNUSED)
 
 
 @functools.lru_cache(maxsize=None)
-def prompt_step_function(graphdef, params_def, chunk_size: int, gdn_schedule: str = "auto"):
+def prompt_step_function(graphdef, params_def, chunk_size: int, gdn_schedule: str = "auto", forms: Forms = GENERIC):
     """The prompt-logprobs variant of `step_function` (its last argument, `full_rows`, is static)."""
 
     def step(param_leaves, state, *args):
         return _step_prompt_logprobs(graphdef, jax.tree.unflatten(params_def, param_leaves),
-                                     (chunk_size, gdn_schedule), state,
-                                     *args)
+                                     (chunk_size, gdn_schedule, forms), state, *args)
 
     return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options("prefill"),
                    keep_unused=KEEP_UNUSED)

@@ -27,7 +27,9 @@ import numpy as np
 from gdn_jax import jax_compat
 from gdn_jax.diagnostics import user_stacklevel
 from gdn_jax.worker import executable_store as executables
+from gdn_jax.backends.cpu import tuning
 from gdn_jax.config import ModelConfig
+from gdn_jax.model.forms import Forms
 from gdn_jax.model.gated_delta import default_chunk_size
 from gdn_jax.model.state import Batch, init_state
 from gdn_jax.model.state import RestoreOps, validate_cache_ops
@@ -48,25 +50,29 @@ class Worker:
                  max_model_len: int, chunk_stride: int, dtype, seed: int = 0,
                  max_num_batched_tokens: int | None = None,
                  checkpoint_mode: str = "promote", checkpoint_policy: str = "all", enable_prefix_caching: bool = True,
-                 gdn_schedule: str = "auto", eos_token_ids: tuple[int, ...] | None = None):
+                 gdn_schedule: str = "auto", eos_token_ids: tuple[int, ...] | None = None, forms: Forms | None = None):
         """`checkpoint_mode` "scan" (the scheduler's; see SchedulerConfig): a prefill row holds up to
         `max_num_batched_tokens` tokens, and a step shape with room for a row to cross a boundary writes up to
         `num_saves(B, T)` checkpoints; "promote": a row holds at most `chunk_stride` tokens and no step writes a
-        checkpoint. The chunked GDN rule runs with chunk size gcd(`gated_delta.default_chunk_size()`, chunk_stride),
+        checkpoint. The chunked GDN rule runs with chunk size gcd(`gated_delta.default_chunk_size`, chunk_stride),
         so that every boundary is a chunk boundary of a row that starts on one.
+
+        `forms`: the forms every step is traced in (`Forms`); None resolves this machine's, once, here
+        (`tuning.resolve_forms`: the environment's settings, the kernels, the measured choices).
 
         `params` may be abstract (`jax.ShapeDtypeStruct` leaves, `weights.abstract_model`): the pools are then
         abstract too, nothing is allocated, and the worker can only lower and compile (`lowered_step`), as
         scripts/bench_compile.py does for models too large for the machine.
 
-        `gdn_schedule`: the chunked GDN rule's schedule, "auto" (fused on CPU, parallel on accelerators), "fused"
+        `gdn_schedule`: the chunked GDN rule's schedule, "auto" (fused with the CPU forms, else parallel), "fused"
         or "parallel" (`gated_delta.chunk_gated_delta_rule`'s impl; same maths, so a CPU test can run the
         accelerators' schedule through the engine)."""
         self.cfg, self.graphdef, self.params = cfg, graphdef, params
         self.memory, self.block_size = memory, block_size
         self.max_rows = _bucket(max_num_seqs, 1, 1 << 30)
         self.max_blocks = math.ceil(max_model_len / block_size)
-        self.stride, self.chunk_size = chunk_stride, math.gcd(default_chunk_size(), chunk_stride)
+        self.forms = tuning.resolve_forms(dtype) if forms is None else forms
+        self.stride, self.chunk_size = chunk_stride, math.gcd(default_chunk_size(self.forms.cpu), chunk_stride)
         self.budget = max_num_batched_tokens or max(chunk_stride, 2048)
         self.scan = checkpoint_mode == "scan"
         self.saves = self.scan and enable_prefix_caching and bool(cfg.linear_layer_ids)
@@ -83,11 +89,11 @@ class Worker:
         self._param_leaves, params_def = jax.tree.flatten(params)
         self.abstract = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in self._param_leaves)
         self.state = self._new_state()
-        self._fn = step_function(graphdef, params_def, self.chunk_size, gdn_schedule=gdn_schedule)
-        self._decode_fn = step_function(graphdef, params_def, self.chunk_size, "decode", gdn_schedule, dtype)
-        self._decode_wide_fn = step_function(graphdef, params_def, self.chunk_size, "decode_wide", gdn_schedule)
+        fns = {kind: step_function(graphdef, params_def, self.chunk_size, kind, gdn_schedule, self.forms)
+               for kind in ("prefill", "decode", "decode_wide")}
+        self._fn, self._decode_fn, self._decode_wide_fn = fns["prefill"], fns["decode"], fns["decode_wide"]
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
-        self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size, gdn_schedule)
+        self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size, gdn_schedule, self.forms)
         self.gdn_schedule = gdn_schedule
         self._sample = sample_function()
         # warm_up's executables, called directly: ("step", rows, tokens) and ("sample", rows)
@@ -198,12 +204,12 @@ class Worker:
         shapes = self.shape_buckets()
         extra = [(B, T, NB) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
         folder, static = self.executable_dir, (repr(self.cfg), self.chunk_size, self.gdn_schedule)
-        jobs = ([(("step", B, T), self._key_args(B, T), compiler_options(executable_kind(B, T), self.dtype),
+        jobs = ([(("step", B, T), self._key_args(B, T), compiler_options(executable_kind(B, T), self.forms),
                   functools.partial(self.lowered_step, (B, T, NB))) for B, T, NB in shapes]
                 + [(("sample", B), self._sample_key_args(B), compiler_options("sample"),
                     functools.partial(self.lowered_sample, B))
                    for B in self.sample_buckets()])
-        keys = [executables.executable_key(name[0], static, args, options) if folder else None
+        keys = [executables.executable_key(name[0], static, args, options, self.forms) if folder else None
                 for name, args, options, _ in jobs]
         with concurrent.futures.ThreadPoolExecutor(2) as loaders:  # deserializing releases the GIL
             found = list(loaders.map(functools.partial(executables.load, folder), keys))
