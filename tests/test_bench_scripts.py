@@ -185,7 +185,7 @@ def test_bench_scheduler_reports_each_concurrency(tmp_path):
 
 
 def test_bench_gdn_rule_times_each_form_checked_against_the_token_by_token_rule(tmp_path):
-    from gdn_jax.backends.cpu import kernels as cpu_kernels
+    from gdn_jax.backends.cpu import library
 
     out = tmp_path / "rule.json"
     result = _script("bench_gdn_rule").main(["--shapes", "2x40x4x16", "--repeats", "2", "--out", str(out)])
@@ -193,7 +193,7 @@ def test_bench_gdn_rule_times_each_form_checked_against_the_token_by_token_rule(
     (row,) = result["results"]
     assert row["shape"] == [2, 40, 4, 16] and row["key_heads"] == 2  # half the value heads by default
     forms = row["forms"]
-    assert set(forms) == ({"kernel", "fused", "parallel"} if cpu_kernels.available() else {"fused", "parallel"})
+    assert set(forms) == ({"kernel", "fused", "parallel"} if library.available() else {"fused", "parallel"})
     for r in forms.values():
         assert 0 < r["min_ms"] <= r["median_ms"]
         assert r["max_abs_o_diff"] < 1e-5 and r["max_abs_state_diff"] < 1e-5
@@ -237,9 +237,9 @@ def test_bench_kernel_ceiling_checks_its_kernel_and_reports_both_products(tmp_pa
     # the GDN update: checked against the engine's (a cold row, a restoring one, the others continuing their slots)
     gdn = result["gdn"]
     assert (gdn["layers"], gdn["slots"], gdn["heads"], gdn["dim"]) == (2, 13, 3, 16)
-    from gdn_jax.backends.cpu import kernels as cpu_kernels  # the package's own kernel beside them where it builds
+    from gdn_jax.backends.cpu import library  # the package's own kernel beside them where it builds
 
-    impls = ["engine"] + ["package_kernel"] * cpu_kernels.available()
+    impls = ["engine"] + ["package_kernel"] * library.available()
     assert [(r["gdn_rows"], r["impl"]) for r in gdn["rows"]] == [(n, i) for n in (1, 6) for i in impls]
     for r in gdn["rows"]:
         assert 0 < r["ms_min"] <= r["ms_median"] and r["state_gb_per_s"] > 0
@@ -247,7 +247,7 @@ def test_bench_kernel_ceiling_checks_its_kernel_and_reports_both_products(tmp_pa
     # a head dimension that is no multiple of 16 takes the kernel's plain loop: checked the same way
     odd = script.main(argv[:-2] + ["--rows", "1", "--gdn-rows", "6", "--gdn-dim", "8", "--out", str(out)])
     assert [r["max_relative_error"] < 1e-5 for r in odd["gdn"]["rows"]
-            if r["impl"] == "package_kernel"] == [True] * cpu_kernels.available()
+            if r["impl"] == "package_kernel"] == [True] * library.available()
     with pytest.raises(SystemExit):
         script.main(argv[:-2] + ["--n", "40", "--out", str(out)])  # fewer than 3 blocks of 16 columns
     with pytest.raises(SystemExit):  # 2 x 6 rows need 13 slots (12 distinct slots + the padding one)
@@ -604,14 +604,18 @@ def test_bench_compile_times_a_shape_named_twice_twice_and_counts_it_once(tmp_pa
 
 
 def test_bench_compile_makes_the_cpus_one_time_choices_before_the_first_shape(tmp_path, monkeypatch):
-    """The kernels' build and the bfloat16 products' measured forms are made once, before any shape is timed (with
-    the cache off they are made in every process, and they landed in the first shape that needed them: 1.2 s in a
-    Qwen3.5-9B one-row decode shape), for a 16-bit model's forms only when the model is 16-bit."""
-    from gdn_jax.worker import executable_store as executables
+    """The kernels' build and the products' measured forms (`tuning.resolve_forms` of the model's dtype) are made
+    first, before the worker and any shape is timed (with the cache off they are made in every process, and they
+    landed in the first shape that needed them)."""
+    import jax.numpy as jnp
+
+    from gdn_jax.backends.cpu import tuning
     from gdn_jax.worker.worker import Worker
 
     events = []
-    monkeypatch.setattr(executables, "machine_choices", lambda sixteen_bit: events.append(("choices", sixteen_bit)))
+    resolve = tuning.resolve_forms
+    monkeypatch.setattr(tuning, "resolve_forms",
+                        lambda dtype: events.append(("choices", jnp.dtype(dtype).name)) or resolve(dtype))
     lowered_step = Worker.lowered_step
     monkeypatch.setattr(Worker, "lowered_step", lambda self, shape: events.append("lower") or lowered_step(self, shape))
     for dtype in ("bfloat16", "float32"):
@@ -620,7 +624,8 @@ def test_bench_compile_makes_the_cpus_one_time_choices_before_the_first_shape(tm
         _script("bench_compile").main(["--preset", "tiny-random", "--dtype", dtype, "--max-num-seqs", "1",
                                        "--max-model-len", "32", "--chunk-stride", "16", "--max-num-batched-tokens",
                                        "16", "--shapes", "1x1x2,1x16x2", "--out", str(out)])
-        assert events == [("choices", dtype == "bfloat16"), "lower", "lower"]
+        assert events[0] == ("choices", dtype) and events[-2:] == ["lower", "lower"]
+        assert set(events[:-2]) == {("choices", dtype)}
         assert json.loads(out.read_text())["choices_s"] >= 0
 
 
@@ -764,9 +769,9 @@ def test_bench_forward_times_compilation_apart_from_the_first_run(monkeypatch):
     def advance():
         clock[0] += 100.0
 
-    def forward(*args):
+    def forward(*args, **kwargs):
         jax.debug.callback(advance)
-        return forward_real(*args)
+        return forward_real(*args, **kwargs)
 
     forward_real = common.forward  # the forward `common.forward_jit` jits
     monkeypatch.setattr(common, "forward", forward)

@@ -11,26 +11,29 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gdn_jax.backends.cpu import library
+from gdn_jax.backends.cpu import library, tuning
 from gdn_jax.backends.cpu import kernels as cpu_kernels
 from gdn_jax.model import gated_delta
 from gdn_jax.model import attention
 from gdn_jax.model import dense
 from gdn_jax.model import qwen35
 from gdn_jax.model import state
+from gdn_jax.model.forms import Forms
 from gdn_jax.config import get_preset
 
 pytestmark = pytest.mark.model
+
+KERNELS, XLA = Forms(cpu=True, kernels=True), Forms(cpu=True)  # the CPU forms with the kernels, and XLA's
 
 
 @pytest.fixture
 def fresh_choice(monkeypatch):
     """Runs a test with the kernel's availability decided again, and decides it again after (with the test's
     environment undone), so that no other test sees the test's choice."""
-    cpu_kernels.available.cache_clear()
+    library.available.cache_clear()
     yield monkeypatch
     monkeypatch.undo()
-    cpu_kernels.available.cache_clear()
+    library.available.cache_clear()
 
 
 def _case(rng, rows=7, layers=3, slots=20, heads=3, dim=16):
@@ -53,27 +56,27 @@ def _case(rng, rows=7, layers=3, slots=20, heads=3, dim=16):
     return pool, (src, live, warm, lengths, q, k, v, g, beta)
 
 
-def _over_layers(pool, args, layer_known: bool):
+def _over_layers(pool, args, layer_known: bool, forms: Forms):
     """Every layer's update in turn, the layer index traced (the layer loop) or known (unrolled layers)."""
     layers = pool.shape[0]
     if layer_known:
         outs = []
         for j in range(layers):
-            o, pool = qwen35.advance_in_pool(pool, *args, layer=j)
+            o, pool = qwen35.advance_in_pool(pool, *args, layer=j, forms=forms)
             outs.append(o)
         return jnp.stack(outs), pool
 
     def body(j, carry):
         pool, outs = carry
-        o, pool = qwen35.advance_in_pool(pool, *args, layer=j)
+        o, pool = qwen35.advance_in_pool(pool, *args, layer=j, forms=forms)
         return pool, outs.at[j].set(o)
     v = args[6]
     pool, outs = jax.lax.fori_loop(0, layers, body, (pool, jnp.zeros((layers,) + v.shape, v.dtype)))
     return outs, pool
 
 
-def _run(pool, args, layer_known):
-    fn = jax.jit(lambda pool, *args: _over_layers(pool, args, layer_known), donate_argnums=0)
+def _run(pool, args, layer_known, forms: Forms):
+    fn = jax.jit(lambda pool, *args: _over_layers(pool, args, layer_known, forms), donate_argnums=0)
     return fn(jnp.asarray(pool), *map(jnp.asarray, args)), fn
 
 
@@ -87,16 +90,15 @@ def test_the_kernel_updates_states_as_xla_does(layer_known, dim, fresh_choice):
     pool, args = _case(rng, dim=dim)
     if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
-            assert not cpu_kernels.available()
+            assert not library.available()
         return
-    assert cpu_kernels.available()
-    (o_kernel, pool_kernel), fn = _run(pool, args, layer_known)
+    assert library.available()
+    (o_kernel, pool_kernel), fn = _run(pool, args, layer_known, KERNELS)
     text = fn.lower(jnp.asarray(pool), *map(jnp.asarray, args)).compile().as_text()
     assert cpu_kernels.TARGET in text
     # in place: no copy of the pool (nor a second pool-sized buffer) in the compiled program
     assert not re.search(rf"f32\[3,20,3,{dim},{dim}\]\{{[0-9,]+\}} copy\(", text)
-    fresh_choice.setattr(cpu_kernels, "applies", lambda pool: False)
-    (o_xla, pool_xla), fn = _run(pool, args, layer_known)
+    (o_xla, pool_xla), fn = _run(pool, args, layer_known, XLA)
     assert cpu_kernels.TARGET not in fn.lower(jnp.asarray(pool), *map(jnp.asarray, args)).compile().as_text()
     np.testing.assert_allclose(np.asarray(o_kernel, np.float32), np.asarray(o_xla, np.float32), rtol=1e-2, atol=1e-2)
     assert o_kernel.dtype == o_xla.dtype == jnp.bfloat16
@@ -113,14 +115,14 @@ def test_float32_outputs_agree_to_rounding(fresh_choice):
     """The rows' outputs in float32 (v float32): the same values as XLA's to float32 rounding."""
     if library.compiler() is None:
         with pytest.warns(RuntimeWarning):
-            assert not cpu_kernels.available()
+            assert not library.available()
         return
+    assert library.available()
     rng = np.random.default_rng(1)
     pool, args = _case(rng, dim=64, heads=2)
     args = args[:6] + (args[6].astype(np.float32),) + args[7:]
-    (o_kernel, _), _ = _run(pool, args, False)
-    fresh_choice.setattr(cpu_kernels, "applies", lambda pool: False)
-    (o_xla, _), _ = _run(pool, args, False)
+    (o_kernel, _), _ = _run(pool, args, False, KERNELS)
+    (o_xla, _), _ = _run(pool, args, False, XLA)
     np.testing.assert_allclose(np.asarray(o_kernel), np.asarray(o_xla), rtol=2e-5, atol=2e-6)
 
 
@@ -154,13 +156,15 @@ def test_the_prefill_kernel_runs_the_rule_as_xla_does(dim, key_heads, fresh_choi
     it lies, where XLA's form takes them repeated)."""
     if library.compiler() is None:
         with pytest.warns(RuntimeWarning):
-            assert not cpu_kernels.available()
+            assert not library.available()
         return
+    assert library.available()  # (it registers the kernels with XLA)
     rng = np.random.default_rng(dim)
     args, saves = _prefill_case(rng, dim, key_heads=key_heads)
     q, k, v, g, beta, s0, lengths = args
-    assert cpu_kernels.prefill_applies(jnp.asarray(k), jnp.asarray(v))
-    assert not cpu_kernels.prefill_applies(jnp.zeros((4, 37, 3, dim)), jnp.asarray(v[:, :, :2]))  # 3 into 2 heads
+    assert cpu_kernels.prefill_applies(jnp.asarray(k), jnp.asarray(v), KERNELS)
+    assert not cpu_kernels.prefill_applies(jnp.asarray(k), jnp.asarray(v), XLA)
+    assert not cpu_kernels.prefill_applies(jnp.zeros((4, 37, 3, dim)), jnp.asarray(v[:, :, :2]), KERNELS)  # 3 into 2
     fn = jax.jit(cpu_kernels.gdn_prefill)
     o, final, saved = fn(*args, saves)
     assert cpu_kernels.PREFILL_TARGET in fn.lower(*args, saves).compile().as_text()
@@ -191,8 +195,9 @@ def test_the_prefill_kernel_gives_a_row_the_same_bits_whatever_the_other_rows_an
     continuation bitwise the uncached prefill's in the rule."""
     if library.compiler() is None:
         with pytest.warns(RuntimeWarning):
-            assert not cpu_kernels.available()
+            assert not library.available()
         return
+    assert library.available()
     args, _ = _prefill_case(np.random.default_rng(5), 64)
     q, k, v, g, beta, s0, lengths = args
     fn = jax.jit(cpu_kernels.gdn_prefill)
@@ -211,13 +216,14 @@ def test_the_prefill_kernel_gives_a_row_the_same_bits_whatever_the_other_rows_an
 def test_no_compiler_means_xla_form_with_one_warning_or_an_error_when_required(fresh_choice, tmp_path):
     fresh_choice.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler on PATH.*no-such-compiler"):
-        assert not cpu_kernels.available()
-    assert not cpu_kernels.applies(jnp.zeros((1, 2, 1, 4, 4), jnp.float32))  # decided once: no second warning
-    assert not cpu_kernels.attention_applies(jnp.zeros((1, 1, 2, 16, 32), jnp.uint16), 4)
-    cpu_kernels.available.cache_clear()
+        assert not library.available()
+    forms = tuning.product_forms(jnp.float32)  # decided once: no second warning
+    assert not forms.kernels and not cpu_kernels.applies(jnp.zeros((1, 2, 1, 4, 4), jnp.float32), forms)
+    assert not cpu_kernels.attention_applies(jnp.zeros((1, 1, 2, 16, 32), jnp.uint16), 4, forms)
+    library.available.cache_clear()
     fresh_choice.setenv(library.KERNELS_ENV, "1")
     with pytest.raises(RuntimeError, match="GDN_JAX_CPU_KERNELS=1, but the CPU kernels could not be built"):
-        cpu_kernels.available()
+        library.available()
 
 
 def test_a_failed_build_names_the_compilers_message(fresh_choice, tmp_path):
@@ -257,15 +263,17 @@ exit 2
 @pytest.mark.parametrize("value", ["2", "yes"])
 def test_the_setting_is_checked(value, fresh_choice):
     fresh_choice.setenv(library.KERNELS_ENV, value)
-    with pytest.raises(ValueError, match="GDN_JAX_CPU_KERNELS must be 0"):
-        cpu_kernels.available()
+    with pytest.raises(ValueError, match="GDN_JAX_CPU_KERNELS must be one of 0"):
+        library.available()
 
 
 def test_off_means_xla_form(fresh_choice):
     fresh_choice.setenv(library.KERNELS_ENV, "0")
-    assert not cpu_kernels.available()
-    assert not cpu_kernels.applies(jnp.zeros((1, 2, 1, 4, 4), jnp.float32))
-    assert not cpu_kernels.attention_applies(jnp.zeros((1, 1, 2, 16, 32), jnp.uint16), 4)
+    assert not library.available()
+    forms = tuning.product_forms(jnp.float32)
+    assert forms.cpu and not forms.kernels
+    assert not cpu_kernels.applies(jnp.zeros((1, 2, 1, 4, 4), jnp.float32), forms)
+    assert not cpu_kernels.attention_applies(jnp.zeros((1, 1, 2, 16, 32), jnp.uint16), 4, forms)
 
 
 def _attention_case(dtype, block_size, dim, longest, rng, heads=8):
@@ -296,7 +304,7 @@ def _attention_case(dtype, block_size, dim, longest, rng, heads=8):
     return layer, x, k, v, batch
 
 
-def _attend(layer, x, k, v, batch):
+def _attend(layer, x, k, v, batch, forms: Forms):
     """The layer's output for every layer of the caches in turn (the layer index traced: the layer loop), the caches
     donated and carried as the engine's step does; and the compiled program's text."""
     graphdef, params = nnx.split(layer)
@@ -304,7 +312,7 @@ def _attend(layer, x, k, v, batch):
     def each_layer(params, x, k, v, batch):
         def body(j, carry):
             k, v, outs = carry
-            out, k, v = nnx.merge(graphdef, params)(x, k, v, batch, j)
+            out, k, v = nnx.merge(graphdef, params)(x, k, v, batch, j, forms)
             return k, v, outs.at[j].set(out)
         return jax.lax.fori_loop(0, k.shape[1], body, (k, v, jnp.zeros((k.shape[1],) + x.shape, x.dtype)))
 
@@ -327,14 +335,13 @@ def test_the_attention_kernel_attends_as_xla_does(dtype, block_size, dim, longes
     layer, x, k, v, batch = _attention_case(dtype, block_size, dim, longest, np.random.default_rng(2), heads)
     if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
-            assert not cpu_kernels.attention_applies(k, heads)
+            assert not library.available()
         return
-    assert cpu_kernels.attention_applies(k, heads)
-    out_kernel, text = _attend(layer, x, k, v, batch)
+    assert library.available() and cpu_kernels.attention_applies(k, heads, KERNELS)
+    out_kernel, text = _attend(layer, x, k, v, batch, KERNELS)
     assert cpu_kernels.ATTENTION_TARGET in text
     assert not re.search(rf"\[2,3,{k.shape[2]},{block_size},{dim}\]\{{[0-9,]+\}} copy\(", text)
-    fresh_choice.setattr(cpu_kernels, "attention_applies", lambda k_cache, heads: False)
-    out_xla, text = _attend(layer, x, k, v, batch)
+    out_xla, text = _attend(layer, x, k, v, batch, XLA)
     assert cpu_kernels.ATTENTION_TARGET not in text
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
     a, b = np.asarray(out_kernel, np.float32), np.asarray(out_xla, np.float32)
@@ -344,7 +351,7 @@ def test_the_attention_kernel_attends_as_xla_does(dtype, block_size, dim, longes
 
 @pytest.mark.parametrize("rows", [2, 5, 11, 12, 16])
 def test_the_product_kernel_multiplies_few_bfloat16_rows_as_the_library_does(rows, fresh_choice):
-    """Where `dense.rows_kernel_rows` gives the kernel these rows, a bfloat16 product of 2-16 rows is its FFI call,
+    """Where `Forms.rows_kernel_rows` gives the kernel these rows, a bfloat16 product of 2-16 rows is its FFI call,
     else XLA's library with the weight on the left; both equal the float64 product to float32 accuracy (an odd
     number of weight rows, so a last block of fewer than 16; widths that are not a multiple of the kernel's vectors
     nor of its packed chunks, and an odd one, which 9-16 rows multiply in the 2-8 rows' form), and the kernel's result
@@ -353,21 +360,23 @@ def test_the_product_kernel_multiplies_few_bfloat16_rows_as_the_library_does(row
     kx, kw = jax.random.split(jax.random.PRNGKey(rows))
     if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
-            assert not cpu_kernels.available()
+            assert not library.available()
         return
+    assert library.available()
     for most, k in ((16, 1000 + rows), (0, 1100 + rows)):  # widths of their own: `_products` keeps its trace per shape
-        fresh_choice.setattr(dense, "rows_kernel_rows", lambda most=most: most)
+        forms = Forms(cpu=True, kernels=True, rows_kernel_rows=most)
+        product = jax.jit(lambda x, w, forms=forms: dense.dense(x, w, forms))
         x = jax.random.normal(kx, (rows, 1, k), jnp.bfloat16)
         w = jax.random.normal(kw, (n, k), jnp.bfloat16)
-        text = jax.jit(dense.dense).lower(x, w).as_text()
+        text = product.lower(x, w).as_text()
         assert (cpu_kernels.ROWS_TARGET in text) == bool(most)
-        y = np.asarray(jax.jit(dense.dense)(x, w))
+        y = np.asarray(product(x, w))
         ref = np.asarray(x, np.float64)[:, 0] @ np.asarray(w, np.float64).T
         assert y.shape == (rows, 1, n) and y.dtype == np.float32
         np.testing.assert_allclose(y[:, 0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
         if most:  # fewer rows of the same form (2-8 rows, 9-16): the same values for them
             fewer = 9 if rows > 8 else 2
-            np.testing.assert_array_equal(np.asarray(jax.jit(dense.dense)(x[:fewer], w)), y[:fewer])
+            np.testing.assert_array_equal(np.asarray(product(x[:fewer], w)), y[:fewer])
 
 
 @pytest.mark.parametrize("rows", [3, 12, 16])
@@ -377,19 +386,20 @@ def test_the_product_kernel_behind_the_layer_switch_gives_each_layer_its_own_pro
     (transposed after it: 16 rows) both equal each layer's float64 product, [rows, 1, n_out] each."""
     if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
-            assert not cpu_kernels.available()
+            assert not library.available()
         return
     rng = np.random.default_rng(rows)
 
-    def project(x, layer, *ws):
-        return dense.dense_all(x, [dense.LayerKernel(tuple(w), layer) for w in (ws[:3], ws[3:])])
+    def project(forms, x, layer, *ws):
+        return dense.dense_all(x, [dense.LayerKernel(tuple(w), layer) for w in (ws[:3], ws[3:])], forms)
 
+    assert library.available()
     for most in (16, 0):
-        fresh_choice.setattr(dense, "rows_kernel_rows", lambda most=most: most)
+        forms = Forms(cpu=True, kernels=True, rows_kernel_rows=most)
         k = 96 + rows + (0 if most else 2)  # a width of its own: `_weight_left_products` keeps its trace per shape
         x = jnp.asarray(rng.standard_normal((rows, 1, k)), jnp.bfloat16)
         ws = [[jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16) for _ in range(3)] for n in (40, 24)]
-        fn = jax.jit(lambda *a: project(*a))  # a function of its own per choice: no trace shared
+        fn = jax.jit(lambda *a, forms=forms: project(forms, *a))  # a function of its own per choice: no trace shared
         assert (cpu_kernels.ROWS_TARGET in fn.lower(x, 1, *ws[0], *ws[1]).as_text()) == bool(most)
         for layer in (0, 2):
             ys = fn(x, layer, *ws[0], *ws[1])
@@ -400,7 +410,7 @@ def test_the_product_kernel_behind_the_layer_switch_gives_each_layer_its_own_pro
 
 
 def test_the_measured_products_run_in_turn_each_on_the_rows_the_last_one_left():
-    """`dense._chained`: x += product(x, w)[:, :n_in] / 1024 for each weight in turn, so every product waits for the
+    """`tuning._chained`: x += product(x, w)[:, :n_in] / 1024 for each weight in turn, so every product waits for the
     one before (as a decode step's do); the same values as that loop written out."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16)
@@ -409,21 +419,21 @@ def test_the_measured_products_run_in_turn_each_on_the_rows_the_last_one_left():
     for w in ws:
         want = want + (jnp.einsum("md,vd->mv", want, w, preferred_element_type=jnp.float32)[:, :8] / 1024).astype(
             jnp.bfloat16)
-    got = dense._chained(lambda x, w: dense._library_weight_left(x, w).T)(x, ws)
+    got = tuning._chained(lambda x, w: dense.library_weight_left(x, w).T)(x, ws)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert not np.array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
 
 
 def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_says(fresh_choice):
-    """`dense.rows_kernel_rows` times the kernel against XLA's library form at 4, 8 and 16 rows of 8 bfloat16 matrices
+    """`tuning.rows_kernel_rows` times the kernel against XLA's library form at 4, 8 and 16 rows of 8 bfloat16 matrices
     of 4096 x 1024, each product's rows feeding the next's (one result: the rows after the last), and takes the counts
     up to the first where the kernel is not `FEW_ROWS_MARGIN` faster;
     GDN_JAX_BF16_ROWS_KERNEL=1 / 0 decides without measuring (16 / none); another value is an error naming it;
     without the kernels, none."""
-    fresh_choice.delenv(dense.ROWS_KERNEL_ENV, raising=False)
+    fresh_choice.delenv(tuning.ROWS_KERNEL_ENV, raising=False)
     if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
-            assert dense.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == 0
+            assert tuning.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == 0
         return
     seen = []
 
@@ -439,17 +449,17 @@ def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_s
     for kernel_seconds, want in (({4: 0.5, 8: 0.9, 16: 1.0}, 8), ({4: 0.97, 8: 0.5, 16: 0.5}, 0),
                                  ({4: 0.5, 8: 0.5, 16: 0.5}, 16), ({4: 0.5, 8: 2.0, 16: 0.5}, 4)):
         seen.clear()
-        assert dense.rows_kernel_rows.__wrapped__(timer(kernel_seconds)) == want
+        assert tuning.rows_kernel_rows.__wrapped__(timer(kernel_seconds)) == want
         assert {s[1:4] for s in seen} == {(8, (4096, 1024), "bfloat16")} and all(s[5] for s in seen)
         measured = [4, 8, 16][:[0, 4, 8, 16].index(want) + 1]  # up to the first count the kernel loses at
-        assert [s[0] for s in seen] == [r for r in measured for _ in range(2 * dense.FEW_ROWS_ROUNDS)]
+        assert [s[0] for s in seen] == [r for r in measured for _ in range(2 * tuning.FEW_ROWS_ROUNDS)]
     for value, want in (("1", 16), ("0", 0)):
-        fresh_choice.setenv(dense.ROWS_KERNEL_ENV, value)
-        assert dense.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == want
-    fresh_choice.setenv(dense.ROWS_KERNEL_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{dense.ROWS_KERNEL_ENV} must be 0 or 1"):
-        dense.rows_kernel_rows.__wrapped__()
-    fresh_choice.setenv(dense.ROWS_KERNEL_ENV, "1")
+        fresh_choice.setenv(tuning.ROWS_KERNEL_ENV, value)
+        assert tuning.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == want
+    fresh_choice.setenv(tuning.ROWS_KERNEL_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{tuning.ROWS_KERNEL_ENV} must be one of 0, 1"):
+        tuning.rows_kernel_rows.__wrapped__()
+    fresh_choice.setenv(tuning.ROWS_KERNEL_ENV, "1")
     fresh_choice.setenv(library.KERNELS_ENV, "0")
-    cpu_kernels.available.cache_clear()
-    assert dense.rows_kernel_rows.__wrapped__() == 0
+    library.available.cache_clear()
+    assert tuning.rows_kernel_rows.__wrapped__() == 0

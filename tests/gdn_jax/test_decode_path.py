@@ -11,8 +11,9 @@ import pytest
 
 from gdn_jax.model import attention
 from gdn_jax.model import dense
-from gdn_jax.backends.cpu import kernels as cpu_kernels
+from gdn_jax.backends.cpu import kernels as cpu_kernels, tuning
 from gdn_jax.config import get_preset
+from gdn_jax.model.forms import Forms
 from gdn_jax.model.state import Batch, DeviceState, init_state
 from gdn_jax.model.qwen35 import forward, init_model
 from gdn_jax.model.state import restore_linear_state_slots
@@ -44,7 +45,9 @@ def _per_layer(state):
 def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
     """Four rows (one restoring from slot 6, two continuing, one padding row), decode and prefill: one row per loop
     iteration gives the logits and pools of one iteration for all rows, and both equal the previous design, a
-    separate copy of the source into the live slot followed by a forward that reads the live slots."""
+    separate copy of the source into the live slot followed by a forward that reads the live slots. (The CPU forms,
+    the kernels where they load, as the engine's.)"""
+    forms = tuning.product_forms(jnp.float32)
     cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg)
     rng = np.random.default_rng(T)
@@ -63,7 +66,7 @@ def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
     for budget in (1 << 30, 1):  # all rows in one iteration; one row per iteration
         monkeypatch.setitem(attention.CPU_ROWS_BYTES, "attention", budget)
         monkeypatch.setitem(attention.CPU_ROWS_BYTES, "gdn_decode", budget)
-        step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s))  # a fresh trace under this budget
+        step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, forms=forms))  # a fresh trace under this budget
         results.append(jax.device_get(step(params, batch, _random_state(cfg, 0))))
     (l1, s1), (l2, s2) = results
     np.testing.assert_allclose(l1[:3], l2[:3], atol=1e-5)
@@ -74,7 +77,7 @@ def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
                                               jnp.asarray([6, -1, -1, -1], jnp.int32))
     assert np.asarray(warm).tolist() == np.asarray(batch.has_initial_state).tolist()
     plain = dataclasses.replace(batch, initial_state_ids=None)  # reads the live slots, as before the fold
-    l3, s3 = jax.device_get(jax.jit(lambda p, b, s: forward(graphdef, p, b, s))(params, plain, copied))
+    l3, s3 = jax.device_get(jax.jit(lambda p, b, s: forward(graphdef, p, b, s, forms=forms))(params, plain, copied))
     np.testing.assert_allclose(l1[:3], l3[:3], atol=1e-5)
     for x, y in zip((s1.conv, s1.ssm), (s3.conv, s3.ssm)):
         np.testing.assert_allclose(x[:, 1:4], y[:, 1:4], atol=1e-5)
@@ -107,17 +110,18 @@ def _materialised_shapes(hlo: str) -> set[tuple[str, tuple[int, ...]]]:
     (dense.UPCAST_ROWS, 320, 96 * 320 * 4 - 1, True), (dense.UPCAST_ROWS, 192, None, False)])
 def test_many_row_bfloat16_products_multiply_in_float32(monkeypatch, rows, k, cap, faster):
     """From `UPCAST_ROWS` rows on (prefill) a bfloat16 product converts its operands to float32 and multiplies in
-    float32 where that routine is the faster (`upcast_is_faster`: a CPU without fast bfloat16 products); with fewer
-    rows, a weight whose float32 copy would pass `UPCAST_MAX_BYTES`, or a CPU whose bfloat16 routine is the faster,
-    the weight is multiplied as it is. Either way the result equals the float64 product to float32 accuracy."""
-    monkeypatch.setattr(dense, "upcast_is_faster", lambda: faster)
+    float32 where that routine is the faster (`Forms.bf16_upcast`, measured by `tuning.upcast_is_faster`: a CPU
+    without fast bfloat16 products); with fewer rows, a weight whose float32 copy would pass `UPCAST_MAX_BYTES`, or a
+    CPU whose bfloat16 routine is the faster, the weight is multiplied as it is. Either way the result equals the
+    float64 product to float32 accuracy."""
+    forms = Forms(cpu=True, bf16_upcast=faster)
     if cap is not None:  # (a width of its own: `_products` keeps its trace per shape)
         monkeypatch.setattr(dense, "UPCAST_MAX_BYTES", cap)
     n = 96
     kx, kw = jax.random.split(jax.random.PRNGKey(rows))
     x = jax.random.normal(kx, (1, rows, k), jnp.bfloat16)
     w = jax.random.normal(kw, (n, k), jnp.bfloat16)
-    step = jax.jit(dense.dense)
+    step = jax.jit(lambda x, w: dense.dense(x, w, forms))
     y = np.asarray(step(x, w))
     ref = np.asarray(x, np.float64)[0] @ np.asarray(w, np.float64).T
     assert y.shape == (1, rows, n) and y.dtype == np.float32
@@ -129,7 +133,7 @@ def test_many_row_bfloat16_products_multiply_in_float32(monkeypatch, rows, k, ca
 def test_the_faster_many_row_form_is_measured_unless_the_environment_says(monkeypatch):
     """`upcast_is_faster` times both forms of a prefill-sized bfloat16 product (off the caller's trace) and picks the
     faster; GDN_JAX_BF16_UPCAST=1 / 0 decides without measuring; another value is an error naming the variable."""
-    monkeypatch.delenv(dense.UPCAST_ENV, raising=False)
+    monkeypatch.delenv(tuning.UPCAST_ENV, raising=False)
     seen = []
 
     def timer(conversion_first):
@@ -140,10 +144,10 @@ def test_the_faster_many_row_form_is_measured_unless_the_environment_says(monkey
         return time_of
 
     for conversion_first in (True, False):
-        assert dense.upcast_is_faster.__wrapped__(timer(conversion_first)) is conversion_first
+        assert tuning.upcast_is_faster.__wrapped__(timer(conversion_first)) is conversion_first
     assert sorted(seen)[0][:2] == (jnp.bfloat16, (2048, 1024)) and {c for _, _, c in seen} == {True, False}
-    _environment_decides(monkeypatch, dense.upcast_is_faster.__wrapped__, dense.UPCAST_ENV)
-    assert dense.UPCAST_ENV == "GDN_JAX_BF16_UPCAST"
+    _environment_decides(monkeypatch, tuning.upcast_is_faster.__wrapped__, tuning.UPCAST_ENV)
+    assert tuning.UPCAST_ENV == "GDN_JAX_BF16_UPCAST"
 
 
 def _environment_decides(monkeypatch, choice, variable: str):
@@ -153,26 +157,25 @@ def _environment_decides(monkeypatch, choice, variable: str):
         monkeypatch.setenv(variable, value)
         assert choice(lambda *a: pytest.fail("measured")) is want
     monkeypatch.setenv(variable, "yes")
-    with pytest.raises(ValueError, match=f"{variable} must be 0 or 1"):
+    with pytest.raises(ValueError, match=f"{variable} must be one of 0, 1"):
         choice()
 
 
 @pytest.mark.parametrize("library", [True, False])
 def test_one_row_bfloat16_product_takes_the_measured_form(monkeypatch, library):
     """A one-row bfloat16 product is multiplied as two rows (the row and a zero row) with the weight on the left
-    where `few_rows_weight_left` says the library is faster, else as XLA's loop over the weight (`_one_row`); it
+    where `Forms.few_rows_weight_left` says the library is faster, else as XLA's loop over the weight (`one_row`); it
     equals the float64 product to float32 accuracy either way. (The library's form: the few-row kernel off.)"""
-    monkeypatch.setattr(dense, "few_rows_weight_left", lambda: library)
-    monkeypatch.setattr(dense, "rows_kernel_rows", lambda: 0)
+    forms = Forms(cpu=True, few_rows_weight_left=library)
     n, k = 80, (328 if library else 344)  # widths of their own: `_products` keeps its trace per shape
     kx, kw = jax.random.split(jax.random.PRNGKey(k))
     x = jax.random.normal(kx, (1, 1, k), jnp.bfloat16)
     w = jax.random.normal(kw, (n, k), jnp.bfloat16)
-    y = np.asarray(jax.jit(dense.dense)(x, w))
+    y = np.asarray(jax.jit(lambda x, w: dense.dense(x, w, forms))(x, w))
     ref = np.asarray(x, np.float64)[0] @ np.asarray(w, np.float64).T
     assert y.shape == (1, 1, n) and y.dtype == np.float32
     np.testing.assert_allclose(y[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
-    jaxpr = str(jax.make_jaxpr(dense.dense)(x, w))
+    jaxpr = str(jax.make_jaxpr(lambda x, w: dense.dense(x, w, forms))(x, w))
     assert ("concatenate" in jaxpr) == library  # the zero row
     assert (f"f32[{n},2] = dot_general" in jaxpr) == library  # W @ x.T of the two rows
 
@@ -182,7 +185,7 @@ def test_the_faster_few_row_form_is_measured_unless_the_environment_says(monkeyp
     with the weight on the left, off the caller's trace, and picks the library form only when it is faster by
     `FEW_ROWS_MARGIN`; GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT=1 / 0 decides without measuring; another value is an error
     naming the variable."""
-    monkeypatch.delenv(dense.FEW_ROWS_ENV, raising=False)
+    monkeypatch.delenv(tuning.FEW_ROWS_ENV, raising=False)
     seen = []
 
     def timer(library_seconds):
@@ -193,22 +196,20 @@ def test_the_faster_few_row_form_is_measured_unless_the_environment_says(monkeyp
         return time_of
 
     for library_seconds, want in ((0.5, True), (0.97, False), (2.0, False)):
-        assert dense.few_rows_weight_left.__wrapped__(timer(library_seconds)) is want
+        assert tuning.few_rows_weight_left.__wrapped__(timer(library_seconds)) is want
     assert {s[:4] for s in seen} == {((1, 1024), "bfloat16", 8, (4096, 1024))}
     # per round: the loop at both widths, then the library form
-    assert [s[4] for s in seen[:3]] == [False, False, True] and len(seen) == 3 * 3 * dense.FEW_ROWS_ROUNDS
-    _environment_decides(monkeypatch, dense.few_rows_weight_left.__wrapped__, dense.FEW_ROWS_ENV)
-    assert dense.FEW_ROWS_ENV == "GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT"
+    assert [s[4] for s in seen[:3]] == [False, False, True] and len(seen) == 3 * 3 * tuning.FEW_ROWS_ROUNDS
+    _environment_decides(monkeypatch, tuning.few_rows_weight_left.__wrapped__, tuning.FEW_ROWS_ENV)
+    assert tuning.FEW_ROWS_ENV == "GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT"
 
 
 def test_the_faster_decode_vector_width_is_measured_unless_the_environment_says(monkeypatch):
     """`decode_vector_bits` runs the one-row product compiled at 256 and at 512 bits in turn and takes 512 only when
     the median round is at least DECODE_VECTOR_MARGIN faster with it (one fast round decides nothing, a tie keeps
     256); GDN_JAX_DECODE_VECTOR_BITS=256 / 512 decides without measuring; another value is an error naming it."""
-    from gdn_jax.worker import executable_store as executables, worker
-
-    monkeypatch.delenv(worker.DECODE_VECTOR_BITS_ENV, raising=False)
-    rounds = worker.DECODE_VECTOR_ROUNDS
+    monkeypatch.delenv(tuning.DECODE_VECTOR_BITS_ENV, raising=False)
+    rounds = tuning.DECODE_VECTOR_ROUNDS
     for ratios, want in (([0.8] * rounds, 512), ([0.97] * rounds, 256), ([1.0] * rounds, 256),
                          ([1.6] * rounds, 256), ([0.5] + [1.0] * (rounds - 1), 256), ([1.6] + [0.9] * (rounds - 1), 512)):
         seen, ratio = [], iter(ratios)
@@ -217,17 +218,17 @@ def test_the_faster_decode_vector_width_is_measured_unless_the_environment_says(
             seen.append((bits, x.shape, x.dtype, len(weights), weights[0].shape, weights[0].dtype))
             return 1.0 if bits == 256 else next(ratio)
 
-        assert worker.decode_vector_bits.__wrapped__("bfloat16", timer) == want, ratios
+        assert tuning.decode_vector_bits.__wrapped__("bfloat16", Forms(cpu=True), timer) == want, ratios
         assert seen[:2] == [(bits, (1, 1024), jnp.bfloat16, 8, (4096, 1024), jnp.bfloat16) for bits in (256, 512)]
         assert len(seen) == 2 * rounds
-    monkeypatch.setattr(executables, "choices_file", lambda cache=None: None)  # nothing kept from another start
-    assert worker.decode_vector_bits.__wrapped__("float32") in (256, 512)  # the real probe compiles and runs
+    monkeypatch.setattr(tuning, "choices_file", lambda cache=None: None)  # nothing kept from another start
+    assert tuning.decode_vector_bits.__wrapped__("float32") in (256, 512)  # the real probe compiles and runs
     for value in ("256", "512"):
-        monkeypatch.setenv(worker.DECODE_VECTOR_BITS_ENV, value)
-        assert worker.decode_vector_bits.__wrapped__("float32", lambda *a: pytest.fail("measured")) == int(value)
-    monkeypatch.setenv(worker.DECODE_VECTOR_BITS_ENV, "1024")
-    with pytest.raises(ValueError, match="GDN_JAX_DECODE_VECTOR_BITS must be 256 or 512"):
-        worker.decode_vector_bits.__wrapped__("float32")
+        monkeypatch.setenv(tuning.DECODE_VECTOR_BITS_ENV, value)
+        assert tuning.decode_vector_bits.__wrapped__("float32", timer=lambda *a: pytest.fail("measured")) == int(value)
+    monkeypatch.setenv(tuning.DECODE_VECTOR_BITS_ENV, "1024")
+    with pytest.raises(ValueError, match="GDN_JAX_DECODE_VECTOR_BITS must be one of 256, 512"):
+        tuning.decode_vector_bits.__wrapped__("float32")
 
 
 @pytest.mark.parametrize("width", [64, 4096])
@@ -235,7 +236,7 @@ def test_single_row_bfloat16_decode_reads_the_weights_as_they_are(width):
     """A one-row bfloat16 decode step multiplies every projection matrix without converting it: no float32 copy of
     a matrix is written (XLA's library path converts the whole weight first, on every step: ~3x the time), and its
     logits are those of the same row in a two-row step (the library's product) up to float32 summation order. At
-    width 4096 the products whose input is that wide take the two-row form (`dense._one_row`)."""
+    width 4096 the products whose input is that wide take the two-row form (`dense.one_row`)."""
     cfg = dataclasses.replace(get_preset("tiny-random"), hidden_size=width)
     graphdef, params = init_model(cfg, dtype=jnp.bfloat16)
     mem = plan_memory(cfg, jnp.bfloat16, 16, 2, 64, num_kv_blocks=9, num_linear_slots=4, memory_budget_bytes=1 << 24)
@@ -269,11 +270,13 @@ def test_single_row_bfloat16_decode_reads_the_weights_as_they_are(width):
 def test_one_row_product_streams_the_weight_at_any_width(dtype, n, k):
     """The one-row product (decode at batch 1) equals the float64 product and writes no float32 copy of the weight:
     XLA fuses the product into a loop over the weight only while it is under 4096 wide, and from there on would
-    compile a transposed float32 copy of the whole matrix first (what a 4096-wide model's decode did: 20-50x slower)."""
+    compile a transposed float32 copy of the whole matrix first (what a 4096-wide model's decode did: 20-50x slower).
+    (The product in this machine's CPU forms, `tuning.product_forms`, as the engine's.)"""
+    forms = tuning.product_forms(dtype)
     kx, kw = jax.random.split(jax.random.PRNGKey(n + k))
     x = jax.random.normal(kx, (1, 1, k), dtype)
     w = jax.random.normal(kw, (n, k), dtype)
-    step = jax.jit(dense.dense)
+    step = jax.jit(lambda x, w: dense.dense(x, w, forms))
     y = np.asarray(step(x, w))
     ref = np.asarray(x, np.float64).reshape(k) @ np.asarray(w, np.float64).T
     assert y.shape == (1, 1, n) and y.dtype == np.float32
@@ -307,7 +310,7 @@ def _branch_bodies(hlo: str) -> dict[str, str]:
 def test_layer_switch_branches_generate_no_code(dtype, rows, tokens):
     """The products of few rows that put the weight on the left (16-64 rows, `dense.WEIGHT_LHS_ROWS`) transpose
     their results after the switch over the layers, not inside its branches: a branch is then the library's product
-    (or the compiled few-row kernel's call, where this machine measured it faster: `dense.rows_kernel_rows`) alone,
+    (or the compiled few-row kernel's call, where this machine measured it faster: `tuning.rows_kernel_rows`) alone,
     with no kernel for XLA to generate per layer and call site (the 128 such kernels of Qwen3.5-9B's 16-row decode
     step took a sixth of its compilation)."""
     cfg = get_preset("tiny-random")

@@ -8,7 +8,7 @@ import pytest
 
 import gdn_jax.worker.worker as worker_mod
 from gdn_jax import LLM, LLMEngine, SamplingParams
-from gdn_jax.backends.cpu import kernels as cpu_kernels
+from gdn_jax.backends.cpu import kernels as cpu_kernels, tuning
 from gdn_jax.model import dense, qwen35
 from gdn_jax.config import FULL, LINEAR, get_preset
 from tests.gdn_jax.helpers import random_ids
@@ -143,12 +143,14 @@ def test_bfloat16_engine_cached_equals_uncached():
     assert [o.num_cached_tokens for o in a] == [0, 64, 64]
 
 
-def test_bfloat16_long_prefill_cached_equals_uncached():
-    """A prefill step of `UPCAST_ROWS` tokens or more multiplies bfloat16 weights in float32 on CPU (`_product`);
-    after a cache hit the prompt's rest runs in a smaller step, on the bfloat16 weights as they are. Both engines
-    still agree token for token."""
+def test_bfloat16_long_prefill_cached_equals_uncached(monkeypatch):
+    """A prefill step of `UPCAST_ROWS` tokens or more multiplies bfloat16 weights in float32 on CPU (`_product`,
+    where `Forms.bf16_upcast`: set here, whatever this machine measured); after a cache hit the prompt's rest runs in
+    a smaller step, on the bfloat16 weights as they are. Both engines still agree token for token."""
+    monkeypatch.setenv(tuning.UPCAST_ENV, "1")
     kw = dict(ENGINE_KW, dtype="bfloat16", max_model_len=512)
     on, off = LLM("tiny-random", enable_prefix_caching=True, **kw), LLM("tiny-random", enable_prefix_caching=False, **kw)
+    assert on.engine.worker.forms.bf16_upcast
     steps = []  # tokens of each prefill step of the cached engine
     execute = on.engine.worker.execute
 
@@ -197,7 +199,7 @@ def test_gdn_schedule_reaches_the_chunked_rule(schedule, monkeypatch):
     """The engine's `gdn_schedule` is the `impl` the chunked GDN rule is traced with in a prefill step (so the
     "scan-parallel" equivalence above really compares two schedules); "auto" on the CPU runs the compiled prefill
     kernel instead (`cpu_kernels.gdn_prefill`), where it builds (so "scan" and "promote" above compare it with the
-    "fused" schedule). The step functions get a fresh cache here, so this engine's step is traced anew, not taken
+    "fused" schedule), else the "fused" schedule. The step functions get a fresh cache here, so this engine's step is traced anew, not taken
     from an engine built earlier in the process."""
     seen, kernel = [], []
     rule, prefill = qwen35.chunk_gated_delta_rule, cpu_kernels.gdn_prefill
@@ -219,10 +221,10 @@ def test_gdn_schedule_reaches_the_chunked_rule(schedule, monkeypatch):
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert llm.engine.cfg.linear_layer_ids
-    if schedule == "auto" and cpu_kernels.available():
+    if schedule == "auto" and llm.engine.worker.forms.kernels:
         assert kernel and not seen
     else:
-        assert seen and set(seen) == {schedule} and not kernel
+        assert seen and set(seen) == {"fused" if schedule == "auto" else schedule} and not kernel
 
 
 def _random_workload(rng, num_requests: int) -> list[tuple[int, str, list[int], SamplingParams, int | None]]:

@@ -2,7 +2,7 @@
 generates exactly what the first did; a key changes with anything that changes the executable; a bad entry is a
 miss, never an error."""
 
-import json
+import dataclasses
 import os
 import re
 import time
@@ -17,6 +17,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from gdn_jax.backends.cpu import library
 from gdn_jax import LLM, SamplingParams
+from gdn_jax.model.forms import Forms
 from gdn_jax.worker import executable_store as executables
 from tests.gdn_jax.helpers import random_ids
 
@@ -225,23 +226,17 @@ def test_the_key_follows_shapes_dtypes_structure_options_and_context(monkeypatch
     assert len({key, *others}) == 1 + len(others)
 
 
-def test_a_16_bit_key_holds_the_forms_measured_for_its_products(monkeypatch):
-    """On the CPU a 16-bit program's key holds the product forms measured faster on this machine
-    (`model.upcast_is_faster`, `model.few_rows_weight_left`, `model.rows_kernel_rows`): each changes the compiled
-    program. A float32 program takes neither form, and its key does not change with them."""
-    from gdn_jax.model import dense as model
-
-    keys = {}
-    for upcast in (True, False):
-        for few_rows in (True, False):
-            for kernel_rows in (0, 8):
-                monkeypatch.setattr(model, "upcast_is_faster", lambda upcast=upcast: upcast)
-                monkeypatch.setattr(model, "few_rows_weight_left", lambda few_rows=few_rows: few_rows)
-                monkeypatch.setattr(model, "rows_kernel_rows", lambda kernel_rows=kernel_rows: kernel_rows)
-                keys[upcast, few_rows, kernel_rows] = [
-                    executables.executable_key("step", ("cfg", 32), (jnp.zeros((2, 3), dtype),), None)
-                    for dtype in (jnp.bfloat16, jnp.float32)]
-    assert len({k[0] for k in keys.values()}) == 8 and len({k[1] for k in keys.values()}) == 1
+def test_the_key_holds_the_forms_the_step_is_traced_in():
+    """The key holds the step's `Forms` (`machine_choices`): each choice resolved at start (whether the kernels are
+    used, the product forms measured faster on this machine, the decode steps' vector width, the environment's
+    settings of the trace) changes the compiled program."""
+    base = Forms(cpu=True, kernels=True)
+    variants = [Forms(), base, *(dataclasses.replace(base, **{name: value}) for name, value in (
+        ("bf16_upcast", True), ("few_rows_weight_left", True), ("rows_kernel_rows", 8),
+        ("prefill_kv_chunk_keys", 2048), ("unroll", "decode"), ("decode_vector_bits", 512)))]
+    args = (jnp.zeros((2, 3), jnp.bfloat16),)
+    keys = {executables.executable_key("step", ("cfg", 32), args, None, forms) for forms in variants}
+    assert len(keys) == len(variants)
 
 
 CPUINFO = """processor\t: {n}
@@ -492,81 +487,6 @@ def test_the_store_is_bounded_and_deletes_the_least_recently_used_entries(tmp_pa
     assert (tmp_path / "bystander").exists() and [p.name for p in outside.iterdir()] == ["f"]
 
 
-def test_a_measured_choice_is_kept_per_machine_and_measured_again_when_unusable(tmp_path):
-    """`remembered` measures a choice once and serves later starts from `choices_file` (one file per CPU kind, an
-    entry per name, jax versions and cores); a stored value the caller refuses, or a file that is not JSON, is
-    measured again and written anew; with JAX's cache off (this file's fixture) every call measures."""
-    calls = []
-
-    def measure(value):
-        return lambda: calls.append(value) or value
-
-    either = lambda v: v in (256, 512)  # noqa: E731
-    cache = str(tmp_path)
-    assert executables.remembered("width float32", measure(512), either, cache) == 512
-    assert executables.remembered("width float32", measure(256), either, cache) == 512  # kept: not measured
-    assert executables.remembered("width bfloat16", measure(256), either, cache) == 256  # a choice of its own
-    assert calls == [512, 256]
-    path = executables.choices_file(cache)
-    assert path == tmp_path / "machine" / f"{library.host_cpu()}.json"
-    stored = json.loads(path.read_text())
-    key = executables.choice_key("width float32")
-    assert sorted(stored) == sorted([key, executables.choice_key("width bfloat16")])
-    assert stored[key]["value"] == 512 and f"jax={jax.__version__} " in key and "cores=" in key
-
-    assert executables.remembered("width float32", measure(256), lambda v: v == 256, cache) == 256  # refused: measured
-    assert json.loads(path.read_text())[key]["value"] == 256
-    path.write_text("{not json")
-    assert executables.remembered("width float32", measure(512), either, cache) == 512
-    assert json.loads(path.read_text())[key]["value"] == 512 and calls == [512, 256, 256, 512]
-    assert not list(path.parent.glob("*.tmp"))
-
-    assert executables.choices_file() is None
-    assert [executables.remembered("width float32", measure(v), either) for v in (256, 512)] == [256, 512]
-    assert calls[-2:] == [256, 512]
-
-
-def test_a_choice_that_cannot_be_kept_is_measured_and_said_once(tmp_path):
-    """A cache folder where the file cannot be written: the measured value is used, one warning names the file, and
-    each call measures again."""
-    blocker = tmp_path / "cache"
-    blocker.write_text("a file where the folder would be")
-    calls = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for value in (512, 256):
-            assert executables.remembered("width float32", lambda v=value: calls.append(v) or v, lambda v: True,
-                                          str(blocker)) == value
-    said = [str(w.message) for w in caught]
-    assert calls == [512, 256] and len(said) == 1 and "cannot be kept" in said[0] and str(blocker) in said[0]
-
-
-def test_the_decode_width_and_the_bf16_form_are_read_from_the_kept_choices(tmp_path, monkeypatch):
-    """With JAX's cache on, `decode_vector_bits`, `upcast_is_faster` and `few_rows_weight_left` serve what the
-    machine's choices file holds (whatever it holds: both values come back as written), without measuring; the
-    environment still decides first."""
-    from gdn_jax.model import dense as model
-    from gdn_jax.worker import compilation as worker
-
-    monkeypatch.delenv(worker.DECODE_VECTOR_BITS_ENV, raising=False)
-    monkeypatch.delenv(model.UPCAST_ENV, raising=False)
-    monkeypatch.delenv(model.FEW_ROWS_ENV, raising=False)
-    monkeypatch.setattr(worker, "_seconds", lambda *a: pytest.fail("measured"))
-    monkeypatch.setattr(model, "seconds_of", lambda *a: pytest.fail("measured"))
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path))  # (the fixture turns it off again)
-    path = executables.choices_file()
-    path.parent.mkdir(parents=True)
-    for bits, faster in ((512, True), (256, False)):
-        path.write_text(json.dumps({executables.choice_key("decode_vector_bits float32"): {"value": bits},
-                                    executables.choice_key("bf16_upcast"): {"value": faster},
-                                    executables.choice_key("bf16_few_rows_weight_left"): {"value": not faster}}))
-        assert worker.decode_vector_bits.__wrapped__("float32") == bits
-        assert model.upcast_is_faster.__wrapped__() is faster
-        assert model.few_rows_weight_left.__wrapped__() is (not faster)
-    monkeypatch.setenv(worker.DECODE_VECTOR_BITS_ENV, "512")
-    assert worker.decode_vector_bits.__wrapped__("float32") == 512
-
-
 def test_compile_threads_and_executable_kinds(monkeypatch):
     from gdn_jax.worker import compilation as w
 
@@ -594,11 +514,10 @@ def test_compile_threads_and_executable_kinds(monkeypatch):
     assert w.compiler_options("prefill") == {"xla_cpu_use_fusion_emitters": False}
     with pytest.raises(ValueError, match="kind"):
         w.compiler_options("prefill_long")
-    monkeypatch.setattr(w, "decode_vector_bits", lambda dtype: {"float32": 256, "bfloat16": 512}[dtype])
-    for dtype, bits in ((jnp.float32, 256), ("bfloat16", 512), (jnp.bfloat16, 512)):
-        assert w.compiler_options("decode", dtype) == {"xla_cpu_use_fusion_emitters": False,
-                                                       "xla_cpu_prefer_vector_width": bits}
-    with pytest.raises(ValueError, match="dtype"):
+    for bits in (256, 512):  # the width of the step's forms (measured for the model's dtype: `tuning`)
+        assert w.compiler_options("decode", Forms(cpu=True, decode_vector_bits=bits)) == {
+            "xla_cpu_use_fusion_emitters": False, "xla_cpu_prefer_vector_width": bits}
+    with pytest.raises(ValueError, match="forms"):
         w.compiler_options("decode")
     with pytest.raises(ValueError, match="kind"):
         w.compiler_options("prompt")

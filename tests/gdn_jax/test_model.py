@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from gdn_jax.backends.cpu import tuning
 from gdn_jax.model import attention
-from gdn_jax.model import qwen35
 from gdn_jax.config import FULL, LINEAR, get_preset, hybrid_layer_types
 from gdn_jax.model.state import Batch, init_state
 from gdn_jax.model.qwen35 import forward, init_model, layer_groups
@@ -199,30 +199,30 @@ def test_step_traces_one_layer_of_each_kind_whatever_the_depth():
 
 @pytest.mark.parametrize("env, unrolled", [("1", {1, 16}), ("decode", {1}), ("0", set()), ("", set())])
 def test_layers_unroll_as_the_environment_says(monkeypatch, tiny, env, unrolled):
-    """GDN_JAX_UNROLL_LAYERS: "1" unrolls every step's layers, "decode" only a one-token step's, "0" or unset none.
-    An unrolled step has no layer loop and no switch over the layers' matrices (`case` in its StableHLO), the logits
-    of a loop's."""
+    """GDN_JAX_UNROLL_LAYERS: "1" unrolls every step's layers, "decode" only a one-token step's, "0" or unset none
+    (read once into the engine's forms, `tuning.resolve_forms`). An unrolled step has no layer loop and no switch
+    over the layers' matrices (`case` in its StableHLO), the logits of a loop's."""
     cfg, graphdef, params = tiny
     toks = np.random.default_rng(6).integers(4, 500, 17)
-    monkeypatch.setenv(qwen35.UNROLL_ENV, env)
-    step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s), compiler_options=PREFILL_OPTIONS)
+    monkeypatch.setenv(tuning.UNROLL_ENV, env)
+    forms = tuning.resolve_forms(jnp.float32)
+    step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, forms=forms), compiler_options=PREFILL_OPTIONS)
+    looped = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, forms=dataclasses.replace(forms, unroll="0")),
+                     compiler_options=PREFILL_OPTIONS)
     state = init_state(cfg, 3, BLOCK_SIZE, 4)
     for T, start in ((16, 0), (1, 16)):  # a prefill chunk, then the decode step after it
         batch = single_row_batch(toks[start:start + T], start, 2)
-        assert qwen35.unroll_layers(T) == (T in unrolled)
+        assert forms.unrolled(T) == (T in unrolled)
         assert ("stablehlo.case" in step.lower(params, batch, state).as_text()) == (T not in unrolled)
-        monkeypatch.setenv(qwen35.UNROLL_ENV, "0")  # the layer loop's logits, from the same state
-        looped = jax.jit(lambda p, b, s: forward(graphdef, p, b, s), compiler_options=PREFILL_OPTIONS)(
-            params, batch, state)[0]
-        monkeypatch.setenv(qwen35.UNROLL_ENV, env)
+        want = looped(params, batch, state)[0]  # the layer loop's logits, from the same state
         logits, state = step(params, batch, state)
-        np.testing.assert_allclose(logits, looped, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(logits, want, atol=1e-5, rtol=0)
 
 
 def test_layers_unroll_only_for_a_known_setting(monkeypatch):
-    monkeypatch.setenv(qwen35.UNROLL_ENV, "yes")
-    with pytest.raises(ValueError, match="GDN_JAX_UNROLL_LAYERS must be 1, decode or 0"):
-        qwen35.unroll_layers(1)
+    monkeypatch.setenv(tuning.UNROLL_ENV, "yes")
+    with pytest.raises(ValueError, match="GDN_JAX_UNROLL_LAYERS must be one of 0, 1, decode"):
+        tuning.resolve_forms(jnp.float32)
 
 
 def test_prefill_key_chunks_from_the_environment_change_the_loops_not_the_attention(monkeypatch, tiny):
@@ -234,10 +234,11 @@ def test_prefill_key_chunks_from_the_environment_change_the_loops_not_the_attent
     results, programs = [], []
     for keys in (None, str(BLOCK_SIZE)):
         if keys:
-            monkeypatch.setenv(attention.PREFILL_KV_CHUNK_ENV, keys)
-        assert attention.kv_chunk_keys(64) == (BLOCK_SIZE if keys else attention.KV_CHUNK_KEYS)
-        assert attention.kv_chunk_keys(1) == attention.KV_CHUNK_KEYS  # a decode step keeps its chunks
-        step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, True), compiler_options=PREFILL_OPTIONS)
+            monkeypatch.setenv(tuning.PREFILL_KV_CHUNK_ENV, keys)
+        forms = tuning.resolve_forms(jnp.float32)  # (read once, at engine start)
+        assert attention.kv_chunk_keys(64, forms) == (BLOCK_SIZE if keys else attention.KV_CHUNK_KEYS)
+        assert attention.kv_chunk_keys(1, forms) == attention.KV_CHUNK_KEYS  # a decode step keeps its chunks
+        step = jax.jit(lambda p, b, s: forward(graphdef, p, b, s, True, forms=forms), compiler_options=PREFILL_OPTIONS)
         _, state = step(params, single_row_batch(toks[:150], 0, 14), init_state(cfg, 15, BLOCK_SIZE, 4))
         chunk = single_row_batch(toks[150:214], 150, 14)
         programs.append(step.lower(params, chunk, state).as_text())
@@ -252,10 +253,9 @@ def test_prefill_key_chunks_from_the_environment_change_the_loops_not_the_attent
 
 @pytest.mark.parametrize("value", ["0", "-256", "2k", "1.5"])
 def test_prefill_key_chunks_from_the_environment_must_be_a_positive_count(monkeypatch, value):
-    monkeypatch.setenv(attention.PREFILL_KV_CHUNK_ENV, value)
-    with pytest.raises(ValueError, match="GDN_JAX_PREFILL_KV_CHUNK_KEYS must be a positive number of keys"):
-        attention.kv_chunk_keys(64)
-    assert attention.kv_chunk_keys(1) == attention.KV_CHUNK_KEYS  # a decode step never reads it
+    monkeypatch.setenv(tuning.PREFILL_KV_CHUNK_ENV, value)
+    with pytest.raises(ValueError, match="GDN_JAX_PREFILL_KV_CHUNK_KEYS must be a positive whole number"):
+        tuning.resolve_forms(jnp.float32)
 
 
 @pytest.mark.parametrize("T", [1, 40, 64])
