@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import os
@@ -35,7 +36,9 @@ from flax import nnx
 
 from gdn_jax.config import FULL, LINEAR, PRESETS, ModelConfig, get_preset
 from gdn_jax.entrypoints.cli import HelpFormatter, writable_file
+from gdn_jax.backends.cpu import tuning
 from gdn_jax.model.dense import dense
+from gdn_jax.model.forms import Forms
 from gdn_jax.model.layers import fused_parts
 from gdn_jax.model.qwen35 import forward
 from gdn_jax.model.state import Batch
@@ -316,7 +319,8 @@ def measure_read_bandwidth(mib: int = 512, repeats: int = 7) -> dict:
         out[name] = x.nbytes / best_time(fn, *args, repeats=repeats)
     if jax.default_backend() == "cpu":
         w, row = x.reshape(-1, 2048), jnp.ones((1, 2048), jnp.float32)  # rows under model.FUSED_MATVEC_COLUMNS
-        lowered = jax.jit(dense).lower(row, w)
+        forms = tuning.product_forms(jnp.float32)  # the engine's CPU forms of a float32 product
+        lowered = jax.jit(lambda x, w: dense(x, w, forms)).lower(row, w)
         for bits in DECODE_VECTOR_BITS:
             fn = lowered.compile(vector_width_options(bits))
             out[f"rows_{bits}"] = x.nbytes / best_time(fn, row, w, repeats=repeats)
@@ -371,11 +375,11 @@ def one_row_batch(tokens, block_size: int) -> tuple[Batch, int]:
                  linear_state_ids=jnp.ones(1, jnp.int32), has_initial_state=jnp.zeros(1, bool)), nb
 
 
-def forward_jit(tokens: int, options: dict | None = None):
-    """The jitted forward, with the XLA options of the engine's prefill step of one row of `tokens` tokens
-    (`compiler_options`) unless `options` are given."""
-    return jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,),
-                   compiler_options=compiler_options(executable_kind(1, tokens)) if options is None else options)
+def forward_jit(tokens: int, forms: Forms, options: dict | None = None):
+    """The jitted forward in `forms` (the engine's: `tuning.resolve_forms(dtype)`), with the XLA options of the
+    engine's step of one row of `tokens` tokens (`compiler_options`) unless `options` are given."""
+    return jax.jit(functools.partial(forward, forms=forms), static_argnums=(0, 4), donate_argnums=(3,),
+                   compiler_options=compiler_options(executable_kind(1, tokens), forms) if options is None else options)
 
 
 def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int, int]]:

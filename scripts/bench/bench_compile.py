@@ -15,9 +15,9 @@ row, blocks per row; tokens 1 is a decode step) the step is lowered (trace + Sta
 timed; a table per shape and the totals are printed, and JSON is written with `num_shapes` (the whole grid),
 `per_shape_s` (lower + compile of each measured shape, in the order of `shapes`) and `total_s`. Sampling is its own
 executable, one per rows bucket (`Worker.sample_buckets()`): those are timed too (`sampling`) and count in the total.
-On the CPU, what the engine builds or measures once per machine (`executables.machine_choices`: its kernels' library,
-the forms of a bfloat16 model's products) is done before the first shape and timed apart (`choices_s`): with the
-cache off it happens in every process, and it would otherwise land in whichever shape first needs it.
+On the CPU, what the engine builds or measures once per machine (`tuning.resolve_forms`: its kernels' library, the
+forms of a bfloat16 model's products, the decode steps' vector width) is done first and timed apart (`choices_s`):
+with the cache off it happens in every process, and it would otherwise land in the worker's setup.
 
 Subsets: `--shapes` lists shapes to time; `--limit N` (N >= 2) times N shapes spread over the grid, always including
 the largest prefill and the largest decode shape. When not every shape was measured, `total_s` is an extrapolation
@@ -55,10 +55,9 @@ from pathlib import Path
 T_START = time.perf_counter()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
+from gdn_jax.backends.cpu import tuning  # noqa: E402
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int  # noqa: E402
-from gdn_jax.worker import executable_store as executables  # noqa: E402
 from gdn_jax.worker.compilation import compile_threads_default  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
@@ -106,15 +105,16 @@ def measure(a) -> dict:
     else:  # off, whatever the environment says: a JAX_COMPILATION_CACHE_DIR would turn on JAX's cache and the
         # executable store beside it, and every shape compiled before would be read from them
         jax.config.update("jax_compilation_cache_dir", None)
+    # the CPU's one-time choices (the kernels' build, the products' forms: measured once per machine and kept, here
+    # once per process with the cache off), made before the worker resolves its forms from them and before the first
+    # shape, so that neither time holds them
+    t0 = time.perf_counter()
+    if jax.default_backend() == "cpu":
+        tuning.resolve_forms(a.dtype)
+    choices_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     worker = build_worker(a)
     setup_s = time.perf_counter() - t0
-    # the CPU's one-time choices (the kernels' build, the products' forms: measured once per machine and kept, here
-    # once per process with the cache off), made before the first shape so that its time holds only its own work
-    t0 = time.perf_counter()
-    if jax.default_backend() == "cpu":
-        executables.machine_choices(jnp.dtype(a.dtype).itemsize == 2)
-    choices_s = time.perf_counter() - t0
     grid = worker.shape_buckets()
     if a.shapes:
         shapes = a.shapes

@@ -7,7 +7,7 @@
 
 Each option set (`OPTION_SETS`: XLA's defaults, the engine's options `worker.LLVM_IR_CPU_COMPILER_OPTIONS`, those
 with LLVM's O1 and O0 pipelines, XLA's defaults with O1, and with 512-bit vectors: the engine's narrow decode steps where
-that width is the faster, `worker.decode_compiler_options`; `--sets` picks some)
+that width is the faster, `Forms.decode_vector_bits`; `--sets` picks some)
 compiles the engine's step (`Worker.lowered_step(...).compile(compiler_options=...)`, with JAX's persistent cache off)
 for each shape on real (random) weights; then the executables run in turn, A B C A B C ...,
 `--repeats` times each, so that the load of other processes falls on every set alike. A prefill shape runs full rows
@@ -52,7 +52,7 @@ OPTION_SETS = {
     "xla defaults, LLVM O1": {"xla_cpu_use_fusion_emitters": True} | WIDTH_256 | O1,
     "xla defaults, 512-bit vectors": {"xla_cpu_use_fusion_emitters": True} | WIDTH_512 | O3,
     # the engine's decode steps of fewer than DECODE_DEFAULT_EMITTER_ROWS rows: the LLVM IR emitters at the width
-    # `worker.decode_vector_bits` measures the faster (256 bits: "LLVM IR emitters")
+    # `tuning.decode_vector_bits` measures the faster (256 bits: "LLVM IR emitters")
     "LLVM IR emitters, 512-bit vectors": vector_width_options(512) | O3,
     "LLVM IR emitters, 512-bit vectors, LLVM O2": vector_width_options(512) | O2,
     "LLVM IR emitters, 512-bit vectors, LLVM O1": vector_width_options(512) | O1,

@@ -73,7 +73,7 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax import LLMEngine, SamplingParams
-from gdn_jax.backends.cpu import kernels as cpu_kernels, library
+from gdn_jax.backends.cpu import library
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int, positive_ints
 from gdn_jax.config import PRESETS, ModelConfig, get_preset, hybrid_layer_types
 
@@ -325,7 +325,7 @@ def main(argv=None):
     bandwidth = args.bandwidth * 1e9 if args.bandwidth else max(16e9, bw["best"])
     print("read bandwidth measured now: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items() if k != "best")
           + f"; the bound uses {bandwidth / 1e9:.1f} GB/s")
-    kernel = cpu_kernels.available()  # the GDN decode update and decode attention: compiled CPU kernels, or XLA's
+    kernel = library.available()  # the GDN decode update and decode attention: compiled CPU kernels, or XLA's
     print(f"GDN decode update and decode attention: {'the compiled CPU kernels' if kernel else 'XLA'} "
           f"({library.KERNELS_ENV}={os.environ.get(library.KERNELS_ENV, '')!r})")
     rows = []

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax.backends.cpu import tuning
 from gdn_jax.config import PRESETS, get_preset
 from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.model.qwen35 import init_model
@@ -52,7 +53,7 @@ def time_jax(cfg, tokens, dtype, repeats, seed=0):
     batch, nb = one_row_batch(tokens, 16)
     state = init_state(cfg, nb + 1, 16, 2, dtype)
     t0 = time.perf_counter()
-    lowered = forward_jit(len(tokens)).lower(graphdef, params, batch, state, False)
+    lowered = forward_jit(len(tokens), tuning.resolve_forms(dtype)).lower(graphdef, params, batch, state, False)
     t1 = time.perf_counter()
     fn = lowered.compile()  # called without the static arguments (graphdef, the flag)
     t2 = time.perf_counter()

@@ -33,12 +33,14 @@ import numpy as np
 
 from gdn_jax.backends.cpu import kernels as cpu_kernels, library
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
+from gdn_jax.model.forms import Forms
 from gdn_jax.model.gated_delta import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
 from common import run_command  # noqa: E402
 
 FORMS = ("kernel", "fused", "parallel")
+KERNELS = Forms(cpu=True, kernels=True)  # the engine's CPU forms where the kernels load
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -106,7 +108,7 @@ def main(argv=None) -> dict:
                     help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     forms = list(args.forms)
-    if "kernel" in forms and not cpu_kernels.available():
+    if "kernel" in forms and not library.available():
         print("kernel: the CPU kernels are not in use here (no C++ compiler, another backend, or "
               f"{library.KERNELS_ENV}=0); timing XLA's forms only")
         forms.remove("kernel")
@@ -127,7 +129,7 @@ def main(argv=None) -> dict:
         o_ref, s_ref = jax.jit(expanded(recurrent_gated_delta_rule, ratio))(*data)
         row = {"shape": list(shape), "key_heads": key_heads, "forms": {}}
         for form in forms:
-            if form == "kernel" and not cpu_kernels.prefill_applies(data[1], data[2]):
+            if form == "kernel" and not cpu_kernels.prefill_applies(data[1], data[2], KERNELS):
                 print(f"{'x'.join(map(str, shape)):<22} {key_heads:>3} kernel    (outside the kernel's limits)")
                 continue
             fn = jax.jit(fns[form])

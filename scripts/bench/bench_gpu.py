@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -203,7 +204,7 @@ def main():
         T, bs = args.prefill_tokens, 16
         batch, nb = one_row_batch(words(T), bs)
         state = init_state(cfg, nb + 1, bs, 2, dtype)
-        fn = jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,))
+        fn = jax.jit(partial(forward, forms=engine.worker.forms), static_argnums=(0, 4), donate_argnums=(3,))
         g, p = engine.worker.graphdef, engine.worker.params
         t0 = time.perf_counter()
         logits, state = fn(g, p, batch, state, False)

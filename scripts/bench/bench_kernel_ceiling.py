@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -45,9 +46,10 @@ import ml_dtypes
 import numpy as np
 
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
-from gdn_jax.backends.cpu import kernels as cpu_kernels
-from gdn_jax.model.qwen35 import advance_in_pool
+from gdn_jax.backends.cpu import kernels as cpu_kernels, tuning
 from gdn_jax.model.dense import dense
+from gdn_jax.model.forms import Forms
+from gdn_jax.model.qwen35 import advance_in_pool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
 from common import min_median_time  # noqa: E402
@@ -193,20 +195,17 @@ def gdn_update(a, rows: int, rng) -> list[dict]:
     beta = (1 / (1 + np.exp(-rng.standard_normal((rows, 1, H))))).astype(np.float32)
     lengths = np.ones(rows, np.int32)
 
-    def layers(pool, src, live, warm, q, k, v, g, beta):
+    def layers(forms, pool, src, live, warm, q, k, v, g, beta):
         def body(j, carry):
             pool, outs = carry
-            o, pool = advance_in_pool(pool, src, live, warm, jnp.asarray(lengths), q, k, v, g, beta, layer=j)
+            o, pool = advance_in_pool(pool, src, live, warm, jnp.asarray(lengths), q, k, v, g, beta, layer=j,
+                                      forms=forms)
             return pool, outs.at[j].set(o[:, 0])
         return jax.lax.fori_loop(0, L, body, (pool, jnp.zeros((L, rows, H, D), jnp.float32)))
 
     args = [jnp.asarray(x) for x in (src, live, warm, q, k, v, g, beta)]
-    # XLA's form of the update, whatever the engine would use here: traced with the package's kernel ruled out
-    applies, cpu_kernels.applies = cpu_kernels.applies, lambda pool: False
-    try:
-        engine = jax.jit(layers, donate_argnums=0).lower(jnp.asarray(pool), *args).compile()
-    finally:
-        cpu_kernels.applies = applies
+    # XLA's form of the update, whatever the engine would use here: the CPU forms without the kernels
+    engine = jax.jit(partial(layers, Forms(cpu=True)), donate_argnums=0).lower(jnp.asarray(pool), *args).compile()
     want_pool, want_out = engine(jnp.asarray(pool), *args)
     want_pool, want_out = np.asarray(want_pool)[:, live], np.asarray(want_out)
     state = [jnp.asarray(pool)]
@@ -216,9 +215,9 @@ def gdn_update(a, rows: int, rng) -> list[dict]:
         jax.block_until_ready(o)
 
     impls, err = [("engine", xla)], None
-    if cpu_kernels.applies(state[0]):  # the package's own compiled kernel (gdn_jax/cpu_kernels.py), as it runs
-        # a function of its own: JAX's trace of `layers` (XLA's form, above) would be found again
-        package = jax.jit(lambda pool, *args: layers(pool, *args), donate_argnums=0)
+    forms = tuning.product_forms(jnp.float32)  # the engine's: its kernels where they load
+    if cpu_kernels.applies(state[0], forms):  # the package's own compiled kernel (backends/cpu/kernels.py), as it runs
+        package = jax.jit(partial(layers, forms), donate_argnums=0)
         got_pool, got_out = package(jnp.asarray(pool), *args)
         err = max(float(np.abs(np.asarray(got_out) - want_out).max() / np.abs(want_out).max()),
                   float(np.abs(np.asarray(got_pool)[:, live] - want_pool).max() / np.abs(want_pool).max()))
@@ -281,7 +280,8 @@ def main(argv=None) -> dict:
         weights = [(rng.standard_normal((a.n, a.k)) * 0.02).astype(ml_dtypes.bfloat16) for _ in range(a.matrices)]
         packed = [pack_weights(np.ascontiguousarray(w.T)) for w in weights]
         device = [jnp.asarray(w) for w in weights]
-        xla = jax.jit(lambda x, ws: [dense(x, w) for w in ws])
+        forms = tuning.product_forms(jnp.bfloat16)  # the engine's forms of a bfloat16 product on this machine
+        xla = jax.jit(lambda x, ws: [dense(x, w, forms) for w in ws])
         weight_bytes = a.matrices * a.k * a.n * 2
         rows_out = []
         for rows in a.rows:

@@ -33,6 +33,8 @@ import numpy as np
 
 from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.config import LINEAR, ModelConfig
+from gdn_jax.backends.cpu import tuning
+from gdn_jax.model.forms import Forms
 from gdn_jax.model.state import Batch, init_state
 from gdn_jax.model.qwen35 import forward, init_model
 from gdn_jax.model.state import restore_linear_state_slots, restore_sources
@@ -50,7 +52,7 @@ def gdn_9b_config(layers: int, hidden: int) -> ModelConfig:
                        linear_key_head_dim=128, linear_value_head_dim=128)
 
 
-def make_step(graphdef, variant: str):
+def make_step(graphdef, variant: str, forms: Forms):
     def step(params, state, batch_arrays, live, requested, src):
         if variant == "compiled out":  # cold starts stay (has_initial_state); no row reads another slot
             ids, warm = None, restore_sources(live, requested, src)[1]
@@ -60,7 +62,7 @@ def make_step(graphdef, variant: str):
         else:
             ids, warm = restore_sources(live, requested, src)
         batch = Batch(*batch_arrays, linear_state_ids=live, has_initial_state=warm, initial_state_ids=ids)
-        return forward(graphdef, params, batch, state)
+        return forward(graphdef, params, batch, state, forms=forms)
 
     return jax.jit(step, donate_argnums=(1,))
 
@@ -90,10 +92,10 @@ def main(argv=None):
     live = np.arange(1, B + 1, dtype=np.int32)
     src = np.arange(B + 1, 2 * B + 1, dtype=np.int32)
     restoring = {"no restore": False, "compiled out": False, "restore all": True, "copy, then step": False}
-    compiled = {}
+    compiled, forms = {}, tuning.resolve_forms(dtype)  # the engine's forms
     for name, restore in restoring.items():
         ops = (live, np.full(B, restore), src if restore else np.full(B, -1, np.int32))
-        compiled[name] = (make_step(graphdef, name).lower(params, state, batch_arrays, *ops).compile(), ops)
+        compiled[name] = (make_step(graphdef, name, forms).lower(params, state, batch_arrays, *ops).compile(), ops)
     times = {name: [] for name in compiled}
     names = list(compiled)
     for r in range(args.repeats + 1):  # the first round warms up; the order rotates, so none always follows another

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax.backends.cpu import tuning
 from gdn_jax.config import PRESETS, get_preset
 from gdn_jax.entrypoints.cli import output_file, positive_int
 from gdn_jax.model.qwen35 import init_model
@@ -39,7 +40,7 @@ def profile(cfg, tokens, dtype, runs: int) -> dict:
     graphdef, params = init_model(cfg, seed=0, dtype=dtype)
     batch, nb = one_row_batch(tokens, 16)
     state = init_state(cfg, nb + 1, 16, 2, dtype)
-    fn = forward_jit(len(tokens))
+    fn = forward_jit(len(tokens), tuning.resolve_forms(dtype))
     parts = op_parts(compiled_text(fn, (graphdef, params, batch, state, False)))[0]
     box = {"state": state}
 

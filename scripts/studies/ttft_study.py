@@ -33,6 +33,7 @@ import math
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -139,7 +140,7 @@ def prefill(args) -> dict:
     engines = {name: LLMEngine(args.model, **kw, **v, **share_of(len(variants))) for name, v in variants.items()}
     worker = next(iter(engines.values())).worker
     # one jitted forward of the same tokens: the engine's model, one row, fresh pools, last-position logits
-    fwd = jax.jit(forward, static_argnums=(0, 4), donate_argnums=(3,))
+    fwd = jax.jit(partial(forward, forms=worker.forms), static_argnums=(0, 4), donate_argnums=(3,))
     batch, nb = one_row_batch([5] * args.prompt, 16)
     state = init_state(worker.cfg, nb + 1, 16, 2, worker.dtype)
     fwd_times = []
