@@ -19,10 +19,10 @@ Two forms of the rule, with the same inputs and outputs:
       S_next = exp(G_last) S + (exp(G_last - G) * k)^T V_new
 
   ``T^-1`` is formed by blocked recursive inversion (forward substitution on 8x8 diagonal blocks,
-  then doubling: ``[[X11, 0], [-X22 A21 X11, X22]]``), i.e. only small batched matmuls. On the
-  2-core development CPU it is ~1.7x faster than ``lax.linalg.triangular_solve`` (a LAPACK
-  ``strsm`` call per matrix) for 512 64x64 systems, and ~25% faster inside the whole kernel; it
-  has forward-substitution accuracy (no power series, whose terms blow up for repeated keys).
+  then doubling: ``[[X11, 0], [-X22 A21 X11, X22]]``), i.e. only small batched matmuls. On a CPU
+  it is faster than ``lax.linalg.triangular_solve`` (a LAPACK ``strsm`` call per matrix), alone and
+  inside the whole rule (docs/benchmarks.md); it has forward-substitution accuracy (no power series,
+  whose terms blow up for repeated keys).
   ``solve_method="trsm"`` selects the library triangular solve instead.
 
   Two schedules of the same maths (``impl``):
@@ -30,7 +30,7 @@ Two forms of the rule, with the same inputs and outputs:
     kernel instead where the forms have it, ``cpu_kernels.gdn_prefill``): one ``lax.scan`` step handles
     ``chunks_per_step`` chunks (1 by default: two per step ran slower) and does everything for them (intra-chunk
     matrices, the solve, the state recurrence, the output), so every intermediate stays in cache. On a CPU this is
-    about twice as fast as materialising the intra-chunk tensors for the whole sequence (docs/benchmarks.md).
+    faster than materialising the intra-chunk tensors for the whole sequence (docs/benchmarks.md).
   - ``"parallel"`` (the model's without the CPU forms: accelerators): all intra-chunk work as large batched ops
     over every chunk at once, then a ``lax.scan`` over chunks carrying only the state (2 small matmuls per
     step), then the output as one batched matmul.
@@ -261,8 +261,8 @@ def chunk_gated_delta_rule(
     ``save_chunks`` = (rows, chunks), [S] ints each: instead of every chunk's state, only the states of those rows
     after those chunks, [S, H, dk, dv], as the third output (the checkpoints a prefill step saves). The fused
     schedule keeps them in a buffer it carries, each written in place at its chunk: stacking all N states instead
-    (zero-filled, then written chunk by chunk, 256 KiB per chunk at hidden 1024) made a 2048-token row's rule take
-    1.2-1.5x as long on the development CPU (docs/design.md, "Checkpoints from the prefill scan").
+    (zero-filled, then written chunk by chunk) made a long row's rule markedly slower (docs/design.md, "Checkpoints
+    from the prefill scan").
 
     Keyword-only tuning knobs (same maths): ``impl`` "fused" | "parallel"; ``chunks_per_step`` (fused
     schedule); ``solve_method`` "blocked" | "trsm"; ``saves_in_place`` (fused schedule: each save written in place,

@@ -142,8 +142,8 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer, 
     new one to its live slot in place. Returns (o [B, 1, Hv, dv], pool).
 
     Why a few rows at a time: XLA schedules every layer's state gather at the start of the step, so the batch's
-    states of all GDN layers are live at once (256 KiB per row and layer at hidden 1024, 2 MiB at Qwen3.5-9B):
-    tens of MB of temporaries (hidden 1024, float32, batch 16: 34 -> 7.5 MB, ~15% off the step). Rows are
+    states of all GDN layers are live at once (a state per row and layer: 256 KiB at hidden 1024, 2 MiB at
+    Qwen3.5-9B's shapes): tens of MB of temporaries, which a few rows at a time shrink several times. Rows are
     independent, and no row reads a slot another row writes (in a one-token step a restore source is never a live
     slot: `validate_cache_ops`), so the order does not matter.
 

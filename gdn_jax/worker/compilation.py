@@ -16,7 +16,7 @@ from gdn_jax.model.forms import Forms
 
 # XLA options of the step and sampling executables on the CPU backend (`compiler_options`). XLA's CPU fusion emitters
 # (MLIR, the default) spend most of a step's compilation generating and optimizing the code of its elementwise
-# fusions; the older LLVM IR emitters (`LLVM_IR_CPU_COMPILER_OPTIONS`) compile a prefill shape about twice as fast,
+# fusions; the older LLVM IR emitters (`LLVM_IR_CPU_COMPILER_OPTIONS`) compile a prefill shape much faster,
 # and the prefill runs as fast: its time is in the matmuls, library calls either way. Decode steps of fewer than
 # DECODE_DEFAULT_EMITTER_ROWS rows and sampling compile with them too, with less CPU time, and run as fast. A decode
 # step of 32 rows or more keeps XLA's defaults: with the older emitters it ran a little slower. Those narrow decode

@@ -85,7 +85,7 @@ class PromptLogprobs:
 
 # The step uses every argument, so the steps are jitted with keep_unused: JAX's search for unused arguments is then
 # skipped, a dead-code pass over the whole program, through every branch of the layer switches, at each loop level
-# until nothing changes (~15% of the emission of a Qwen3.5-9B step, 20-25 ms a shape). What it would still have
+# until nothing changes (a sizeable part of a large model's emission; docs/benchmarks.md). What it would still have
 # dropped are two batch arrays the layer loops carry unread; XLA drops them as well, and the compiled program is the
 # same instruction for instruction (docs/design.md, "Compiling the step").
 KEEP_UNUSED = True

@@ -40,7 +40,7 @@ PREFILL_KV_CHUNK_ENV = "GDN_JAX_PREFILL_KV_CHUNK_KEYS"  # `attention.kv_chunk_ke
 UNROLL_ENV = "GDN_JAX_UNROLL_LAYERS"  # `Forms.unroll`
 
 # XLA options of the step and sampling executables on the CPU backend (`worker.compilation.compiler_options`): the
-# older LLVM IR fusion emitters, which compile a step about twice as fast as XLA's default MLIR emitters, its time
+# older LLVM IR fusion emitters, which compile a step much faster than XLA's default MLIR emitters, its time
 # being in the matmuls, library calls either way (docs/design.md, "Compiling the step").
 LLVM_IR_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 DECODE_VECTOR_BITS = VECTOR_BITS  # the LLVM vector widths a narrow decode step is measured at (XLA prefers 256)
@@ -179,10 +179,10 @@ def _best_seconds(fn, *args, repeats: int = 5) -> float:
 @functools.cache
 def upcast_is_faster(timer=_best_seconds) -> bool:
     """Whether this CPU multiplies a many-row bfloat16 product faster with both operands converted to float32 (the
-    conversion included) than with XLA's bfloat16 routine (float32 accumulation): `Forms.bf16_upcast`. CPUs differ
-    either way, by up to about 2x (docs/benchmarks.md). Measured once per machine (`remembered`; a `timer` other than
-    the default keeps nothing) on a prefill-sized product (1024 rows of a 1024 x 2048 weight, best of 5 each),
-    unless `UPCAST_ENV` says "1" or "0". The values agree either way to float32 rounding (exact products, float32
+    conversion included) than with XLA's bfloat16 routine (float32 accumulation): `Forms.bf16_upcast`. Which one
+    wins depends on the CPU (docs/benchmarks.md). Measured once per machine (`remembered`; a `timer` other than the
+    default keeps nothing) on a prefill-sized product (1024 rows of a 1024 x 2048 weight, best of 5 each), unless
+    `UPCAST_ENV` says "1" or "0". The values agree either way to float32 rounding (exact products, float32
     sums in another order)."""
     setting = envs.optional_bool(UPCAST_ENV)
     if setting is not None:
