@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn_jax.config import FULL, LINEAR, PRESETS, ModelConfig, get_preset
+from gdn_jax.config import FULL, LINEAR, PRESETS, EngineConfig, ModelConfig, get_preset
 from gdn_jax.entrypoints.cli import HelpFormatter, writable_file
 from gdn_jax.backends.cpu import tuning
 from gdn_jax.model.dense import dense
@@ -396,14 +396,14 @@ def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int, int]
 def build_worker(a) -> Worker:
     """A worker as the engine builds it, on abstract weights (nothing allocated), from the flags `a` (preset, dtype,
     block_size, max_num_seqs, max_model_len, chunk_stride, max_num_batched_tokens, checkpoint_mode and _policy)."""
-    cfg, dtype = get_preset(a.preset), getattr(jnp, a.dtype)
-    graphdef, params = abstract_model(cfg, dtype)
+    cfg = get_preset(a.preset)
+    settings = EngineConfig.create(
+        dtype=a.dtype, block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
+        chunk_stride=a.chunk_stride, max_num_batched_tokens=a.max_num_batched_tokens,
+        checkpoint_mode=a.checkpoint_mode, checkpoint_policy=a.checkpoint_policy)
+    graphdef, params = abstract_model(cfg, getattr(jnp, a.dtype))
     params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    memory = plan_memory(cfg, dtype, a.block_size, a.max_num_seqs, a.max_model_len, None, None,
-                         default_memory_budget(params_bytes))
-    return Worker(cfg, graphdef, params, memory, a.block_size, a.max_num_seqs, a.max_model_len, a.chunk_stride, dtype,
-                  max_num_batched_tokens=a.max_num_batched_tokens or max(a.chunk_stride, 2048),
-                  checkpoint_mode=a.checkpoint_mode, checkpoint_policy=a.checkpoint_policy)
+    return Worker(cfg, graphdef, params, plan_memory(cfg, settings, default_memory_budget(params_bytes)), settings)
 
 
 # ---- where a jitted step's time goes ------------------------------------------------------------------------------

@@ -230,7 +230,7 @@ def test_the_studies_engines_share_the_accelerators_memory(monkeypatch):
     """The accuracy study builds four engines side by side: the first sizes its pools from a quarter of the default
     accelerator share (`gpu_memory_utilization` is per engine), the others copy its pools and ask for no budget (on a
     GPU a second full share would not fit beside the first)."""
-    import gdn_jax.engine
+    from gdn_jax.engine import llm_engine
     from gdn_jax.worker.memory import CPU_MEMORY_BUDGET_BYTES, GPU_MEMORY_UTILIZATION
 
     asked = []
@@ -239,7 +239,7 @@ def test_the_studies_engines_share_the_accelerators_memory(monkeypatch):
         asked.append(gpu_memory_utilization)
         return CPU_MEMORY_BUDGET_BYTES
 
-    monkeypatch.setattr(gdn_jax.engine, "default_memory_budget", budget)
+    monkeypatch.setattr(llm_engine, "default_memory_budget", budget)
     engines = _script("accuracy_study").make_engines("tiny-random", "float32", 32)
     assert len(engines) == 4 and asked == [GPU_MEMORY_UTILIZATION / 4]
     assert len({(e.engine.memory.num_kv_blocks, e.engine.memory.num_linear_slots) for e in engines.values()}) == 1

@@ -1,6 +1,10 @@
 """The engine: requests in, outputs out (`LLMEngine` step by step, `LLM` for whole batches)."""
 
-from gdn_jax.engine.llm_engine import (LLM, CompletionOutput, EngineStepError, LLMEngine, Logprob, RequestMetrics,
-                                       RequestOutput)
+from gdn_jax.config import EngineConfig
+from gdn_jax.engine.llm import LLM
+from gdn_jax.engine.llm_engine import LLMEngine
+from gdn_jax.engine.outputs import (CompletionOutput, EngineStepError, Logprob, LogprobRow, RequestMetrics,
+                                    RequestOutput)
 
-__all__ = ["LLM", "CompletionOutput", "EngineStepError", "LLMEngine", "Logprob", "RequestMetrics", "RequestOutput"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStepError", "LLMEngine", "Logprob", "LogprobRow",
+           "RequestMetrics", "RequestOutput"]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 from gdn_jax import envs
+from gdn_jax.config import SETTINGS, EngineConfig, setting_fields, setting_type
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -100,56 +100,54 @@ def port(text: str) -> int:
     return _int_in(text, 0, 65535)
 
 
-def _engine_args(ap: argparse.ArgumentParser, max_model_len: int) -> None:
-    ap.add_argument("--model", default="tiny", help="preset name (tiny, hybrid-1024, ...) or HF model folder")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
-    ap.add_argument("--seed", type=int, default=0, help="weights of random presets; default sampling seed")
-    ap.add_argument("--max-model-len", type=positive_int, default=max_model_len,
-                    help="longest prompt + output, tokens")
-    ap.add_argument("--max-num-seqs", type=positive_int, default=16, help="requests running at once")
-    ap.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    ap.add_argument("--chunk-stride", type=positive_int, default=64, help="tokens between linear-state checkpoints")
-    ap.add_argument("--checkpoint-mode", default="scan", choices=["scan", "promote"],
-                    help="checkpoints written from the prefill scan, or promoted one stride per step")
-    ap.add_argument("--checkpoint-policy", default="all", choices=["all", "last"],
-                    help="the boundaries a prefill row saves (\"scan\" mode): all it crosses, or its deepest")
-    ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                    help="prompt tokens a step prefills at most (None: max(chunk stride, 2048))")
-    ap.add_argument("--no-mixed-steps", action="store_true",
-                    help="a step prefills or decodes, not both (\"scan\" mode; \"promote\" never mixes)")
-    ap.add_argument("--gdn-schedule", default="auto", choices=["auto", "fused", "parallel"],
-                    help="how prefill steps compute the GDN rule (same maths; auto: the compiled kernel on CPU, "
-                         "else fused; parallel elsewhere)")
-    ap.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
-                    help="auto: the model folder's generation_config.json sampling defaults (temperature, top_p, "
-                         "top_k, min_p, repetition_penalty, max_new_tokens) for what a request leaves unset, as vLLM "
-                         "does; vllm: the neutral defaults")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                    help="fraction of the memory XLA may allocate on an accelerator (by default 75%% of it: "
-                         "XLA_PYTHON_CLIENT_MEM_FRACTION) for the weights and the caches (the CPU: 2 GiB of caches)")
-    ap.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (None: from the memory budget)")
-    ap.add_argument("--num-linear-slots", type=int, default=None,
-                    help="linear-state slots (None: from the memory budget)")
-    ap.add_argument("--compilation-cache", default=None,
-                    help="JAX persistent compilation cache folder ('' disables it; None: $GDN_JAX_CACHE_DIR, else "
-                         "$XDG_CACHE_HOME/gdn_jax/jax or ~/.cache/gdn_jax/jax)")
+class _BoolSetting(argparse.Action):
+    """A bool setting's flags: `--x` turns it on; `--no-x`, and an alias that starts with "--no-", turn it off."""
+
+    def __init__(self, option_strings, dest, default=None, help=None):
+        on = [o for o in option_strings if not o.startswith("--no-")]
+        names = on + ["--no-" + o[2:] for o in on] + [o for o in option_strings if o.startswith("--no-")]
+        super().__init__(names, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings[:2])
 
 
-def _engine_kwargs(args) -> dict:
-    """LLMEngine keyword arguments from the shared flags (and the compilation cache set up on the way)."""
-    if args.compilation_cache and Path(args.compilation_cache).exists() and not Path(args.compilation_cache).is_dir():
+def add_engine_args(ap: argparse.ArgumentParser, defaults: dict | None = None, only=None) -> None:
+    """A flag for each of EngineConfig's settings (`only`: for these alone), generated from its field: the name
+    (`max_num_seqs`: `--max-num-seqs`, unless the field names its flag), the type (an int checked against its
+    minimum, a number, a Literal's choices, a bool's `--x` / `--no-x`), the default (`defaults` may change some) and
+    the doc, as its help. Settings marked `cli=False` get none. `engine_config(args)` reads them back."""
+    for field, hint in setting_fields():
+        if field.metadata.get("cli") is False or (only is not None and field.name not in only):
+            continue
+        flag = field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+        names = [flag, *field.metadata.get("aliases", ())]
+        doc = field.metadata["help"].replace("%", "%%")  # (argparse formats help with %)
+        kw = dict(dest=field.name, default=(defaults or {}).get(field.name, field.default))
+        kind, _, choices = setting_type(hint)
+        if kind is bool and choices is None:
+            ap.add_argument(*names, action=_BoolSetting, help=doc, **kw)
+            continue
+        if choices is not None:
+            kw["choices"] = list(choices)
+        elif kind is int:
+            kw["type"] = {1: positive_int, 0: nonnegative_int}.get(field.metadata.get("min"), int)
+        elif kind is float:
+            kw["type"] = float
+        ap.add_argument(*names, metavar=None if choices else flag[2:].upper().replace("-", "_"), help=doc, **kw)
+
+
+def engine_config(args, **settings) -> EngineConfig:
+    """The EngineConfig of the flags `add_engine_args` added, and of `settings`."""
+    cache_dir = getattr(args, "compilation_cache_dir", None)
+    if cache_dir and Path(cache_dir).exists() and not Path(cache_dir).is_dir():
         # (JAX would warn, and run without the cache and without the CPU kernels built beside it)
-        raise ValueError(f"--compilation-cache {args.compilation_cache}: a file, not a folder")
-    if args.compilation_cache is not None:  # the engine turns the cache on (engine.enable_compilation_cache)
-        os.environ["GDN_JAX_CACHE_DIR"] = args.compilation_cache or "off"
-    return dict(dtype=args.dtype, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
-                block_size=args.block_size, chunk_stride=args.chunk_stride, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                num_linear_slots=args.num_linear_slots, checkpoint_mode=args.checkpoint_mode,
-                checkpoint_policy=args.checkpoint_policy, max_num_batched_tokens=args.max_num_batched_tokens,
-                mixed_steps=not args.no_mixed_steps, gdn_schedule=args.gdn_schedule,
-                generation_config=args.generation_config, gpu_memory_utilization=args.gpu_memory_utilization)
+        raise ValueError(f"--compilation-cache {cache_dir}: a file, not a folder")
+    given = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
+    return EngineConfig.create(**given, **settings)
 
 
 def _check_address(host: str, port: int) -> None:
@@ -180,7 +178,8 @@ def _serve(args) -> None:
     from gdn_jax.chat import ChatTemplate, load_special_tokens
     from gdn_jax.engine import LLMEngine
     from gdn_jax.model.weights import model_folder
-    folder = model_folder(args.model)  # as the engine resolves the name: a shipped model wins over a same-named folder
+    settings = engine_config(args)
+    folder = model_folder(settings.model)  # as the engine resolves it: a shipped model wins over a same-named folder
     # before the engine: a bad template or address fails at once, not after a warm-up of minutes
     if args.chat_template:
         try:
@@ -195,7 +194,7 @@ def _serve(args) -> None:
         template = None if chat is None else chat.source
     _check_address(args.host, args.port)
     special_tokens = load_special_tokens(folder)  # the template's bos_token, eos_token, ...: the tokenizer's
-    engine = LLMEngine(args.model, **_engine_kwargs(args))
+    engine = LLMEngine(settings)
     if not args.no_warm_up:
         t0 = time.perf_counter()
         n = engine.warm_up(prompt_logprobs=args.warm_up_prompt_logprobs)
@@ -203,7 +202,7 @@ def _serve(args) -> None:
     config = ServerConfig(model_name=args.served_model_name or args.model,
                           api_key=args.api_key or envs.get("GDN_JAX_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes,
-                          max_tokens_limit=min(args.max_tokens_limit, args.max_model_len),
+                          max_tokens_limit=min(args.max_tokens_limit, settings.scheduling.max_model_len),
                           chat_template=template, special_tokens=special_tokens,
                           reasoning_parser=args.reasoning_parser)
     print(f"[gdn_jax] serving {config.model_name} on http://{args.host}:{args.port}/v1", flush=True)
@@ -217,8 +216,9 @@ def _generate(args) -> None:
              if v is not None}
     fixed = dict(seed=args.seed_sampling, stop=args.stop or None, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     SamplingParams(**{"temperature": 0.0, **given, **fixed}, max_tokens=args.max_tokens)  # checked before loading
+    settings = engine_config(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(settings)
     # as the server: the model's recommended sampling (--generation-config auto) for what the flags leave unset,
     # greedy where it recommends nothing, and its max_new_tokens as a cap
     model = llm.engine.default_sampling
@@ -248,7 +248,7 @@ def main(argv=None) -> None:
     s = sub.add_parser("serve", formatter_class=HelpFormatter,
                        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
                             "/health, /metrics)")
-    _engine_args(s, max_model_len=2048)
+    add_engine_args(s, defaults={"max_model_len": 2048})
     s.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: loopback only)")
     s.add_argument("--port", type=port, default=8000, help="TCP port")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
@@ -269,7 +269,7 @@ def main(argv=None) -> None:
 
     g = sub.add_parser("generate", formatter_class=HelpFormatter,
                        help="generate a completion for one prompt and print it")
-    _engine_args(g, max_model_len=4096)
+    add_engine_args(g)
     g.add_argument("prompt", help="prompt text ('-': read it from standard input)")
     g.add_argument("--max-tokens", type=positive_int, default=32,
                    help="tokens to generate (at most the model's generation_config.json max_new_tokens)")

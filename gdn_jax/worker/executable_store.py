@@ -12,11 +12,12 @@ precision, how random bits are drawn, ...) and the tree structure, shapes and dt
 A corrupt or unreadable entry is a miss (an entry holds its digest); a write that fails leaves no entry; either says
 so once (a RuntimeWarning), and the engine compiles.
 
-The folder is `executables/<version>/` beside JAX's persistent cache (engine.enable_compilation_cache; off when that
-is off), one subfolder per source digest: every edit of the package writes a new set (~56 MB for Qwen3.5-9B's warm-up
-grid), so only the `KEEP_VERSIONS` most recently used sets are kept. Within them the store is bounded like JAX's cache
-(the same `jax_compilation_cache_max_size`, engine.compilation_cache_max_bytes): every model geometry adds a set of
-entries, and past the bound a save deletes the least recently used ones (a load marks an entry used).
+The folder is `executables/<version>/` beside JAX's persistent cache (compile_cache.enable_compilation_cache; off when
+that is off), one subfolder per source digest: every edit of the package writes a new set (~56 MB for Qwen3.5-9B's
+warm-up grid), so only the `KEEP_VERSIONS` most recently used sets are kept. Within them the store is bounded like
+JAX's cache (the same `jax_compilation_cache_max_size`, compile_cache.compilation_cache_max_bytes): every model
+geometry adds a set of entries, and past the bound a save deletes the least recently used ones (a load marks an entry
+used).
 
 A loaded executable can still fail when called: on the CPU, XLA resolves each kernel of an executable when it first
 runs it, and a stored copy can lack one ("NOT_FOUND: Function convert_bitcast_fusion.3 not found"), which shows only

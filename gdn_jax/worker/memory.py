@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from gdn_jax.diagnostics import user_stacklevel
-from gdn_jax.config import ModelConfig
+from gdn_jax.config import GPU_MEMORY_UTILIZATION, EngineConfig, ModelConfig
 
 
 CPU_MEMORY_BUDGET_BYTES = 2 << 30   # pools' budget on a device that reports no memory size (the CPU)
-GPU_MEMORY_UTILIZATION = 0.9        # default fraction of an accelerator's memory for weights + pools
 CHECKPOINTS_PER_SEQ_MAX = 8         # the default plan never holds more checkpoint slots than this per sequence
 
 
@@ -82,22 +81,28 @@ def default_memory_budget(params_bytes: int, gpu_memory_utilization: float = GPU
     return share - params_bytes
 
 
-def plan_memory(cfg: ModelConfig, dtype, block_size: int, max_num_seqs: int, max_model_len: int,
-                num_kv_blocks: int | None, num_linear_slots: int | None, memory_budget_bytes: int,
-                enable_prefix_caching: bool = True) -> MemoryPlan:
-    """Sizes the pools; counts given explicitly win, otherwise they come from the memory budget.
+def plan_memory(cfg: ModelConfig, config: EngineConfig, memory_budget_bytes: int | None = None) -> MemoryPlan:
+    """Sizes the pools of model `cfg` under `config` (its dtype, cache and scheduling settings); the pool counts
+    `config` gives win, otherwise they come from `memory_budget_bytes` (default `config.cache.memory_budget_bytes`;
+    the engine sizes an unset one from the device, `default_memory_budget`).
 
     Linear-state slots: slot 0 (padding), one live slot per sequence, and checkpoint room: with prefix caching on at
     least one checkpoint slot per sequence, more (up to `CHECKPOINTS_PER_SEQ_MAX` per sequence) while they fit in a
     quarter of the budget. KV blocks take the rest, up to twice what full concurrency needs; at least one whole
     sequence of `max_model_len` must fit. A minimum that does not fit the budget is an error naming both pools.
     """
-    itemsize = jnp.dtype(dtype).itemsize
+    cache, max_num_seqs, max_model_len = config.cache, config.scheduling.max_num_seqs, config.scheduling.max_model_len
+    block_size, num_kv_blocks, num_linear_slots = cache.block_size, cache.num_kv_blocks, cache.num_linear_slots
+    if memory_budget_bytes is None:
+        memory_budget_bytes = cache.memory_budget_bytes
+    if memory_budget_bytes is None and (num_kv_blocks is None or num_linear_slots is None):
+        raise ValueError("plan_memory needs a memory budget where a pool count is not given")
+    itemsize = jnp.dtype(config.dtype).itemsize
     per_block = 2 * len(cfg.full_layer_ids) * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
     per_slot = len(cfg.linear_layer_ids) * (
         (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * itemsize
         + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
-    caches_linear = enable_prefix_caching and per_slot > 0
+    caches_linear = cache.enable_prefix_caching and per_slot > 0
     live = 1 + max_num_seqs
     if num_linear_slots is not None and caches_linear and num_linear_slots < live + 1:
         raise ValueError(f"num_linear_slots={num_linear_slots} leaves no room for a checkpoint with prefix caching on: "

@@ -28,7 +28,7 @@ from gdn_jax import jax_compat
 from gdn_jax.diagnostics import user_stacklevel
 from gdn_jax.worker import executable_store as executables
 from gdn_jax.backends.cpu import tuning
-from gdn_jax.config import ModelConfig
+from gdn_jax.config import EngineConfig, ModelConfig
 from gdn_jax.model.forms import Forms
 from gdn_jax.model.gated_delta import default_chunk_size
 from gdn_jax.model.state import Batch, init_state
@@ -46,13 +46,14 @@ def _bucket(n: int, lo: int, hi: int) -> int:
 
 
 class Worker:
-    def __init__(self, cfg: ModelConfig, graphdef, params, memory: MemoryPlan, block_size: int, max_num_seqs: int,
-                 max_model_len: int, chunk_stride: int, dtype, seed: int = 0,
-                 max_num_batched_tokens: int | None = None,
-                 checkpoint_mode: str = "promote", checkpoint_policy: str = "all", enable_prefix_caching: bool = True,
-                 gdn_schedule: str = "auto", eos_token_ids: tuple[int, ...] | None = None, forms: Forms | None = None):
-        """`checkpoint_mode` "scan" (the scheduler's; see SchedulerConfig): a prefill row holds up to
-        `max_num_batched_tokens` tokens, and a step shape with room for a row to cross a boundary writes up to
+    def __init__(self, cfg: ModelConfig, graphdef, params, memory: MemoryPlan, config: EngineConfig,
+                 eos_token_ids: tuple[int, ...] | None = None, forms: Forms | None = None):
+        """Runs the step plans of the model `cfg` in the pools of `memory`, as `config` sets them up (its cache,
+        scheduling and compile settings, dtype and seed; `config.model` is not read). `eos_token_ids`: the ids
+        `min_tokens` bans besides a request's stop_token_ids (default: the model's EOS).
+
+        `checkpoint_mode` "scan" (the scheduler's; see SchedulerConfig): a prefill row holds up to the token budget
+        (`config.token_budget`), and a step shape with room for a row to cross a boundary writes up to
         `num_saves(B, T)` checkpoints; "promote": a row holds at most `chunk_stride` tokens and no step writes a
         checkpoint. The chunked GDN rule runs with chunk size gcd(`gated_delta.default_chunk_size`, chunk_stride),
         so that every boundary is a chunk boundary of a row that starts on one.
@@ -67,21 +68,24 @@ class Worker:
         `gdn_schedule`: the chunked GDN rule's schedule, "auto" (fused with the CPU forms, else parallel), "fused"
         or "parallel" (`gated_delta.chunk_gated_delta_rule`'s impl; same maths, so a CPU test can run the
         accelerators' schedule through the engine)."""
-        self.cfg, self.graphdef, self.params = cfg, graphdef, params
+        cache, max_model_len = config.cache, config.scheduling.max_model_len
+        block_size, chunk_stride = cache.block_size, cache.chunk_stride
+        dtype, gdn_schedule = getattr(jnp, config.dtype), config.compile.gdn_schedule  # jnp.float32, jnp.bfloat16
+        self.config, self.cfg, self.graphdef, self.params = config, cfg, graphdef, params
         self.memory, self.block_size = memory, block_size
-        self.max_rows = _bucket(max_num_seqs, 1, 1 << 30)
+        self.max_rows = _bucket(config.scheduling.max_num_seqs, 1, 1 << 30)
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.forms = tuning.resolve_forms(dtype) if forms is None else forms
         self.stride, self.chunk_size = chunk_stride, math.gcd(default_chunk_size(self.forms.cpu), chunk_stride)
-        self.budget = max_num_batched_tokens or max(chunk_stride, 2048)
-        self.scan = checkpoint_mode == "scan"
-        self.saves = self.scan and enable_prefix_caching and bool(cfg.linear_layer_ids)
-        self.checkpoint_policy = checkpoint_policy
+        self.budget = config.token_budget
+        self.scan = cache.checkpoint_mode == "scan"
+        self.saves = self.scan and cache.enable_prefix_caching and bool(cfg.linear_layer_ids)
+        self.checkpoint_policy = cache.checkpoint_policy
         self.max_chunk = min(self.budget, max_model_len) if self.scan else chunk_stride
         # penalty history width: every step's (prompt + output) fits, whatever its blocks bucket, so sampling has no
         # blocks dimension of its own
         self.history_width = self.max_blocks * block_size
-        self.seed, self.dtype = seed, dtype
+        self.seed, self.dtype = config.seed, dtype
         # the ids `min_tokens` bans besides a request's stop_token_ids, even with ignore_eos (vLLM's rule): the
         # model's EOS and the further end-of-sequence ids its folder lists
         self.eos_token_ids = (tuple(eos_token_ids) if eos_token_ids is not None

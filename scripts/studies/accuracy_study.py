@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from gdn_jax import LLM, SamplingParams
-from gdn_jax.engine.llm_engine import MAX_FULL_ROW_VOCAB
+from gdn_jax.engine.input_processor import MAX_FULL_ROW_VOCAB
 from gdn_jax.entrypoints.cli import nonnegative_int, positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py

@@ -2,7 +2,6 @@
 itself (read from the source), a bad option is one line naming it, and each flag reaches the engine or the server."""
 
 import ast
-import inspect
 import os
 from pathlib import Path
 
@@ -141,20 +140,20 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     record what they get). The model name resolves as the engine resolves it: the shipped `tiny` (no chat template),
     not a folder of that name in the working directory."""
     import gdn_jax.engine
+    from gdn_jax.config import EngineConfig
     from gdn_jax.entrypoints.openai import api_server
     from gdn_jax.entrypoints.cli import main
 
     seen = {}
 
     class Engine:
-        def __init__(self, model, **kw):
-            seen["engine"] = (model, kw)
+        def __init__(self, config):
+            seen["engine"] = config
 
         def warm_up(self, prompt_logprobs=False):
             seen["warm_up"] = prompt_logprobs
             return 1
 
-    real_engine = gdn_jax.engine.LLMEngine
     monkeypatch.setattr(gdn_jax.engine, "LLMEngine", Engine)
     monkeypatch.setattr(api_server, "serve", lambda engine, config, **kw: seen.update(config=config, **kw))
     monkeypatch.setenv("GDN_JAX_CACHE_DIR", "unchanged")
@@ -169,12 +168,13 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
           "--host", "0.0.0.0", "--port", "8123", "--api-key", "k", "--served-model-name", "m",
           "--max-tokens-limit", "4096", "--max-request-bytes", "5000", "--warm-up-prompt-logprobs",
           "--log-level", "debug", "--reasoning-parser", "qwen3"])
-    assert seen["engine"] == ("tiny", dict(
-        dtype="bfloat16", seed=3, enable_prefix_caching=False, block_size=32, chunk_stride=128, max_num_seqs=3,
-        max_model_len=512, num_kv_blocks=99, num_linear_slots=20, checkpoint_mode="promote",
+    assert seen["engine"] == EngineConfig.create(
+        model="tiny", dtype="bfloat16", seed=3, enable_prefix_caching=False, block_size=32, chunk_stride=128,
+        max_num_seqs=3, max_model_len=512, num_kv_blocks=99, num_linear_slots=20, checkpoint_mode="promote",
         checkpoint_policy="last", max_num_batched_tokens=256, mixed_steps=False, gdn_schedule="parallel",
-        generation_config="vllm", gpu_memory_utilization=0.5))
-    assert seen["warm_up"] is True and os.environ["GDN_JAX_CACHE_DIR"] == "off"
+        generation_config="vllm", gpu_memory_utilization=0.5, compilation_cache_dir="")
+    # the cache folder reaches the engine's config; the environment stays as it was
+    assert seen["warm_up"] is True and os.environ["GDN_JAX_CACHE_DIR"] == "unchanged"
     config = seen["config"]
     assert (config.model_name, config.api_key, config.max_request_bytes) == ("m", "k", 5000)
     assert config.max_tokens_limit == 512  # no more than fits the context
@@ -182,9 +182,9 @@ def test_serve_flags_reach_the_engine_and_the_server(monkeypatch, tmp_path):
     assert (seen["host"], seen["port"], seen["log_level"]) == ("0.0.0.0", 8123, "debug")
     seen.clear()
     main(["serve", "--no-warm-up"])  # unset flags: the engine's own defaults, but a context of 2048 tokens
-    defaults = inspect.signature(real_engine.__init__).parameters
-    kw = seen["engine"][1]
-    assert kw == {**{k: defaults[k].default for k in kw}, "max_model_len": 2048} and "warm_up" not in seen
+    assert seen["engine"] == EngineConfig.create(max_model_len=2048) and "warm_up" not in seen
+    main(["serve", "--no-warm-up", "--no-enable-prefix-caching", "--no-mixed-steps", "--mixed-steps"])
+    assert not seen["engine"].cache.enable_prefix_caching and seen["engine"].scheduling.mixed_steps
 
 
 def test_generate_takes_the_models_recommended_sampling_for_what_its_flags_leave_unset(monkeypatch, capsys):
@@ -199,10 +199,10 @@ def test_generate_takes_the_models_recommended_sampling_for_what_its_flags_leave
     seen = []
 
     class FakeLLM:
-        def __init__(self, model, **kw):
+        def __init__(self, config):
             recommended = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "max_tokens": 8}
             self.engine = types.SimpleNamespace(
-                default_sampling=recommended if kw["generation_config"] == "auto" else {})
+                default_sampling=recommended if config.generation_config == "auto" else {})
 
         def generate(self, prompt, params, use_tqdm=True):
             seen.append(params)
@@ -250,7 +250,7 @@ def test_a_cache_folder_variable_naming_a_file_is_an_error(tmp_path, monkeypatch
     """GDN_JAX_CACHE_DIR naming a file: JAX warned and compiled everything at every start."""
     import jax
 
-    from gdn_jax.engine import enable_compilation_cache
+    from gdn_jax.worker.compile_cache import enable_compilation_cache
     (tmp_path / "f").write_text("")
     monkeypatch.setenv("GDN_JAX_CACHE_DIR", str(tmp_path / "f"))
     before = jax.config.jax_compilation_cache_dir  # (the suite's own folder, set by conftest)

@@ -62,9 +62,10 @@ def test_engine_greedy_equals_transformers_generate():
 
 
 def test_no_recompilation_after_warm_up():
+    """`LLM.warm_up` compiles every step shape: no workload compiles afterwards, so no TTFT includes a compilation."""
     llm = LLM("tiny-random", **KW)
     # rows {1,2,4} x tokens {1,16,32,64,128} ("scan": a prefill row holds up to max_model_len) x blocks {8}
-    assert llm.engine.warm_up() == 3 * 5 * 1
+    assert llm.warm_up() == 3 * 5 * 1
     warm = llm.cache_stats()["compilations"]  # shapes another engine in this process compiled are shared
     rng = np.random.default_rng(9)
 
@@ -318,7 +319,8 @@ def test_a_host_error_between_planning_and_postprocess_fails_that_step_alone(eng
     greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
     work = _interrupt_workload() + [(random_ids(rng, 30), greedy), (random_ids(rng, 25), greedy)]  # 2 wait (4 rows)
     want = _run_and_add_again(engine, work)
-    obj, name = (engine, "_prompt_targets") if where == "before the device step" else (engine.scheduler, "postprocess")
+    obj, name = ((engine.output_processor, "prompt_targets") if where == "before the device step"
+                 else (engine.scheduler, "postprocess"))
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected host error")
@@ -357,14 +359,14 @@ def test_an_error_in_one_requests_postprocess_fails_that_request_alone(engine, m
     greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
     work = _interrupt_workload() + [(random_ids(rng, 12), greedy)]
     want = _run_and_add_again(engine, work)
-    real = engine._update_text
+    real = engine.output_processor.update_text
 
     def update_text(req, index, now):
         if req.request_id == "r1" and index == 0 and len(req.seqs[0].output_token_ids) == at:
             raise RuntimeError("injected text error")  # r1's first sample (at 4: in the step where r0 and r2 end)
         real(req, index, now)
 
-    monkeypatch.setattr(engine, "_update_text", update_text)
+    monkeypatch.setattr(engine.output_processor, "update_text", update_text)
     before = engine.cache_stats()
     failed_before, steps = before["failed_requests"], before["failed_steps"]
     streamed, failed = {}, None
@@ -502,7 +504,7 @@ def test_ctrl_c_in_a_steps_host_work_waits_for_its_end_and_its_outputs_come_next
     if where == "postprocess":
         _interrupt_at(monkeypatch, engine.scheduler.block_manager, "on_computed", at)
     else:
-        _interrupt_at(monkeypatch, engine, "_update_text", at)
+        _interrupt_at(monkeypatch, engine.output_processor, "update_text", at)
     outs = {}
     with pytest.raises(KeyboardInterrupt):
         _drain(engine, outs)
@@ -727,8 +729,9 @@ def test_generate_builds_each_output_once_but_the_step_api_streams_them(llm, mon
     the whole output so far (token ids, logprobs, text), which made generate's host work quadratic in the output
     length. A request added through the step API still gets an output at every step."""
     built = []
-    real = llm.engine._output
-    monkeypatch.setattr(llm.engine, "_output", lambda req: built.append(req.request_id) or real(req))
+    processor = llm.engine.output_processor
+    real = processor.make_output
+    monkeypatch.setattr(processor, "make_output", lambda req: built.append(req.request_id) or real(req))
     llm.engine.add_request("own", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2, n=2, seed=3)
     outs = llm.generate([[8, 9, 10], [11, 12]], sp, use_tqdm=False)

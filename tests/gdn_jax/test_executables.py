@@ -574,7 +574,7 @@ def test_warm_up_rejects_no_compile_threads():
 _CACHE_CHILD = """
 import os, sys
 import jax, jax.numpy as jnp
-from gdn_jax.engine import enable_compilation_cache
+from gdn_jax.worker.compile_cache import enable_compilation_cache
 if len(sys.argv) > 2:  # "read-only": the folder cannot be written
     os.access = lambda path, mode: not mode & os.W_OK
 folder = enable_compilation_cache()
@@ -636,7 +636,7 @@ def test_the_cache_folder_is_gdn_jax_cache_dir_else_xdg_cache_home_else_home(tmp
 
     base = {k: v for k, v in os.environ.items()
             if k not in ("GDN_JAX_CACHE_DIR", "XDG_CACHE_HOME", "JAX_COMPILATION_CACHE_DIR")}
-    code = "from gdn_jax.engine import enable_compilation_cache; print(enable_compilation_cache())"
+    code = "from gdn_jax.worker.compile_cache import enable_compilation_cache; print(enable_compilation_cache())"
 
     def folder(**env):
         done = subprocess.run([sys.executable, "-c", code], env={**base, "JAX_PLATFORMS": "cpu", **env},

@@ -129,19 +129,19 @@ def test_worker_fork_reads_the_parents_state_before_the_step_advances_it():
     """Slot 1 holds 32 prefilled tokens. One step: the parent continues in slot 1 while a child forks slot 1 into
     slot 2 and computes the same 16 tokens over the shared KV blocks: both rows must give the same logits as an
     uninterrupted 48-token prefill."""
-    import jax.numpy as jnp
-
-    from gdn_jax.config import get_preset
+    from gdn_jax.config import EngineConfig, get_preset
     from gdn_jax.model.qwen35 import init_model
-    from gdn_jax.worker.worker import Worker
     from gdn_jax.worker.memory import plan_memory
+    from gdn_jax.worker.worker import Worker
     from scheduler import LinearStateCacheOp, ScheduledSequence, StepPlan
     from scheduler.sampling_params import MAX_LOGPROBS
 
     cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg)
-    mem = plan_memory(cfg, jnp.float32, 16, 2, 64, num_kv_blocks=9, num_linear_slots=4, memory_budget_bytes=1 << 24)
-    w = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=2, max_model_len=64, chunk_stride=32, dtype=jnp.float32)
+    settings = EngineConfig.create(block_size=16, max_num_seqs=2, max_model_len=64, chunk_stride=32,
+                                   checkpoint_mode="promote", num_kv_blocks=9, num_linear_slots=4)
+    mem = plan_memory(cfg, settings)
+    w = Worker(cfg, graphdef, params, mem, settings)
 
     def row(seq_id, tokens, start, table, op):
         slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
@@ -149,8 +149,8 @@ def test_worker_fork_reads_the_parents_state_before_the_step_advances_it():
                                  SamplingParams(temperature=0.0, logprobs=MAX_LOGPROBS), 0)  # top logprobs compared
 
     toks = random_ids(np.random.default_rng(1), 48)
-    ref = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=2, max_model_len=64, chunk_stride=64,
-                 dtype=jnp.float32).execute(StepPlan(True, [row(1, toks, 0, [1, 2, 3], LinearStateCacheOp(1, True, -1))]))
+    ref = Worker(cfg, graphdef, params, mem, settings.replace(chunk_stride=64)).execute(
+        StepPlan(True, [row(1, toks, 0, [1, 2, 3], LinearStateCacheOp(1, True, -1))]))
     w.execute(StepPlan(True, [row(1, toks[:32], 0, [1, 2], LinearStateCacheOp(1, True, -1))]))
     both = w.execute(StepPlan(True, [row(1, toks[32:], 32, [1, 2, 3], LinearStateCacheOp(1, False, -1)),
                                      row(2, toks[32:], 32, [1, 2, 4], LinearStateCacheOp(2, True, 1, fork=True))]))

@@ -1,17 +1,21 @@
 """Pool sizing: bytes per KV block and per linear slot, explicit counts, and the memory budget."""
 
-import jax.numpy as jnp
 import pytest
 
-from gdn_jax.config import get_preset
+from gdn_jax.config import EngineConfig, get_preset
 from gdn_jax.worker.memory import CHECKPOINTS_PER_SEQ_MAX, CPU_MEMORY_BUDGET_BYTES, default_memory_budget, plan_memory
 
 pytestmark = pytest.mark.engine
 
 
+def _settings(dtype: str, max_num_seqs: int, max_model_len: int, **cache) -> EngineConfig:
+    return EngineConfig.create(dtype=dtype, block_size=16, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                               **cache)
+
+
 def test_qwen35_9b_bytes_per_block_and_slot():
     cfg = get_preset("qwen3.5-9b")
-    plan = plan_memory(cfg, jnp.bfloat16, 16, 8, 4096, None, None, 40 << 30)
+    plan = plan_memory(cfg, _settings("bfloat16", 8, 4096), 40 << 30)
     # 8 full-attention layers x (K and V) x 16 tokens x 4 kv heads x 256 dims x 2 bytes
     assert plan.bytes_per_kv_block == 8 * 2 * 16 * 4 * 256 * 2
     # 24 GDN layers x (conv: 3 x (2*16*128 + 32*128) channels x 2 bytes + SSM: 32 heads x 128 x 128 x 4 bytes)
@@ -22,10 +26,10 @@ def test_qwen35_9b_bytes_per_block_and_slot():
 
 def test_explicit_counts_win_and_a_small_budget_shrinks_the_pools():
     cfg = get_preset("tiny-random")
-    explicit = plan_memory(cfg, jnp.float32, 16, 4, 256, 33, 9, 1 << 20)
+    explicit = plan_memory(cfg, _settings("float32", 4, 256, num_kv_blocks=33, num_linear_slots=9), 1 << 20)
     assert (explicit.num_kv_blocks, explicit.num_linear_slots) == (33, 9)
-    roomy = plan_memory(cfg, jnp.float32, 16, 4, 256, None, None, 1 << 30)
-    small = plan_memory(cfg, jnp.float32, 16, 4, 256, None, None, 1 << 20)
+    roomy = plan_memory(cfg, _settings("float32", 4, 256), 1 << 30)
+    small = plan_memory(cfg, _settings("float32", 4, 256), 1 << 20)
     assert roomy.num_kv_blocks == 1 + 2 * 4 * 16           # enough for full concurrency, twice
     assert small.num_kv_blocks < roomy.num_kv_blocks and small.total_bytes <= 1 << 20
     assert small.num_linear_slots > 4                       # always one live slot per sequence
@@ -33,26 +37,26 @@ def test_explicit_counts_win_and_a_small_budget_shrinks_the_pools():
 
 def test_the_default_plan_reserves_a_checkpoint_per_sequence_even_for_qwen35_9b():
     cfg = get_preset("qwen3.5-9b")
-    plan = plan_memory(cfg, jnp.bfloat16, 16, 16, 4096, None, None, CPU_MEMORY_BUDGET_BYTES)
+    plan = plan_memory(cfg, _settings("bfloat16", 16, 4096), CPU_MEMORY_BUDGET_BYTES)
     assert plan.num_checkpoint_slots >= 16 and plan.num_linear_slots == 1 + 16 + plan.num_checkpoint_slots
     assert plan.total_bytes <= CPU_MEMORY_BUDGET_BYTES and plan.num_kv_blocks >= 1 + 4096 // 16
     assert "1 padding + 16 live + " in plan.describe() and "checkpoint" in plan.describe()
     # without prefix caching no checkpoint room is kept
-    off = plan_memory(cfg, jnp.bfloat16, 16, 16, 4096, None, None, CPU_MEMORY_BUDGET_BYTES, enable_prefix_caching=False)
+    off = plan_memory(cfg, _settings("bfloat16", 16, 4096, enable_prefix_caching=False), CPU_MEMORY_BUDGET_BYTES)
     assert off.num_checkpoint_slots == 0 and off.num_kv_blocks > plan.num_kv_blocks
 
 
 def test_a_budget_too_small_for_the_minimum_names_the_linear_state_slots():
     cfg = get_preset("qwen3.5-9b")
     with pytest.raises(ValueError, match=r"33 linear-state slots x 49\.12 MiB"):
-        plan_memory(cfg, jnp.bfloat16, 16, 16, 4096, None, None, 1 << 30)
+        plan_memory(cfg, _settings("bfloat16", 16, 4096), 1 << 30)
     with pytest.raises(ValueError, match="no room for a checkpoint"):
-        plan_memory(cfg, jnp.bfloat16, 16, 16, 4096, None, 17, 40 << 30)
+        plan_memory(cfg, _settings("bfloat16", 16, 4096, num_linear_slots=17), 40 << 30)
 
 
 def test_more_budget_buys_more_checkpoints_up_to_the_cap():
     cfg = get_preset("tiny-random")
-    counts = [plan_memory(cfg, jnp.float32, 16, 4, 256, None, None, b).num_checkpoint_slots
+    counts = [plan_memory(cfg, _settings("float32", 4, 256), b).num_checkpoint_slots
               for b in (1 << 19, 1 << 20, 1 << 30)]
     assert counts[0] >= 4 and counts == sorted(counts) and counts[-1] == CHECKPOINTS_PER_SEQ_MAX * 4
 

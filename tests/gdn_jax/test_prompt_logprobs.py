@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from gdn_jax import LLM, LLMEngine, ModelConfig, SamplingParams
-from gdn_jax.engine.llm_engine import LogprobRow
+from gdn_jax.engine.outputs import LogprobRow
 from tests.gdn_jax.helpers import FIXTURE, random_ids
 
 pytestmark = pytest.mark.model

@@ -98,17 +98,19 @@ def test_worker_cold_start_ignores_garbage_and_warm_restore_continues_exactly():
     the result equals one uninterrupted prefill, and a cold start on a garbage-filled slot equals a clean one."""
     from gdn_jax.model.qwen35 import init_model
     from gdn_jax.worker.worker import Worker
+    from gdn_jax.config import EngineConfig
     from gdn_jax.worker.memory import plan_memory
     from scheduler import SamplingParams, ScheduledSequence, StepPlan
     from scheduler.sampling_params import MAX_LOGPROBS
 
     cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg)
-    mem = plan_memory(cfg, jnp.float32, 16, 2, 64, num_kv_blocks=9, num_linear_slots=4, memory_budget_bytes=1 << 24)
+    settings = EngineConfig.create(block_size=16, max_num_seqs=2, max_model_len=64, chunk_stride=32,
+                                   checkpoint_mode="promote", num_kv_blocks=9, num_linear_slots=4)
+    mem = plan_memory(cfg, settings)
 
     def worker(chunk=32):
-        return Worker(cfg, graphdef, params, mem, 16, max_num_seqs=2, max_model_len=64, chunk_stride=chunk,
-                      dtype=jnp.float32)
+        return Worker(cfg, graphdef, params, mem, settings.replace(chunk_stride=chunk))
 
     def row(tokens, start, table, op):
         slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]

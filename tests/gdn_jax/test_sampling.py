@@ -453,7 +453,7 @@ def test_a_models_recommended_sampling_is_what_a_request_given_none_gets(tmp_pat
     generation_config.json (those that differ from transformers' defaults; max_new_tokens as max_tokens)."""
     import json
 
-    from gdn_jax.engine import model_sampling_defaults
+    from gdn_jax.engine.input_processor import model_sampling_defaults
     folder = tmp_path / "m"
     shutil.copytree(FIXTURE, folder)
     assert model_sampling_defaults(folder) == {}
@@ -481,7 +481,7 @@ def test_a_models_recommended_sampling_is_what_a_request_given_none_gets(tmp_pat
 def test_end_of_sequence_ids_are_read_from_every_place_a_folder_lists_them(tmp_path):
     import json
 
-    from gdn_jax.engine import model_eos_ids
+    from gdn_jax.engine.input_processor import model_eos_ids
     assert model_eos_ids(None) == [] and model_eos_ids(tmp_path) == []
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {"eos_token_id": [5, 6]},
                                                       "eos_token_id": 7}))

@@ -378,9 +378,9 @@ def test_a_failing_step_errors_its_requests_and_the_loop_keeps_serving(server, c
     if where == "device step":
         obj, name, poisoned = server.loop.engine.worker, "execute", lambda plan, *a, **kw: plan.seqs
     elif where == "host work after planning":
-        obj, name, poisoned = server.loop.engine, "_prompt_targets", lambda row: [row]
+        obj, name, poisoned = server.loop.engine.output_processor, "prompt_targets", lambda req, row: [row]
     else:
-        obj, name, poisoned = server.loop.engine, "_update_text", lambda req, index, now: req.seqs
+        obj, name, poisoned = server.loop.engine.output_processor, "update_text", lambda req, index, now: req.seqs
     step_failed = where != "one request's postprocess"
     real = getattr(obj, name)
 

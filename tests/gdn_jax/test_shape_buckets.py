@@ -7,7 +7,7 @@ import random
 import jax.numpy as jnp
 import pytest
 
-from gdn_jax.config import get_preset
+from gdn_jax.config import EngineConfig, get_preset
 from gdn_jax.model.weights import abstract_model
 from gdn_jax.worker.worker import Worker
 from gdn_jax.worker.memory import plan_memory
@@ -22,11 +22,8 @@ GEOMETRY = dict(block_size=4, chunk_stride=8, max_num_seqs=8, max_model_len=512,
 def _worker(checkpoint_mode: str) -> Worker:
     cfg = get_preset("tiny-random")
     graphdef, params = abstract_model(cfg, jnp.float32)
-    g = GEOMETRY
-    memory = plan_memory(cfg, jnp.float32, g["block_size"], g["max_num_seqs"], g["max_model_len"], None, None, 1 << 30)
-    return Worker(cfg, graphdef, params, memory, g["block_size"], g["max_num_seqs"], g["max_model_len"],
-                  g["chunk_stride"], jnp.float32, max_num_batched_tokens=g["max_num_batched_tokens"],
-                  checkpoint_mode=checkpoint_mode)
+    settings = EngineConfig.create(**GEOMETRY, checkpoint_mode=checkpoint_mode)
+    return Worker(cfg, graphdef, params, plan_memory(cfg, settings, 1 << 30), settings)
 
 
 def _plan_shapes(checkpoint_mode: str, seed: int) -> set[tuple[int, int]]:
