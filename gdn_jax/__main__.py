@@ -8,7 +8,7 @@ import statistics
 import time
 
 from gdn_jax import LLM, SamplingParams
-from gdn_jax.entrypoints.cli import HelpFormatter, positive_int
+from gdn_jax.entrypoints.cli import HelpFormatter, add_engine_args, engine_config, positive_int
 
 SYSTEM = ("The Python Language Reference describes the syntax and core semantics of the language. Each section "
           "below explains one statement or concept, with its grammar and an example.\n\n")
@@ -29,8 +29,13 @@ def _workload(llm: LLM, system: str, params: SamplingParams):
 
 
 def _measured(llm: LLM, params: SamplingParams):
-    """Warm-up round (compiles every shape the workload uses), an emptied prefix cache, then the same round measured;
-    returns the measured round's outputs, its counter deltas and the warm-up's."""
+    """`LLM.warm_up` (compiles every step shape), a warm-up round (the first run of a step's checkpoint saves and
+    restores still costs time: the warm-up runs each shape on padding, which neither saves nor restores), an emptied
+    prefix cache, then the same round measured; returns the measured round's outputs, its wall time and counter
+    deltas, the warm-up round's, and the warm-up's step shapes and seconds."""
+    t0 = time.perf_counter()
+    shapes = llm.warm_up()
+    warm_up = shapes, time.perf_counter() - t0
     s0 = llm.cache_stats()
     _workload(llm, SYSTEM, params)
     llm.reset_prefix_cache()
@@ -39,7 +44,7 @@ def _measured(llm: LLM, params: SamplingParams):
     rounds = _workload(llm, SYSTEM, params)
     wall = time.perf_counter() - t0
     s2 = llm.cache_stats()
-    return rounds, wall, {k: s2[k] - s1[k] for k in COUNTERS}, {k: s1[k] - s0[k] for k in COUNTERS}
+    return rounds, wall, {k: s2[k] - s1[k] for k in COUNTERS}, {k: s1[k] - s0[k] for k in COUNTERS}, warm_up
 
 
 def _show(text: str, width: int) -> str:
@@ -49,9 +54,7 @@ def _show(text: str, width: int) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m gdn_jax", description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--model", default="tiny", help="preset name or HF folder")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
-    ap.add_argument("--chunk-stride", type=positive_int, default=64, help="tokens between linear-state checkpoints")
+    add_engine_args(ap, only=("model", "dtype", "chunk_stride"))
     ap.add_argument("--max-tokens", type=positive_int, default=32, help="tokens generated per request (greedy)")
     ap.add_argument("--width", type=positive_int, default=60, help="characters of output text shown per request")
     args = ap.parse_args(argv)
@@ -64,18 +67,17 @@ def main(argv=None) -> None:
 def _run(args) -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    kw = dict(dtype=args.dtype, chunk_stride=args.chunk_stride, max_model_len=1024, max_num_seqs=8, verbose=False)
     results = {}
     for caching in (True, False):
-        llm = LLM(args.model, enable_prefix_caching=caching, **kw)
+        llm = LLM(engine_config(args, enable_prefix_caching=caching, max_model_len=1024, max_num_seqs=8, verbose=False))
         if caching:
             print(f"[gdn_jax] {llm.engine.cfg.name}: {llm.engine.memory.describe()}")
-            print("warm-up round (compiles the step shapes this workload uses), then the measured round; "
-                  "then both again with the cache off ...")
+            print("warm-up (compiles every step shape), a warm-up round, then the measured round; then all again "
+                  "with the cache off ...")
         results[caching] = _measured(llm, params)
 
-    rounds, wall, delta, warm = results[True]
-    off_rounds, off_wall, _, _ = results[False]
+    rounds, wall, delta, warm, (shapes, warm_s) = results[True]
+    off_rounds, off_wall = results[False][:2]
     cs, n1 = args.chunk_stride, len(rounds[0][1][0].prompt_token_ids)
     print(f"\nmeasured round, cache on, checkpoints every {cs} tokens (after a warm-up round and an emptied cache)")
     print(f"  cached: tokens reused = min(KV match, checkpoint reach), always on a checkpoint boundary. The turn1 "
@@ -98,7 +100,8 @@ def _run(args) -> None:
           f"prompt tokens | checkpoints saved {d['checkpoints_saved']} restored {d['checkpoints_restored']} "
           f"evicted {d['checkpoints_evicted']} | rotation copies {d['rotation_copies']} | "
           f"compilations {d['compilations']}")
-    print(f"warm-up round: compilations {warm['compilations']}, queries {warm['queries']}, hits {warm['hits']}")
+    print(f"warm-up: {shapes} step shapes compiled or loaded in {warm_s:.1f} s | warm-up round: compilations "
+          f"{warm['compilations']}, queries {warm['queries']}, hits {warm['hits']}")
     print(f"outputs identical with and without the cache: {'yes' if same else 'NO'} | "
           f"mean TTFT cache on / off: {statistics.fmean(ttft_on) / statistics.fmean(ttft_off):.2f}")
 
