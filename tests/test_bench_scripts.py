@@ -129,8 +129,10 @@ def test_op_parts_attribute_the_attention_beyond_rope():
     """The attention part holds the attention's own ops (its loops over key chunks, or the one-query kernel's call),
     not only RoPE's: the layer loop calls `Attention.project_write` and `Attention.attend`, not `__call__` (whose ops
     alone counted as attention before, leaving the scores and softmax under "other")."""
+    import jax.numpy as jnp
     import numpy as np
 
+    from gdn_jax.backends.cpu import tuning
     from gdn_jax.config import get_preset
     from gdn_jax.model.qwen35 import init_model
     from gdn_jax.model.state import init_state
@@ -140,7 +142,8 @@ def test_op_parts_attribute_the_attention_beyond_rope():
     graphdef, params = init_model(cfg)
     batch, nb = common.one_row_batch(np.arange(64) % 100 + 2, 16)
     state = init_state(cfg, nb + 1, 16, 2)
-    text = common.forward_jit(64).lower(graphdef, params, batch, state, False).compile().as_text()
+    forward = common.forward_jit(64, tuning.resolve_forms(jnp.float32))  # the engine's forms, as profile_forward's
+    text = forward.lower(graphdef, params, batch, state, False).compile().as_text()
     parts, _ = common.op_parts(text)
     attention = [name for name, part in parts.items() if part == "attention"]
     assert any(name.startswith(("while", "ffi_call", "custom-call")) for name in attention), attention
