@@ -1,5 +1,5 @@
 """The training path: its dense forward against the engine's prefill, gradients of the chunked rule, the corpus split,
-and a reduced run of scripts/train_tiny.py (loss goes down; an interrupted run resumes at the same step and ends
+and a reduced run of scripts/tools/train_tiny.py (loss goes down; an interrupted run resumes at the same step and ends
 with the same weights)."""
 
 import dataclasses
@@ -25,7 +25,7 @@ from gdn_jax.model.weights import abstract_model, load_hf_weights, save_hf_weigh
 from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "tools"))
 import train_tiny  # noqa: E402
 
 pytestmark = pytest.mark.studies
