@@ -433,7 +433,7 @@ def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_s
     fresh_choice.delenv(tuning.ROWS_KERNEL_ENV, raising=False)
     if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
-            assert tuning.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == 0
+            assert tuning.rows_kernel_rows(lambda *a: pytest.fail("measured")) == 0
         return
     seen = []
 
@@ -449,17 +449,17 @@ def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_s
     for kernel_seconds, want in (({4: 0.5, 8: 0.9, 16: 1.0}, 8), ({4: 0.97, 8: 0.5, 16: 0.5}, 0),
                                  ({4: 0.5, 8: 0.5, 16: 0.5}, 16), ({4: 0.5, 8: 2.0, 16: 0.5}, 4)):
         seen.clear()
-        assert tuning.rows_kernel_rows.__wrapped__(timer(kernel_seconds)) == want
+        assert tuning.rows_kernel_rows(timer(kernel_seconds)) == want
         assert {s[1:4] for s in seen} == {(8, (4096, 1024), "bfloat16")} and all(s[5] for s in seen)
         measured = [4, 8, 16][:[0, 4, 8, 16].index(want) + 1]  # up to the first count the kernel loses at
         assert [s[0] for s in seen] == [r for r in measured for _ in range(2 * tuning.FEW_ROWS_ROUNDS)]
     for value, want in (("1", 16), ("0", 0)):
         fresh_choice.setenv(tuning.ROWS_KERNEL_ENV, value)
-        assert tuning.rows_kernel_rows.__wrapped__(lambda *a: pytest.fail("measured")) == want
+        assert tuning.rows_kernel_rows(lambda *a: pytest.fail("measured")) == want
     fresh_choice.setenv(tuning.ROWS_KERNEL_ENV, "yes")
     with pytest.raises(ValueError, match=f"{tuning.ROWS_KERNEL_ENV} must be one of 0, 1"):
-        tuning.rows_kernel_rows.__wrapped__()
+        tuning.rows_kernel_rows()
     fresh_choice.setenv(tuning.ROWS_KERNEL_ENV, "1")
     fresh_choice.setenv(library.KERNELS_ENV, "0")
     library.available.cache_clear()
-    assert tuning.rows_kernel_rows.__wrapped__() == 0
+    assert tuning.rows_kernel_rows() == 0

@@ -12,7 +12,7 @@ import pytest
 from gdn_jax.model import attention
 from gdn_jax.model import dense
 from gdn_jax.backends.cpu import kernels as cpu_kernels, tuning
-from gdn_jax.config import EngineConfig, get_preset
+from gdn_jax.config import get_preset
 from gdn_jax.model.forms import Forms
 from gdn_jax.model.state import Batch, DeviceState, init_state
 from gdn_jax.model.qwen35 import forward, init_model
@@ -85,13 +85,6 @@ def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
         np.testing.assert_array_equal(x[:, 6], y[:, 6])  # the restore source is read, never written
 
 
-def _worker(cfg, graphdef, params, dtype: str, **settings) -> Worker:
-    """A promote-mode worker of 16-token blocks, a 64-token context and 32-token strides, its pools as given."""
-    config = EngineConfig.create(dtype=dtype, block_size=16, max_model_len=64, chunk_stride=32,
-                                 checkpoint_mode="promote", **settings)
-    return Worker(cfg, graphdef, params, plan_memory(cfg, config), config)
-
-
 def _row(tokens, start, op, seq_id=1, table=(1, 2, 3, 4)):
     slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + len(tokens))]
     # every row asks for its top logprobs: the tests compare them (a step where no row asks computes none)
@@ -151,9 +144,9 @@ def test_the_faster_many_row_form_is_measured_unless_the_environment_says(monkey
         return time_of
 
     for conversion_first in (True, False):
-        assert tuning.upcast_is_faster.__wrapped__(timer(conversion_first)) is conversion_first
+        assert tuning.upcast_is_faster(timer(conversion_first)) is conversion_first
     assert sorted(seen)[0][:2] == (jnp.bfloat16, (2048, 1024)) and {c for _, _, c in seen} == {True, False}
-    _environment_decides(monkeypatch, tuning.upcast_is_faster.__wrapped__, tuning.UPCAST_ENV)
+    _environment_decides(monkeypatch, tuning.upcast_is_faster, tuning.UPCAST_ENV)
     assert tuning.UPCAST_ENV == "GDN_JAX_BF16_UPCAST"
 
 
@@ -203,11 +196,11 @@ def test_the_faster_few_row_form_is_measured_unless_the_environment_says(monkeyp
         return time_of
 
     for library_seconds, want in ((0.5, True), (0.97, False), (2.0, False)):
-        assert tuning.few_rows_weight_left.__wrapped__(timer(library_seconds)) is want
+        assert tuning.few_rows_weight_left(timer(library_seconds)) is want
     assert {s[:4] for s in seen} == {((1, 1024), "bfloat16", 8, (4096, 1024))}
     # per round: the loop at both widths, then the library form
     assert [s[4] for s in seen[:3]] == [False, False, True] and len(seen) == 3 * 3 * tuning.FEW_ROWS_ROUNDS
-    _environment_decides(monkeypatch, tuning.few_rows_weight_left.__wrapped__, tuning.FEW_ROWS_ENV)
+    _environment_decides(monkeypatch, tuning.few_rows_weight_left, tuning.FEW_ROWS_ENV)
     assert tuning.FEW_ROWS_ENV == "GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT"
 
 
@@ -225,17 +218,18 @@ def test_the_faster_decode_vector_width_is_measured_unless_the_environment_says(
             seen.append((bits, x.shape, x.dtype, len(weights), weights[0].shape, weights[0].dtype))
             return 1.0 if bits == 256 else next(ratio)
 
-        assert tuning.decode_vector_bits.__wrapped__("bfloat16", Forms(cpu=True), timer) == want, ratios
+        assert tuning.decode_vector_bits("bfloat16", Forms(cpu=True), timer) == want, ratios
         assert seen[:2] == [(bits, (1, 1024), jnp.bfloat16, 8, (4096, 1024), jnp.bfloat16) for bits in (256, 512)]
         assert len(seen) == 2 * rounds
     monkeypatch.setattr(tuning, "choices_file", lambda cache=None: None)  # nothing kept from another start
-    assert tuning.decode_vector_bits.__wrapped__("float32") in (256, 512)  # the real probe compiles and runs
+    monkeypatch.setattr(tuning, "_measured", {})  # nor from earlier in this process
+    assert tuning.decode_vector_bits("float32") in (256, 512)  # the real probe compiles and runs
     for value in ("256", "512"):
         monkeypatch.setenv(tuning.DECODE_VECTOR_BITS_ENV, value)
-        assert tuning.decode_vector_bits.__wrapped__("float32", timer=lambda *a: pytest.fail("measured")) == int(value)
+        assert tuning.decode_vector_bits("float32", timer=lambda *a: pytest.fail("measured")) == int(value)
     monkeypatch.setenv(tuning.DECODE_VECTOR_BITS_ENV, "1024")
     with pytest.raises(ValueError, match="GDN_JAX_DECODE_VECTOR_BITS must be one of 256, 512"):
-        tuning.decode_vector_bits.__wrapped__("float32")
+        tuning.decode_vector_bits("float32")
 
 
 @pytest.mark.parametrize("width", [64, 4096])
@@ -246,7 +240,8 @@ def test_single_row_bfloat16_decode_reads_the_weights_as_they_are(width):
     width 4096 the products whose input is that wide take the two-row form (`dense.one_row`)."""
     cfg = dataclasses.replace(get_preset("tiny-random"), hidden_size=width)
     graphdef, params = init_model(cfg, dtype=jnp.bfloat16)
-    w = _worker(cfg, graphdef, params, "bfloat16", max_num_seqs=2, num_kv_blocks=9, num_linear_slots=4)
+    mem = plan_memory(cfg, jnp.bfloat16, 16, 2, 64, num_kv_blocks=9, num_linear_slots=4, memory_budget_bytes=1 << 24)
+    w = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=2, max_model_len=64, chunk_stride=32, dtype=jnp.bfloat16)
     kernels = {tuple(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
                if "kernel" in jax.tree_util.keystr(path)}
     assert len(kernels) >= 4
@@ -321,7 +316,8 @@ def test_layer_switch_branches_generate_no_code(dtype, rows, tokens):
     step took a sixth of its compilation)."""
     cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg, dtype=dtype)
-    w = _worker(cfg, graphdef, params, jnp.dtype(dtype).name, max_num_seqs=16, num_kv_blocks=70, num_linear_slots=33)
+    mem = plan_memory(cfg, dtype, 16, 16, 64, num_kv_blocks=70, num_linear_slots=33, memory_budget_bytes=1 << 26)
+    w = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=16, max_model_len=64, chunk_stride=32, dtype=dtype)
     hlo = w.compiled_step((rows, tokens, w.max_blocks)).as_text()
     bodies = _branch_bodies(hlo)
     products = [b for b in bodies.values()
@@ -352,7 +348,8 @@ def test_the_decode_rule_reads_the_state_in_one_product(rows):
     read by that product and by the update that writes it to its pool, not four times as before."""
     cfg = dataclasses.replace(get_preset("tiny-random"), linear_key_head_dim=24, linear_value_head_dim=40)
     graphdef, params = init_model(cfg)
-    w = _worker(cfg, graphdef, params, "float32", max_num_seqs=16, num_kv_blocks=70, num_linear_slots=33)
+    mem = plan_memory(cfg, jnp.float32, 16, 16, 64, num_kv_blocks=70, num_linear_slots=33, memory_budget_bytes=1 << 26)
+    w = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=16, max_model_len=64, chunk_stride=32, dtype=jnp.float32)
     hlo = w.compiled_step((rows, 1, w.max_blocks)).as_text()
     products = _products_reading(hlo, (cfg.linear_num_value_heads, 24, 40))
     assert len(products) == 1, products

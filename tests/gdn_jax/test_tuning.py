@@ -91,9 +91,7 @@ def _write_choices(path, bits: int, upcast: bool, few_rows: bool, kernel_rows: i
 
 
 def _clear_choices():
-    for choice in (tuning.upcast_is_faster, tuning.few_rows_weight_left, tuning.rows_kernel_rows,
-                   tuning.decode_vector_bits):
-        choice.cache_clear()
+    tuning.forget_measured()  # (the test's own memo: `_measured` is patched)
 
 
 def test_the_forms_are_read_from_the_kept_choices_without_measuring(tmp_path, monkeypatch):
@@ -103,6 +101,7 @@ def test_the_forms_are_read_from_the_kept_choices_without_measuring(tmp_path, mo
     for name in (tuning.DECODE_VECTOR_BITS_ENV, tuning.UPCAST_ENV, tuning.FEW_ROWS_ENV, tuning.ROWS_KERNEL_ENV,
                  tuning.UNROLL_ENV, tuning.PREFILL_KV_CHUNK_ENV):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tuning, "_measured", {})  # what this process measured or read before: not served here
     real = tuning.remembered
     monkeypatch.setattr(tuning, "remembered", lambda name, measure, valid, cache=None: real(
         name, lambda: pytest.fail(f"measured {name}"), valid, cache))
@@ -123,7 +122,8 @@ def test_the_forms_are_read_from_the_kept_choices_without_measuring(tmp_path, mo
     forms = tuning.resolve_forms(jnp.bfloat16)
     assert (forms.decode_vector_bits, forms.bf16_upcast, forms.unroll, forms.prefill_kv_chunk_keys) == (
         512, True, "decode", 2048)
-    _clear_choices()
+    monkeypatch.setenv(tuning.UPCAST_ENV, "0")  # read at every start, not once per process
+    assert not tuning.resolve_forms(jnp.bfloat16).bf16_upcast
 
 
 def test_measuring_again_replaces_the_kept_choices(tmp_path, monkeypatch):
@@ -131,6 +131,7 @@ def test_measuring_again_replaces_the_kept_choices(tmp_path, monkeypatch):
     returns are those a later start reads back."""
     for name in (tuning.DECODE_VECTOR_BITS_ENV, tuning.UPCAST_ENV, tuning.FEW_ROWS_ENV, tuning.ROWS_KERNEL_ENV):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tuning, "_measured", {})
     path = tuning.choices_file(str(tmp_path))
     _write_choices(path, 512, True, True, 0)
     stale = json.loads(path.read_text())
@@ -138,17 +139,14 @@ def test_measuring_again_replaces_the_kept_choices(tmp_path, monkeypatch):
     real = tuning.remembered
     monkeypatch.setattr(tuning, "remembered", lambda name, measure, valid, cache=None: real(
         name, lambda: measured.append(name) or measure(), valid, cache or str(tmp_path)))
-    try:
-        resolved = tuning.measure_again(("float32",), cache=str(tmp_path))
-        assert measured == ["decode_vector_bits float32"]  # a float32 model's one choice, measured though it was kept
-        kept = json.loads(path.read_text())
-        assert set(kept) == {tuning.choice_key("decode_vector_bits float32")} and kept != stale  # the rest deleted
-        assert resolved["float32"].decode_vector_bits == kept[tuning.choice_key("decode_vector_bits float32")]["value"]
-        _clear_choices()
-        assert tuning.resolve_forms(jnp.float32) == resolved["float32"]  # read back, not measured
-        assert measured == ["decode_vector_bits float32"]
-    finally:
-        _clear_choices()
+    resolved = tuning.measure_again(("float32",), cache=str(tmp_path))
+    assert measured == ["decode_vector_bits float32"]  # a float32 model's one choice, measured though it was kept
+    kept = json.loads(path.read_text())
+    assert set(kept) == {tuning.choice_key("decode_vector_bits float32")} and kept != stale  # the rest deleted
+    assert resolved["float32"].decode_vector_bits == kept[tuning.choice_key("decode_vector_bits float32")]["value"]
+    _clear_choices()
+    assert tuning.resolve_forms(jnp.float32) == resolved["float32"]  # read back, not measured
+    assert measured == ["decode_vector_bits float32"]
 
 
 _FRESH_PROCESS = """

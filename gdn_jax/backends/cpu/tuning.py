@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import tempfile
@@ -82,8 +81,7 @@ def measure_again(dtypes=("float32", "bfloat16"), cache: str | None = None) -> d
     path = choices_file(cache)
     if path is not None:
         path.unlink(missing_ok=True)
-    for choice in (upcast_is_faster, few_rows_weight_left, rows_kernel_rows, decode_vector_bits):
-        choice.cache_clear()
+    forget_measured()
     return {jnp.dtype(dtype).name: resolve_forms(dtype) for dtype in dtypes}
 
 
@@ -156,9 +154,22 @@ def remembered(name: str, measure, valid, cache: str | None = None):
     return value
 
 
+_measured: dict[str, object] = {}  # the choices this process measured or read, by name (`measured_choice`)
+
+
 def measured_choice(name: str, measure, valid, keep: bool = True):
-    """`measure()`, kept per machine (`remembered`) unless `keep` is false (a test's own timer)."""
-    return remembered(name, measure, valid) if keep else measure()
+    """`measure()`, kept per machine (`remembered`) and for the rest of the process, unless `keep` is false (a test's
+    own timer). The environment's overrides are read before, at every call."""
+    if not keep:
+        return measure()
+    if name not in _measured:
+        _measured[name] = remembered(name, measure, valid)
+    return _measured[name]
+
+
+def forget_measured() -> None:
+    """Forgets what this process measured or read (`measured_choice`): the next call reads the file again."""
+    _measured.clear()
 
 
 # The measurements
@@ -176,7 +187,6 @@ def _best_seconds(fn, *args, repeats: int = 5) -> float:
     return min(seconds_of(fn, *args) for _ in range(repeats))
 
 
-@functools.cache
 def upcast_is_faster(timer=_best_seconds) -> bool:
     """Whether this CPU multiplies a many-row bfloat16 product faster with both operands converted to float32 (the
     conversion included) than with XLA's bfloat16 routine (float32 accumulation): `Forms.bf16_upcast`. Which one
@@ -200,7 +210,6 @@ def upcast_is_faster(timer=_best_seconds) -> bool:
                            keep=timer is _best_seconds)
 
 
-@functools.cache
 def few_rows_weight_left(timer=None) -> bool:
     """Whether this CPU multiplies bfloat16 products of 1-15 rows (decode steps) faster in XLA's library with the
     weight on the left, W @ x.T, one row padded to two with a zero row, than as XLA's own loop over the weight
@@ -239,7 +248,6 @@ def few_rows_weight_left(timer=None) -> bool:
     return measured_choice("bf16_few_rows_weight_left", measure, lambda v: isinstance(v, bool), keep=timer is None)
 
 
-@functools.cache
 def rows_kernel_rows(timer=None) -> int:
     """The most rows of a bfloat16 product (from 2 on) that the compiled few-row kernel multiplies
     (`cpu_kernels.rows_product`) instead of XLA's library with the weight on the left: 0 (none) or one of
@@ -293,7 +301,6 @@ def _chained(product):
     return jax.jit(run)
 
 
-@functools.cache
 def decode_vector_bits(dtype: str, forms: Forms | None = None, timer=None) -> int:
     """LLVM's vector width (256 or 512 bits) under which this CPU streams a one-row product of `dtype` weights faster
     (`Forms.decode_vector_bits`): which one wins depends on the CPU and the dtype (docs/benchmarks.md).
