@@ -12,7 +12,7 @@ import pytest
 from gdn_jax.model import attention
 from gdn_jax.model import dense
 from gdn_jax.backends.cpu import kernels as cpu_kernels, tuning
-from gdn_jax.config import get_preset
+from gdn_jax.config import EngineConfig, get_preset
 from gdn_jax.model.forms import Forms
 from gdn_jax.model.state import Batch, DeviceState, init_state
 from gdn_jax.model.qwen35 import forward, init_model
@@ -83,6 +83,13 @@ def test_rows_a_few_at_a_time_equal_all_rows_at_once(monkeypatch, T):
         np.testing.assert_allclose(x[:, 1:4], y[:, 1:4], atol=1e-5)
     for x, y in zip((s1.conv, s1.ssm), jax.device_get((before.conv, before.ssm))):
         np.testing.assert_array_equal(x[:, 6], y[:, 6])  # the restore source is read, never written
+
+
+def _worker(cfg, graphdef, params, dtype: str, **settings) -> Worker:
+    """A promote-mode worker of 16-token blocks, a 64-token context and 32-token strides, its pools as given."""
+    config = EngineConfig.create(dtype=dtype, block_size=16, max_model_len=64, chunk_stride=32,
+                                 checkpoint_mode="promote", **settings)
+    return Worker(cfg, graphdef, params, plan_memory(cfg, config), config)
 
 
 def _row(tokens, start, op, seq_id=1, table=(1, 2, 3, 4)):
@@ -240,8 +247,7 @@ def test_single_row_bfloat16_decode_reads_the_weights_as_they_are(width):
     width 4096 the products whose input is that wide take the two-row form (`dense.one_row`)."""
     cfg = dataclasses.replace(get_preset("tiny-random"), hidden_size=width)
     graphdef, params = init_model(cfg, dtype=jnp.bfloat16)
-    mem = plan_memory(cfg, jnp.bfloat16, 16, 2, 64, num_kv_blocks=9, num_linear_slots=4, memory_budget_bytes=1 << 24)
-    w = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=2, max_model_len=64, chunk_stride=32, dtype=jnp.bfloat16)
+    w = _worker(cfg, graphdef, params, "bfloat16", max_num_seqs=2, num_kv_blocks=9, num_linear_slots=4)
     kernels = {tuple(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
                if "kernel" in jax.tree_util.keystr(path)}
     assert len(kernels) >= 4
@@ -316,8 +322,7 @@ def test_layer_switch_branches_generate_no_code(dtype, rows, tokens):
     step took a sixth of its compilation)."""
     cfg = get_preset("tiny-random")
     graphdef, params = init_model(cfg, dtype=dtype)
-    mem = plan_memory(cfg, dtype, 16, 16, 64, num_kv_blocks=70, num_linear_slots=33, memory_budget_bytes=1 << 26)
-    w = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=16, max_model_len=64, chunk_stride=32, dtype=dtype)
+    w = _worker(cfg, graphdef, params, jnp.dtype(dtype).name, max_num_seqs=16, num_kv_blocks=70, num_linear_slots=33)
     hlo = w.compiled_step((rows, tokens, w.max_blocks)).as_text()
     bodies = _branch_bodies(hlo)
     products = [b for b in bodies.values()
@@ -348,8 +353,7 @@ def test_the_decode_rule_reads_the_state_in_one_product(rows):
     read by that product and by the update that writes it to its pool, not four times as before."""
     cfg = dataclasses.replace(get_preset("tiny-random"), linear_key_head_dim=24, linear_value_head_dim=40)
     graphdef, params = init_model(cfg)
-    mem = plan_memory(cfg, jnp.float32, 16, 16, 64, num_kv_blocks=70, num_linear_slots=33, memory_budget_bytes=1 << 26)
-    w = Worker(cfg, graphdef, params, mem, 16, max_num_seqs=16, max_model_len=64, chunk_stride=32, dtype=jnp.float32)
+    w = _worker(cfg, graphdef, params, "float32", max_num_seqs=16, num_kv_blocks=70, num_linear_slots=33)
     hlo = w.compiled_step((rows, 1, w.max_blocks)).as_text()
     products = _products_reading(hlo, (cfg.linear_num_value_heads, 24, 40))
     assert len(products) == 1, products
