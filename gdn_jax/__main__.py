@@ -29,13 +29,9 @@ def _workload(llm: LLM, system: str, params: SamplingParams):
 
 
 def _measured(llm: LLM, params: SamplingParams):
-    """`LLM.warm_up` (compiles every step shape), a warm-up round (the first run of a step's checkpoint saves and
-    restores still costs time: the warm-up runs each shape on padding, which neither saves nor restores), an emptied
-    prefix cache, then the same round measured; returns the measured round's outputs, its wall time and counter
-    deltas, the warm-up round's, and the warm-up's step shapes and seconds."""
-    t0 = time.perf_counter()
-    shapes = llm.warm_up()
-    warm_up = shapes, time.perf_counter() - t0
+    """Warm-up round (compiles every shape the workload uses, and runs its saves and restores once), an emptied
+    prefix cache, then the same round measured; returns the measured round's outputs, its counter deltas and the
+    warm-up's."""
     s0 = llm.cache_stats()
     _workload(llm, SYSTEM, params)
     llm.reset_prefix_cache()
@@ -44,7 +40,7 @@ def _measured(llm: LLM, params: SamplingParams):
     rounds = _workload(llm, SYSTEM, params)
     wall = time.perf_counter() - t0
     s2 = llm.cache_stats()
-    return rounds, wall, {k: s2[k] - s1[k] for k in COUNTERS}, {k: s1[k] - s0[k] for k in COUNTERS}, warm_up
+    return rounds, wall, {k: s2[k] - s1[k] for k in COUNTERS}, {k: s1[k] - s0[k] for k in COUNTERS}
 
 
 def _show(text: str, width: int) -> str:
@@ -72,11 +68,11 @@ def _run(args) -> None:
         llm = LLM(engine_config(args, enable_prefix_caching=caching, max_model_len=1024, max_num_seqs=8, verbose=False))
         if caching:
             print(f"[gdn_jax] {llm.engine.cfg.name}: {llm.engine.memory.describe()}")
-            print("warm-up (compiles every step shape), a warm-up round, then the measured round; then all again "
-                  "with the cache off ...")
+            print("warm-up round (compiles the step shapes this workload uses), then the measured round; "
+                  "then both again with the cache off ...")
         results[caching] = _measured(llm, params)
 
-    rounds, wall, delta, warm, (shapes, warm_s) = results[True]
+    rounds, wall, delta, warm = results[True]
     off_rounds, off_wall = results[False][:2]
     cs, n1 = args.chunk_stride, len(rounds[0][1][0].prompt_token_ids)
     print(f"\nmeasured round, cache on, checkpoints every {cs} tokens (after a warm-up round and an emptied cache)")
@@ -100,7 +96,7 @@ def _run(args) -> None:
           f"prompt tokens | checkpoints saved {d['checkpoints_saved']} restored {d['checkpoints_restored']} "
           f"evicted {d['checkpoints_evicted']} | rotation copies {d['rotation_copies']} | "
           f"compilations {d['compilations']}")
-    print(f"warm-up: {shapes} step shapes compiled or loaded in {warm_s:.1f} s | warm-up round: compilations "
+    print(f"warm-up round: compilations "
           f"{warm['compilations']}, queries {warm['queries']}, hits {warm['hits']}")
     print(f"outputs identical with and without the cache: {'yes' if same else 'NO'} | "
           f"mean TTFT cache on / off: {statistics.fmean(ttft_on) / statistics.fmean(ttft_off):.2f}")
