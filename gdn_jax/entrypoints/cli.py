@@ -241,6 +241,20 @@ def _generate(args) -> None:
               f"ttft {1e3 * out.metrics.ttft:.0f} ms (compilation included)]", file=sys.stderr)
 
 
+def _tune(args) -> None:
+    """Measures this machine's CPU choices again and keeps them beside the compilation cache."""
+    from gdn_jax.backends.cpu.tuning import choices_file, measure_again
+    from gdn_jax.worker.compile_cache import enable_compilation_cache
+
+    folder = enable_compilation_cache(args.compilation_cache)
+    if folder is None:
+        raise ValueError("--compilation-cache off: the measured choices are kept in the cache folder, so there "
+                         "would be nowhere to keep them")
+    for dtype, forms in measure_again(args.dtypes).items():
+        print(f"{dtype}: {forms}")
+    print(f"[gdn_jax] kept in {choices_file()}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="gdn-jax", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -286,9 +300,17 @@ def main(argv=None) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--json", action="store_true", help="print the output as JSON")
 
+    t = sub.add_parser("tune", formatter_class=HelpFormatter,
+                       help="measure this machine's CPU choices again (product forms, decode vector width) and keep "
+                            "them; engines read them at start and never measure while tracing")
+    t.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                   help="the activation dtypes to measure for")
+    t.add_argument("--compilation-cache", default=None,
+                   help="the cache folder the choices are kept in (default: GDN_JAX_CACHE_DIR or the user's cache)")
+
     args = ap.parse_args(argv)
     try:
-        (_serve if args.command == "serve" else _generate)(args)
+        {"serve": _serve, "generate": _generate, "tune": _tune}[args.command](args)
     except ValueError as e:  # a setting the engine refused (it names it): one line, not a traceback
         sub.choices[args.command].error(str(e))
 

@@ -260,3 +260,34 @@ def test_a_cache_folder_variable_naming_a_file_is_an_error(tmp_path, monkeypatch
             enable_compilation_cache()
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_tune_measures_again_and_keeps_the_choices_where_engines_read_them(tmp_path):
+    """`gdn-jax tune` measures again over the kept choices (a planted entry goes) and an engine reads what it kept."""
+    import json
+    import subprocess
+    import sys
+
+    child = f"""
+import json, sys
+from gdn_jax.entrypoints.cli import main
+from gdn_jax.backends.cpu import tuning
+from gdn_jax.worker.compile_cache import enable_compilation_cache
+enable_compilation_cache({str(tmp_path)!r})
+path = tuning.choices_file()
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text(json.dumps({{tuning.choice_key("decode_vector_bits float32"): {{"measured": "then", "value": 512}}}}))
+main(["tune", "--dtypes", "float32", "--compilation-cache", {str(tmp_path)!r}])
+kept = json.loads(path.read_text())
+print("KEPT", json.dumps({{k.split(" jax=")[0]: v for k, v in kept.items()}}))
+print("RESOLVED", tuning.resolve_forms("float32").decode_vector_bits)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDN_JAX_")}
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines() if line.startswith(("KEPT", "RESOLVED")))
+    kept = json.loads(lines["KEPT"])
+    measured = kept["decode_vector_bits float32"]
+    assert measured["measured"] != "then" and measured["value"] in (256, 512)  # measured again, not the planted one
+    assert int(lines["RESOLVED"]) == measured["value"]
+    assert "float32: Forms(cpu=True" in run.stdout
