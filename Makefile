@@ -63,7 +63,7 @@ test-fast: $(VENV)/.installed  # everything but the tests marked slow
 SOAK_MINUTES ?= 10
 soak: $(VENV)/.installed
 	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -q tests/scheduler/test_scheduler_properties.py
-	$(PY) scripts/soak_cache.py --minutes $(SOAK_MINUTES) --seed $$(date +%s)
+	$(PY) scripts/tools/soak_cache.py --minutes $(SOAK_MINUTES) --seed $$(date +%s)
 
 # Re-executes the study notebooks in place, so that the outputs committed with them are those of a real full run.
 NOTEBOOKS := notebooks/01_prefix_cache_walkthrough.ipynb notebooks/02_accuracy_study.ipynb

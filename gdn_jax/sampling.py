@@ -205,8 +205,7 @@ def first_argmax(x):
     """argmax over the last axis (the first index of the largest value; a NaN counts as the largest, as in
     `jnp.argmax`) -> int32. Written as two plain reductions (the max, then the least index holding it): XLA's CPU
     backend vectorises those, while `jnp.argmax`'s variadic (value, index) reduction runs one element at a time
-    (on the development machine, [16, 8192] float32: 0.20 against 0.63 ms alone, and inside the sampling
-    executable at temperature 1 the argmax fusion took 2.4-3.2 of its 6.3 ms at 16 rows)."""
+    (figures in docs/benchmarks.md)."""
     V = x.shape[-1]
     nan = jnp.isnan(x)
     hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == jnp.max(x, axis=-1, keepdims=True))
@@ -241,8 +240,7 @@ def sample(logits, md: SamplingMetadata):
     [B, MAX_LOGPROBS], chosen_rank [B]); logprobs are those of the model's raw distribution (vLLM's convention), and a
     token's rank is 1 + the number of tokens strictly likelier (ties share a rank), over the whole vocabulary.
     The top entries and ranks are computed only when some row of the step asks for logprobs (`num_logprobs`), and
-    are zeros otherwise: the top-k over the vocabulary alone takes ~8 ms for 16 rows of a 248,320-token vocabulary on
-    a 2-core CPU, and more than half of a greedy 16-row step's sampling at a vocabulary of 8192. Only then are the
+    are zeros otherwise: at a large vocabulary the top-k is most of a step's sampling. Only then are the
     [B, V] logprobs written out too; the chosen token's logprob is its shifted logit less the log-sum-exp."""
     shifted, lse = _log_softmax_parts(logits)
     processed = process_logits(logits, md)

@@ -9,7 +9,7 @@ trained model loads into the engine unchanged; a test checks that the two forwar
 Mixed precision: the optimiser keeps float32 master weights; `compute_dtype=bfloat16` casts them to bfloat16 for the
 forward (matmuls accumulate in float32, norms, gates and the recurrent state stay float32). Matmuls alone run ~1.5x
 faster in bfloat16 on the 2-core development CPU, but a training step of the small shipped `tiny` config only gains
-~1.1-1.2x (median, scripts/bench_train.py): the float32 gated delta rule and element-wise work dominate it.
+~1.1-1.2x (median, scripts/bench/bench_train.py): the float32 gated delta rule and element-wise work dominate it.
 `optax` is only needed for `make_optimizer` / `make_train_step` / `train` (the `train` extra).
 """
 
@@ -194,7 +194,7 @@ def sample_batch(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: 
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Optimisation settings; the defaults are those of the shipped `tiny` run (scripts/train_tiny.py)."""
+    """Optimisation settings; the defaults are those of the shipped `tiny` run (scripts/tools/train_tiny.py)."""
     steps: int = 1200
     batch: int = 8
     seq_len: int = 256

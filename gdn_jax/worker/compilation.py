@@ -24,7 +24,7 @@ from gdn_jax.model.forms import Forms
 # `tuning.decode_vector_bits`): a one-row step's time is its matrix-vector products, loops that stream the weights,
 # and which width streams them faster depends on the CPU and the dtype; at 2-16 rows and in prefill the width makes
 # no difference. The options are part of the persistent cache's key and of the executable store's
-# (scripts/bench_compile_options.py; docs/design.md, "Compiling the step"; figures in docs/benchmarks.md).
+# (scripts/bench/bench_compile_options.py; docs/design.md, "Compiling the step"; figures in docs/benchmarks.md).
 DECODE_DEFAULT_EMITTER_ROWS = 32
 
 
@@ -35,7 +35,7 @@ DECODE_DEFAULT_EMITTER_ROWS = 32
 # more of their time); level 2 costs them the same and compiles no faster. They take O1 too: at the larger models'
 # shapes they were the prefill shapes that compiled slowest, and the executable store spares a later start their
 # compilation, but not a first start nor one after an edit of the package. An optimisation level named in XLA_FLAGS
-# (`--xla_backend_optimization_level`) holds instead (scripts/bench_compile_options.py; docs/design.md, "Compiling the
+# (`--xla_backend_optimization_level`) holds instead (scripts/bench/bench_compile_options.py; docs/design.md, "Compiling the
 # step"; figures in docs/benchmarks.md).
 PREFILL_OPT_LEVEL = 1
 

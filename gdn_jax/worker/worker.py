@@ -63,7 +63,7 @@ class Worker:
 
         `params` may be abstract (`jax.ShapeDtypeStruct` leaves, `weights.abstract_model`): the pools are then
         abstract too, nothing is allocated, and the worker can only lower and compile (`lowered_step`), as
-        scripts/bench_compile.py does for models too large for the machine.
+        scripts/bench/bench_compile.py does for models too large for the machine.
 
         `gdn_schedule`: the chunked GDN rule's schedule, "auto" (fused with the CPU forms, else parallel), "fused"
         or "parallel" (`gated_delta.chunk_gated_delta_rule`'s impl; same maths, so a CPU test can run the
@@ -411,8 +411,7 @@ class Worker:
     @staticmethod
     def _fetch(launched: tuple) -> tuple:
         """Waits for a launched step and returns its results as host arrays. `np.asarray` gives the same read-only
-        view of the result buffer as `jax.device_get`, at a fraction of its cost (~30 against ~160 us per decode
-        step of 16 rows)."""
+        view of the result buffer as `jax.device_get`, at a fraction of its cost."""
         return jax.tree.map(np.asarray, launched)
 
     def _collect(self, n: int, launched: tuple, full_rows: bool) -> StepResult:

@@ -107,7 +107,7 @@ def test_sampling_step_finishes_the_last_layer_at_the_last_tokens_only(layer_typ
     cfg = dataclasses.replace(get_preset("tiny-random"), layer_types=layer_types)
     graphdef, params = init_model(cfg, dtype=jnp.dtype(dtype))
     state_last = state_all = init_state(cfg, 16, BLOCK_SIZE, 4, jnp.dtype(dtype))
-    # worst seen: float32 6.0e-7 (scripts/tolerance_audit.py; the CPU kernels on and off), bfloat16 4.9e-3 on logits
+    # worst seen: float32 6.0e-7 (scripts/tools/tolerance_audit.py; the CPU kernels on and off), bfloat16 4.9e-3 on logits
     # of magnitude ~1.2
     atol = {"float32": 2.5e-6, "bfloat16": 2e-2}[dtype]
     for batch in _two_chunk_batches(np.random.default_rng(5)):

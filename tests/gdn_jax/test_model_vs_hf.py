@@ -1,4 +1,4 @@
-"""The JAX model computes what transformers' Qwen3_5ForCausalLM computes (fixture from scripts/make_hf_reference.py)."""
+"""The JAX model computes what transformers' Qwen3_5ForCausalLM computes (fixture from scripts/tools/make_hf_reference.py)."""
 
 import json
 from pathlib import Path
@@ -19,7 +19,7 @@ FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
 # transformers' own save of a tied multimodal model, with shapes the first fixture lacks (see its README)
 FIXTURE_MM = FIXTURE.parent / "hf_tiny_mm"
 NUM_BLOCKS = 12  # 192 positions >= 150 prompt tokens
-# Tolerances: about 4x the worst case seen by scripts/tolerance_audit.py (default XLA flags, single-threaded Eigen, one
+# Tolerances: about 4x the worst case seen by scripts/tools/tolerance_audit.py (default XLA flags, single-threaded Eigen, one
 # core, no compilation cache: all four gave the same figures on the development machine) or reported from another
 # x86 machine, whichever is larger.
 ATOL = 1e-3      # vs transformers' float32 logits: worst 8.6e-5 (strong decay init, two different chunked solvers)

@@ -1,4 +1,4 @@
-"""The shipped `tiny` model (gdn_jax/models/tiny, trained by scripts/train_tiny.py): it is what `LLM("tiny")` loads,
+"""The shipped `tiny` model (gdn_jax/models/tiny, trained by scripts/tools/train_tiny.py): it is what `LLM("tiny")` loads,
 its held-out bits per byte are the model card's, and its greedy text is printable English-like text from its corpus."""
 
 import hashlib

@@ -5,7 +5,7 @@ GDN rule over the step's tokens (`gdn_prefill`, csrc/gdn_prefill.cc).
 
 XLA compiles a one-token step's GDN update (`qwen35.advance_in_pool`) to a gathered copy of each row's state, a
 product, and an in-place write that runs on one thread, several times slower than this kernel
-(`scripts/bench_kernel_ceiling.py`; docs/benchmarks.md). The kernel reads each state
+(`scripts/bench/bench_kernel_ceiling.py`; docs/benchmarks.md). The kernel reads each state
 once for its products with k and q and writes the new one once, sharing the (row, head) pairs among XLA's CPU
 threads (an XLA FFI custom call, the pool aliased to its result: updated in place, as before). XLA's form of decode
 attention copies each chunk of a row's paged keys and values into a contiguous block before its two products; the

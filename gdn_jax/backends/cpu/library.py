@@ -87,8 +87,8 @@ def folder() -> Path:
 
 def build(cxx: str, out_folder: Path) -> Path:
     """The kernel library for these sources, jaxlib, compiler and CPU, built into `out_folder` unless it is there.
-    Each source compiles in a process of its own, all at once (2.3-3.2 s each on the 2-core development machines,
-    most of it the FFI headers: 8.1 s in one command, ~4.5 s side by side), then one link."""
+    Each source compiles in a process of its own, all at once (most of the time is the FFI headers), then one
+    link."""
     texts = [path.read_bytes() for path in sorted(SOURCE_DIR.iterdir()) if path.suffix in (".cc", ".h")]
     key = hashlib.sha256(b"\0".join([*texts, jaxlib.__version__.encode(), cxx.encode(), host_cpu().encode(),
                                      " ".join(FLAGS).encode()])).hexdigest()[:16]
