@@ -82,6 +82,9 @@ class CompositeBlockManager:
         return None
 
     def _fits(self, seq: Sequence, m: PrefixMatch) -> bool:
+        """KV blocks for the known tokens past the reused ones, and one live slot. The restore source is no part of
+        the sequence's budget (it holds a pin for the step only); it counts only when pinning it takes an unpinned
+        checkpoint out of the slots that the live slot could be taken from."""
         new_blocks = -(-len(seq.token_ids) // self.config.block_size) - len(m.kv_blocks)
         if new_blocks > self.kv.num_free_blocks - self.kv.num_evictable_among(m.kv_blocks):
             return False

@@ -114,8 +114,6 @@ def deepest_hit_at_or_below(hits: list[tuple[int, int]], limit: int) -> tuple[in
 class LinearStateBlockManager:
     """Owns the slot pool; hands out live slots, saves checkpoints, resolves restore sources."""
 
-    participates_in_admission = False  # a restore source is not part of a sequence's budget
-
     def __init__(self, num_slots: int, chunk_stride: int, enable_prefix_caching: bool = True):
         self.num_slots = num_slots
         self.chunk_stride = chunk_stride

@@ -10,7 +10,9 @@ strides as the budget allows and the plan lists a save for each boundary it cros
 writes those states into checkpoint slots); with "promote" a row stops at each boundary and the next step promotes
 the live slot to the checkpoint. Admission takes KV
 blocks for every known token and one live slot, so a prefill never stalls halfway; when decode runs
-out of KV the most recently admitted sequence is preempted by recompute.
+out of KV the most recently admitted sequence is preempted by recompute. The waiting queue admits preempted sequences
+first, then one sequence per request in turn (round-robin, `WaitingQueue`), so that a request of many samples cannot
+hold up the requests queued after it; the head waits until it fits, nothing passes it.
 
 n > 1 forks: the parent prefills its prompt up to the fork point (the last block boundary below the final prompt
 token); then each child mounts those full KV blocks by refcount, gets its own live slot restored from the parent's
@@ -66,7 +68,7 @@ class Scheduler:
         if any(c.token_ids != seq.token_ids for c in forks):
             raise ValueError(f"request {seq.seq_id}: a fork shares its parent's prompt")
         self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self.waiting.append(seq, request=seq.seq_id)
         for c in forks:
             self.seqs[c.seq_id] = c
         point = (len(seq.token_ids) - 1) // self.config.block_size * self.config.block_size
@@ -78,7 +80,7 @@ class Scheduler:
             self._num_fork_groups += 1
             self.fork_parent.update((c.seq_id, seq.seq_id) for c in forks)
         else:  # nothing to share: plain requests
-            self.waiting.extend(forks)
+            self.waiting.extend(forks, request=seq.seq_id)
 
     def _check_new(self, seq: Sequence) -> None:
         if not seq.token_ids:
@@ -101,7 +103,7 @@ class Scheduler:
             self.aborted_inflight.add(seq_id)
             return True
         if seq_id in self.forks:  # the children no longer have a parent to fork from
-            self._release_forks(seq_id, at=0)
+            self._release_forks(seq_id)
         parent = self.fork_parent.pop(seq_id, None)
         if parent is not None:  # a child still waiting for its fork: in no queue
             self.forks[parent][1].remove(seq)
@@ -178,10 +180,11 @@ class Scheduler:
             del self.fork_parent[child.seq_id]
         return children
 
-    def _release_forks(self, parent_id: int, at: int) -> None:
-        """The children of `parent_id` become ordinary requests, queued at position `at` of the waiting queue."""
+    def _release_forks(self, parent_id: int) -> None:
+        """The children of `parent_id` become ordinary sequences of its request, first in its lane of the waiting
+        queue, which takes the next turn unless it has one already."""
         children = self._pop_forks(parent_id)
-        self.waiting.insert(at, children)
+        self.waiting.push_first(children, parent_id)
         self.counters["fork_fallbacks"] += len(children)
 
     def _schedule_forks(self, rows: list[ScheduledSequence], budget: int, parents: set[int] | None = None) -> int:
@@ -214,7 +217,7 @@ class Scheduler:
                 rows.append(self._row(child, len(child.token_ids), op))
                 self.counters["forks"] += 1
             self.forks[parent_id] = (point, left)
-            self._release_forks(parent_id, at=0)
+            self._release_forks(parent_id)
         return budget
 
     def _schedule_prefill(self) -> StepPlan | None:
@@ -240,18 +243,21 @@ class Scheduler:
             op = self._allocate(seq, end)
             rows.append(self._row(seq, end, op))
             longest = max(longest, end - seq.num_computed_tokens)
-        # New (or preempted) sequences, first come first served.
+        # Preempted sequences, then new ones, one per request in turn (`WaitingQueue`).
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             m = self.block_manager.admissible(seq, self.block_manager.match(seq))
             if m is None:
                 break
-            if seq.seq_id in self.forks and m.reuse >= self.forks[seq.seq_id][0]:
-                self._release_forks(seq.seq_id, at=1)  # the fork point is cached: children restore it as well
-            end = self._chunk_end(m.reuse, self._target(seq), self._row_budget(len(rows), longest, budget))
+            # the fork point is cached: the children restore it as well, as ordinary requests
+            cached_fork = seq.seq_id in self.forks and m.reuse >= self.forks[seq.seq_id][0]
+            target = len(seq.token_ids) if cached_fork else self._target(seq)
+            end = self._chunk_end(m.reuse, target, self._row_budget(len(rows), longest, budget))
             if end is None:
                 break
             self.waiting.popleft()
+            if cached_fork:
+                self._release_forks(seq.seq_id)
             op = self.block_manager.admit(seq, m)
             self._record_admission(seq, m)
             seq.status = SequenceStatus.RUNNING

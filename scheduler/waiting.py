@@ -1,22 +1,58 @@
-"""The scheduler's queue of waiting sequences: a deque whose `remove` (an abort) takes O(1) amortized time.
+"""The scheduler's queue of waiting sequences: preempted sequences first, then the requests' sequences in turn.
 
-A removed sequence leaves a tombstone in place, skipped by every read and dropped when it reaches the front; the
-queue is compacted when tombstones outnumber the sequences, so memory and iteration stay linear in the sequences
-queued. Aborting a whole queue in any order costs time linear in its length, where `deque.remove` searched it
-once per abort (quadratic)."""
+A request (one `Scheduler.add`, its samples included) has a lane of its own; the lanes take turns, one sequence per
+turn, so a request of a thousand samples queued first holds a one-sequence request after it for one admission, not a
+thousand (round-robin, as a fair queue serves its flows). A preempted sequence goes before every lane (it was
+running; recomputing it comes first), the most recently preempted first.
+
+A removed sequence (an abort) leaves a tombstone in place, skipped by every read and dropped when it reaches the front
+of its lane; a lane is compacted when its tombstones outnumber its sequences, and a lane left empty leaves the turns
+when its turn comes (or when such lanes outnumber the others), so `remove` takes O(1) amortized time and memory
+stays linear in the sequences queued."""
 from collections import deque
 from collections.abc import Iterable, Iterator
 
 from scheduler.sequence import Sequence
 
 
+class _Lane:
+    """Sequences in order, as [sequence] entries; [None] is a tombstone."""
+
+    __slots__ = ("items", "live", "dead", "request")
+
+    def __init__(self, request: int | None):
+        self.items: deque[list] = deque()
+        self.live = 0
+        self.dead = 0
+        self.request = request  # None: the lane of preempted sequences
+
+    def head(self) -> list | None:
+        while self.items and self.items[0][0] is None:
+            self.items.popleft()
+            self.dead -= 1
+        return self.items[0] if self.items else None
+
+    def kill(self, entry: list) -> None:
+        entry[0] = None
+        self.live -= 1
+        self.dead += 1
+        if self.dead > max(self.live, 32):
+            self.items = deque(e for e in self.items if e[0] is not None)
+            self.dead = 0
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (e[0] for e in self.items if e[0] is not None)
+
+
 class WaitingQueue:
-    """Sequences in scheduling order, each at most once (keyed by `seq_id`)."""
+    """Sequences in admission order, each at most once (keyed by `seq_id`): `[0]` is the next to admit."""
 
     def __init__(self):
-        self._items: deque[list] = deque()  # [sequence] entries; [None] is a tombstone
-        self._entries: dict[int, list] = {}  # seq_id -> its entry
-        self._dead = 0  # tombstones in _items
+        self._preempted = _Lane(None)
+        self._lanes: dict[int, _Lane] = {}  # request -> its lane, while it has sequences waiting
+        self._turns: deque[_Lane] = deque()  # lanes in the order of their next turn; emptied ones until passed
+        self._empty_turns = 0  # emptied lanes still in `_turns`
+        self._entries: dict[int, tuple[list, _Lane]] = {}  # seq_id -> its entry and lane
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -25,66 +61,105 @@ class WaitingQueue:
         return bool(self._entries)
 
     def __iter__(self) -> Iterator[Sequence]:
-        return (e[0] for e in self._items if e[0] is not None)
+        """Every waiting sequence in the order it would be admitted if nothing else changed."""
+        yield from self._preempted
+        turns = deque(iter(lane) for lane in self._turns if lane.live)
+        while turns:
+            seq = next(turns[0], None)
+            if seq is None:
+                turns.popleft()
+            else:
+                yield seq
+                turns.rotate(-1)
 
     def __getitem__(self, index: int) -> Sequence:
         """Only the head (index 0) is ever read."""
         if index != 0:
             raise IndexError("a WaitingQueue reads only its head")
-        self._drop_leading()
-        if not self._items:
+        lane = self._head_lane()
+        if lane is None:
             raise IndexError("the waiting queue is empty")
-        return self._items[0][0]
+        return lane.head()[0]
 
-    def _entry(self, seq: Sequence) -> list:
-        if seq.seq_id in self._entries:
-            raise ValueError(f"sequence {seq.seq_id} is already waiting")
-        entry = self._entries[seq.seq_id] = [seq]
+    def _check_absent(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.seq_id in self._entries:
+                raise ValueError(f"sequence {seq.seq_id} is already waiting")
+
+    def _entry(self, seq: Sequence, lane: _Lane) -> list:
+        entry = [seq]
+        self._entries[seq.seq_id] = entry, lane
+        lane.live += 1
         return entry
 
-    def append(self, seq: Sequence) -> None:
-        self._items.append(self._entry(seq))
+    def _lane(self, request: int, first: bool) -> _Lane:
+        """`request`'s lane; a new one takes its turn last, or with `first` next."""
+        lane = self._lanes.get(request)
+        if lane is None:
+            lane = self._lanes[request] = _Lane(request)
+            (self._turns.appendleft if first else self._turns.append)(lane)
+        return lane
 
-    def extend(self, seqs: Iterable[Sequence]) -> None:
+    def append(self, seq: Sequence, request: int) -> None:
+        """`seq` last in the lane of `request` (a new request's lane takes its turn after every other)."""
+        self._check_absent([seq])
+        lane = self._lane(request, first=False)
+        lane.items.append(self._entry(seq, lane))
+
+    def extend(self, seqs: Iterable[Sequence], request: int) -> None:
         for seq in seqs:
-            self.append(seq)
+            self.append(seq, request)
+
+    def push_first(self, seqs: Iterable[Sequence], request: int) -> None:
+        """`seqs`, in order, first in the lane of `request`, which keeps its turn, or without one takes the next."""
+        seqs = list(seqs)
+        self._check_absent(seqs)
+        if seqs:
+            lane = self._lane(request, first=True)
+            lane.items.extendleft(reversed([self._entry(seq, lane) for seq in seqs]))
 
     def appendleft(self, seq: Sequence) -> None:
-        self._items.appendleft(self._entry(seq))
-
-    def insert(self, index: int, seqs: Iterable[Sequence]) -> None:
-        """Puts `seqs`, in order, before the sequence now at `index` (at the end past the last). Costs O(index) plus
-        the tombstones passed, which are dropped: the queue inserts only near its head."""
-        entries, head = [self._entry(seq) for seq in seqs], []
-        while self._items and len(head) < index:
-            passed = self._items.popleft()
-            if passed[0] is None:
-                self._dead -= 1
-            else:
-                head.append(passed)
-        self._items.extendleft(reversed(entries))
-        self._items.extendleft(reversed(head))
+        """A preempted sequence: before every other."""
+        self._check_absent([seq])
+        self._preempted.items.appendleft(self._entry(seq, self._preempted))
 
     def popleft(self) -> Sequence:
-        self._drop_leading()
-        if not self._items:
+        """The head; its lane's turn ends (one sequence per turn)."""
+        lane = self._head_lane()
+        if lane is None:
             raise IndexError("pop from an empty waiting queue")
-        seq = self._items.popleft()[0]
+        seq = lane.items.popleft()[0]
         del self._entries[seq.seq_id]
+        lane.live -= 1
+        if lane is not self._preempted:
+            self._turns.popleft()
+            if lane.live:
+                self._turns.append(lane)
+            else:
+                del self._lanes[lane.request]
         return seq
 
     def remove(self, seq: Sequence) -> None:
-        entry = self._entries.get(seq.seq_id)
-        if entry is None or entry[0] is not seq:
+        found = self._entries.get(seq.seq_id)
+        if found is None or found[0][0] is not seq:
             raise ValueError(f"sequence {seq.seq_id} is not waiting")
-        del self._entries[seq.seq_id]
-        entry[0] = None
-        self._dead += 1
-        if self._dead > max(len(self._entries), 32):
-            self._items = deque(e for e in self._items if e[0] is not None)
-            self._dead = 0
+        entry, lane = self._entries.pop(seq.seq_id)
+        lane.kill(entry)
+        if lane.live == 0 and lane is not self._preempted:  # its turn passes when it comes
+            del self._lanes[lane.request]
+            self._empty_turns += 1
+            if self._empty_turns > max(len(self._turns) - self._empty_turns, 32):
+                self._turns = deque(lane for lane in self._turns if lane.live)
+                self._empty_turns = 0
 
-    def _drop_leading(self) -> None:
-        while self._items and self._items[0][0] is None:
-            self._items.popleft()
-            self._dead -= 1
+    def _head_lane(self) -> _Lane | None:
+        """The lane of the next sequence to admit (None: nothing waits)."""
+        if self._preempted.head() is not None:
+            return self._preempted
+        while self._turns:
+            lane = self._turns[0]
+            if lane.head() is not None:
+                return lane
+            self._turns.popleft()
+            self._empty_turns -= 1
+        return None

@@ -47,6 +47,9 @@ class FakeDevice:
         assert len(set(lives)) == len(lives), "two rows advance one live slot"
         written = [s for row in plan.seqs for s in row.slot_mapping]
         assert len(set(written)) == len(written), "two tokens write one KV slot"
+        # a mixed step runs its prefill rows, then its decode rows: a restore (a fork's) that read a live slot a decode
+        # row advances would race that write (the worker refuses such a step)
+        decode_lives = {row.linear_op.linear_state_id for row in plan.decode_seqs if row.linear_op is not None}
         # Restores first (all rows), as the jitted step does before the forward.
         new_state = {}
         for row in plan.seqs:
@@ -60,6 +63,7 @@ class FakeDevice:
                 assert 0 < op.restore_src_slot_id < cfg.num_linear_slots
                 # a checkpoint is never live; a fork reads its parent's live slot before anything advances it
                 assert op.fork or op.restore_src_slot_id not in lives, "restore source is a live slot"
+                assert op.restore_src_slot_id not in decode_lives, "restore source is a live slot a decode row advances"
                 new_state[op.linear_state_id] = self.state[op.restore_src_slot_id]
                 self.restores.append((row.seq_id, row.start_pos, op.restore_src_slot_id))
         self.state.update(new_state)

@@ -58,6 +58,22 @@ def test_children_fork_from_one_prefill(length, caching):
     assert all(o == outs[0] and len(o) == 3 for o in outs)  # the fake model is deterministic
 
 
+@pytest.mark.parametrize("length", [9, 17, 25])
+def test_no_row_of_a_fork_step_advances_the_source_one_token_past_a_block_boundary(length):
+    """bs 4: at its fork point the parent has one token left, a decode row's worth. It sits out the step in which its
+    children copy its live slot: the worker refuses a mixed step whose decode row advances a slot that a restore
+    reads. (With two or more tokens left it prefills in that step: a prefill row's restores precede its forward.)"""
+    sched, dev, parent, children = _serve_group(small_config(), PROMPT[:length], 3)
+    plans = run(sched, dev)
+    fork_plans = [p for p in plans if any(r.linear_op.fork for r in p.seqs)]
+    assert fork_plans and sched.stats()["forks"] == 2
+    for plan in fork_plans:
+        sources = {r.linear_op.restore_src_slot_id for r in plan.seqs if r.linear_op.fork}
+        assert not sources & {r.linear_op.linear_state_id for r in plan.seqs}
+        assert parent.seq_id not in [r.seq_id for r in plan.seqs]
+    assert all(c.output_token_ids == parent.output_token_ids for c in children)
+
+
 def test_children_share_the_full_blocks_by_refcount():
     cfg = small_config()
     sched, dev, parent, children = _serve_group(cfg, PROMPT[:23], 3)

@@ -43,6 +43,20 @@ def test_a_cold_2048_token_prompt_prefills_in_one_step_with_the_policys_saves(po
     run(sched, dev)
 
 
+def test_a_row_that_ends_on_a_boundary_defers_no_save_the_scan_wrote():
+    """The step wrote the checkpoint of the boundary its row ends on: a deferred save of it as well would be skipped
+    as cached next step (or, had the scan save found no slot, promote the live slot and pay a rotation copy)."""
+    cfg = small_config(checkpoint_mode="scan")  # stride 8, budget 16
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    seq = submit(sched, dev, make_seq(1, LONG[:16], max_tokens=3))
+    plan = one_step(sched, dev)
+    assert [s.boundary for s in plan.saves] == [8, 16] and seq.num_computed_tokens == 16
+    assert seq.pending_save_hash is None
+    run(sched, dev)
+    stats = sched.stats()
+    assert (stats["checkpoints_saved"], stats["checkpoints_save_skipped"], stats["rotation_copies"]) == (2, 0, 0)
+
+
 def test_a_request_sharing_1792_tokens_reuses_1792():
     cfg = big_config()
     sched, dev = Scheduler(cfg), FakeDevice(cfg)

@@ -1,0 +1,90 @@
+"""Who is admitted and who is preempted: requests take turns, a restore source is not charged to the sequence that
+restores it, and decode preempts the newest running sequence."""
+import pytest
+
+from scheduler import Scheduler
+from scheduler.hashing import LINEAR_DOMAIN, chain_hashes, domain_seed
+from tests.scheduler.sched_helpers import FakeDevice, make_seq, run, small_config, submit
+
+P = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 0, 2, 6, 4, 3, 3, 2, 3, 0, 4, 6, 2, 6, 4, 3, 3, 0, 2, 5, 0]
+
+
+def _admission_order(plans) -> list[int]:
+    return list(dict.fromkeys(r.seq_id for p in plans for r in p.seqs))
+
+
+@pytest.mark.parametrize("prompt_len", [3, 18], ids=["plain-samples", "forked-samples"])
+def test_a_one_sequence_request_is_admitted_next_to_a_flood_queued_before_it(prompt_len):
+    """12 samples of one prompt, queued first, then a one-sequence request; 2 run at once. The small request waits
+    for one turn of the flood, not for all of it (first come first served admitted it 13th, after 50 steps).
+    3 tokens: nothing to fork, 12 plain sequences; 18: the parent forks one child, 10 fall back to the queue (a
+    token budget of one stride keeps the small request out while the parent prefills)."""
+    cfg = small_config(max_num_seqs=2, max_num_batched_tokens=8)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    flood = [make_seq(i, P[:prompt_len], max_tokens=8) for i in range(12)]
+    sched.add(flood[0], forks=flood[1:])
+    for seq in flood:
+        dev.add(seq)
+    small = submit(sched, dev, make_seq(99, P[20:25], max_tokens=1))
+    plans = run(sched, dev)
+    order = _admission_order(plans)
+    first_step = next(i for i, p in enumerate(plans) if any(r.seq_id == small.seq_id for r in p.seqs))
+    assert order.index(small.seq_id) <= 3 and first_step <= 12
+    assert sorted(order) == sorted([s.seq_id for s in flood] + [small.seq_id])
+    assert small.output_token_ids and all(len(s.output_token_ids) == 8 for s in flood)
+
+
+def test_requests_take_one_admission_each_in_turn():
+    cfg = small_config(max_num_seqs=1)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    for request, n in ((0, 3), (10, 2), (20, 1)):
+        seqs = [make_seq(request + i, P[:3], max_tokens=1) for i in range(n)]
+        sched.add(seqs[0], forks=seqs[1:])
+        for seq in seqs:
+            dev.add(seq)
+    assert [s.seq_id for s in sched.waiting] == [0, 10, 20, 1, 11, 2]
+    assert _admission_order(run(sched, dev)) == [0, 10, 20, 1, 11, 2]
+
+
+def test_a_restore_source_is_not_charged_to_the_sequences_that_restore_it():
+    """One checkpoint (at 8) and two free slots: two requests that restore it are both admitted warm in one step,
+    each charged only its live slot. Charging the source to the second as well (it is pinned already, so it is not
+    taken from the free pool again) would leave it no slot, and it would start cold."""
+    cfg = small_config(num_linear_slots=4, max_num_seqs=2)  # slots 1, 2, 3
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    submit(sched, dev, make_seq(1, P[:9], max_tokens=1))
+    run(sched, dev)
+    linear = sched.block_manager.linear
+    h = chain_hashes(P[:8], 8, domain_seed(LINEAR_DOMAIN, 8))[-1]
+    checkpoint = linear.index.slot_of[h]
+    assert len(linear.free_slots) == 2 and linear.num_checkpoints == 1
+    a = submit(sched, dev, make_seq(2, P[:8] + [0, 1], max_tokens=2))
+    b = submit(sched, dev, make_seq(3, P[:8] + [2, 3], max_tokens=2))
+    plan = sched.schedule()
+    assert [(r.seq_id, r.start_pos, r.linear_op.restore_src_slot_id) for r in plan.seqs] == [
+        (a.seq_id, 8, checkpoint), (b.seq_id, 8, checkpoint)]
+    assert linear.index.pins[checkpoint] == 2 and not linear.free_slots
+    sched.check_invariants()
+    sched.postprocess(plan, dev.execute(plan))
+    assert linear.index.pins[checkpoint] == 0  # held for the step only, by neither sequence after it
+    run(sched, dev)
+    assert sched.stats()["checkpoints_restored"] == 2
+
+
+def test_decode_out_of_kv_preempts_the_newest_running_sequence():
+    """Two running sequences hold every KV block; the older one needs a block for its next token: the newer one is
+    preempted (and recomputed later), never the older."""
+    cfg = small_config(max_model_len=16, num_kv_blocks=5)  # blocks 1-4: two prompts of 2 blocks each
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    older = submit(sched, dev, make_seq(1, P[:8], max_tokens=3))
+    newer = submit(sched, dev, make_seq(2, P[10:18], max_tokens=3))
+    plan = sched.schedule()
+    assert [r.seq_id for r in plan.seqs] == [older.seq_id, newer.seq_id]
+    sched.postprocess(plan, dev.execute(plan))
+    assert sched.block_manager.kv.num_free_blocks == 0
+    plan = sched.schedule()  # the older sequence's 9th token opens its third block
+    assert newer.num_preemptions == 1 and older.num_preemptions == 0
+    assert older.seq_id in [r.seq_id for r in plan.seqs if r.start_pos == 8]
+    sched.postprocess(plan, dev.execute(plan))
+    run(sched, dev)
+    assert len(older.output_token_ids) == len(newer.output_token_ids) == 3 and older.num_preemptions == 0
