@@ -15,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from scheduler.sampling_params import SEED_BOUND
+from scheduler.sampling_params import MAX_N, SEED_BOUND
 
 
 def folder_file(folder: str | Path | None, name: str) -> Path | None:
@@ -433,6 +433,12 @@ class SchedulingConfig:
     mixed_steps: bool = _setting(
         True, "a step decodes every running sequence and prefills within the rest of the token budget (\"scan\" "
               "mode; \"promote\" never mixes)")
+    # (no flags: `gdn-jax serve` bounds a whole HTTP request, prompts x n, and its queue with flags of its own)
+    max_seqs_per_request: int = _setting(
+        MAX_N, "sequences one request may add (its n); more is a ValueError", min=1, cli=False)
+    max_waiting_sequences: int | None = _setting(
+        None, "sequences that may wait to run; a request that would pass it is refused with EngineFull, to be "
+              "retried later (None: unbounded)", min=1, cli=False)
 
     def __post_init__(self):
         _check_fields(self)

@@ -22,7 +22,7 @@ from gdn_jax.config import EngineConfig, ModelConfig
 from gdn_jax.diagnostics import user_stacklevel
 from gdn_jax.engine.input_processor import model_eos_ids, model_sampling_defaults, validate_request
 from gdn_jax.engine.output_processor import OutputProcessor, RequestState
-from gdn_jax.engine.outputs import EngineStepError, RequestMetrics, RequestOutput
+from gdn_jax.engine.outputs import EngineFull, EngineStepError, RequestMetrics, RequestOutput
 from gdn_jax.model.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker.compile_cache import enable_compilation_cache
@@ -133,8 +133,14 @@ class LLMEngine:
     def validate_request(self, prompt, sampling_params: SamplingParams | None = None):
         """Checks a request without touching the engine; returns (text, token ids, params) or raises ValueError."""
         params = self.default_sampling_params() if sampling_params is None else sampling_params
-        return validate_request(prompt, params, tokenizer=self.tokenizer, vocab_size=self.cfg.vocab_size,
-                                extra_eos_ids=self.extra_eos_ids, max_model_len=self.max_model_len)
+        checked = validate_request(prompt, params, tokenizer=self.tokenizer, vocab_size=self.cfg.vocab_size,
+                                   extra_eos_ids=self.extra_eos_ids, max_model_len=self.max_model_len)
+        n = checked[2].n
+        for name in ("max_seqs_per_request", "max_waiting_sequences"):  # (past the second it could never be queued)
+            bound = getattr(self.config.scheduling, name)
+            if bound is not None and n > bound:
+                raise ValueError(f"n={n}: a request may add at most {bound} sequences ({name}={bound})")
+        return checked
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, *, sampling_params: SamplingParams | None = None) -> None:
@@ -154,6 +160,11 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids, params = self.validate_request(prompt, params)
+        limit = self.config.scheduling.max_waiting_sequences
+        if limit is not None:  # the waiting queue and the samples waiting to fork
+            waiting = len(self.scheduler.seqs) - len(self.scheduler.running)
+            if waiting + params.n > limit:
+                raise EngineFull(waiting, params.n, limit)
         # sample i of n draws with seed (seed + i) mod 2**32 (vLLM's derivation): sample 0 is the request itself
         params_of = [dataclasses.replace(params, n=1,
                                          seed=None if params.seed is None else (params.seed + i) % SEED_BOUND)

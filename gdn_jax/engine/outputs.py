@@ -102,3 +102,14 @@ class EngineStepError(RuntimeError):
         ids = ", ".join(map(repr, request_ids))
         where = f"step failed for request(s) {ids}" if step_failed else f"request(s) {ids} failed after their step"
         super().__init__(f"{where}: {type(cause).__name__}: {cause}")
+
+
+class EngineFull(RuntimeError):
+    """`add_request` refused a request because its sequences would take the waiting queue past
+    `max_waiting_sequences`; nothing was added, and the same request may be retried once the queue has moved (a
+    server answers 429 with Retry-After)."""
+
+    def __init__(self, num_waiting: int, num_new: int, max_waiting_sequences: int):
+        self.num_waiting, self.num_new, self.max_waiting_sequences = num_waiting, num_new, max_waiting_sequences
+        super().__init__(f"the engine is full: {num_waiting} sequences wait to run and the request adds {num_new}, "
+                         f"past max_waiting_sequences={max_waiting_sequences}; retry later")

@@ -38,10 +38,39 @@ def test_the_token_budget_defaults_to_the_larger_of_the_stride_and_2048():
     ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization must be in \(0, 1\], got 0.0"),
     ({"compilation_cache_dir": 1}, "compilation_cache_dir must be a str or None, got 1"),
     ({"verbose": "no"}, "verbose must be a bool, got 'no'"),
+    ({"max_seqs_per_request": 0}, "max_seqs_per_request must be >= 1, got 0"),
+    ({"max_waiting_sequences": 0}, "max_waiting_sequences must be >= 1, got 0"),
+    ({"max_waiting_sequences": 1.5}, r"max_waiting_sequences must be an int, got 1.5 \(float\)"),
 ])
 def test_a_bad_setting_is_named_before_any_model_loads(settings, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.create(**settings)
+
+
+def test_a_request_past_the_per_request_or_the_waiting_bound_is_refused_by_name():
+    """n above max_seqs_per_request (or above max_waiting_sequences: it could never be queued) is a ValueError; a
+    request that would take the waiting sequences past max_waiting_sequences is EngineFull, and nothing of it is
+    added."""
+    from gdn_jax import LLMEngine, SamplingParams
+    from gdn_jax.engine import EngineFull
+
+    assert EngineConfig.create().scheduling.max_seqs_per_request == 256
+    assert EngineConfig.create().scheduling.max_waiting_sequences is None
+    engine = LLMEngine("tiny-random", max_model_len=64, max_num_seqs=2, max_seqs_per_request=8,
+                       max_waiting_sequences=6, verbose=False)
+    with pytest.raises(ValueError, match=r"n=9: a request may add at most 8 sequences \(max_seqs_per_request=8\)"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(n=9))
+    with pytest.raises(ValueError, match=r"n=7: a request may add at most 6 sequences \(max_waiting_sequences=6\)"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(n=7))
+    engine.add_request("a", [5, 6, 7], SamplingParams(n=4, max_tokens=1))
+    with pytest.raises(EngineFull, match="4 sequences wait to run and the request adds 3, past "
+                                         "max_waiting_sequences=6") as full:
+        engine.add_request("b", [5, 6, 7], SamplingParams(n=3, max_tokens=1))
+    assert (full.value.num_waiting, full.value.num_new, full.value.max_waiting_sequences) == (4, 3, 6)
+    assert engine.get_num_unfinished_requests() == 1 and len(engine.scheduler.seqs) == 4
+    engine.add_request("b", [5, 6, 7], SamplingParams(n=2, max_tokens=1))  # exactly full
+    engine.abort_request(["a", "b"])
+    assert not engine.has_unfinished_requests()
 
 
 def test_an_engine_refuses_an_unknown_keyword_by_name():
