@@ -81,6 +81,27 @@ def test_n_samples_equal_separate_requests_with_derived_seeds_from_one_prefill(c
             llm.engine.scheduler.reset_prefix_cache()
 
 
+@pytest.mark.parametrize("length", [49, 17])
+def test_a_fork_one_token_past_a_block_boundary_completes_every_sample(cached, plain, length, monkeypatch):
+    """49 tokens: fork point 48 leaves the parent one token to compute, a decode row's worth; 17: point 16. The parent
+    sits out the step its children fork in: the worker refuses a mixed step whose decode row advances the slot a fork
+    reads, and every sample would end in "error"."""
+    prompt = random_ids(np.random.default_rng(length), length)
+    sp = SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=4, ignore_eos=True)
+    separate = [plain.generate([prompt], SamplingParams(**{**sp.__dict__, "seed": sp.seed + i}),
+                               use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]
+    for llm in (plain, cached):
+        plans = _recording(monkeypatch, llm)
+        out = llm.generate([prompt], SamplingParams(**{**sp.__dict__, "n": 3}), use_tqdm=False)[0]
+        assert [c.finish_reason for c in out.outputs] == ["length"] * 3
+        assert [c.token_ids for c in out.outputs] == separate
+        (fork_plan,) = [p for p in plans if any(r.linear_op.fork for r in p.seqs)]
+        sources = {r.linear_op.restore_src_slot_id for r in fork_plan.seqs if r.linear_op.fork}
+        assert len(sources) == 1 and not sources & {r.linear_op.linear_state_id for r in fork_plan.seqs}
+        assert llm.cache_stats()["live_slots"] == 0
+        llm.reset_prefix_cache()
+
+
 def test_unseeded_samples_differ_and_abort_releases_all(plain):
     prompt = random_ids(np.random.default_rng(3), 40)
     out = plain.generate([prompt], SamplingParams(n=3, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]

@@ -50,16 +50,28 @@ def saved_checkpoints(engine, tokens):
             if h in index.slot_of}
 
 
-@pytest.mark.parametrize("stride, budget, length, seed", [(16, 256, 150, 0), (32, 96, 200, 1), (64, 256, 233, 2)])
-def test_every_saved_checkpoint_equals_a_cold_prefill_to_its_boundary(stride, budget, length, seed):
+CASES = [(16, 256, 150, 0), (32, 96, 200, 1), (64, 256, 233, 2)]  # (stride, budget, prompt length, seed)
+
+
+# "auto": the CPU kernel where it builds; "fused" and "parallel": XLA's chunked scans (the accelerators' path, and the
+# CPU's without a compiler), on the case whose budget cuts rows at boundaries and has every row save
+@pytest.mark.parametrize("gdn_schedule, stride, budget, length, seed",
+                         [("auto", *case) for case in CASES] + [(s, *CASES[1]) for s in ("fused", "parallel")])
+def test_every_saved_checkpoint_equals_a_cold_prefill_to_its_boundary(gdn_schedule, stride, budget, length, seed):
     engine = LLMEngine("tiny-random", block_size=BLOCK_SIZE, chunk_stride=stride, max_num_seqs=2, max_model_len=256,
-                       max_num_batched_tokens=budget, verbose=False)
+                       max_num_batched_tokens=budget, gdn_schedule=gdn_schedule, verbose=False)
     prompt = random_ids(np.random.default_rng(seed), length)
     engine.add_request("a", prompt, SamplingParams(max_tokens=1))
     while engine.has_unfinished_requests():
         engine.step()
     saved = saved_checkpoints(engine, prompt)
     assert sorted(saved) == list(range(stride, length + 1, stride))  # policy "all": every boundary crossed
+    assert engine.cache_stats()["checkpoints_save_skipped"] == 0  # a row the budget cut on a boundary deferred none
+    assert_checkpoints_equal_cold_prefills(engine, prompt, saved)
+
+
+def assert_checkpoints_equal_cold_prefills(engine, prompt, saved):
+    """Every GDN layer's (conv, ssm) state in each saved slot equals a cold prefill of the prompt to its boundary."""
     pools, w = engine.worker.state, engine.worker
     for b, slot in saved.items():
         for layer, (conv, ssm) in enumerate(cold_states(w.cfg, w.graphdef, w.params, w.dtype, prompt[:b])):
@@ -67,6 +79,27 @@ def test_every_saved_checkpoint_equals_a_cold_prefill_to_its_boundary(stride, bu
                                        err_msg=f"conv state, boundary {b}, GDN layer {layer}")
             np.testing.assert_allclose(np.asarray(pools.ssm[layer][slot]), ssm, atol=1e-5, rtol=0,
                                        err_msg=f"ssm state, boundary {b}, GDN layer {layer}")
+
+
+@pytest.mark.parametrize("gdn_schedule", ["auto", "fused", "parallel"])
+def test_a_scan_row_that_ends_on_a_boundary_saves_it_once_and_defers_no_save(gdn_schedule):
+    """A 64-token prompt at stride 32 prefills in one row that ends on boundary 64: the scan writes both checkpoints,
+    and no deferred save is recorded as well (it would be skipped as cached next step or, had the scan save found no
+    slot, promote the live slot and pay a rotation copy)."""
+    engine = LLMEngine("tiny-random", block_size=BLOCK_SIZE, chunk_stride=32, max_num_seqs=2, max_model_len=128,
+                       gdn_schedule=gdn_schedule, verbose=False)
+    prompt = random_ids(np.random.default_rng(4), 64)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    seq = engine.scheduler.seqs[engine.seq_id_of("a")]
+    assert seq.num_computed_tokens == 64 and seq.pending_save_hash is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.cache_stats()
+    assert (stats["checkpoints_saved"], stats["checkpoints_save_skipped"], stats["rotation_copies"]) == (2, 0, 0)
+    saved = saved_checkpoints(engine, prompt)
+    assert sorted(saved) == [32, 64]
+    assert_checkpoints_equal_cold_prefills(engine, prompt, saved)
 
 
 @pytest.fixture(scope="module")
