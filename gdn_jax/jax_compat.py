@@ -9,6 +9,8 @@ flag below says so, and each function falls back to public behaviour when the fl
   program depends on; without it, the fixed list `PUBLIC_TRACE_SETTINGS` of `jax.config` settings.
 - `JIT_CACHE_SIZE` (a jitted function's `_cache_size()`): `compilations` counts the executables some jitted
   functions hold; without it, the compilations on this thread, from `jax.monitoring`'s backend-compile events.
+- `CACHE_READ` (`jax._src.compilation_cache.get_executable_and_time`, which JAX's compiler calls to read an entry of
+  its persistent cache): `on_damaged_cache_entry` hears of an entry that does not load; without it, of none.
 """
 
 from __future__ import annotations
@@ -51,7 +53,17 @@ def _trace_context_names() -> tuple[str, ...] | None:
     return names if all(isinstance(n, str) for n in names) else None
 
 
+def _compilation_cache_module():
+    try:
+        from jax._src import compilation_cache
+    except ImportError:
+        return None
+    return compilation_cache if callable(getattr(compilation_cache, "get_executable_and_time", None)) else None
+
+
 _cache_key = _cache_key_module() if verified() else None
+_compilation_cache = _compilation_cache_module() if verified() else None
+CACHE_READ = _compilation_cache is not None
 CACHE_KEY_HOOK = _cache_key is not None
 TRACE_CONTEXT_NAMES = verified() and _trace_context_names() is not None
 JIT_CACHE_SIZE = verified() and callable(getattr(jax.jit(lambda: None), "_cache_size", None))
@@ -64,6 +76,28 @@ def add_to_cache_key(text: Callable[[], str]) -> bool:
         return False
     before = _cache_key.custom_hook
     _cache_key.custom_hook = lambda: before() + text()
+    return True
+
+
+def on_damaged_cache_entry(damaged: Callable[[str], None]) -> bool:
+    """Calls `damaged(key)` whenever an entry `key` of JAX's persistent compilation cache is read but does not load
+    (it does not decompress or deserialize), before JAX warns and compiles the program as for a miss; False, and
+    nothing changed, where this JAX has no such read (`CACHE_READ`). A file that cannot be read (OSError: a folder
+    of another user, a lock that timed out) is not a damaged entry."""
+    if not CACHE_READ:
+        return False
+    read = _compilation_cache.get_executable_and_time
+
+    def checked_read(cache_key, *args, **kwargs):
+        try:
+            return read(cache_key, *args, **kwargs)
+        except (OSError, MemoryError):
+            raise
+        except Exception:
+            damaged(cache_key)
+            raise
+
+    _compilation_cache.get_executable_and_time = checked_read
     return True
 
 

@@ -1,13 +1,14 @@
-"""JAX's persistent compilation cache: its folder, its bound, and turning it on."""
+"""JAX's persistent compilation cache: its folder, its bound, turning it on, and deleting its damaged entries."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import jax
 
-from gdn_jax import envs
+from gdn_jax import envs, jax_compat
 from gdn_jax.worker.executable_store import jax_cache_folder, tag_jax_cache_keys
 
 # Default bound of the folder: a step shape's entry is 70-250 KB, Qwen3.5-9B's whole warm-up grid ~10 MB, so this
@@ -46,6 +47,22 @@ def _stamp_entries(folder: str) -> None:
         pass
 
 
+_engine_folder: str | None = None  # the folder `enable_compilation_cache` last put JAX's cache in, or kept
+_hearing_damage = False  # whether `_delete_damaged` hears of the entries that do not load
+
+
+def _delete_damaged(key: str) -> None:
+    """Deletes the entry `key` of JAX's cache, which did not load, where the cache is in the engine's folder: JAX
+    warns and compiles the program, then writes the entry anew (it never replaces an entry that is there), so that a
+    damaged entry is said at one start, not at every one."""
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder or folder != _engine_folder:
+        return
+    for suffix in ("-cache", "-atime"):  # the entry first: JAX's eviction reads the stamp of each entry it finds
+        with contextlib.suppress(OSError):  # a read-only folder: JAX says so at every start, as before
+            os.unlink(os.path.join(folder, key + suffix))
+
+
 def default_cache_dir() -> str | None:
     """The folder the cache uses unless one is given: `$GDN_JAX_CACHE_DIR` (None for "off"), else
     `$XDG_CACHE_HOME/gdn_jax/jax`, else `~/.cache/gdn_jax/jax`."""
@@ -64,11 +81,16 @@ def enable_compilation_cache(folder: str | None = None) -> str | None:
     is kept. The folder is bounded (`compilation_cache_max_bytes`): past the bound JAX deletes the least recently
     used entries (a folder this process cannot write is read as it is, unbounded). On the CPU its entries are keyed
     by the host's CPU too (`executable_store.tag_jax_cache_keys`; where JAX cannot, they go to a subfolder per CPU
-    kind: `executable_store.jax_cache_folder`), so that machines of two kinds can share the folder. Returns the
-    folder in use."""
+    kind: `executable_store.jax_cache_folder`), so that machines of two kinds can share the folder. An entry there
+    that does not load (truncated, garbled) is deleted when JAX reads it (`_delete_damaged`; where this JAX allows,
+    `jax_compat.on_damaged_cache_entry`), and written again. Returns the folder in use."""
+    global _engine_folder, _hearing_damage
     tag_jax_cache_keys()
+    if not _hearing_damage:
+        _hearing_damage = jax_compat.on_damaged_cache_entry(_delete_damaged)
     current = jax.config.jax_compilation_cache_dir
     if current:
+        _engine_folder = current
         return current
     folder = default_cache_dir() if folder is None else folder if folder not in ("", "off") else None
     if folder is None:
@@ -87,4 +109,5 @@ def enable_compilation_cache(folder: str | None = None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", folder)
     # every executable is kept, the quick ones too: a second start then compiles nothing
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _engine_folder = folder
     return folder

@@ -628,6 +628,46 @@ def test_the_cache_bound_can_be_lifted_is_off_on_a_read_only_folder_and_a_bad_on
         assert repr(bad) in done.stderr
 
 
+_DAMAGED_CACHE_CHILD = """
+import json, warnings
+import jax, jax.numpy as jnp, numpy as np
+from gdn_jax.worker.compile_cache import enable_compilation_cache
+enable_compilation_cache()
+hits = []
+jax.monitoring.register_event_listener(
+    lambda event, **kwargs: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.jit(lambda x: jnp.sin(x) * 3 + jnp.cumsum(x))(np.arange(64.0)).block_until_ready()
+print(json.dumps({"hits": len(hits), "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_a_damaged_entry_of_jax_cache_warns_at_one_start_not_at_every_one(tmp_path):
+    """JAX reads an entry that does not load (here truncated) as a miss, with a warning, and never replaces an entry
+    that is there: every later start warned and compiled it again. The engine deletes it, so the start that finds it
+    writes it anew. Three starts on one folder: the first writes the entry, the second finds it damaged, the third
+    loads what the second wrote."""
+    import json
+    import subprocess
+    import sys
+
+    def start():
+        env = dict(os.environ, GDN_JAX_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, "-c", _DAMAGED_CACHE_CHILD], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    assert start() == {"hits": 0, "warnings": []}
+    (entry,) = tmp_path.glob("*-cache")
+    entry.write_bytes(entry.read_bytes()[:entry.stat().st_size // 2])
+    second = start()
+    assert second["hits"] == 0 and len(second["warnings"]) == 1, second
+    assert "Error reading persistent compilation cache entry" in second["warnings"][0]
+    assert start() == {"hits": 1, "warnings": []}
+
+
 def test_the_cache_folder_is_gdn_jax_cache_dir_else_xdg_cache_home_else_home(tmp_path):
     """The folder README and `--compilation-cache` name: $GDN_JAX_CACHE_DIR ("off": none), else
     $XDG_CACHE_HOME/gdn_jax/jax, else ~/.cache/gdn_jax/jax."""

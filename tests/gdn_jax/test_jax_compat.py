@@ -1,5 +1,6 @@
 """JAX's private APIs (gdn_jax.jax_compat): the locked JAX takes each private path, and each public fallback, forced
-on by turning its flag off, still does the job: compilations counted, settings keyed, CPU kinds kept apart."""
+on by turning its flag off, still does the job: compilations counted, settings keyed, CPU kinds kept apart, a
+damaged cache entry heard of (or, without the private read, a miss as JAX makes it)."""
 
 import contextlib
 import threading
@@ -21,6 +22,7 @@ def test_the_locked_jax_takes_every_private_path():
     """A JAX outside VERIFIED_JAX runs the fallbacks: check the private APIs on it, then widen VERIFIED_JAX."""
     assert jax_compat.verified(), f"JAX {jax.__version__} is outside {jax_compat.VERIFIED_JAX}"
     assert jax_compat.CACHE_KEY_HOOK and jax_compat.TRACE_CONTEXT_NAMES and jax_compat.JIT_CACHE_SIZE
+    assert jax_compat.CACHE_READ
     assert jax_compat.jax_version("0.10.2") == (0, 10) and jax_compat.jax_version("1.2.3.dev20260101") == (1, 2)
     assert not jax_compat.verified("0.9.2") and not jax_compat.verified("0.11.0")
 
@@ -115,3 +117,21 @@ def test_two_kinds_of_cpu_sharing_a_cache_folder_keep_their_entries_apart(tmp_pa
         assert jax_compat._cache_key.custom_hook() == "set-before;host_cpu=x86_64-aaaaaaaaaaaa"
     else:
         assert folder_a == str(tmp_path / "host-x86_64-aaaaaaaaaaaa") != folder_b
+
+
+@PATHS
+def test_a_cache_entry_that_does_not_load_is_heard_of_by_its_key(tmp_path, monkeypatch, private):
+    """JAX warns and compiles either way; with the private read, the entry's key is heard of first."""
+    monkeypatch.setattr(jax_compat, "CACHE_READ", private and jax_compat.CACHE_READ)
+    module = jax_compat._compilation_cache
+    if module is not None:  # (the read is put back afterwards)
+        monkeypatch.setattr(module, "get_executable_and_time", module.get_executable_and_time)
+    heard = []
+    assert jax_compat.on_damaged_cache_entry(heard.append) == private
+    with persistent_cache(str(tmp_path)):
+        jax.jit(lambda x: x * 7.0 + 2.0)(np.ones(3, np.float32))
+        (entry,) = tmp_path.glob("*-cache")
+        entry.write_bytes(entry.read_bytes()[:entry.stat().st_size // 2])
+        with pytest.warns(UserWarning, match="Error reading persistent compilation cache entry"):
+            jax.jit(lambda x: x * 7.0 + 2.0)(np.ones(3, np.float32))  # a fresh function: traced and looked up
+    assert heard == ([entry.name.removesuffix("-cache")] if private else [])
