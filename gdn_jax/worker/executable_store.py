@@ -39,7 +39,6 @@ import re
 import shutil
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import jax
@@ -47,8 +46,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
-from gdn_jax.diagnostics import user_stacklevel
-from gdn_jax import envs, jax_compat
+from gdn_jax import diagnostics, envs, jax_compat
 from gdn_jax.backends.cpu import library
 from gdn_jax.model.forms import GENERIC, Forms
 
@@ -164,11 +162,11 @@ _said: set[str] = set()  # what `_say` has said in this process
 def _say(what: str, message: str) -> None:
     """Warns `message` once per process for `what` (a folder that cannot be read or written, a damaged entry): the
     store's failures are misses, the engine compiles instead, and this says why a start compiled what it could have
-    loaded."""
+    loaded. At the user's line, from warm-up's loading threads too (`diagnostics.map_on_threads`)."""
     if what in _said:
         return
     _said.add(what)
-    warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
+    diagnostics.warn(message)
 
 
 def load(folder: str | None, key: str):

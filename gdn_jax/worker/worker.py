@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax import jax_compat
-from gdn_jax.diagnostics import user_stacklevel
+from gdn_jax.diagnostics import map_on_threads, user_stacklevel
 from gdn_jax.worker import executable_store as executables
 from gdn_jax.backends.cpu import tuning
 from gdn_jax.config import EngineConfig, ModelConfig
@@ -215,8 +215,8 @@ class Worker:
                    for B in self.sample_buckets()])
         keys = [executables.executable_key(name[0], static, args, options, self.forms) if folder else None
                 for name, args, options, _ in jobs]
-        with concurrent.futures.ThreadPoolExecutor(2) as loaders:  # deserializing releases the GIL
-            found = list(loaders.map(functools.partial(executables.load, folder), keys))
+        # two threads (deserializing releases the GIL); what a load warns points at the user's line
+        found = map_on_threads(functools.partial(executables.load, folder), keys, threads=2)
         loaded, pending = 0, []
         fresh = executables.fresh_compilation() if folder else contextlib.nullcontext()  # what the store saves
         with fresh, concurrent.futures.ThreadPoolExecutor(threads) as pool:
