@@ -38,6 +38,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order, oldest first
         self.prefilling: dict[int, Sequence] = {}  # running, more than one token left to compute
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
+        self.lane_of: dict[int, object] = {}  # a request's first sequence -> its lane in the waiting queue (`add`)
         self.inflight: StepPlan | None = None  # scheduled, not yet postprocessed
         self.aborted_inflight: set[int] = set()  # aborted while their step runs: released at postprocess
         # first admissions only: queries, hits, query_tokens, reused_tokens (re-admissions after preemption are
@@ -56,9 +57,10 @@ class Scheduler:
         self._num_fork_groups = 0
 
     # -- requests --------------------------------------------------------------------------
-    def add(self, seq: Sequence, forks: list[Sequence] = ()) -> None:
+    def add(self, seq: Sequence, forks: list[Sequence] = (), group=None) -> None:
         """Queue `seq`; `forks` are further samples of the same prompt (n > 1), forked from `seq` once it has
-        computed the fork point instead of each prefilling the prompt."""
+        computed the fork point instead of each prefilling the prompt. Requests of one `group` (any hashable; None:
+        a group of its own) share one lane of the waiting queue, so one client's many prompts take one turn."""
         forks = list(forks)
         for s in [seq] + forks:
             self._check_new(s)
@@ -67,8 +69,10 @@ class Scheduler:
             raise ValueError(f"request {seq.seq_id}: forks need distinct seq_ids, got {ids}")
         if any(c.token_ids != seq.token_ids for c in forks):
             raise ValueError(f"request {seq.seq_id}: a fork shares its parent's prompt")
+        lane = seq.seq_id if group is None else ("group", group)
         self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq, request=seq.seq_id)
+        self.lane_of[seq.seq_id] = lane
+        self.waiting.append(seq, request=lane)
         for c in forks:
             self.seqs[c.seq_id] = c
         point = (len(seq.token_ids) - 1) // self.config.block_size * self.config.block_size
@@ -80,7 +84,7 @@ class Scheduler:
             self._num_fork_groups += 1
             self.fork_parent.update((c.seq_id, seq.seq_id) for c in forks)
         else:  # nothing to share: plain requests
-            self.waiting.extend(forks, request=seq.seq_id)
+            self.waiting.extend(forks, request=lane)
 
     def _check_new(self, seq: Sequence) -> None:
         if not seq.token_ids:
@@ -184,7 +188,7 @@ class Scheduler:
         """The children of `parent_id` become ordinary sequences of its request, first in its lane of the waiting
         queue, which takes the next turn unless it has one already."""
         children = self._pop_forks(parent_id)
-        self.waiting.push_first(children, parent_id)
+        self.waiting.push_first(children, self.lane_of.get(parent_id, parent_id))
         self.counters["fork_fallbacks"] += len(children)
 
     def _schedule_forks(self, rows: list[ScheduledSequence], budget: int, parents: set[int] | None = None) -> int:
@@ -492,6 +496,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
+        self.lane_of.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block and checkpoint not in use (e.g. between A/B runs). True when the prefix

@@ -143,10 +143,13 @@ class LLMEngine:
         return checked
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, *, sampling_params: SamplingParams | None = None) -> None:
+                    arrival_time: float | None = None, *, sampling_params: SamplingParams | None = None,
+                    queue_group: str | None = None) -> None:
         """Validates everything before anything runs: a bad request raises ValueError and changes nothing.
         `params` is vLLM's name; `sampling_params=` is taken too. `arrival_time` is on `time.perf_counter()`'s clock
-        (default: now), as every time in `RequestMetrics`."""
+        (default: now), as every time in `RequestMetrics`. Requests of one `queue_group` take one turn together in
+        the waiting queue (the server groups the prompts of one HTTP request), so a client's flood of prompts
+        waits behind itself, not in front of everyone else."""
         if sampling_params is not None:
             if params is not None:
                 raise ValueError("give the sampling parameters once: params or sampling_params, not both")
@@ -183,7 +186,7 @@ class LLMEngine:
         self._by_seq.update((seq.seq_id, req) for seq in seqs)
         try:
             with _interrupts_held():  # half-added, a sample would be in no queue the scheduler or an abort reads
-                self.scheduler.add(seqs[0], forks=seqs[1:])
+                self.scheduler.add(seqs[0], forks=seqs[1:], group=queue_group)
         except BaseException:
             if not any(seq.seq_id in self.scheduler.seqs for seq in seqs):  # refused, or interrupted before it began
                 del self._requests[request_id]

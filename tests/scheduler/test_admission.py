@@ -34,6 +34,21 @@ def test_a_one_sequence_request_is_admitted_next_to_a_flood_queued_before_it(pro
     assert small.output_token_ids and all(len(s.output_token_ids) == 8 for s in flood)
 
 
+def test_requests_of_one_group_take_one_turn_together():
+    """One client's 6 prompts, each a request of its own, queued under one group, then a lone request: the lone one
+    is admitted second, not after the whole group (each prompt in a lane of its own would put it seventh)."""
+    cfg = small_config(max_num_seqs=1)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    for i in range(6):
+        seq = make_seq(i, P[i:i + 3], max_tokens=1)
+        sched.add(seq, group="client-a")
+        dev.add(seq)
+    submit(sched, dev, make_seq(99, P[20:23], max_tokens=1))
+    assert [s.seq_id for s in sched.waiting] == [0, 99, 1, 2, 3, 4, 5]
+    assert _admission_order(run(sched, dev)) == [0, 99, 1, 2, 3, 4, 5]
+    assert sched.lane_of == {}
+
+
 def test_requests_take_one_admission_each_in_turn():
     cfg = small_config(max_num_seqs=1)
     sched, dev = Scheduler(cfg), FakeDevice(cfg)
