@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gdn_jax import envs
 from gdn_jax.config import SETTINGS, EngineConfig, setting_fields, setting_type
+from gdn_jax.entrypoints.openai.server_config import ServerConfig
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -172,7 +173,7 @@ def _check_address(host: str, port: int) -> None:
 
 def _serve(args) -> None:
     try:
-        from gdn_jax.entrypoints.openai.api_server import ServerConfig, serve
+        from gdn_jax.entrypoints.openai.api_server import serve
     except ImportError as e:
         sys.exit(f"gdn-jax serve needs the server extra: pip install 'gdn-jax[serve]' ({e})")
     from gdn_jax.chat import ChatTemplate, load_special_tokens
@@ -194,17 +195,22 @@ def _serve(args) -> None:
         template = None if chat is None else chat.source
     _check_address(args.host, args.port)
     special_tokens = load_special_tokens(folder)  # the template's bos_token, eos_token, ...: the tokenizer's
+    config = ServerConfig(model_name=args.served_model_name or args.model,
+                          api_key=args.api_key or envs.get("GDN_JAX_API_KEY") or None,
+                          max_request_bytes=args.max_request_bytes,
+                          max_tokens_limit=min(args.max_tokens_limit, settings.scheduling.max_model_len),
+                          max_sequences_per_request=args.max_sequences_per_request,
+                          max_waiting_sequences=args.server_max_waiting_sequences,
+                          stream_timeout=args.stream_timeout, header_timeout=args.header_timeout,
+                          body_timeout=args.body_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                          shutdown_timeout=args.shutdown_timeout,
+                          chat_template=template, special_tokens=special_tokens,
+                          reasoning_parser=args.reasoning_parser)
     engine = LLMEngine(settings)
     if not args.no_warm_up:
         t0 = time.perf_counter()
         n = engine.warm_up(prompt_logprobs=args.warm_up_prompt_logprobs)
         print(f"[gdn_jax] warm-up compiled {n} step shapes in {time.perf_counter() - t0:.1f} s", flush=True)
-    config = ServerConfig(model_name=args.served_model_name or args.model,
-                          api_key=args.api_key or envs.get("GDN_JAX_API_KEY") or None,
-                          max_request_bytes=args.max_request_bytes,
-                          max_tokens_limit=min(args.max_tokens_limit, settings.scheduling.max_model_len),
-                          chat_template=template, special_tokens=special_tokens,
-                          reasoning_parser=args.reasoning_parser)
     print(f"[gdn_jax] serving {config.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
 
@@ -268,9 +274,30 @@ def main(argv=None) -> None:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                                                    "(or set GDN_JAX_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="model id reported to clients (default: --model)")
-    s.add_argument("--max-tokens-limit", type=positive_int, default=1024,
+    s.add_argument("--max-tokens-limit", type=positive_int, default=ServerConfig.max_tokens_limit,
                    help="largest max_tokens a request may ask for")
-    s.add_argument("--max-request-bytes", type=positive_int, default=1 << 20, help="largest request body accepted")
+    s.add_argument("--max-request-bytes", type=positive_int, default=ServerConfig.max_request_bytes,
+                   help="largest request body accepted")
+    s.add_argument("--max-sequences-per-request", type=positive_int, default=ServerConfig.max_sequences_per_request,
+                   help="most sequences (prompts x n) one request may add; more is a 400")
+    # (its own dest: engine_config reads every engine setting's name from args, and the engine's setting of that
+    # name stays unset under the server, which bounds the HTTP requests it submits)
+    s.add_argument("--max-waiting-sequences", type=positive_int, default=ServerConfig.max_waiting_sequences,
+                   dest="server_max_waiting_sequences",
+                   help="most sequences submitted and not yet started; a request past it gets a 429 with "
+                        "Retry-After")
+    s.add_argument("--stream-timeout", type=positive_number, default=ServerConfig.stream_timeout,
+                   help="seconds a client may leave a response unread before it is dropped and its requests "
+                        "aborted")
+    s.add_argument("--header-timeout", type=positive_number, default=ServerConfig.header_timeout,
+                   help="seconds from a request's first byte to the end of its headers; then the connection closes")
+    s.add_argument("--body-timeout", type=positive_number, default=ServerConfig.body_timeout,
+                   help="seconds from the end of a request's headers to the end of its body; then a 408")
+    s.add_argument("--keep-alive-timeout", type=positive_number, default=ServerConfig.keep_alive_timeout,
+                   help="seconds a connection may stay idle (before its first request too)")
+    s.add_argument("--shutdown-timeout", type=positive_number, default=ServerConfig.shutdown_timeout,
+                   help="seconds running requests have to finish after SIGTERM or Ctrl-C; then they end with an "
+                        "error (a stream's last event before data: [DONE])")
     s.add_argument("--chat-template", default=None, help="jinja chat template file (default: the model folder's)")
     s.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                    help="chat replies' <think> block goes to the message's `reasoning`, the rest to `content` "

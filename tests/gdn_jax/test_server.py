@@ -261,6 +261,7 @@ BAD = [
     ({"prompt": "hi", "max_tokens": 0, "echo": True}, 400, "0 only with echo and logprobs"),
     ({"prompt": "hi", "logit_bias": {"36": 100}}, 400, "logit_bias is not supported"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of is not supported"),
+    ({"prompt": "hi", "best_of": True}, 400, "invalid field 'best_of'"),  # a boolean, as in every number field
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix is not supported"),
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format is not supported"),
     ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
@@ -591,6 +592,15 @@ def test_chat_messages_are_checked_and_logprobs_returned(server):
     r = _post(server, {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}, "/v1/chat/completions",
               url).json()
     assert r["usage"]["total_tokens"] == ENGINE_KW["max_model_len"] and r["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_chat_message_without_a_role_names_its_place(server):
+    """A message without `role` is named to its index (`messages[1].role`), not as the whole `messages` field."""
+    msgs = [{"role": "user", "content": "hi"}, {"content": "no role"}]
+    r = _post(server, {"messages": msgs}, "/v1/chat/completions", server.chat_url)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages[1].role", r.text
+    assert error["message"].startswith("invalid field 'messages[1].role': Field required")
 
 
 def test_chat_checks_its_messages_before_its_other_fields(server):

@@ -1,9 +1,11 @@
 """The one engine thread: it owns the `LLMEngine`, drives `step()`, and applies add / abort commands between steps.
 
 HTTP handlers run on the asyncio loop and never touch the engine: they put a command on a queue and read their
-request's outputs from an asyncio queue (a `Sink`) that this thread feeds with `call_soon_threadsafe`. So the engine
-is only ever used by one thread. If a step raises, the requests of that step get an error and the loop goes on
-serving. The thread also keeps the `/metrics` registry.
+request's outputs from a `Mailbox` that this thread fills, waking the handler with `call_soon_threadsafe`. So the
+engine is only ever used by one thread. A mailbox keeps only the latest output of each prompt: outputs are cumulative,
+so a handler that reads late (its client does not read) loses nothing and holds one output per prompt, not one per
+step. If a step raises, the requests of that step get an error and the loop goes on serving. The thread also keeps
+the `/metrics` registry, and counts the sequences submitted and not yet started (`queued_sequences`).
 """
 
 from __future__ import annotations
@@ -17,26 +19,65 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from gdn_jax.engine import EngineStepError, LLMEngine, RequestOutput
+from gdn_jax.engine import EngineFull, EngineStepError, LLMEngine, RequestOutput
 from gdn_jax.entrypoints.openai.protocol import BadRequest, EngineError
 from scheduler import SamplingParams
 
 ENGINE_THREAD_STACK_BYTES = 64 << 20
+RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves every engine step
 log = logging.getLogger(__name__)
 
 
-class Sink:
-    """Where one engine request's outputs go: an asyncio queue of (index, RequestOutput | Exception)."""
+class Mailbox:
+    """One HTTP request's outputs, by prompt index: the latest RequestOutput of each prompt, or the error that ended
+    it. The engine thread puts; the asyncio side takes."""
 
-    def __init__(self, aloop: asyncio.AbstractEventLoop, q: asyncio.Queue, index: int):
-        self.aloop, self.q, self.index = aloop, q, index
-        self.first = True
+    def __init__(self, aloop: asyncio.AbstractEventLoop):
+        self.aloop = aloop
+        self._latest: dict[int, RequestOutput | Exception] = {}
+        self._lock = threading.Lock()
+        self._ready = asyncio.Event()
+        self._wake_scheduled = False
 
-    def put(self, item) -> None:
+    def put(self, index: int, item: RequestOutput | Exception) -> None:
+        with self._lock:
+            self._latest[index] = item  # an output holds everything an older one of its prompt did
+            if self._wake_scheduled:
+                return
+            self._wake_scheduled = True
         try:
-            self.aloop.call_soon_threadsafe(self.q.put_nowait, (self.index, item))
+            self.aloop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the event loop is closed (shutdown)
             pass
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_scheduled = False
+        self._ready.set()
+
+    async def take(self, timeout: float) -> dict[int, RequestOutput | Exception]:
+        """What came since the last call ({} if nothing came within `timeout` seconds)."""
+        try:
+            async with asyncio.timeout(timeout):  # (no task per wait, unlike wait_for on 3.11)
+                await self._ready.wait()
+        except TimeoutError:
+            return {}
+        self._ready.clear()
+        with self._lock:
+            items, self._latest = self._latest, {}
+        return items
+
+
+class Sink:
+    """Where one engine request's outputs go: its HTTP request's mailbox, under the prompt's index."""
+
+    def __init__(self, mailbox: Mailbox, index: int, n: int):
+        self.mailbox, self.index = mailbox, index
+        self.first = True
+        self.queued = n  # samples that have not started (no token yet, not ended)
+
+    def put(self, item) -> None:
+        self.mailbox.put(self.index, item)
 
 
 class EngineLoop:
@@ -47,6 +88,9 @@ class EngineLoop:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stop = threading.Event()
+        # sequences submitted (counted by the asyncio side) and started or ended (by this thread): each counter has
+        # one writer
+        self._submitted_seqs = self._started_seqs = 0
         # XLA compiles new step shapes on this thread: give it a main-thread-sized stack, not the platform's default
         previous = threading.stack_size(ENGINE_THREAD_STACK_BYTES)
         try:
@@ -87,9 +131,17 @@ class EngineLoop:
     def num_active(self) -> int:
         return len(self._sinks)
 
+    @property
+    def queued_sequences(self) -> int:
+        """Sequences submitted that have not started: no token yet, not ended (commands not applied yet included)."""
+        return self._submitted_seqs - self._started_seqs
+
     # called from the asyncio side ------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt, params: SamplingParams, sink: Sink, arrival: float) -> None:
-        self._cmds.put(("add", request_id, prompt, params, sink, arrival))
+    def submit(self, request_id: str, prompt, params: SamplingParams, sink: Sink, arrival: float,
+               queue_group: str | None = None) -> None:
+        """`queue_group`: the engine requests of one HTTP request take one turn together in the waiting queue."""
+        self._submitted_seqs += sink.queued
+        self._cmds.put(("add", request_id, prompt, params, sink, arrival, queue_group))
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -129,16 +181,23 @@ class EngineLoop:
 
     def _apply(self, cmd) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params, sink, arrival = cmd
+            _, rid, prompt, params, sink, arrival, group = cmd
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                self.engine.add_request(rid, prompt, params, arrival_time=arrival, queue_group=group)
             except Exception as e:  # noqa: BLE001 - validated before; reported to the one client
-                sink.put(BadRequest(str(e)) if isinstance(e, ValueError) else EngineError(f"{type(e).__name__}: {e}"))
+                self._settle(sink)
+                sink.put(_refusal(e))
                 return
             self._sinks[rid] = sink
-        elif cmd[0] == "abort" and self._sinks.pop(cmd[1], None) is not None:
+        elif cmd[0] == "abort" and (sink := self._sinks.pop(cmd[1], None)) is not None:
+            self._settle(sink)
             self.engine.abort_request(cmd[1])
             self.finished.labels("abort").inc()
+
+    def _settle(self, sink: Sink) -> None:
+        """A request ended: its samples that never started count as started (no longer queued)."""
+        self._started_seqs += sink.queued
+        sink.queued = 0
 
     def _emit(self, out: RequestOutput) -> None:
         sink = self._sinks.get(out.request_id)
@@ -148,8 +207,13 @@ class EngineLoop:
         if sink.first and m.ttft is not None:
             sink.first = False
             self.ttft.observe(m.ttft)
+        if sink.queued:
+            queued = sum(1 for comp in out.outputs if not comp.token_ids and comp.finish_reason is None)
+            self._started_seqs += sink.queued - queued
+            sink.queued = queued
         if out.finished:
             del self._sinks[out.request_id]
+            self._settle(sink)
             for comp in out.outputs:
                 self.finished.labels(comp.finish_reason or "unknown").inc()
             self.latency.observe(time.perf_counter() - m.arrival_time)
@@ -176,6 +240,7 @@ class EngineLoop:
             for rid in exc.request_ids:
                 sink = self._sinks.pop(rid, None)
                 if sink is not None:
+                    self._settle(sink)
                     sink.put(err)
                     self.finished.labels("error").inc()
             self._snapshot()
@@ -186,12 +251,22 @@ class EngineLoop:
         failed = [rid for rid in list(self._sinks)
                   if in_plan is None or self.engine.seq_id_of(rid) in in_plan]
         for rid in failed:
-            self._sinks.pop(rid).put(err)
+            sink = self._sinks.pop(rid)
+            self._settle(sink)
+            sink.put(err)
             self.engine.abort_request(rid)
             self.finished.labels("error").inc()
         if sched.inflight is not None:
             sched.fail_step(sched.inflight)
         self._snapshot()
+
+
+def _refusal(e: Exception) -> Exception:
+    """What the client of an `add_request` that raised is told: a 400 for a request the engine refuses, a 429 when
+    the engine's own waiting limit is full (an engine built with max_waiting_sequences), else an engine error."""
+    if isinstance(e, EngineFull):
+        return BadRequest(str(e), status=429, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return BadRequest(str(e)) if isinstance(e, ValueError) else EngineError(f"{type(e).__name__}: {e}")
 
 
 class _StatsCollector:
@@ -223,3 +298,5 @@ class _StatsCollector:
         reqs.add_metric(["waiting"], s.get("num_waiting", 0))
         reqs.add_metric(["active"], self.loop.num_active)
         yield reqs
+        yield GaugeMetricFamily("gdn_jax_queued_sequences", "Sequences submitted and not started (what "
+                                "max_waiting_sequences bounds)", value=self.loop.queued_sequences)

@@ -9,36 +9,42 @@ field when set to anything but their "off" value.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, get_args
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class BadRequest(Exception):
-    """A request the server refuses: answered with `status` (400 unless told) and the field named in `param`."""
+    """A request the server refuses: answered with `status` (400 unless told), the field named in `param`, and
+    `headers` (a 429's Retry-After, ...)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, headers: dict | None = None):
         super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+        self.message, self.param, self.status, self.headers = message, param, status, headers
 
 
 class EngineError(Exception):
     """The engine failed this request (a step raised); reported as a 500 or an in-band stream error."""
 
 
-def error_response(status: int, message: str, param: str | None = None, kind: str | None = None) -> JSONResponse:
+def error_kind(status: int) -> str:
+    """The OpenAI API's error type of an HTTP status."""
+    return {401: "authentication_error", 429: "rate_limit_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
     """The OpenAI API's error body."""
-    kind = kind or {401: "authentication_error", 413: "invalid_request_error", 500: "server_error"}.get(
-        status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+    return JSONResponse({"error": {"message": message, "type": kind or error_kind(status), "param": param,
+                                   "code": status}}, status, headers=headers)
 
 
 def stream_error_event(e: Exception) -> str:
     """An error inside a stream whose headers are sent: the error body as a server-sent event."""
     status = e.status if isinstance(e, BadRequest) else 500
-    kind = "server_error" if status == 500 else "invalid_request_error"
-    return f"data: {json.dumps({'error': {'message': str(e), 'type': kind, 'code': status}})}\n\n"
+    return f"data: {json.dumps({'error': {'message': str(e), 'type': error_kind(status), 'code': status}})}\n\n"
 
 
 class _Body(BaseModel):
@@ -115,7 +121,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
-    best_of: Any = None  # only equal to n (`sampling_params`)
+    best_of: int | None = None  # only equal to n (`sampling_params`)
     suffix: Any = None  # UNSUPPORTED
 
 
@@ -157,9 +163,31 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise BadRequest("invalid body: nested too deeply") from None
     except ValidationError as e:
         err = e.errors()[0]
-        field = str(err["loc"][0]) if err["loc"] else "body"
+        field = error_field(model, err["loc"])
         msg = err["msg"]
         if field == "prompt" and err["type"] != "missing":
             msg = "must be a string, a list of token ids, a list of strings or a list of token-id lists"
         got = json.dumps(err.get("input"), default=str)
         raise BadRequest(f"invalid field '{field}': {msg} (got {got[:80]})", param=field) from None
+
+
+def error_field(model: type[BaseModel], loc: tuple) -> str:
+    """The field a validation error's location names, into nested bodies: `messages[2].role`,
+    `stream_options.include_usage`; a union's member names, which pydantic puts in the location, are left out."""
+    path, body = "", model
+    for part in loc:
+        if isinstance(part, int) and body is not None and path:
+            path += f"[{part}]"
+        elif isinstance(part, str) and body is not None and part in body.model_fields:
+            path += f".{part}" if path else part
+            body = _body_in(body.model_fields[part].annotation)
+        else:
+            break
+    return path or "body"
+
+
+def _body_in(annotation) -> type[BaseModel] | None:
+    """The request body type inside a field's annotation (`ChatMessage` of `list[ChatMessage]`), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((b for a in get_args(annotation) if (b := _body_in(a)) is not None), None)

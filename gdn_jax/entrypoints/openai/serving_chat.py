@@ -17,7 +17,8 @@ from gdn_jax.engine import RequestOutput
 from gdn_jax.entrypoints.openai.engine_loop import EngineLoop
 from gdn_jax.entrypoints.openai.protocol import BadRequest, ChatRequest, parse_body
 from gdn_jax.entrypoints.openai.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
-from gdn_jax.entrypoints.openai.serving_engine import OpenAIServing, SampleStream, ServerConfig, shown_tokens
+from gdn_jax.entrypoints.openai.server_config import ServerConfig
+from gdn_jax.entrypoints.openai.serving_engine import GracefulShutdown, OpenAIServing, SampleStream, shown_tokens
 from gdn_jax.tokenizer import text_offsets
 from scheduler import SamplingParams
 
@@ -25,8 +26,8 @@ from scheduler import SamplingParams
 class OpenAIServingChat(OpenAIServing):
     """The handler of /v1/chat/completions; without a chat template it answers 400."""
 
-    def __init__(self, loop: EngineLoop, config: ServerConfig):
-        super().__init__(loop, config)
+    def __init__(self, loop: EngineLoop, config: ServerConfig, shutdown: GracefulShutdown | None = None):
+        super().__init__(loop, config, shutdown)
         self.template = ChatTemplate(config.chat_template, config.special_tokens) if config.chat_template else None
 
     def chat_logprobs(self, ids: list[int], entries: list, k: int) -> dict:
@@ -80,6 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         parse = self.config.reasoning_parser is not None
         keep = req.include_reasoning  # false: the reasoning is split off and left out (vLLM's include_reasoning)
         opened = parse and prompt_opens_reasoning(text)
+        sub = self.submit([(text, ids)], params, arrival)
         if req.stream:
             streams: dict[int, SampleStream] = {}
             parts: dict[int, ReasoningStream] = {}
@@ -106,10 +108,10 @@ class OpenAIServingChat(OpenAIServing):
             def delta(i: int, out: RequestOutput) -> list[dict]:
                 return [c for j in range(len(out.outputs)) if (c := one(j, out)) is not None]
 
-            return self.stream_response(request, [(text, ids)], params, arrival,
-                                        {**head, "object": "chat.completion.chunk"}, delta, req.stream_options)
+            return self.stream_response(request, sub, {**head, "object": "chat.completion.chunk"}, delta,
+                                        req.stream_options)
         final = None
-        async for _, out in self.run(request, [(text, ids)], params, arrival):
+        async for _, out in self.outputs(request, sub):
             final = out if out.finished else final
         if final is None:
             return Response(status_code=499)

@@ -77,12 +77,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append((text if text is not None else self.engine.tokenizer.decode(ids), ids))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "object": "text_completion", "created": created, "model": self.config.model_name}
+        sub = self.submit(prompts, params, arrival)
         if req.stream:
-            return self.stream_response(request, prompts, params, arrival, head,
-                                        self._completion_chunks(req, prompts, score_only), req.stream_options,
-                                        score_only)
+            return self.stream_response(request, sub, head, self._completion_chunks(req, prompts, score_only),
+                                        req.stream_options, score_only)
         finals: dict[int, RequestOutput] = {}
-        async for i, out in self.run(request, prompts, params, arrival):
+        async for i, out in self.outputs(request, sub):
             if out.finished:
                 finals[i] = out
         if len(finals) < len(prompts):

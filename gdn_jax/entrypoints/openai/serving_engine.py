@@ -1,16 +1,23 @@
-"""What /v1/completions and /v1/chat/completions share: the server's settings, and the base of their handlers.
+"""What /v1/completions and /v1/chat/completions share: the base of their handlers.
 
 `OpenAIServing` checks a request (API key, model name, body size, sampling parameters, the prompt against the engine's
 limits: pure reads of the engine's configuration), submits it to the `EngineLoop`, and reads its outputs back. A
 request's `model`, if given, must be the served name: another is a 404, as in vLLM. A client that disconnects has its
 request aborted (its slots and blocks are freed at once).
+
+Limits: a body must arrive within `body_timeout` (else a 408, and the connection is closed); one request may add at
+most `max_sequences_per_request` sequences (prompts x n, else a 400), and none is admitted while the sequences
+submitted and not yet started would pass `max_waiting_sequences` (a 429 with Retry-After, as TGI answers a full
+queue). What waits for a client is bounded whatever it reads: the latest output per prompt (`Mailbox`).
+
+Shutdown (`GracefulShutdown`): once begun, nothing is admitted (503); at its deadline every running request ends, a
+stream with an error event and `data: [DONE]`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import dataclasses
 import hmac
 import itertools
 import json
@@ -20,40 +27,71 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from gdn_jax.engine import RequestOutput
-from gdn_jax.entrypoints.openai.engine_loop import EngineLoop, Sink
+from gdn_jax.entrypoints.openai.engine_loop import RETRY_AFTER_S, EngineLoop, Mailbox, Sink
 from gdn_jax.entrypoints.openai.protocol import (BadRequest, CompletionRequest, SamplingRequest, refuse_unsupported,
                                                  stream_error_event)
-from gdn_jax.entrypoints.openai.reasoning import REASONING_PARSERS
+from gdn_jax.entrypoints.openai.server_config import ServerConfig
 from gdn_jax.tokenizer import TextOffsets
 from scheduler import SamplingParams
 
 
-@dataclasses.dataclass
-class ServerConfig:
-    """The HTTP server's settings (the engine has its own)."""
+class GracefulShutdown:
+    """The server's shutdown as the handlers see it: once begun nothing is admitted; at the deadline the running
+    requests end."""
 
-    model_name: str = "tiny"                 # the id clients pass as `model` (another id is a 404, as in vLLM)
-    api_key: str | None = None
-    max_request_bytes: int = 1 << 20         # request bodies above this get a 413
-    max_tokens_limit: int = 1024             # the largest `max_tokens` accepted
-    max_prompts: int = 64                    # prompts in one /v1/completions request
-    chat_template: str | None = None         # jinja source; None: /v1/chat/completions answers 400
-    special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)  # the template's bos_token, ...
-    reasoning_parser: str | None = None      # "qwen3": a chat reply's think block goes to `reasoning` (vLLM's way)
+    def __init__(self):
+        self.deadline: float | None = None  # on time.monotonic()'s clock
 
-    def __post_init__(self):
-        if self.reasoning_parser not in (None, *REASONING_PARSERS):
-            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, got "
-                             f"{self.reasoning_parser!r}")
+    def begin(self, timeout: float) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + timeout
+
+    @property
+    def begun(self) -> bool:
+        return self.deadline is not None
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+class Submission:
+    """One HTTP request's engine requests (one per prompt) and the mailbox of their outputs. `close` aborts those not
+    finished; it is called however the response ends, and again does nothing."""
+
+    def __init__(self, loop: EngineLoop, mailbox: Mailbox, rids: list[str]):
+        self.loop, self.mailbox, self.rids = loop, mailbox, rids
+        self.pending = set(range(len(rids)))  # prompts not finished
+
+    def close(self) -> None:
+        for i in sorted(self.pending):
+            self.loop.abort(self.rids[i])
+        self.pending.clear()
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream that closes its `Submission` however it ends (a client gone, a cancellation)."""
+
+    def __init__(self, events, submission: Submission):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.submission = submission
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.submission.close()
 
 
 class OpenAIServing:
     """The checks, submission and streaming that the endpoints' handlers share."""
 
-    def __init__(self, loop: EngineLoop, config: ServerConfig):
+    def __init__(self, loop: EngineLoop, config: ServerConfig, shutdown: GracefulShutdown | None = None):
         self.loop, self.config, self.engine = loop, config, loop.engine
+        self.shutdown = shutdown or GracefulShutdown()
         self.max_model_len = self.engine.max_model_len
         self._ids = itertools.count()
 
@@ -74,15 +112,24 @@ class OpenAIServing:
                              "(GET /v1/models)", "model", status=404)
 
     async def read_body(self, request: Request) -> bytes:
-        limit = self.config.max_request_bytes
+        """The request's body: a 413 past `max_request_bytes`, a 408 (the connection then closed) when it has not all
+        arrived within `body_timeout`."""
+        limit, timeout = self.config.max_request_bytes, self.config.body_timeout
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
+        except TimeoutError:
+            raise BadRequest(f"the request body did not arrive within {timeout:g} s ({len(body)} bytes came)",
+                             status=408, headers={"Connection": "close"}) from None
+        except ClientDisconnect:  # nobody reads the answer
+            raise BadRequest("the client closed the connection before its body ended", status=499) from None
         return bytes(body)
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
@@ -162,39 +209,51 @@ class OpenAIServing:
             name = re.match(r"\w*", str(e)).group()
             raise BadRequest(str(e), name if name in SamplingParams.__dataclass_fields__ else field) from None
 
-    async def run(self, request: Request, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                  arrival: float):
-        """Submits one engine request per prompt; yields (index, RequestOutput) until all finish. Leaving early
-        (client gone, error) aborts whatever is unfinished."""
-        aloop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+    def submit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+               arrival: float) -> Submission:
+        """Submits one engine request per prompt, if the server admits them: not while it shuts down (503), not more
+        than `max_sequences_per_request` sequences (400), not past `max_waiting_sequences` (429)."""
+        if self.shutdown.begun:
+            raise BadRequest("the server is shutting down", status=503)
+        new, limit = len(prompts) * params.n, self.config.max_sequences_per_request
+        if new > limit:
+            raise BadRequest(f"the request adds {new} sequences ({len(prompts)} prompt(s) x n={params.n}); at most "
+                             f"{limit} per request (max_sequences_per_request)", "n")
+        waiting, limit = self.loop.queued_sequences, self.config.max_waiting_sequences
+        if waiting + new > limit:
+            raise BadRequest(f"the server's queue is full: {waiting} sequences wait to start, this request adds {new}, "
+                             f"the limit is {limit} (max_waiting_sequences); retry later", status=429,
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
+        mailbox = Mailbox(asyncio.get_running_loop())
         base = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         rids = [f"{base}-{i}" for i in range(len(prompts))]
         for i, (text, ids) in enumerate(prompts):
-            self.loop.submit(rids[i], {"prompt_token_ids": ids, "prompt": text}, params, Sink(aloop, q, i), arrival)
-        pending = set(range(len(prompts)))
+            self.loop.submit(rids[i], {"prompt_token_ids": ids, "prompt": text}, params, Sink(mailbox, i, params.n),
+                             arrival, queue_group=base)
+        return Submission(self.loop, mailbox, rids)
+
+    async def outputs(self, request: Request, sub: Submission):
+        """Yields (prompt index, RequestOutput) until every prompt finished; a newer output replaces an older one not
+        yet read (outputs are cumulative). Leaving early (client gone, error, the shutdown's deadline) aborts
+        whatever is unfinished."""
         next_check = time.monotonic() + 0.5
         try:
-            while pending:
-                try:
-                    async with asyncio.timeout(0.5):  # (no task per token, unlike wait_for on 3.11)
-                        i, item = await q.get()
-                except TimeoutError:
-                    item = None
-                if time.monotonic() >= next_check or item is None:  # a gone client is noticed within ~0.5 s
+            while sub.pending:
+                items = await sub.mailbox.take(timeout=0.5)
+                if time.monotonic() >= next_check or not items:  # a gone client is noticed within ~0.5 s
                     next_check = time.monotonic() + 0.5
                     if await request.is_disconnected():
                         return
-                if item is None:
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                if item.finished:
-                    pending.discard(i)
-                yield i, item
+                for i, item in sorted(items.items()):
+                    if isinstance(item, Exception):
+                        raise item
+                    if item.finished:
+                        sub.pending.discard(i)
+                    yield i, item
+                if sub.pending and self.shutdown.expired():
+                    raise BadRequest("the server shut down before the request finished", status=503)
         finally:
-            for i in pending:
-                self.loop.abort(rids[i])
+            sub.close()
 
     def usage(self, finals: list[RequestOutput], score_only: bool = False) -> dict:
         p = sum(len(o.prompt_token_ids) for o in finals)
@@ -202,15 +261,15 @@ class OpenAIServing:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
-    def stream_response(self, request: Request, prompts, params, arrival, head: dict, delta, stream_options,
+    def stream_response(self, request: Request, sub: Submission, head: dict, delta, stream_options,
                         score_only: bool = False) -> Response:
-        """A server-sent event stream of `run`'s outputs: per output, one event per choice `delta(i, out)` returns."""
+        """A server-sent event stream of `outputs`: per output, one event per choice `delta(i, out)` returns."""
         include_usage = bool(stream_options and stream_options.include_usage)
 
         async def events():
             finals = []
             try:
-                async for i, out in self.run(request, prompts, params, arrival):
+                async for i, out in self.outputs(request, sub):
                     if out.finished:
                         finals.append(out)
                     for choice in delta(i, out):  # one event per choice, as the OpenAI API streams them
@@ -219,12 +278,11 @@ class OpenAIServing:
                 yield stream_error_event(e)
                 yield "data: [DONE]\n\n"
                 return
-            if include_usage and len(finals) == len(prompts):
+            if include_usage and len(finals) == len(sub.rids):
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': self.usage(finals, score_only)})}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(events(), sub)
 
 
 class SampleStream:
