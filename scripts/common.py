@@ -644,3 +644,42 @@ def perturb(model, gen) -> None:
                 normal_(p, 0.5)
             elif name.endswith("conv1d.weight"):
                 normal_(p, 0.5)
+
+
+class ServerProcess:
+    """`gdn-jax serve ARGS` in a subprocess on a free loopback port, unauthenticated (a caller's GDN_JAX_API_KEY,
+    which `--api-key` would take, is left out); a context manager that waits for /health and stops it."""
+
+    def __init__(self, args: list[str]):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "gdn_jax.entrypoints.cli", "serve", "--port", str(self.port),
+               "--log-level", "warning", *args]
+        env = {k: v for k, v in os.environ.items() if k != "GDN_JAX_API_KEY"}
+        self.proc = subprocess.Popen(cmd, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        import httpx
+
+        for _ in range(2400):  # bounded: 20 minutes (start-up compiles every step shape)
+            if self.proc.poll() is not None:  # a setting it refused: its one-line error is printed above
+                raise ValueError(f"the server (gdn-jax serve) exited with status {self.proc.returncode} before it "
+                                 f"was up: its error is above")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("server did not become healthy in 20 minutes")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

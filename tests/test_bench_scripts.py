@@ -303,8 +303,8 @@ def test_bench_serving_reports_server_and_offline_rows(tmp_path, monkeypatch):
     monkeypatch.setenv("GDN_JAX_API_KEY", "a caller's key")  # the servers the script starts are its own, keyless
     out = tmp_path / "serving.json"
     _script("bench_serving").main(["--model", "tiny-random", "--concurrency", "1", "--requests", "2", "--system",
-                                   "16", "--question", "4", "--max-tokens", "2", "--chunk-stride", "16",
-                                   "--max-model-len", "32", "--out", str(out)])  # 20-token prompts + 2
+                                   "16", "--question", "4", "--max-tokens", "6", "--chunk-stride", "16",
+                                   "--max-model-len", "32", "--out", str(out)])  # 20-token prompts + 6
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {f"{kind}, cache {c}" for kind in ("server", "offline") for c in ("on", "off")}
     for name, by_clients in result["rows"].items():

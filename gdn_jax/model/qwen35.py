@@ -1,13 +1,8 @@
 """Qwen3.5 hybrid model (Gated DeltaNet + gated full attention) as Flax NNX modules.
 
 The modules hold parameters only. The recurrent and KV state lives outside them in `DeviceState`, so a jitted
-step can take it as a donated argument: `forward(graphdef, params, batch, state) -> (logits, state)`.
-
-Donation holds (XLA updates the pools in place and never copies one) as long as, within a step, every read of a
-pool's old contents is ordered before its write by data dependence. So a KV pool is written first and read after
-(attention reads the updated pool), and a GDN pool is read by one gather whose result feeds the write (see
-`read_slots`); scatters promise in-bounds indices (the host validates them), since an out-of-bounds check reads
-the pool too. `tests/gdn_jax/test_donation.py` checks every compiled step shape.
+step can take it as a donated argument: `forward(graphdef, params, batch, state) -> (logits, state)` (why donation
+holds: `model/state.py`).
 
 Batch layout: `B` rows (sequences), `T` tokens per row (a prefill chunk, or 1 for decode), rows right-padded.
 """

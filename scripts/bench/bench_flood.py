@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,7 +36,7 @@ from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int, 
 from scheduler.sampling_params import MAX_N
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
-from common import environment, run_command  # noqa: E402
+from common import ServerProcess, environment, run_command  # noqa: E402
 
 
 def _prompts(rng, count: int, length: int) -> list[list[int]]:
@@ -134,41 +131,14 @@ async def measure(url: str, args) -> dict:
             "flood": flooded, "past the waiting limit": refused}
 
 
-class ServerProcess:
-    """`gdn-jax serve` in a subprocess on a free loopback port, admitting the flood."""
-
-    def __init__(self, args):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        size = max(args.prompts * args.n, MAX_N)  # the flood, and the request past the limit
-        cmd = [sys.executable, "-m", "gdn_jax.entrypoints.cli", "serve", "--model", args.model, "--port",
-               str(self.port), "--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
-               str(args.max_model_len), "--max-tokens-limit", str(max(args.max_tokens, args.flood_max_tokens)),
-               "--max-sequences-per-request", str(size), "--max-waiting-sequences", str(size + args.headroom)]
-        env = {k: v for k, v in os.environ.items() if k != "GDN_JAX_API_KEY"}  # its own server, unauthenticated
-        self.proc = subprocess.Popen(cmd, env=env)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        for _ in range(2400):  # bounded: 20 minutes (start-up compiles every step shape)
-            if self.proc.poll() is not None:
-                raise ValueError(f"the server (gdn-jax serve) exited with status {self.proc.returncode} before it "
-                                 f"was up: its error is above")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("server did not become healthy in 20 minutes")
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def server_process(args) -> ServerProcess:
+    """`gdn-jax serve` admitting the flood."""
+    size = max(args.prompts * args.n, MAX_N)  # the flood, and the request past the limit
+    return ServerProcess(["--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
+                          "--max-model-len", str(args.max_model_len),
+                          "--max-tokens-limit", str(max(args.max_tokens, args.flood_max_tokens)),
+                          "--max-sequences-per-request", str(size), "--max-waiting-sequences",
+                          str(size + args.headroom)])
 
 
 def main(argv=None):
@@ -204,7 +174,7 @@ def main(argv=None):
     if args.url:
         result = asyncio.run(measure(args.url.rstrip("/"), args))
     else:
-        with ServerProcess(args) as srv:
+        with server_process(args) as srv:
             result = asyncio.run(measure(srv.url, args))
 
     idle = result["idle"]["ttft_p50_ms"]

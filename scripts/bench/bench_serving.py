@@ -24,9 +24,7 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +35,7 @@ import numpy as np
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
-from common import run_command  # noqa: E402
+from common import ServerProcess, run_command  # noqa: E402
 
 
 def pct(xs, q):
@@ -72,9 +70,17 @@ async def _one(ac: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dic
             if chunk.get("usage"):
                 usage = chunk["usage"]
             elif chunk["choices"]:
-                times.append(now)  # the server sends one chunk per new token
-    return {"ttft": times[0] - t0, "itl": list(np.diff(times)), "e2e": times[-1] - t0,
-            "tokens": usage["completion_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+                times.append(now)
+    tokens = usage["completion_tokens"]
+    return {"ttft": times[0] - t0, "itl": token_gaps(times, tokens), "e2e": times[-1] - t0,
+            "tokens": tokens, "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+
+
+def token_gaps(times: list[float], tokens: int) -> list[float]:
+    """Inter-token latencies of one stream: the time from its first chunk to its last over the tokens after the
+    first, once per such token. A chunk may carry several tokens (the server keeps only a stream's latest output
+    while its client has not read), so the gaps between chunks are not the gaps between tokens."""
+    return [(times[-1] - times[0]) / (tokens - 1)] * (tokens - 1) if tokens > 1 else []
 
 
 async def _closed_loop(url: str, prompts, clients: int, max_tokens: int, api_key: str | None) -> tuple[list, float]:
@@ -114,42 +120,11 @@ def run_server(url, args, vocab, api_key) -> dict:
     return out
 
 
-class ServerProcess:
-    """`gdn-jax serve` in a subprocess on a free loopback port."""
-
-    def __init__(self, args, caching: bool):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "gdn_jax.entrypoints.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-               "--port", str(self.port), "--log-level", "warning", "--max-num-seqs",
-               str(max(args.concurrency)), "--max-model-len", str(args.max_model_len), "--chunk-stride",
-               str(args.chunk_stride), "--max-tokens-limit", str(args.max_tokens)]
-        # its own loopback server, unauthenticated: a GDN_JAX_API_KEY of the caller's (which `--api-key` takes for
-        # an external `--url`) would make it refuse the benchmark's requests
-        env = {k: v for k, v in os.environ.items() if k != "GDN_JAX_API_KEY"}
-        self.proc = subprocess.Popen(cmd + ([] if caching else ["--no-prefix-caching"]), env=env)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        for _ in range(2400):  # bounded: 20 minutes (start-up compiles every step shape)
-            if self.proc.poll() is not None:  # a setting it refused: its one-line error is printed above
-                raise ValueError(f"the server (gdn-jax serve) exited with status {self.proc.returncode} before it "
-                                 f"was up: its error is above")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("server did not become healthy in 20 minutes")
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def server_process(args, caching: bool) -> ServerProcess:
+    """`gdn-jax serve` for the benchmark's settings, the prefix cache on or off."""
+    return ServerProcess(["--model", args.model, "--dtype", args.dtype, "--max-num-seqs", str(max(args.concurrency)),
+                          "--max-model-len", str(args.max_model_len), "--chunk-stride", str(args.chunk_stride),
+                          "--max-tokens-limit", str(args.max_tokens)] + ([] if caching else ["--no-prefix-caching"]))
 
 
 # ---- the offline engine ---------------------------------------------------------------------------------------
@@ -240,7 +215,7 @@ def main(argv=None):
         rows["server (external)"] = run_server(args.url.rstrip("/"), args, vocab, args.api_key)
     else:
         for caching in (True, False):
-            with ServerProcess(args, caching) as srv:
+            with server_process(args, caching) as srv:
                 rows[f"server, cache {'on' if caching else 'off'}"] = run_server(srv.url, args, vocab, None)
         if not args.no_offline:
             for caching in (True, False):
