@@ -26,7 +26,8 @@ run: $(VENV)/.installed
 # processes share compiled executables through JAX's persistent cache in a folder of its own (tests/conftest.py).
 # Modules that name no group run in the engine lane's last process. The groups that test what the server, training,
 # the studies and the scripts do with the model's results compile with LLVM's optimisation off (in half the time);
-# the xla_forms tests run again with the CPU kernels off, in XLA's forms.
+# the xla_forms tests run again with the CPU kernels off, in XLA's forms; the mesh tests (tensor parallelism) run in a
+# process of 8 host devices.
 PYTEST = $(PY) -m pytest -q --ignore=tests/reference
 PLUMBING := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 .PHONY: test-serial test-lane-engine test-lane-rest
@@ -37,9 +38,10 @@ test: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j2 --output-sync=line test-lane-engine test-lane-rest
 test-serial: test-lane-engine test-lane-rest
 test-lane-engine: $(VENV)/.installed
-	$(PYTEST) -m engine
+	$(PYTEST) -m "engine and not mesh"
 	$(PYTEST) -m model
-	$(PYTEST) -m "not (engine or model or startup or server or studies or bench)"
+	$(PYTEST) -m "not (engine or model or startup or server or studies or bench or mesh)"
+	XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8" $(PYTEST) -m mesh
 test-lane-rest: $(VENV)/.installed
 	$(PYTEST) -m startup
 	GDN_JAX_CPU_KERNELS=0 $(PYTEST) -m xla_forms
@@ -55,7 +57,8 @@ test-reference: $(REF_VENV)/.installed
 	$(PY) -m pytest -q tests/reference
 
 test-fast: $(VENV)/.installed  # everything but the tests marked slow
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not mesh"
+	XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8" $(PY) -m pytest -q -m "mesh and not slow"
 
 # Long randomized runs for an offline soak: the scheduler's properties (CI uses the derandomized "ci" profile of
 # tests/conftest.py), then random engine workloads, cache on, against each request alone with the cache off

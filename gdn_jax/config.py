@@ -80,6 +80,9 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     eos_token_id: int | None = None
     name: str = "custom"
+    # the tensor-parallel layout (`model.sharding.tp_config`): the shards a fused projection's rows and the GDN conv
+    # channels are interleaved for, so that each shard's slice holds its heads of every part (1: the HF order)
+    layout_shards: int = 1
 
     def __post_init__(self):
         bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
@@ -93,6 +96,8 @@ class ModelConfig:
                              f"linear_num_key_heads ({self.linear_num_key_heads})")
         if self.rotary_dim % 2:
             raise ValueError(f"rotary dim head_dim * partial_rotary_factor = {self.rotary_dim} must be even")
+        if self.layout_shards < 1:
+            raise ValueError(f"layout_shards must be >= 1, got {self.layout_shards}")
 
     @property
     def num_hidden_layers(self) -> int:
@@ -474,6 +479,9 @@ class EngineConfig:
                 "min_p, repetition_penalty, max_new_tokens) for what a request leaves unset, as vLLM does; vllm: "
                 "the neutral defaults")
     verbose: bool = _setting(True, "print the memory plan when the engine starts", cli=False)
+    tensor_parallel_size: int = _setting(
+        1, "devices the model is split over: tensor parallelism on a mesh axis 'tp' (Megatron layout, pools split "
+           "by heads)", min=1)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduling: SchedulingConfig = dataclasses.field(default_factory=SchedulingConfig)
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)

@@ -23,7 +23,8 @@ from gdn_jax.diagnostics import user_stacklevel
 from gdn_jax.engine.input_processor import model_eos_ids, model_sampling_defaults, validate_request
 from gdn_jax.engine.output_processor import OutputProcessor, RequestState
 from gdn_jax.engine.outputs import EngineFull, EngineStepError, RequestMetrics, RequestOutput
-from gdn_jax.model.weights import load_model, model_folder
+from gdn_jax.model.sharding import bytes_on_device, make_mesh
+from gdn_jax.model.weights import load_model, model_folder, shard_model
 from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker.compile_cache import enable_compilation_cache
 from gdn_jax.worker.executable_store import StaleExecutable
@@ -77,7 +78,12 @@ class LLMEngine:
         cache, sched = config.cache, config.scheduling
         dtype = getattr(jnp, config.dtype)  # jnp.float32, jnp.bfloat16
         enable_compilation_cache(config.compile.compilation_cache_dir)
+        tp = config.tensor_parallel_size
+        self.mesh = make_mesh(tp) if tp > 1 else None  # (no devices enough: an error before the model loads)
         self.cfg, graphdef, params = load_model(config.model, dtype=dtype, seed=config.seed)
+        model_cfg = self.cfg  # the config of the model as the worker runs it: the tensor-parallel layout on a mesh
+        if self.mesh is not None:
+            model_cfg, graphdef, params = shard_model(self.cfg, params, self.mesh, dtype)
         if sched.max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
@@ -90,9 +96,10 @@ class LLMEngine:
         has_linear = bool(self.cfg.linear_layer_ids)
         budget = cache.memory_budget_bytes
         if budget is None and (cache.num_kv_blocks is None or cache.num_linear_slots is None):  # else unused
-            params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-            budget = default_memory_budget(params_bytes, cache.gpu_memory_utilization)
-        self.memory = plan_memory(self.cfg, config, budget)
+            device = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
+            params_bytes = bytes_on_device(params, device)
+            budget = default_memory_budget(params_bytes, cache.gpu_memory_utilization, device)
+        self.memory = plan_memory(model_cfg, config, budget, devices=tp)
         self.scheduler_config = SchedulerConfig(
             num_kv_blocks=self.memory.num_kv_blocks, num_linear_slots=self.memory.num_linear_slots,
             block_size=cache.block_size, chunk_stride=cache.chunk_stride, max_num_seqs=sched.max_num_seqs,
@@ -107,8 +114,8 @@ class LLMEngine:
                           stacklevel=user_stacklevel())
         self.scheduler = Scheduler(self.scheduler_config)
         eos = [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]
-        self.worker = Worker(self.cfg, graphdef, params, self.memory, config,
-                             eos_token_ids=tuple(eos + self.extra_eos_ids))
+        self.worker = Worker(model_cfg, graphdef, params, self.memory, config,
+                             eos_token_ids=tuple(eos + self.extra_eos_ids), mesh=self.mesh)
         self.output_processor = OutputProcessor(self.tokenizer, self.cfg.eos_token_id,
                                                 lambda seq_id: self.scheduler.abort(seq_id))
         if config.verbose:

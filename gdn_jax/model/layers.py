@@ -13,24 +13,38 @@ from gdn_jax.model.dense import dense
 from gdn_jax.model.forms import GENERIC, Forms
 
 
+def split_parts(y, sizes, shards: int = 1) -> list:
+    """The parts of sizes `sizes` that y's last axis stacks: in order ([a | b | c]), or with `shards` > 1 shard by
+    shard, each shard's slice holding its share of every part ([a0 b0 c0 | a1 b1 c1 | ...], the tensor-parallel
+    layout of `ModelConfig.layout_shards`). Sharded along that axis, every shard then splits its own slice: the
+    reshapes keep the sharding on the leading axis, and no value crosses devices."""
+    cuts = lambda n: list(itertools.accumulate(sizes[:-1] if n == 1 else [s // n for s in sizes[:-1]]))  # noqa: E731
+    if shards == 1:
+        return jnp.split(y, cuts(1), axis=-1)
+    lead = y.shape[:-1]
+    parts = jnp.split(y.reshape(*lead, shards, y.shape[-1] // shards), cuts(shards), axis=-1)
+    return [p.reshape(*lead, -1) for p in parts]
+
+
 class Linear(nnx.Module):
     """Bias-free projection with its matrix in the HF layout, kernel [n_out, n_in], accumulating in float32 (the
     fast bfloat16 path on CPU and GPU) and returning the activation dtype. `parts` names the HF projections a fused
-    matrix stacks along its rows, with their sizes (see `fused_parts`)."""
+    matrix stacks along its rows, with their sizes (see `fused_parts`), in the order `split_parts` reads with
+    `shards`."""
 
-    def __init__(self, n_in: int, n_out: int, dtype, std: float, rngs: nnx.Rngs, parts: tuple = ()):
+    def __init__(self, n_in: int, n_out: int, dtype, std: float, rngs: nnx.Rngs, parts: tuple = (), shards: int = 1):
         self.kernel = nnx.Param(nnx.initializers.normal(std)(rngs.params(), (n_out, n_in), dtype))
-        self.dtype, self.parts = dtype, parts
+        self.dtype, self.parts, self.shards = dtype, parts, shards
 
     def __call__(self, x, forms: Forms = GENERIC):
         y = dense(x.astype(self.dtype), self.kernel[...], forms).astype(self.dtype)
         if not self.parts:
             return y
-        return jnp.split(y, list(itertools.accumulate(n for _, n in self.parts[:-1])), axis=-1)
+        return split_parts(y, [n for _, n in self.parts], self.shards)
 
 
-def _linear(rngs, n_in, n_out, dtype, std, parts: tuple = ()):
-    return Linear(n_in, n_out, dtype, std, rngs, parts)
+def _linear(rngs, n_in, n_out, dtype, std, parts: tuple = (), shards: int = 1):
+    return Linear(n_in, n_out, dtype, std, rngs, parts, shards)
 
 
 def fused_parts(cfg: ModelConfig) -> dict[str, dict[str, tuple[tuple[str, int], ...]]]:
@@ -49,7 +63,7 @@ def fused_parts(cfg: ModelConfig) -> dict[str, dict[str, tuple[tuple[str, int], 
 
 def _fused(rngs, cfg, module: str, name: str, dtype, std):
     parts = fused_parts(cfg)[module][name]
-    return _linear(rngs, cfg.hidden_size, sum(n for _, n in parts), dtype, std, parts)
+    return _linear(rngs, cfg.hidden_size, sum(n for _, n in parts), dtype, std, parts, cfg.layout_shards)
 
 
 def rms_norm(x, eps):

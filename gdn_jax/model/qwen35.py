@@ -25,7 +25,7 @@ from gdn_jax.model.gated_delta import (causal_conv1d, chunk_gated_delta_rule, de
 from gdn_jax.model.state import Batch, DeviceState, from_pool, layer_ids, read_slots, write_rows
 from gdn_jax.model.dense import LayerKernel, _identity, dense
 from gdn_jax.model.forms import GENERIC, Forms
-from gdn_jax.model.layers import GatedRMSNorm, RMSNorm, _fused, _linear
+from gdn_jax.model.layers import GatedRMSNorm, RMSNorm, _fused, _linear, split_parts
 from gdn_jax.model.attention import Attention, rows_per_iteration
 
 
@@ -98,7 +98,7 @@ class GatedDeltaNet(nnx.Module):
             idx = offsets[:, None] + jnp.arange(conv_state.shape[1], dtype=jnp.int32)[None, :]
             saved_conv = xx[rows[:, None], idx].astype(conv_state.dtype)       # [S, K-1, C]
         qkv, conv_state = causal_conv1d(mixed, self.conv1d[...], conv_state, lengths)  # [B, T, C]
-        q, k, v = jnp.split(qkv, [cfg.linear_key_dim, 2 * cfg.linear_key_dim], axis=-1)
+        q, k, v = split_parts(qkv, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], cfg.layout_shards)
         q = l2norm(q.reshape(B, T, nk, dk).astype(jnp.float32)) * dk**-0.5
         k = l2norm(k.reshape(B, T, nk, dk).astype(jnp.float32))
         v = v.reshape(B, T, nv, dv)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from gdn_jax.config import LINEAR, PRESETS, ModelConfig, NotAModelFolder, get_preset
 from gdn_jax.model.qwen35 import Qwen35Model, init_model
+from gdn_jax.model import sharding
 from gdn_jax.model.layers import fused_parts
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")
@@ -199,10 +200,24 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     return cfg, graphdef, params
 
 
+def shard_model(cfg: ModelConfig, params, mesh, dtype=jnp.float32):
+    """The HF-order model (`cfg`, params) split over `mesh`'s "tp" axis -> (its config `sharding.tp_config`,
+    graphdef, params): each parameter converted to the tensor-parallel layout on the host, one at a time, and each
+    device given its slice only."""
+    tp_cfg = sharding.tp_config(cfg, mesh.shape[sharding.AXIS])
+    graphdef, abstract = abstract_model(tp_cfg, dtype)
+    flat = dict(nnx.to_flat_state(abstract))
+    for path, var in nnx.to_flat_state(params):
+        arr = sharding.layout_tensor(cfg, tp_cfg, path, np.asarray(var.get_value()))
+        flat[path] = flat[path].replace(sharding.place_param(mesh, path, arr, arr.dtype))
+    return tp_cfg, graphdef, nnx.from_flat_state(flat)
+
+
 def hf_tensors(cfg: ModelConfig, params) -> dict:
     """The params as HF tensors (text layout, numpy): name -> array, fused projections split back into theirs."""
-    import numpy as np
-
+    if cfg.layout_shards != 1:
+        raise ValueError(f"{cfg.name} is in the tensor-parallel layout (layout_shards={cfg.layout_shards}): save the "
+                         f"model it was split from")
     flat = dict(nnx.to_flat_state(params))
     tensors = {}
     for name, (path, rows) in _hf_names(cfg).items():

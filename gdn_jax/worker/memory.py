@@ -24,6 +24,7 @@ class MemoryPlan:
     num_kv_blocks: int
     num_linear_slots: int
     max_num_seqs: int = 0
+    devices: int = 1  # the pools are split over this many devices (tensor parallelism); the bytes are per device
 
     @property
     def total_bytes(self) -> int:
@@ -39,8 +40,9 @@ class MemoryPlan:
         linear = (f"linear state: {self.num_linear_slots} slots x {self.bytes_per_linear_slot / mib:.2f} MiB "
                   f"(1 padding + {self.max_num_seqs} live + {self.num_checkpoint_slots} checkpoint); "
                   if self.bytes_per_linear_slot else "")
+        each = f" per device, on each of {self.devices}" if self.devices > 1 else ""
         return (f"KV: {self.num_kv_blocks} blocks x {self.bytes_per_kv_block / 1024:.1f} KiB; {linear}"
-                f"total {self.total_bytes / mib:.1f} MiB")
+                f"total {self.total_bytes / mib:.1f} MiB{each}")
 
 
 def default_memory_budget(params_bytes: int, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
@@ -81,7 +83,8 @@ def default_memory_budget(params_bytes: int, gpu_memory_utilization: float = GPU
     return share - params_bytes
 
 
-def plan_memory(cfg: ModelConfig, config: EngineConfig, memory_budget_bytes: int | None = None) -> MemoryPlan:
+def plan_memory(cfg: ModelConfig, config: EngineConfig, memory_budget_bytes: int | None = None,
+                devices: int = 1) -> MemoryPlan:
     """Sizes the pools of model `cfg` under `config` (its dtype, cache and scheduling settings); the pool counts
     `config` gives win, otherwise they come from `memory_budget_bytes` (default `config.cache.memory_budget_bytes`;
     the engine sizes an unset one from the device, `default_memory_budget`).
@@ -90,6 +93,8 @@ def plan_memory(cfg: ModelConfig, config: EngineConfig, memory_budget_bytes: int
     least one checkpoint slot per sequence, more (up to `CHECKPOINTS_PER_SEQ_MAX` per sequence) while they fit in a
     quarter of the budget. KV blocks take the rest, up to twice what full concurrency needs; at least one whole
     sequence of `max_model_len` must fit. A minimum that does not fit the budget is an error naming both pools.
+    `devices`: the pools are split by heads over that many devices (`cfg` in their layout, `sharding.tp_config`);
+    the budget and every byte count are then per device.
     """
     cache, max_num_seqs, max_model_len = config.cache, config.scheduling.max_num_seqs, config.scheduling.max_model_len
     block_size, num_kv_blocks, num_linear_slots = cache.block_size, cache.num_kv_blocks, cache.num_linear_slots
@@ -98,10 +103,10 @@ def plan_memory(cfg: ModelConfig, config: EngineConfig, memory_budget_bytes: int
     if memory_budget_bytes is None and (num_kv_blocks is None or num_linear_slots is None):
         raise ValueError("plan_memory needs a memory budget where a pool count is not given")
     itemsize = jnp.dtype(config.dtype).itemsize
-    per_block = 2 * len(cfg.full_layer_ids) * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    per_block = 2 * len(cfg.full_layer_ids) * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize // devices
     per_slot = len(cfg.linear_layer_ids) * (
         (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * itemsize
-        + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+        + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4) // devices
     caches_linear = cache.enable_prefix_caching and per_slot > 0
     live = 1 + max_num_seqs
     if num_linear_slots is not None and caches_linear and num_linear_slots < live + 1:
@@ -139,4 +144,4 @@ def plan_memory(cfg: ModelConfig, config: EngineConfig, memory_budget_bytes: int
                     f"slots x {per_slot / 2**20:.2f} MiB leaves {max(left, 0) / 2**20:.1f} MiB for KV, less than one "
                     f"sequence of max_model_len={max_model_len} needs ({min_blocks} blocks x {per_block / 2**10:.1f} KiB)")
             num_kv_blocks = min(want, left // per_block)
-    return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs)
+    return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs, devices)

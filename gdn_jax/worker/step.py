@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.model.forms import GENERIC, Forms
-from gdn_jax.model.state import Batch
+from gdn_jax.model.state import Batch, DeviceState
 from gdn_jax.model.qwen35 import forward
 from gdn_jax.model.state import RestoreOps
 from gdn_jax.sampling import SamplingMetadata, sample
@@ -91,23 +91,35 @@ class PromptLogprobs:
 KEEP_UNUSED = True
 
 
+def _sharded(out_shardings) -> dict:
+    """jit's `out_shardings` of a step from (the pools' shardings in `DeviceState` order, the rest's): the pools
+    keep their split from step to step (a donated pool is reused in place, and no step recompiles for a new
+    sharding), everything else is replicated (the logits gathered for sampling)."""
+    if out_shardings is None:
+        return {}
+    pools, rest = out_shardings
+    return {"out_shardings": (DeviceState(*pools), rest)}
+
+
 @functools.lru_cache(maxsize=None)
 def step_function(graphdef, params_def, chunk_size: int, kind: str = "prefill", gdn_schedule: str = "auto",
-                  forms: Forms = GENERIC):
+                  forms: Forms = GENERIC, out_shardings=None):
     """The jitted step for one model structure: `(param_leaves, state, batch)`, the state donated. Cached per
-    (graphdef, params treedef, GDN chunk size and schedule, `executable_kind`, whose compile options differ, and the
-    step's `Forms`), so workers of the same model share compiled executables, and the structure is hashed here, once,
-    not per call."""
+    (graphdef, params treedef, GDN chunk size and schedule, `executable_kind`, whose compile options differ, the
+    step's `Forms`, and on a mesh the outputs' shardings (`_sharded`)), so workers of the same model share compiled
+    executables, and the structure is hashed here, once, not per call."""
 
     def step(param_leaves, state, *args):
         return _step(graphdef, jax.tree.unflatten(params_def, param_leaves), (chunk_size, gdn_schedule, forms), state,
                      *args)
 
-    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind, forms), keep_unused=KEEP_UNUSED)
+    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind, forms), keep_unused=KEEP_UNUSED,
+                   **_sharded(out_shardings))
 
 
 @functools.lru_cache(maxsize=None)
-def prompt_step_function(graphdef, params_def, chunk_size: int, gdn_schedule: str = "auto", forms: Forms = GENERIC):
+def prompt_step_function(graphdef, params_def, chunk_size: int, gdn_schedule: str = "auto", forms: Forms = GENERIC,
+                         out_shardings=None):
     """The prompt-logprobs variant of `step_function` (its last argument, `full_rows`, is static)."""
 
     def step(param_leaves, state, *args):
@@ -115,7 +127,7 @@ def prompt_step_function(graphdef, params_def, chunk_size: int, gdn_schedule: st
                                      (chunk_size, gdn_schedule, forms), state, *args)
 
     return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options("prefill"),
-                   keep_unused=KEEP_UNUSED)
+                   keep_unused=KEEP_UNUSED, **_sharded(out_shardings))
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import math
 import warnings
@@ -31,12 +32,16 @@ from gdn_jax.backends.cpu import tuning
 from gdn_jax.config import EngineConfig, ModelConfig
 from gdn_jax.model.forms import Forms
 from gdn_jax.model.gated_delta import default_chunk_size
-from gdn_jax.model.state import Batch, init_state
+from gdn_jax.model import sharding
+from gdn_jax.model.state import Batch, DeviceState, init_state
 from gdn_jax.model.state import RestoreOps, validate_cache_ops
 from gdn_jax.sampling import SamplingMetadata
 from gdn_jax.worker.memory import MemoryPlan
 from gdn_jax.worker.compilation import compile_threads_default, compiler_options, executable_kind, gc_paused
 from gdn_jax.worker.step import PromptLogprobs, StepResult, host_batch, prompt_step_function, sample_function, step_function, unpack_sampled
+
+
+_POOLS = tuple(f.name for f in dataclasses.fields(DeviceState))
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -47,7 +52,7 @@ def _bucket(n: int, lo: int, hi: int) -> int:
 
 class Worker:
     def __init__(self, cfg: ModelConfig, graphdef, params, memory: MemoryPlan, config: EngineConfig,
-                 eos_token_ids: tuple[int, ...] | None = None, forms: Forms | None = None):
+                 eos_token_ids: tuple[int, ...] | None = None, forms: Forms | None = None, mesh=None):
         """Runs the step plans of the model `cfg` in the pools of `memory`, as `config` sets them up (its cache,
         scheduling and compile settings, dtype and seed; `config.model` is not read). `eos_token_ids`: the ids
         `min_tokens` bans besides a request's stop_token_ids (default: the model's EOS).
@@ -67,7 +72,12 @@ class Worker:
 
         `gdn_schedule`: the chunked GDN rule's schedule, "auto" (fused with the CPU forms, else parallel), "fused"
         or "parallel" (`gated_delta.chunk_gated_delta_rule`'s impl; same maths, so a CPU test can run the
-        accelerators' schedule through the engine)."""
+        accelerators' schedule through the engine).
+
+        `mesh`: the "tp" mesh the params lie on (`weights.shard_model`; `cfg` is then the config it returned); the
+        pools are split by heads over it (`sharding.state_specs`), every step keeps them so (its output shardings),
+        and the logits are gathered for sampling. The steps then take XLA's forms without the compiled CPU kernels
+        (a custom call the partitioner cannot split), and the executable store is off (its keys hold no mesh)."""
         cache, max_model_len = config.cache, config.scheduling.max_model_len
         block_size, chunk_stride = cache.block_size, cache.chunk_stride
         dtype, gdn_schedule = getattr(jnp, config.dtype), config.compile.gdn_schedule  # jnp.float32, jnp.bfloat16
@@ -76,6 +86,10 @@ class Worker:
         self.max_rows = _bucket(config.scheduling.max_num_seqs, 1, 1 << 30)
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.forms = tuning.resolve_forms(dtype) if forms is None else forms
+        self.mesh = mesh
+        self.shardings = None if mesh is None else (*sharding.state_shardings(mesh), sharding.replicated(mesh))
+        if mesh is not None:
+            self.forms = dataclasses.replace(self.forms, kernels=False, rows_kernel_rows=0)
         self.stride, self.chunk_size = chunk_stride, math.gcd(default_chunk_size(self.forms.cpu), chunk_stride)
         self.budget = config.token_budget
         self.scan = cache.checkpoint_mode == "scan"
@@ -93,18 +107,20 @@ class Worker:
         self._param_leaves, params_def = jax.tree.flatten(params)
         self.abstract = any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in self._param_leaves)
         self.state = self._new_state()
-        fns = {kind: step_function(graphdef, params_def, self.chunk_size, kind, gdn_schedule, self.forms)
+        fns = {kind: step_function(graphdef, params_def, self.chunk_size, kind, gdn_schedule, self.forms,
+                                   self._out_shardings())
                for kind in ("prefill", "decode", "decode_wide")}
         self._fn, self._decode_fn, self._decode_wide_fn = fns["prefill"], fns["decode"], fns["decode_wide"]
         # compiled lazily, per prefill shape, the first time a step has a prompt-logprobs row (or by warm_up)
-        self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size, gdn_schedule, self.forms)
+        self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size, gdn_schedule, self.forms,
+                                               self._out_shardings())
         self.gdn_schedule = gdn_schedule
         self._sample = sample_function()
         # warm_up's executables, called directly: ("step", rows, tokens) and ("sample", rows)
         self._executables: dict[tuple, object] = {}
         self._stored: dict[tuple, str] = {}  # those loaded from the executable store: name -> its key there
         self._called: list[tuple] = []  # the store's executables the current step called
-        self.executable_dir = executables.default_folder()  # the executable store (None: off)
+        self.executable_dir = executables.default_folder() if mesh is None else None  # the store (None: off)
         self.warm_up_stats = {"loaded": 0, "compiled": 0}
         self.state_resets = 0  # reset_state calls
         self.num_compilations = 0  # step compilations this worker triggered (cached executables are shared)
@@ -253,17 +269,34 @@ class Worker:
         return (self._param_leaves, self.state, batch)
 
     def _sample_key_args(self, rows: int) -> tuple:
-        return (jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32),
+        logits_sharding = None if self.shardings is None else self.shardings[-1]  # where the step leaves them
+        return (jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32, sharding=logits_sharding),
                 SamplingMetadata.padding(rows, self.history_width))
 
     def state_lost(self) -> bool:
         """True when the pools were consumed (donated to a call that then failed) and must be rebuilt."""
         return any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.state))
 
+    def _out_shardings(self):
+        """The steps' output shardings, (the pools, the logits, what else they return), as a hashable tuple; None
+        without a mesh."""
+        if self.shardings is None:
+            return None
+        state = jax.eval_shape(self._make_state)
+        pools = tuple(None if getattr(state, f) is None else s for f, s in zip(_POOLS, self.shardings))
+        return pools, self.shardings[-1]
+
+    def _make_state(self):
+        return init_state(self.cfg, self.memory.num_kv_blocks, self.block_size, self.memory.num_linear_slots,
+                          self.dtype)
+
     def _new_state(self):
-        make = functools.partial(init_state, self.cfg, self.memory.num_kv_blocks, self.block_size,
-                                 self.memory.num_linear_slots, self.dtype)
-        return jax.eval_shape(make) if self.abstract else make()
+        if self.abstract:
+            return jax.eval_shape(self._make_state)
+        if self.mesh is None:
+            return self._make_state()
+        # each device allocates its own slice of the pools
+        return jax.jit(self._make_state, out_shardings=DeviceState(*self._out_shardings()[0]))()
 
     def reset_state(self) -> None:
         """Fresh zeroed pools of the same shapes (the scheduler must forget everything they held)."""

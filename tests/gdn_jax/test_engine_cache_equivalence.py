@@ -53,14 +53,19 @@ def _summary(out):
     return c.token_ids, np.array([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
 
 
-@pytest.fixture(scope="module", params=["scan", "promote", "scan-parallel"])
+# the cache-on engine split over 2 and 4 devices (tensor parallelism; the "mesh" group of `make test` runs these
+# with 8 host devices), against the same one-device cache-off engine
+MESH = [pytest.param(p, marks=pytest.mark.mesh) for p in ("scan-auto-2", "promote-auto-2", "scan-parallel-4")]
+
+
+@pytest.fixture(scope="module", params=["scan", "promote", "scan-parallel", *MESH])
 def engines(request):
     """Cache on (in both checkpoint modes) and cache off. "scan-parallel": the cache-on engine computes the chunked
     GDN rule with the accelerators' "parallel" schedule, the cache-off one with the CPU's "fused" one, so the
-    equivalence also holds across schedules."""
-    mode, _, schedule = request.param.partition("-")
-    return (LLM("tiny-random", enable_prefix_caching=True, checkpoint_mode=mode, gdn_schedule=schedule or "auto",
-                **ENGINE_KW),
+    equivalence also holds across schedules. A third part: the cache-on engine's tensor_parallel_size."""
+    mode, schedule, tp = (request.param.split("-") + ["auto", "1"])[:3]
+    return (LLM("tiny-random", enable_prefix_caching=True, checkpoint_mode=mode, gdn_schedule=schedule,
+                tensor_parallel_size=int(tp), **ENGINE_KW),
             LLM("tiny-random", enable_prefix_caching=False, gdn_schedule="fused", **ENGINE_KW))
 
 
@@ -261,7 +266,7 @@ def _random_workload(rng, num_requests: int) -> list[tuple[int, str, list[int], 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engines", ["scan"], indirect=True)
+@pytest.mark.parametrize("engines", ["scan", pytest.param("scan-auto-2", marks=pytest.mark.mesh)], indirect=True)
 def test_random_workloads_under_memory_pressure_equal_each_request_alone_without_the_cache(engines):
     """Random mixed workloads on an engine with so few KV blocks and linear slots that blocks and checkpoints are
     evicted and requests preempted all the time: every request that is not aborted ends exactly as it does alone on
@@ -269,7 +274,8 @@ def test_random_workloads_under_memory_pressure_equal_each_request_alone_without
     invariants hold and the counters agree; no request is lost, duplicated or heard from after its abort."""
     plain = engines[1].engine
     tight = LLMEngine("tiny-random", enable_prefix_caching=True, num_kv_blocks=18, num_linear_slots=9,
-                      max_num_batched_tokens=64, **ENGINE_KW)
+                      max_num_batched_tokens=64, tensor_parallel_size=engines[0].engine.config.tensor_parallel_size,
+                      **ENGINE_KW)
     alone = {}
     for seed in range(2):
         work = _random_workload(np.random.default_rng(seed), 16)
