@@ -53,6 +53,10 @@ VARIABLES = {v.name: v for v in (
              positive_int=True),
     Variable("GDN_JAX_EXECUTABLE_STORE", "0 keeps compiled steps in JAX's persistent cache alone, without the "
              "executable store beside it (default: the store is on with the cache)", choices=("0", "1")),
+    Variable("GDN_JAX_COORDINATOR_ADDRESS", "host:port of process 0 when one engine runs on several hosts "
+             "(gdn_jax.distributed)"),
+    Variable("GDN_JAX_NUM_PROCESSES", "processes of a several-host engine", positive_int=True),
+    Variable("GDN_JAX_PROCESS_ID", "this process's index among them, from 0"),
     Variable("GDN_JAX_API_KEY", "the server's API key when --api-key is not given"),
     Variable("CXX", "the C++ compiler the CPU kernels are built with (default: c++, g++ or clang++ on PATH)"),
     Variable("XLA_FLAGS", "XLA's own flags; an optimisation level named there overrides the prefill steps' level"),

@@ -179,6 +179,10 @@ def _serve(args) -> None:
     from gdn_jax.chat import ChatTemplate, load_special_tokens
     from gdn_jax.engine import LLMEngine
     from gdn_jax.model.weights import model_folder
+    from gdn_jax import distributed
+    if distributed.settings() is not None:
+        raise ValueError("gdn-jax serve runs on one process: its requests would reach only this one (unset "
+                         "GDN_JAX_COORDINATOR_ADDRESS; several hosts run offline, gdn_jax.distributed)")
     settings = engine_config(args)
     folder = model_folder(settings.model)  # as the engine resolves it: a shipped model wins over a same-named folder
     # before the engine: a bad template or address fails at once, not after a warm-up of minutes
@@ -224,6 +228,8 @@ def _generate(args) -> None:
     SamplingParams(**{"temperature": 0.0, **given, **fixed}, max_tokens=args.max_tokens)  # checked before loading
     settings = engine_config(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    from gdn_jax import distributed
+    distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     llm = LLM(settings)
     # as the server: the model's recommended sampling (--generation-config auto) for what the flags leave unset,
     # greedy where it recommends nothing, and its max_new_tokens as a cap
@@ -326,6 +332,13 @@ def main(argv=None) -> None:
     g.add_argument("--logprobs", type=int, default=None, help="top logprobs per token (in the --json output)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--json", action="store_true", help="print the output as JSON")
+    g.add_argument("--coordinator-address", default=None,
+                   help="host:port of process 0, to run on several hosts with --tensor-parallel-size over all their "
+                        "devices (default: $GDN_JAX_COORDINATOR_ADDRESS; unset: one process)")
+    g.add_argument("--num-processes", type=positive_int, default=None,
+                   help="processes taking part (default: $GDN_JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=nonnegative_int, default=None,
+                   help="this process's index, from 0 (default: $GDN_JAX_PROCESS_ID)")
 
     t = sub.add_parser("tune", formatter_class=HelpFormatter,
                        help="measure this machine's CPU choices again (product forms, decode vector width) and keep "
