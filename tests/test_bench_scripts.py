@@ -316,6 +316,31 @@ def test_bench_serving_reports_server_and_offline_rows(tmp_path, monkeypatch):
     assert set(result["overhead"]) == {"cache on, 1 clients", "cache off, 1 clients"}
 
 
+def test_bench_tp_reports_each_size_split_over_host_devices(tmp_path):
+    """Each size in a process of its own with 2 host devices: at TP=2 device 0 holds about half the weights and
+    half the pools, and nothing compiles after the first request."""
+    out = tmp_path / "tp.json"
+    _script("bench_tp").main(["--model", "tiny-random", "--sizes", "1,2", "--prompt-len", "40", "--decode-tokens",
+                              "3", "--repeats", "1", "--out", str(out)])
+    one, two = json.loads(out.read_text())["steps"]
+    assert (one["tp"], two["tp"]) == (1, 2)
+    for r in (one, two):
+        assert r["ttft_ms"] > 0 and r["decode_step_ms"] > 0 and r["compilations_after_first"] == 0
+    assert 0.45 < two["weights_mib_device0"] / one["weights_mib_device0"] < 0.55
+    assert two["pools_mib_device0"] * 2 == pytest.approx(one["pools_mib_device0"])
+
+
+def test_bench_tp_loads_a_written_checkpoint_at_tp_1_and_4(tmp_path):
+    out = tmp_path / "load.json"
+    _script("bench_tp").main(["--load-rss", "--rss-preset", "tiny-random", "--rss-layers", "4", "--out", str(out)])
+    result = json.loads(out.read_text())
+    one, four = result["load"]
+    assert (one["tp"], four["tp"]) == (1, 4)
+    assert one["weights_mib_all"] == pytest.approx(result["checkpoint_mib"], rel=1e-3)  # bfloat16, as written
+    assert four["weights_mib_device0"] < 0.3 * one["weights_mib_device0"]  # a quarter, and the norms whole
+    assert one["peak_rss_mib"] > 0 and four["peak_rss_mib"] > 0
+
+
 def test_bench_host_times_the_stubbed_decode_steps(tmp_path):
     out = tmp_path / "host.json"
     _script("bench_host").main(["--preset", "tiny-random", "--prompt", "40", "--batches", "1,3", "--steps", "20",

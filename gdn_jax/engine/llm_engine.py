@@ -23,8 +23,8 @@ from gdn_jax.diagnostics import user_stacklevel
 from gdn_jax.engine.input_processor import model_eos_ids, model_sampling_defaults, validate_request
 from gdn_jax.engine.output_processor import OutputProcessor, RequestState
 from gdn_jax.engine.outputs import EngineFull, EngineStepError, RequestMetrics, RequestOutput
-from gdn_jax.model.sharding import bytes_on_device, make_mesh
-from gdn_jax.model.weights import load_model, model_folder, shard_model
+from gdn_jax.model.sharding import bytes_on_device, make_mesh, tp_config
+from gdn_jax.model.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker.compile_cache import enable_compilation_cache
 from gdn_jax.worker.executable_store import StaleExecutable
@@ -80,10 +80,8 @@ class LLMEngine:
         enable_compilation_cache(config.compile.compilation_cache_dir)
         tp = config.tensor_parallel_size
         self.mesh = make_mesh(tp) if tp > 1 else None  # (no devices enough: an error before the model loads)
-        self.cfg, graphdef, params = load_model(config.model, dtype=dtype, seed=config.seed)
-        model_cfg = self.cfg  # the config of the model as the worker runs it: the tensor-parallel layout on a mesh
-        if self.mesh is not None:
-            model_cfg, graphdef, params = shard_model(self.cfg, params, self.mesh, dtype)
+        self.cfg, graphdef, params = load_model(config.model, dtype=dtype, seed=config.seed, mesh=self.mesh)
+        model_cfg = tp_config(self.cfg, tp)  # the config of the model as the worker runs it (its layout on the mesh)
         if sched.max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")

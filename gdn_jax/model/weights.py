@@ -145,10 +145,15 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
     return nnx.split(nnx.eval_shape(lambda: Qwen35Model(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
 
 
-def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jnp.float32):
+def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jnp.float32, mesh=None):
     """Loads a HF Qwen3.5 folder; returns (cfg, graphdef, params). Errors name the missing or mis-shaped tensor. A
     checkpoint that stores an lm_head.weight of its own under tie_word_embeddings true comes back untied (a warning
-    says so), as transformers loads it."""
+    says so), as transformers loads it.
+
+    With a "tp" `mesh` the params come split over it in the tensor-parallel layout (`graphdef` is then that of
+    `sharding.tp_config(cfg, tp)`; `cfg` stays the HF-order config): each parameter is placed as soon as its
+    tensors are read, every device given only its slice, so the host holds one parameter at a time, never the
+    model."""
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_pretrained(folder)
     expected = _hf_names(cfg)
@@ -164,10 +169,23 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     if missing:
         raise ValueError(f"missing tensor(s) in {folder}: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else ""))
-    graphdef, abstract = abstract_model(cfg, dtype)
+    tp_cfg = cfg if mesh is None else sharding.tp_config(cfg, mesh.shape[sharding.AXIS])
+    graphdef, abstract = abstract_model(tp_cfg, dtype)
     flat = dict(nnx.to_flat_state(abstract))
-    loaded = {}  # param path -> {rows start (0 for a whole param): array}
-    head = None  # a tied model's stored lm_head.weight
+    shapes = flat if mesh is None else dict(nnx.to_flat_state(abstract_model(cfg, dtype)[1]))  # the HF order's
+    parts_of = {}  # param path -> how many tensors fill it
+    for path, _ in expected.values():
+        parts_of[path] = parts_of.get(path, 0) + 1
+    loaded = {}  # param path -> {rows start (0 for a whole param): array}, until every part of it is read
+    head = embed = None  # a tied model's stored lm_head.weight, and the embeddings it is compared with
+
+    def place(path, parts):
+        arr = parts[0] if len(parts) == 1 else jnp.concatenate([parts[k] for k in sorted(parts)], axis=0)
+        if mesh is not None:  # (on the CPU backend np.asarray is a view, not a copy)
+            host = sharding.layout_tensor(cfg, tp_cfg, path, np.asarray(arr))
+            arr = sharding.place_param(mesh, path, host, host.dtype)
+        flat[path] = flat[path].replace(arr)
+
     for name, arr in _open_tensors(folder, shards):
         name = _canonical(name)
         if _has_nonfinite(arr):  # the model would run, and every logit come out NaN: tokens 0, 0, 0, ...
@@ -176,26 +194,27 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
             head = arr
             continue
         path, rows = expected[name]
-        param = flat[path].get_value()
-        want = param.shape if rows is None else (rows.stop - rows.start, *param.shape[1:])
+        shape = shapes[path].get_value().shape
+        want = shape if rows is None else (rows.stop - rows.start, *shape[1:])
         conv = name.endswith("conv1d.weight")
         if conv and arr.shape == (want[0], 1, want[1]):
             arr = arr[:, 0, :]  # HF [C, 1, K] -> [C, K] (a [C, K] weight is taken as it is)
         if tuple(arr.shape) != tuple(want):
             hf_want = (want[0], 1, want[1]) if conv else want  # the shape the HF layout has
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(hf_want)}")
-        loaded.setdefault(path, {})[0 if rows is None else rows.start] = jnp.asarray(arr, dtype=param.dtype)
-    embed = loaded[("embed_tokens",)][0]
+        parts = loaded.setdefault(path, {})
+        parts[0 if rows is None else rows.start] = jnp.asarray(arr, dtype=flat[path].get_value().dtype)
+        if path == ("embed_tokens",) and cfg.tie_word_embeddings and "lm_head.weight" in stored:
+            embed = parts[0]
+        if len(parts) == parts_of[path]:
+            place(path, loaded.pop(path))
     if head is not None and not (head.shape == embed.shape and bool(jnp.array_equal(jnp.asarray(head, embed.dtype),
                                                                                      embed))):
         # transformers ties no lm_head.weight stored with values of its own: it computes with it, untied (compared
         # in the dtype the model runs in, where equal values are the tied model)
         warnings.warn(f"{folder}: tie_word_embeddings is true but the checkpoint stores an lm_head.weight other than "
                       f"its embeddings; it is used untied, as transformers does", stacklevel=2)
-        return load_hf_weights(folder, dataclasses.replace(cfg, tie_word_embeddings=False), dtype)
-    for path, parts in loaded.items():  # a fused projection's parts stacked in row order
-        flat[path] = flat[path].replace(parts[0] if len(parts) == 1 else
-                                        jnp.concatenate([parts[k] for k in sorted(parts)], axis=0))
+        return load_hf_weights(folder, dataclasses.replace(cfg, tie_word_embeddings=False), dtype, mesh)
     params = nnx.from_flat_state(flat)
     return cfg, graphdef, params
 
@@ -228,6 +247,17 @@ def hf_tensors(cfg: ModelConfig, params) -> dict:
             arr = arr[:, None, :]  # [C, K] -> HF [C, 1, K]
         tensors[name] = np.ascontiguousarray(arr)
     return tensors
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of `cfg`'s checkpoint (text layout) with its shape, nothing allocated: to write a checkpoint
+    of random weights tensor by tensor, say, where building the model first would hold it twice."""
+    flat = {path: v.get_value().shape for path, v in nnx.to_flat_state(abstract_model(cfg)[1])}
+    shapes = {}
+    for name, (path, rows) in _hf_names(cfg).items():
+        shape = flat[path] if rows is None else (rows.stop - rows.start, *flat[path][1:])
+        shapes[name] = (shape[0], 1, shape[1]) if name.endswith("conv1d.weight") else tuple(shape)
+    return shapes
 
 
 def save_hf_weights(folder: str | Path, cfg: ModelConfig, params) -> None:
@@ -290,18 +320,18 @@ def model_folder(model: "str | ModelConfig") -> Path | None:
     return path if path.is_dir() else None
 
 
-def load_model(model: "str | ModelConfig", dtype=jnp.float32, seed: int = 0):
+def load_model(model: "str | ModelConfig", dtype=jnp.float32, seed: int = 0, mesh=None):
     """A preset name or a `ModelConfig` (random deterministic weights), a shipped model's name, or a HF folder
-    -> (cfg, graphdef, params)."""
-    if isinstance(model, ModelConfig):
-        graphdef, params = init_model(model, seed=seed, dtype=dtype)
-        return model, graphdef, params
-    if model in PRESETS:
-        cfg = get_preset(model)
+    -> (cfg, graphdef, params); with a "tp" `mesh`, split over it (`load_hf_weights`, `shard_model`: `cfg` is the
+    HF-order config, the graphdef that of its tensor-parallel layout)."""
+    if isinstance(model, ModelConfig) or model in PRESETS:
+        cfg = model if isinstance(model, ModelConfig) else get_preset(model)
         graphdef, params = init_model(cfg, seed=seed, dtype=dtype)
+        if mesh is not None:
+            graphdef, params = shard_model(cfg, params, mesh, dtype)[1:]
         return cfg, graphdef, params
     folder = model_folder(model)
     if folder is None:
         raise ValueError(f"model {model!r} is neither a shipped model ({', '.join(shipped_models()) or 'none'}), "
                          f"a random-weight preset ({', '.join(PRESETS)}) nor a folder")
-    return load_hf_weights(folder, dtype=dtype)
+    return load_hf_weights(folder, dtype=dtype, mesh=mesh)
