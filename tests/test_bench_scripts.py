@@ -334,11 +334,12 @@ def test_bench_tp_loads_a_written_checkpoint_at_tp_1_and_4(tmp_path):
     out = tmp_path / "load.json"
     _script("bench_tp").main(["--load-rss", "--rss-preset", "tiny-random", "--rss-layers", "4", "--out", str(out)])
     result = json.loads(out.read_text())
-    one, four = result["load"]
-    assert (one["tp"], four["tp"]) == (1, 4)
+    one, four, gathered = result["load"]
+    assert (one["tp"], four["tp"], gathered["tp"], gathered["gathered"]) == (1, 4, 4, True)
+    assert gathered["weights_mib_device0"] == four["weights_mib_device0"]
     assert one["weights_mib_all"] == pytest.approx(result["checkpoint_mib"], rel=1e-3)  # bfloat16, as written
     assert four["weights_mib_device0"] < 0.3 * one["weights_mib_device0"]  # a quarter, and the norms whole
-    assert one["peak_rss_mib"] > 0 and four["peak_rss_mib"] > 0
+    assert all(r["peak_rss_mib"] >= r["peak_anon_mib"] > 0 for r in result["load"])
 
 
 def test_bench_host_times_the_stubbed_decode_steps(tmp_path):

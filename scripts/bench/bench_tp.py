@@ -13,8 +13,10 @@ of heads where TP exceeds their count), not a speed-up; on several GPUs they wou
 
 `--load-rss`: writes a checkpoint of random weights with Qwen3.5-9B's widths (`--rss-preset`) and `--rss-layers`
 of its layers (3 GDN + 1 attention per 4) to a temporary folder, then loads it at TP=1 and TP=4, each in a fresh process, and
-reports each process's peak resident memory (the host devices' memory is the process's own here, so the weights
-count once in both; a loader that gathered the model on the host first would add a copy).
+reports each process's peak anonymous memory (the host devices' memory is the process's own here, so the weights
+count once in every row; what a loader holds besides them shows above that) and its peak RSS (which also counts the
+file's pages as it is read). A third row loads the model whole on one device first and then splits it
+(`weights.shard_model`), as a loader without a mesh would.
 
 Prints tables and writes JSON (default results/bench_tp.json).
 """
@@ -105,20 +107,59 @@ def write_checkpoint(folder: Path, preset: str, layers: int, dtype: str) -> int:
     return total
 
 
-def measure_load(folder: str, tp: int, dtype: str) -> dict:
-    """Loads `folder` split over `tp` devices; this process's peak RSS and the bytes on device 0."""
+class AnonPeak:
+    """The peak of this process's anonymous resident memory (RssAnon: not the file pages that reading a
+    safetensors file maps, which VmHWM counts), sampled every 5 ms on a thread."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self.stop_event = 0, threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def sample(self):
+        while not self.stop_event.wait(0.005):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_event.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+def measure_load(folder: str, tp: int, dtype: str, gathered: bool = False) -> dict:
+    """Loads `folder` split over `tp` devices (`gathered`: whole on one device first, then split by
+    `weights.shard_model`, as a loader without a mesh would); peak memory and the bytes on device 0."""
     import jax
 
     from gdn_jax.model.sharding import bytes_on_device, make_mesh
-    from gdn_jax.model.weights import load_model
+    from gdn_jax.model.weights import load_model, shard_model
 
     mesh = make_mesh(tp) if tp > 1 else None
+    dt = getattr(jax.numpy, dtype)
     t0 = time.perf_counter()
-    _, _, params = load_model(folder, dtype=getattr(jax.numpy, dtype), mesh=mesh)
-    jax.block_until_ready(params)
+    with AnonPeak() as anon:
+        if gathered:
+            cfg, _, params = load_model(folder, dtype=dt)
+            params = shard_model(cfg, params, mesh, dt)[2]
+        else:
+            params = load_model(folder, dtype=dt, mesh=mesh)[2]
+        jax.block_until_ready(params)
     seconds = time.perf_counter() - t0
     device = jax.devices()[0]
-    return {"tp": tp, "load_s": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    return {"tp": tp, "gathered": gathered, "load_s": seconds, "peak_anon_mib": anon.peak / 2**20,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "weights_mib_device0": bytes_on_device(params, device) / 2**20,
             "weights_mib_all": sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) / 2**20}
 
@@ -153,12 +194,15 @@ def main(argv=None):
             out["checkpoint_mib"] = size / 2**20
             print(f"a {shaped(args.rss_preset, args.rss_layers).name} checkpoint, {args.rss_dtype}: "
                   f"{size / 2**20:.0f} MiB")
-            out["load"] = [_run_child(["--child", json.dumps(["load", tmp, tp, args.rss_dtype])], 4) for tp in (1, 4)]
-        head = f"{'TP':>3}{'load s':>9}{'peak RSS MiB':>15}{'weights MiB, device 0':>23}{'all devices':>13}"
+            out["load"] = [_run_child(["--child", json.dumps(["load", tmp, tp, args.rss_dtype, gathered])], 4)
+                           for tp, gathered in ((1, False), (4, False), (4, True))]
+        head = (f"{'':<24}{'load s':>8}{'peak anon MiB':>15}{'peak RSS MiB':>14}{'weights MiB, dev 0':>20}"
+                f"{'all devs':>10}")
         print(head + "\n" + "-" * len(head))
         for r in out["load"]:
-            print(f"{r['tp']:>3}{r['load_s']:>9.1f}{r['peak_rss_mib']:>15.0f}{r['weights_mib_device0']:>23.0f}"
-                  f"{r['weights_mib_all']:>13.0f}")
+            name = f"TP={r['tp']}" + (", whole, then split" if r["gathered"] else "")
+            print(f"{name:<24}{r['load_s']:>8.1f}{r['peak_anon_mib']:>15.0f}{r['peak_rss_mib']:>14.0f}"
+                  f"{r['weights_mib_device0']:>20.0f}{r['weights_mib_all']:>10.0f}")
     else:
         devices = max(args.sizes)
         out["steps"] = [_run_child(["--child", json.dumps(["steps", args.model, tp, args.prompt_len,
