@@ -63,7 +63,8 @@ def engines(request):
     """Cache on (in both checkpoint modes) and cache off. "scan-parallel": the cache-on engine computes the chunked
     GDN rule with the accelerators' "parallel" schedule, the cache-off one with the CPU's "fused" one, so the
     equivalence also holds across schedules. A third part: the cache-on engine's tensor_parallel_size."""
-    mode, schedule, tp = (request.param.split("-") + ["auto", "1"])[:3]
+    parts = request.param.split("-")
+    mode, schedule, tp = parts[0], (parts[1:] or ["auto"])[0], (parts[2:] or ["1"])[0]
     return (LLM("tiny-random", enable_prefix_caching=True, checkpoint_mode=mode, gdn_schedule=schedule,
                 tensor_parallel_size=int(tp), **ENGINE_KW),
             LLM("tiny-random", enable_prefix_caching=False, gdn_schedule="fused", **ENGINE_KW))
