@@ -78,10 +78,10 @@ class LLMEngine:
         cache, sched = config.cache, config.scheduling
         dtype = getattr(jnp, config.dtype)  # jnp.float32, jnp.bfloat16
         enable_compilation_cache(config.compile.compilation_cache_dir)
-        tp = config.tensor_parallel_size
-        self.mesh = make_mesh(tp) if tp > 1 else None  # (no devices enough: an error before the model loads)
+        tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+        self.mesh = make_mesh(tp, ep) if tp * ep > 1 else None  # (no devices enough: an error before the model loads)
         self.cfg, graphdef, params = load_model(config.model, dtype=dtype, seed=config.seed, mesh=self.mesh)
-        model_cfg = tp_config(self.cfg, tp)  # the config of the model as the worker runs it (its layout on the mesh)
+        model_cfg = tp_config(self.cfg, tp, ep)  # the config of the model as the worker runs it (its mesh layout)
         if sched.max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
@@ -94,9 +94,9 @@ class LLMEngine:
         has_linear = bool(self.cfg.linear_layer_ids)
         budget = cache.memory_budget_bytes
         if budget is None and (cache.num_kv_blocks is None or cache.num_linear_slots is None):  # else unused
-            device = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
-            params_bytes = bytes_on_device(params, device)
-            budget = default_memory_budget(params_bytes, cache.gpu_memory_utilization, device)
+            on = {} if self.mesh is None else {"device": self.mesh.devices.flat[0]}  # (one of the mesh's: each alike)
+            params_bytes = bytes_on_device(params, on.get("device", jax.devices()[0]))
+            budget = default_memory_budget(params_bytes, cache.gpu_memory_utilization, **on)
         self.memory = plan_memory(model_cfg, config, budget, devices=tp)
         self.scheduler_config = SchedulerConfig(
             num_kv_blocks=self.memory.num_kv_blocks, num_linear_slots=self.memory.num_linear_slots,

@@ -66,6 +66,40 @@ def _fused(rngs, cfg, module: str, name: str, dtype, std):
     return _linear(rngs, cfg.hidden_size, sum(n for _, n in parts), dtype, std, parts, cfg.layout_shards)
 
 
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, std, intermediate_size: int | None = None):
+        """The SwiGLU MLP of `intermediate_size` (default the config's; an MoE block's shared expert has its own)."""
+        size = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = _linear(rngs, cfg.hidden_size, 2 * size, dtype, std,  # [gate | up]
+                                    (("gate_proj", size), ("up_proj", size)), cfg.layout_shards)
+        self.down_proj = _linear(rngs, size, cfg.hidden_size, dtype, std)
+
+    def __call__(self, x, forms: Forms = GENERIC, valid=None):
+        gate, up = self.gate_up_proj(x, forms)
+        return self.down_proj(silu_mul(gate, up), forms)
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up in the dtype of `gate`, each of the two results rounded once to that dtype, as transformers
+    computes them (in float32 inside each kernel).
+
+    For a 16-bit dtype the silu runs in float32 and `lax.reduce_precision` rounds it, and the product, to the dtype:
+    XLA removes no reduce_precision, while it may keep float32 values where a program converts to bfloat16 and back
+    inside one fusion (`xla_allow_excess_precision`), so that a result would depend on how XLA fuses the step, and so
+    on the batch. `jax.nn.silu` on a bfloat16 input is instead five operations each rounded to bfloat16: 16
+    conversions in the fused kernel, which made the MLP's silu the forward's costliest elementwise fusion
+    (docs/design.md, "The MLP's silu in bfloat16")."""
+    if gate.dtype == jnp.float32:
+        return jax.nn.silu(gate) * up
+    info = jnp.finfo(gate.dtype)
+
+    def rounded(a):
+        return jax.lax.reduce_precision(a, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+    s = rounded(jax.nn.silu(gate.astype(jnp.float32)))
+    return rounded(s * up.astype(jnp.float32)).astype(gate.dtype)
+
+
 def rms_norm(x, eps):
     xf = x.astype(jnp.float32)
     return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)

@@ -25,39 +25,9 @@ from gdn_jax.model.gated_delta import (causal_conv1d, chunk_gated_delta_rule, de
 from gdn_jax.model.state import Batch, DeviceState, from_pool, layer_ids, read_slots, write_rows
 from gdn_jax.model.dense import LayerKernel, _identity, dense
 from gdn_jax.model.forms import GENERIC, Forms
-from gdn_jax.model.layers import GatedRMSNorm, RMSNorm, _fused, _linear, split_parts
+from gdn_jax.model.layers import MLP, GatedRMSNorm, RMSNorm, _fused, _linear, split_parts
 from gdn_jax.model.attention import Attention, rows_per_iteration
-
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs, std):
-        self.gate_up_proj = _fused(rngs, cfg, "mlp", "gate_up_proj", dtype, std)  # [gate | up]
-        self.down_proj = _linear(rngs, cfg.intermediate_size, cfg.hidden_size, dtype, std)
-
-    def __call__(self, x, forms: Forms = GENERIC):
-        gate, up = self.gate_up_proj(x, forms)
-        return self.down_proj(silu_mul(gate, up), forms)
-
-
-def silu_mul(gate, up):
-    """silu(gate) * up in the dtype of `gate`, each of the two results rounded once to that dtype, as transformers
-    computes them (in float32 inside each kernel).
-
-    For a 16-bit dtype the silu runs in float32 and `lax.reduce_precision` rounds it, and the product, to the dtype:
-    XLA removes no reduce_precision, while it may keep float32 values where a program converts to bfloat16 and back
-    inside one fusion (`xla_allow_excess_precision`), so that a result would depend on how XLA fuses the step, and so
-    on the batch. `jax.nn.silu` on a bfloat16 input is instead five operations each rounded to bfloat16: 16
-    conversions in the fused kernel, which made the MLP's silu the forward's costliest elementwise fusion
-    (docs/design.md, "The MLP's silu in bfloat16")."""
-    if gate.dtype == jnp.float32:
-        return jax.nn.silu(gate) * up
-    info = jnp.finfo(gate.dtype)
-
-    def rounded(a):
-        return jax.lax.reduce_precision(a, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
-    s = rounded(jax.nn.silu(gate.astype(jnp.float32)))
-    return rounded(s * up.astype(jnp.float32)).astype(gate.dtype)
+from gdn_jax.model.moe import SparseMoeBlock
 
 
 class GatedDeltaNet(nnx.Module):
@@ -195,21 +165,23 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer, 
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str, dtype, rngs, std):
-        self.layer_type = layer_type
+    def __init__(self, cfg: ModelConfig, i: int, dtype, rngs, std, mesh=None):
+        self.layer_type = layer_type = cfg.layer_types[i]
+        self.kind = (layer_type, cfg.is_moe_layer(i))  # layers of one kind have the same parameters
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(cfg, dtype, rngs, std)
         else:
             self.self_attn = Attention(cfg, dtype, rngs, std)
-        self.mlp = MLP(cfg, dtype, rngs, std)
+        self.mlp = SparseMoeBlock(cfg, dtype, rngs, std, mesh) if self.kind[1] else MLP(cfg, dtype, rngs, std)
 
-    def residual(self, x, h, forms: Forms = GENERIC):
+    def residual(self, x, h, forms: Forms = GENERIC, valid=None):
         """The layer's output from its input x and its mixer's (GDN or attention) output h: both residual adds
-        around the MLP."""
+        around the MLP. `valid` (x's shape less its last axis): False at padding tokens, which an MoE block routes
+        to no expert."""
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), forms)
+        return x + self.mlp(self.post_attention_layernorm(x), forms, valid)
 
 
 def layer_groups(layer_types) -> tuple[tuple[tuple[str, int], ...], int]:
@@ -234,10 +206,12 @@ def _repeat(n: int, body, carry, unroll: bool = False):
 class Qwen35Model(nnx.Module):
     """Qwen3_5ForCausalLM: embeddings, hybrid decoder layers, final norm, lm_head (tied or not)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, std: float = 0.02):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, std: float = 0.02, mesh=None):
+        """`mesh`: with an "ep" axis, the MoE blocks' experts are split over it (`moe.grouped`)."""
         self.cfg = cfg
         self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype) * std)
-        self.layers = nnx.List([DecoderLayer(cfg, t, dtype, rngs, std) for t in cfg.layer_types])
+        mesh = mesh if mesh is not None and mesh.shape.get("ep", 1) > 1 else None
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs, std, mesh) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(rngs, cfg.hidden_size, cfg.vocab_size, dtype, std)
@@ -245,7 +219,8 @@ class Qwen35Model(nnx.Module):
     def scan_layers(self, carry, linear, full, unroll: bool = False):
         """Runs the decoder layers in order on `carry`: `linear(layer, j, carry) -> carry` for the j-th GDN layer,
         `full(layer, j, carry)` for the j-th full-attention layer, where `layer` is a `DecoderLayer` with that
-        layer's parameters and j (an int32 scalar, or an int) indexes its kind's stacked pools (`DeviceState`).
+        layer's parameters and j (an int32 scalar, or an int) indexes its type's stacked pools (`DeviceState`). The
+        loops run over layers of one kind, (type, MoE or not): a dense layer among MoE ones has other parameters.
 
         The layers run under loops, one over the repeats of the layer group (`layer_groups`) and inside it one per
         run of same-kind layers, so a step compiles one GDN and one full-attention layer whatever the depth
@@ -255,11 +230,12 @@ class Qwen35Model(nnx.Module):
         (`Forms.unrolled`) every layer is traced in turn with its index known: no loop and no switch. For comparisons:
         XLA's GPU runtime reads each conditional's branch index back to the host, and unrolled layers have none, but
         compile in about twice the time (docs/design.md, "On a GPU")."""
-        runs, repeats = layer_groups(self.cfg.layer_types)
+        layer_kinds = [layer.kind for layer in self.layers]  # (type, MoE): Qwen3-Next mixes dense and MoE layers
+        runs, repeats = layer_groups(layer_kinds)
         fns = {LINEAR: linear, FULL: full}
         kinds = {}  # kind -> (graphdef, treedef of its state, per leaf: the tuple of every layer's array)
-        for kind in (LINEAR, FULL):
-            layers = [layer for layer in self.layers if layer.layer_type == kind]
+        for kind in dict.fromkeys(layer_kinds):
+            layers = [layer for layer in self.layers if layer.kind == kind]
             if layers:
                 paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(layers[0]))
                 leaves = zip(*(jax.tree.leaves(nnx.state(layer)) for layer in layers))
@@ -277,13 +253,15 @@ class Qwen35Model(nnx.Module):
                 treedef, [LayerKernel(arrays, j) if is_kernel else next(picked) for is_kernel, arrays in leaves]))
 
         def group(g, carry):
-            seen = dict.fromkeys(kinds, 0)
+            seen, seen_type = dict.fromkeys(kinds, 0), dict.fromkeys(fns, 0)
             for kind, n in runs:
-                per_group = sum(m for k, m in runs if k == kind)
-                base = g * per_group + seen[kind]
+                t = kind[0]
+                base = g * sum(m for k, m in runs if k == kind) + seen[kind]  # the layer among its kind's
+                pool = g * sum(m for k, m in runs if k[0] == t) + seen_type[t]  # among its type's (its pools)
                 seen[kind] += n
-                carry = _repeat(n, lambda i, c, kind=kind, base=base: fns[kind](layer_at(kind, base + i),
-                                                                               base + i, c), carry, unroll)
+                seen_type[t] += n
+                carry = _repeat(n, lambda i, c, kind=kind, base=base, pool=pool: fns[kind[0]](
+                    layer_at(kind, base + i), pool + i, c), carry, unroll)
             return carry
 
         return _repeat(repeats, group, carry, unroll)
@@ -301,6 +279,7 @@ class Qwen35Model(nnx.Module):
 
         T = batch.tokens.shape[1]
         last = jnp.maximum(batch.lengths - 1, 0)  # each row's last real token
+        valid = jnp.arange(T)[None, :] < batch.lengths[:, None]  # [B, T]: padding routes to no expert
 
         def at_last(a):  # [B, T, ...] -> [B, ...] at each row's last token
             return jnp.take_along_axis(a, last.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
@@ -349,15 +328,16 @@ class Qwen35Model(nnx.Module):
                     conv_out, ssm_out = jnp.concatenate([conv_out, conv_sv]), jnp.concatenate([ssm_out, ssm_sv])
                 ssm = write_rows(st.ssm, (layer_ids(j, slots), slots), ssm_out)
             conv = write_rows(st.conv, (layer_ids(j, slots), slots), conv_out)
-            x, pending = tail(LINEAR, j, lambda: layer.residual(x, h, forms), lambda: (at_last(x), at_last(h)), x,
-                              pending)
+            x, pending = tail(LINEAR, j, lambda: layer.residual(x, h, forms, valid),
+                              lambda: (at_last(x), at_last(h)), x, pending)
             return x, dataclasses.replace(st, conv=conv, ssm=ssm), pending
 
         def full(layer, j, carry):
             x, st, pending = carry
             q, gate, k, v = layer.self_attn.project_write(layer.input_layernorm(x), st.k, st.v, batch, j, forms)
             x, pending = tail(FULL, j, lambda: layer.residual(x, layer.self_attn.attend(
-                q, gate, k, v, j, batch.positions, batch.block_tables, batch.start_pos + batch.lengths, forms), forms),
+                q, gate, k, v, j, batch.positions, batch.block_tables, batch.start_pos + batch.lengths, forms), forms,
+                valid),
                               lambda: (at_last(x), at_last(q), at_last(gate)), x, pending)
             return x, dataclasses.replace(st, k=k, v=v), pending
 
@@ -381,7 +361,7 @@ class Qwen35Model(nnx.Module):
             position = batch.start_pos + last
             h = layer.self_attn.attend(q[:, None], gate[:, None], state.k, state.v, j, position[:, None],
                                        batch.block_tables, position + 1, forms)[:, 0]
-        return layer.residual(x, h, forms)
+        return layer.residual(x, h, forms, batch.lengths > 0)
 
     def logits(self, x, forms: Forms = GENERIC):
         """Final norm and LM head (tied or not): hidden [..., D] -> float32 logits [..., V]."""

@@ -29,19 +29,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gdn_jax.config import ModelConfig
 
 AXIS = "tp"
+EXPERTS = "ep"
 
 
-def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+def tp_config(cfg: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:
     """The config of `cfg` laid out for `tp` shards: KV and GDN key heads copied up to `tp` where fewer, the fused
-    rows interleaved per shard. A size `tp` does not divide is a ValueError naming the field."""
+    rows interleaved per shard. A size `tp` (or the expert-parallel size `ep`) does not divide is a ValueError naming
+    the field."""
+    if ep > 1 and (not cfg.num_experts or cfg.num_experts % ep):
+        raise ValueError(f"expert_parallel_size={ep} does not divide num_experts={cfg.num_experts} of {cfg.name}"
+                         + ("" if cfg.num_experts else " (a dense model: it has no experts to split)"))
     if tp == 1:
         return cfg
-    for name in ("num_attention_heads", "linear_num_value_heads", "intermediate_size", "vocab_size"):
-        if name == "num_attention_heads" and not cfg.full_layer_ids:
-            continue
-        if name == "linear_num_value_heads" and not cfg.linear_layer_ids:
-            continue
-        if getattr(cfg, name) % tp:
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    for name, used in (("num_attention_heads", cfg.full_layer_ids), ("linear_num_value_heads", cfg.linear_layer_ids),
+                       ("intermediate_size", dense), ("shared_expert_intermediate_size", True), ("vocab_size", True)):
+        if used and getattr(cfg, name) % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={getattr(cfg, name)} of {cfg.name}")
     for name in ("num_key_value_heads", "linear_num_key_heads"):
         n = getattr(cfg, name)
@@ -52,14 +55,16 @@ def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
                                linear_num_key_heads=max(cfg.linear_num_key_heads, tp), layout_shards=tp)
 
 
-def make_mesh(tp: int, devices=None) -> Mesh:
-    """A one-axis mesh "tp" over the first `tp` devices."""
-    devices = jax.devices() if devices is None else list(devices)
-    if len(devices) < tp:
-        hint = (f"; on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count={tp} (set before JAX starts) "
-                f"makes {tp} host devices" if devices and devices[0].platform == "cpu" else "")
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, {len(devices)} visible{hint}")
-    return Mesh(np.array(devices[:tp]), (AXIS,))
+def make_mesh(tp: int, ep: int = 1, devices=None) -> Mesh:
+    """A mesh of axes ("ep", "tp") over the first ep x tp devices: the experts split over "ep", everything else
+    over "tp" (and replicated over "ep")."""
+    devices, n = jax.devices() if devices is None else list(devices), tp * ep
+    if len(devices) < n:
+        hint = (f"; on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} (set before JAX starts) "
+                f"makes {n} host devices" if devices and devices[0].platform == "cpu" else "")
+        raise ValueError(f"tensor_parallel_size={tp} x expert_parallel_size={ep} needs {n} devices, {len(devices)} "
+                         f"visible{hint}")
+    return Mesh(np.array(devices[:n]).reshape(ep, tp), (EXPERTS, AXIS))
 
 
 # -- the parameters ---------------------------------------------------------------------------------------------------
@@ -99,8 +104,8 @@ def layout_tensor(cfg: ModelConfig, tp_cfg: ModelConfig, path: tuple, arr: np.nd
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, k, v = _cut(arr, [2 * H * hd, kvh * hd, kvh * hd])
         return _interleave([q, _copy_heads(k, kvh, kv), _copy_heads(v, kvh, kv)], tp)
-    if name == "gate_up_proj":
-        return _interleave(_cut(arr, [cfg.intermediate_size] * 2), tp)
+    if name == "gate_up_proj":  # an MLP's, or a shared expert's
+        return _interleave(_cut(arr, [arr.shape[0] // 2] * 2), tp)
     return arr
 
 
@@ -111,7 +116,9 @@ def param_spec(path: tuple, ndim: int) -> P:
         return P(AXIS, *([None] * (ndim - 1)))
     if name in ("o_proj", "out_proj", "down_proj"):
         return P(None, AXIS)
-    return P()
+    if name in ("experts_gate_up", "experts_down"):  # [experts, n_in, n_out]: whole experts per device
+        return P(EXPERTS)
+    return P()  # norms, the router, the shared expert's gate
 
 
 def place_param(mesh: Mesh | None, path: tuple, arr: np.ndarray, dtype) -> jax.Array:

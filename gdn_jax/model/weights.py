@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import warnings
 from pathlib import Path
@@ -22,38 +23,132 @@ SKIPPED_PREFIXES = ("mtp.", "model.visual.")
 WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a weight may be stored in
 
 
-def _hf_names(cfg: ModelConfig) -> dict[str, tuple[tuple, slice | None]]:
-    """HF tensor name (text layout) -> (param path in the NNX state, rows): `rows` is the slice of a fused
-    projection's rows (`model.fused_parts`) the tensor fills, None for a tensor that is the whole param. Projection
-    matrices keep the HF layout [out, in]."""
+def _hf_names(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, tuple[tuple, object]]:
+    """HF tensor name (text layout) -> (param path in the NNX state, part): which part of the param the tensor is
+    (`_part_shape`, `_assemble`, `_extract`). None: the whole param; a slice: the rows of a fused projection
+    (`model.fused_parts`); "T": an MoE layer's experts stored as one [experts, out, in] tensor, the param's last two
+    axes swapped (`fused_experts`, else ("expert", e, "gate" | "up" | "down"): expert e's projection);
+    ("next", "qkvz" | "ba"): Qwen3-Next's GDN input projections, grouped per key head. Projection matrices keep the
+    HF layout [out, in]."""
     names = {"model.embed_tokens.weight": (("embed_tokens",), None), "model.norm.weight": (("norm", "weight"), None)}
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = (("lm_head", "kernel"), None)
     fused = fused_parts(cfg)
+    next_gdn = cfg.model_type == "qwen3_next"
+
+    def rows(module_path, prefix, parts):
+        offset = 0
+        for proj, n in parts:
+            names[prefix + f"{proj}.weight"] = ((*module_path, "kernel"), slice(offset, offset + n))
+            offset += n
+
     for i, t in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        names[p + "input_layernorm.weight"] = (("layers", i, "input_layernorm", "weight"), None)
-        names[p + "post_attention_layernorm.weight"] = (("layers", i, "post_attention_layernorm", "weight"), None)
+        p, at = f"model.layers.{i}.", ("layers", i)
+        names[p + "input_layernorm.weight"] = ((*at, "input_layernorm", "weight"), None)
+        names[p + "post_attention_layernorm.weight"] = ((*at, "post_attention_layernorm", "weight"), None)
         mixer = "linear_attn" if t == LINEAR else "self_attn"
-        plain = {"linear_attn": ("out_proj",), "self_attn": ("o_proj",), "mlp": ("down_proj",)}
-        for module in (mixer, "mlp"):
-            for proj in plain[module]:
-                names[p + f"{module}.{proj}.weight"] = (("layers", i, module, proj, "kernel"), None)
-            for name, parts in fused[module].items():
-                offset = 0
-                for proj, rows in parts:
-                    names[p + f"{module}.{proj}.weight"] = (("layers", i, module, name, "kernel"),
-                                                           slice(offset, offset + rows))
-                    offset += rows
+        names[p + f"{mixer}.{'out_proj' if t == LINEAR else 'o_proj'}.weight"] = (
+            (*at, mixer, "out_proj" if t == LINEAR else "o_proj", "kernel"), None)
+        if t == LINEAR and next_gdn:
+            for part in ("qkvz", "ba"):
+                names[p + f"linear_attn.in_proj_{part}.weight"] = ((*at, mixer, "in_proj", "kernel"), ("next", part))
+        else:
+            for name, parts in fused[mixer].items():
+                rows((*at, mixer, name), p + f"{mixer}.", parts)
+        mlp = (*at, "mlp")
+        if not cfg.is_moe_layer(i):
+            rows((*mlp, "gate_up_proj"), p + "mlp.", fused["mlp"]["gate_up_proj"])
+            names[p + "mlp.down_proj.weight"] = ((*mlp, "down_proj", "kernel"), None)
+        else:
+            rows((*mlp, "gate"), p + "mlp.", (("gate", cfg.num_experts),) + (  # the router and the shared gate
+                (("shared_expert_gate", 1),) if cfg.shared_expert_intermediate_size else ()))
+            gate_up, down = (*mlp, "experts_gate_up", "kernel"), (*mlp, "experts_down", "kernel")
+            if fused_experts:
+                names[p + "mlp.experts.gate_up_proj"], names[p + "mlp.experts.down_proj"] = (gate_up, "T"), (down, "T")
+            for e in range(0 if fused_experts else cfg.num_experts):
+                for proj in ("gate", "up", "down"):
+                    names[p + f"mlp.experts.{e}.{proj}_proj.weight"] = (down if proj == "down" else gate_up,
+                                                                        ("expert", e, proj))
+            if size := cfg.shared_expert_intermediate_size:
+                rows((*mlp, "shared_expert", "gate_up_proj"), p + "mlp.shared_expert.",
+                     (("gate_proj", size), ("up_proj", size)))
+                names[p + "mlp.shared_expert.down_proj.weight"] = ((*mlp, "shared_expert", "down_proj", "kernel"), None)
         if t == LINEAR:
             for leaf in ("conv1d", "dt_bias", "A_log"):
                 key = p + f"linear_attn.{leaf}" + (".weight" if leaf == "conv1d" else "")
-                names[key] = (("layers", i, "linear_attn", leaf), None)
-            names[p + "linear_attn.norm.weight"] = (("layers", i, "linear_attn", "norm", "weight"), None)
+                names[key] = ((*at, "linear_attn", leaf), None)
+            names[p + "linear_attn.norm.weight"] = ((*at, "linear_attn", "norm", "weight"), None)
         else:
             for norm in ("q_norm", "k_norm"):
-                names[p + f"self_attn.{norm}.weight"] = (("layers", i, "self_attn", norm, "weight"), None)
+                names[p + f"self_attn.{norm}.weight"] = ((*at, "self_attn", norm, "weight"), None)
     return names
+
+
+def _next_groups(cfg: ModelConfig, part: str) -> list[int]:
+    """Rows per key head of Qwen3-Next's grouped projection `part`: q, k, v, z (qkvz) or b, a (ba)."""
+    r = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return [dk, dk, r * dv, r * dv] if part == "qkvz" else [r, r]
+
+
+def _part_shape(cfg: ModelConfig, shape: tuple, part) -> tuple:
+    """The HF tensor's shape for `part` of a param of `shape` (`_hf_names`)."""
+    if part is None:
+        return tuple(shape)
+    if isinstance(part, slice):
+        return (part.stop - part.start, *shape[1:])
+    if part == "T":
+        return (shape[0], shape[2], shape[1])
+    if part[0] == "expert":
+        return (shape[2] // 2, shape[1]) if part[2] != "down" else (shape[2], shape[1])
+    return (cfg.linear_num_key_heads * sum(_next_groups(cfg, part[1])), shape[1])
+
+
+def _assemble(cfg: ModelConfig, parts: dict, xp=jnp):
+    """A param from its HF tensors, {part key (`_part_key`): array}."""
+    if list(parts) == [None]:
+        return parts[None]
+    keys = sorted(parts, key=repr)
+    if keys[0][0] == "rows":
+        return xp.concatenate([parts[k] for k in sorted(parts)], axis=0)
+    if keys == [("T",)]:
+        return xp.swapaxes(parts[("T",)], 1, 2)
+    if keys[0][0] == "expert":
+        experts = sorted({k[1] for k in parts})
+        if all(("expert", e, "down") in parts for e in experts):
+            return xp.stack([parts[("expert", e, "down")].T for e in experts])
+        return xp.stack([xp.concatenate([parts[("expert", e, "gate")].T, parts[("expert", e, "up")].T], axis=1)
+                         for e in experts])
+    nk = cfg.linear_num_key_heads  # Qwen3-Next: [q | k | v | z | b | a], each part over every key head
+    pieces = []
+    for name in ("qkvz", "ba"):
+        grouped = parts[("next", name)].reshape(nk, -1, parts[("next", name)].shape[-1])
+        cuts = list(itertools.accumulate(_next_groups(cfg, name)))[:-1]
+        pieces += [piece.reshape(-1, grouped.shape[-1]) for piece in xp.split(grouped, cuts, axis=1)]
+    return xp.concatenate(pieces, axis=0)
+
+
+def _part_key(part):
+    return None if part is None else ("rows", part.start) if isinstance(part, slice) else tuple(part)
+
+
+def _extract(cfg: ModelConfig, arr: np.ndarray, part) -> np.ndarray:
+    """`part` of a param (HF order) as its HF tensor: `_assemble`'s inverse."""
+    if part is None:
+        return arr
+    if isinstance(part, slice):
+        return arr[part]
+    if part == "T":
+        return np.swapaxes(arr, 1, 2)
+    if part[0] == "expert":
+        _, e, proj = part
+        half = arr.shape[2] // 2
+        return arr[e].T if proj == "down" else arr[e, :, :half].T if proj == "gate" else arr[e, :, half:].T
+    kd, vd, nv = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+    q, k, v, z, b, a = np.split(arr, np.cumsum([kd, kd, vd, vd, nv])[:5], axis=0)
+    nk = cfg.linear_num_key_heads
+    own = (q, k, v, z) if part[1] == "qkvz" else (b, a)
+    return np.concatenate([x.reshape(nk, -1, arr.shape[1]) for x in own], axis=1).reshape(-1, arr.shape[1])
 
 
 def _shards(folder: Path) -> list[str]:
@@ -140,9 +235,9 @@ def _canonical(name: str) -> str:
     return name
 
 
-def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
-    """(graphdef, abstract params) without allocating weights."""
-    return nnx.split(nnx.eval_shape(lambda: Qwen35Model(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32, mesh=None):
+    """(graphdef, abstract params) without allocating weights (`mesh`: see `Qwen35Model`)."""
+    return nnx.split(nnx.eval_shape(lambda: Qwen35Model(cfg, dtype=dtype, rngs=nnx.Rngs(0), mesh=mesh)))
 
 
 def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jnp.float32, mesh=None):
@@ -156,11 +251,11 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     model."""
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_pretrained(folder)
-    expected = _hf_names(cfg)
     # the names checked against the config from the files' headers, before the model is built: a config of many
     # more layers than the checkpoint holds took minutes to trace before its first missing tensor was named
     shards = _shards(folder)
     stored = _tensor_names(folder, shards)
+    expected = _hf_names(cfg, fused_experts=any(n.endswith(".mlp.experts.gate_up_proj") for n in stored))
     unexpected = [n for n in stored if n not in expected and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if unexpected:
         raise ValueError(f"unexpected tensor {unexpected[0]!r} in {folder} (not part of the {cfg.name} layout)"
@@ -169,18 +264,19 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     if missing:
         raise ValueError(f"missing tensor(s) in {folder}: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else ""))
-    tp_cfg = cfg if mesh is None else sharding.tp_config(cfg, mesh.shape[sharding.AXIS])
-    graphdef, abstract = abstract_model(tp_cfg, dtype)
+    tp_cfg = cfg if mesh is None else sharding.tp_config(cfg, mesh.shape[sharding.AXIS],
+                                                         mesh.shape[sharding.EXPERTS])
+    graphdef, abstract = abstract_model(tp_cfg, dtype, mesh)
     flat = dict(nnx.to_flat_state(abstract))
     shapes = flat if mesh is None else dict(nnx.to_flat_state(abstract_model(cfg, dtype)[1]))  # the HF order's
     parts_of = {}  # param path -> how many tensors fill it
     for path, _ in expected.values():
         parts_of[path] = parts_of.get(path, 0) + 1
-    loaded = {}  # param path -> {rows start (0 for a whole param): array}, until every part of it is read
+    loaded = {}  # param path -> {part key: array}, until every part of it is read
     head = embed = None  # a tied model's stored lm_head.weight, and the embeddings it is compared with
 
     def place(path, parts):
-        arr = parts[0] if len(parts) == 1 else jnp.concatenate([parts[k] for k in sorted(parts)], axis=0)
+        arr = _assemble(cfg, parts)
         if mesh is not None:  # (on the CPU backend np.asarray is a view, not a copy)
             host = sharding.layout_tensor(cfg, tp_cfg, path, np.asarray(arr))
             arr = sharding.place_param(mesh, path, host, host.dtype)
@@ -193,9 +289,8 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
         if name not in expected:  # (`stored` was checked: a tied model's lm_head.weight of its own)
             head = arr
             continue
-        path, rows = expected[name]
-        shape = shapes[path].get_value().shape
-        want = shape if rows is None else (rows.stop - rows.start, *shape[1:])
+        path, part = expected[name]
+        want = _part_shape(cfg, shapes[path].get_value().shape, part)
         conv = name.endswith("conv1d.weight")
         if conv and arr.shape == (want[0], 1, want[1]):
             arr = arr[:, 0, :]  # HF [C, 1, K] -> [C, K] (a [C, K] weight is taken as it is)
@@ -203,9 +298,9 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
             hf_want = (want[0], 1, want[1]) if conv else want  # the shape the HF layout has
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(hf_want)}")
         parts = loaded.setdefault(path, {})
-        parts[0 if rows is None else rows.start] = jnp.asarray(arr, dtype=flat[path].get_value().dtype)
+        parts[_part_key(part)] = jnp.asarray(arr, dtype=flat[path].get_value().dtype)
         if path == ("embed_tokens",) and cfg.tie_word_embeddings and "lm_head.weight" in stored:
-            embed = parts[0]
+            embed = parts[None]
         if len(parts) == parts_of[path]:
             place(path, loaded.pop(path))
     if head is not None and not (head.shape == embed.shape and bool(jnp.array_equal(jnp.asarray(head, embed.dtype),
@@ -223,8 +318,8 @@ def shard_model(cfg: ModelConfig, params, mesh, dtype=jnp.float32):
     """The HF-order model (`cfg`, params) split over `mesh`'s "tp" axis -> (its config `sharding.tp_config`,
     graphdef, params): each parameter converted to the tensor-parallel layout on the host, one at a time, and each
     device given its slice only."""
-    tp_cfg = sharding.tp_config(cfg, mesh.shape[sharding.AXIS])
-    graphdef, abstract = abstract_model(tp_cfg, dtype)
+    tp_cfg = sharding.tp_config(cfg, mesh.shape[sharding.AXIS], mesh.shape[sharding.EXPERTS])
+    graphdef, abstract = abstract_model(tp_cfg, dtype, mesh)
     flat = dict(nnx.to_flat_state(abstract))
     for path, var in nnx.to_flat_state(params):
         arr = sharding.layout_tensor(cfg, tp_cfg, path, np.asarray(var.get_value()))
@@ -232,17 +327,16 @@ def shard_model(cfg: ModelConfig, params, mesh, dtype=jnp.float32):
     return tp_cfg, graphdef, nnx.from_flat_state(flat)
 
 
-def hf_tensors(cfg: ModelConfig, params) -> dict:
-    """The params as HF tensors (text layout, numpy): name -> array, fused projections split back into theirs."""
+def hf_tensors(cfg: ModelConfig, params, fused_experts: bool = False) -> dict:
+    """The params as HF tensors (text layout, numpy): name -> array, fused projections split back into theirs; an
+    MoE layer's experts one tensor per expert and projection, or (`fused_experts`) one per projection."""
     if cfg.layout_shards != 1:
         raise ValueError(f"{cfg.name} is in the tensor-parallel layout (layout_shards={cfg.layout_shards}): save the "
                          f"model it was split from")
     flat = dict(nnx.to_flat_state(params))
     tensors = {}
-    for name, (path, rows) in _hf_names(cfg).items():
-        arr = np.asarray(flat[path].get_value())
-        if rows is not None:
-            arr = arr[rows]
+    for name, (path, part) in _hf_names(cfg, fused_experts).items():
+        arr = _extract(cfg, np.asarray(flat[path].get_value()), part)
         if name.endswith("conv1d.weight"):
             arr = arr[:, None, :]  # [C, K] -> HF [C, 1, K]
         tensors[name] = np.ascontiguousarray(arr)
@@ -254,9 +348,9 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     of random weights tensor by tensor, say, where building the model first would hold it twice."""
     flat = {path: v.get_value().shape for path, v in nnx.to_flat_state(abstract_model(cfg)[1])}
     shapes = {}
-    for name, (path, rows) in _hf_names(cfg).items():
-        shape = flat[path] if rows is None else (rows.stop - rows.start, *flat[path][1:])
-        shapes[name] = (shape[0], 1, shape[1]) if name.endswith("conv1d.weight") else tuple(shape)
+    for name, (path, part) in _hf_names(cfg).items():
+        shape = _part_shape(cfg, flat[path], part)
+        shapes[name] = (shape[0], 1, shape[1]) if name.endswith("conv1d.weight") else shape
     return shapes
 
 

@@ -169,13 +169,14 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="hybrid-1024", help="preset or HF folder (default: %(default)s)")
     ap.add_argument("--sizes", type=positive_ints, default=[1, 2, 4, 8], help="TP sizes (default: 1,2,4,8)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the engines' dtype")
     ap.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens (default: %(default)s)")
     ap.add_argument("--decode-tokens", type=positive_int, default=16, help="tokens generated (default: %(default)s)")
     ap.add_argument("--repeats", type=positive_int, default=3, help="timed requests per size (default: %(default)s)")
     ap.add_argument("--load-rss", action="store_true", help="measure the peak RSS of loading a 9B-shaped checkpoint")
     ap.add_argument("--rss-layers", type=positive_int, default=4, help="its layers (default: %(default)s)")
-    ap.add_argument("--rss-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--rss-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                    help="the checkpoint's and the loaded weights' dtype")
     ap.add_argument("--rss-preset", default="qwen3.5-9b", help="the widths it takes (default: %(default)s)")
     ap.add_argument("--out", type=output_file, default="results/bench_tp.json", help="JSON output")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one measurement, in this process

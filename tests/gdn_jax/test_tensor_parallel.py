@@ -37,8 +37,8 @@ def _prompts():
     return [system + random_ids(rng, 9), random_ids(rng, 17), system + random_ids(rng, 30), random_ids(rng, 49)]
 
 
-def _run(model, tp, params=GREEDY, **kw):
-    llm = LLM(model, tensor_parallel_size=tp, **{**KW, **kw})
+def _run(model, tp, params=GREEDY, ep=1, **kw):
+    llm = LLM(model, tensor_parallel_size=tp, expert_parallel_size=ep, **{**KW, **kw})
     prompts = _prompts()  # the first alone: the third restores its checkpoints
     outs = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(prompts[1:], params, use_tqdm=False)
     return llm, [[(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for c in o.outputs]
@@ -109,7 +109,7 @@ def test_sizes_that_do_not_divide_are_named():
                               linear_num_value_heads=6, linear_num_key_heads=3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 and num_key_value_heads=3"):
         sharding.tp_config(odd, 2)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=16 needs 16 devices, 8 visible.*device_count=16"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=16 x expert_parallel_size=1 needs 16 devices, 8 visible.*device_count=16"):
         LLM("tiny-random", tensor_parallel_size=16, **KW)
     with pytest.raises(ValueError, match="tensor-parallel layout"):
         hf_tensors(sharding.tp_config(get_preset("tiny-random"), 2), None)
@@ -128,3 +128,30 @@ def test_layout_keeps_each_shards_heads_together():
     k = 2 * H * hd + np.arange(hd)
     assert shard.tolist() == [*q, *k, *(k + kvh * hd)]
     assert isinstance(tp_cfg, ModelConfig) and tp_cfg.num_key_value_heads == 4 and tp_cfg.layout_shards == 4
+
+
+HF_TINY_MOE = HF_TINY.parent / "hf_tiny_moe"
+
+
+@pytest.mark.parametrize("model", ["tiny-random-moe", str(HF_TINY_MOE)], ids=["qwen3-next-layout", "qwen3.5-moe"])
+def test_expert_parallelism_gives_the_unsplit_tokens(model):
+    """EP of 2 and 4 with TP of 1 and 2: the same tokens and logprobs as one device, each device holding 1/EP of the
+    experts' weights."""
+    _, want = _run(model, 1)
+    for tp, ep in ((1, 2), (2, 2), (1, 4), (2, 4)):
+        llm, got = _run(model, tp, ep=ep)
+        _assert_same(got, want)
+        worker = llm.engine.worker
+        experts = [x for p, x in jax.tree_util.tree_leaves_with_path(worker.params)
+                   if "experts_" in jax.tree_util.keystr(p)]
+        cfg = worker.cfg  # (tiny-random-moe's layer 1 is dense)
+        assert len(experts) == 2 * sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) > 0
+        on_device0 = sharding.bytes_on_device(experts, llm.engine.mesh.devices.flat[0])
+        assert on_device0 * ep == sum(x.nbytes for x in experts)
+
+
+def test_expert_parallel_sizes_are_checked():
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 does not divide num_experts=0 .*dense model"):
+        LLM("tiny-random", expert_parallel_size=2, **KW)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=3 does not divide num_experts=8"):
+        LLM("tiny-random-moe", expert_parallel_size=3, **KW)
