@@ -342,6 +342,38 @@ def test_bench_tp_loads_a_written_checkpoint_at_tp_1_and_4(tmp_path):
     assert all(r["peak_rss_mib"] >= r["peak_anon_mib"] > 0 for r in result["load"])
 
 
+def test_bench_moe_times_both_layers_and_plans_every_split(tmp_path):
+    out = tmp_path / "moe.json"
+    _script("bench_moe").main(["--preset", "tiny-random-moe", "--rows", "1,24", "--repeats", "1", "--dtype",
+                               "float32", "--out", str(out)])
+    rows = json.loads(out.read_text())["layers"]
+    assert [r["rows"] for r in rows] == [1, 24] and all(r["moe_min_ms"] > 0 and r["dense_min_ms"] > 0 for r in rows)
+    _script("bench_moe").main(["--preset", "tiny-random-moe", "--plan", "--devices", "4", "--device-gib", "0.5",
+                               "--out", str(out)])
+    plan = {(r["tp"], r["ep"]): r for r in json.loads(out.read_text())["plan"]}
+    assert set(plan) == {(1, 4), (2, 2), (4, 1)}
+    # the experts split over ep: a quarter of them per device at ep=4, all at ep=1
+    assert plan[(1, 4)]["experts_gib"] * 4 == pytest.approx(plan[(4, 1)]["experts_gib"])
+    assert all(r["kv_blocks"] > 0 and r["linear_slots"] > 0 for r in plan.values())
+
+
+@pytest.mark.slow
+def test_bench_flood_reports_both_phases_and_the_refusal_past_the_limit(tmp_path):
+    """A flood of 2 prompts x n=16 (16 tokens each) behind a server of 4 sequences: the small requests get their
+    first token in both phases, the flood finishes every sequence, and a request of n's largest is refused with 429
+    past the limit."""
+    out = tmp_path / "flood.json"
+    _script("bench_flood").main(["--model", "tiny-random", "--prompts", "2", "--n", "16", "--warm-prompts", "1",
+                                 "--flood-max-tokens", "16",
+                                 "--rounds", "2", "--interval", "0.05", "--headroom", "8", "--max-num-seqs", "4",
+                                 "--max-model-len", "64", "--out", str(out)])
+    result = json.loads(out.read_text())
+    for phase in ("idle", "behind the flood"):
+        assert result[phase]["requests"] == 2 and 0 < result[phase]["ttft_p50_ms"] <= result[phase]["ttft_max_ms"]
+    assert result["flood"]["finished"] == 32 and result["flood"]["error"] is None
+    assert result["past the waiting limit"]["status"] == 429 and result["past the waiting limit"]["retry_after"]
+
+
 def test_bench_host_times_the_stubbed_decode_steps(tmp_path):
     out = tmp_path / "host.json"
     _script("bench_host").main(["--preset", "tiny-random", "--prompt", "40", "--batches", "1,3", "--steps", "20",

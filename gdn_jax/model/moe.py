@@ -81,6 +81,16 @@ def grouped(rows, kernel, sizes, mesh=None):
                          axis_names={"ep"})(rows, kernel, sizes)
 
 
+def ordered_sum(x, axis: int = -1):
+    """The sum over `axis`, kept, added left to right: a reduction's order on XLA's CPU backend follows the array's
+    shape (how it is vectorised), so a row's sum would depend on how many rows its step has."""
+    parts = jnp.moveaxis(x, axis, 0)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return jnp.expand_dims(total, axis) if axis == -1 else total
+
+
 def _apply(kernel, fn, *args):
     """fn(the layer's matrix, *args): through the layer loop's switch for a `LayerKernel`, else directly."""
     return kernel.select(fn, *args) if isinstance(kernel, LayerKernel) else fn(kernel, *args)
@@ -105,10 +115,15 @@ class SparseMoeBlock(nnx.Module):
         None): the softmax in float32 over the router's logits, its top k, renormalised to sum to one
         (`norm_topk_prob`)."""
         logits, *shared_gate = self.gate(x, forms)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(probs, self.cfg.num_experts_per_tok)
-        if self.cfg.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        logits, k = logits.astype(jnp.float32), self.cfg.num_experts_per_tok
+        if self.cfg.norm_topk_prob:  # the softmax's denominator cancels: a softmax over the top k's logits
+            top, experts = jax.lax.top_k(logits, k)
+            weights = jnp.exp(top - top[:, :1])
+            weights = weights / ordered_sum(weights)
+        else:
+            probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+            weights, experts = jax.lax.top_k(probs, k)
+            weights = weights / ordered_sum(probs)
         return experts.astype(jnp.int32), weights.astype(x.dtype), (shared_gate or [None])[0]
 
     def __call__(self, x, forms: Forms = GENERIC, valid=None):
@@ -129,7 +144,7 @@ class SparseMoeBlock(nnx.Module):
         y = _apply(self.experts_down.kernel[...], functools.partial(_grouped_in, mesh=self.mesh),
                    silu_mul(gate, up), sizes).astype(x.dtype)
         y = y[jnp.argsort(order)].reshape(-1, k, D)  # back to (token, slot)
-        out = jnp.sum(y * weights[..., None], axis=1)  # each token's k parts, in its own slot order
+        out = ordered_sum(y * weights[..., None], axis=1)  # each token's k parts, in its own slot order
         if cfg.shared_expert_intermediate_size:
             out = out + jax.nn.sigmoid(shared_gate) * self.shared_expert(xs, forms)
         return out.reshape(shape)

@@ -40,7 +40,7 @@ class MemoryPlan:
         linear = (f"linear state: {self.num_linear_slots} slots x {self.bytes_per_linear_slot / mib:.2f} MiB "
                   f"(1 padding + {self.max_num_seqs} live + {self.num_checkpoint_slots} checkpoint); "
                   if self.bytes_per_linear_slot else "")
-        each = f" per device, on each of {self.devices}" if self.devices > 1 else ""
+        each = f" per device (the pools split {self.devices} ways)" if self.devices > 1 else ""
         return (f"KV: {self.num_kv_blocks} blocks x {self.bytes_per_kv_block / 1024:.1f} KiB; {linear}"
                 f"total {self.total_bytes / mib:.1f} MiB{each}")
 

@@ -56,7 +56,7 @@ def _summary(out):
 # the cache-on engine split over 2 and 4 devices (tensor parallelism; the "mesh" group of `make test` runs these
 # with 8 host devices), against the same one-device cache-off engine
 MESH = [pytest.param(p, marks=pytest.mark.mesh)
-        for p in ("scan-auto-2", "promote-auto-2", "scan-parallel-4", "scan-auto-2-moe", "scan-auto-2x2-moe")]
+        for p in ("scan-auto-2", "scan-parallel-4")]
 
 
 @pytest.fixture(scope="module", params=["scan", "promote", "scan-parallel", "scan-auto-1-moe", *MESH])
@@ -64,7 +64,8 @@ def engines(request):
     """Cache on (in both checkpoint modes) and cache off. "scan-parallel": the cache-on engine computes the chunked
     GDN rule with the accelerators' "parallel" schedule, the cache-off one with the CPU's "fused" one, so the
     equivalence also holds across schedules. A third part: the cache-on engine's tensor_parallel_size (TxE: and its
-    expert_parallel_size); a fourth, "moe": both engines run tiny-random-moe (sparse-MoE layers and a dense one)."""
+    expert_parallel_size); a fourth, "moe": both engines run tiny-random-moe (sparse-MoE layers and a dense one).
+    (Expert parallelism against one device: test_tensor_parallel.py.)"""
     parts = request.param.split("-")
     mode, schedule, tp = parts[0], (parts[1:] or ["auto"])[0], (parts[2:] or ["1"])[0]
     tp, _, ep = tp.partition("x")

@@ -52,7 +52,7 @@ def _assert_same(got, want):
             np.testing.assert_allclose(gl, wl, atol=1e-4)
 
 
-@pytest.mark.parametrize("model, sizes", [("tiny-random", (2, 4)), (str(HF_TINY), (2, 4)), (WIDE, (8,))],
+@pytest.mark.parametrize("model, sizes", [("tiny-random", (2, 4)), (str(HF_TINY), (4,)), (WIDE, (8,))],
                          ids=["tiny-random", "transformers-checkpoint", "8-heads"])
 def test_tensor_parallel_gives_the_one_device_tokens(model, sizes):
     """Greedy tokens equal and float32 logprobs within 1e-4 (the all-reduces sum in another order), the cache on,
@@ -88,16 +88,17 @@ def test_weights_and_pools_are_split_over_the_devices():
     pools = [x for x in jax.tree_util.tree_leaves(worker.state)]
     assert len(pools) == 4 and sharding.bytes_on_device(pools, dev0) * tp == sum(x.nbytes for x in pools)
     memory = llm.engine.memory
-    assert memory.devices == tp and "per device, on each of 4" in memory.describe()
+    assert memory.devices == tp and "per device (the pools split 4 ways)" in memory.describe()
     assert memory.total_bytes == sharding.bytes_on_device(pools, dev0)
 
 
 def test_no_compilation_after_warm_up_and_the_same_grid():
-    one = LLM("tiny-random", tensor_parallel_size=1, **KW)
-    two = LLM("tiny-random", tensor_parallel_size=2, **KW)
+    kw = {**KW, "max_num_seqs": 2, "max_model_len": 96}  # a small grid: warm-up compiles every shape of it
+    one = LLM("tiny-random", tensor_parallel_size=1, **kw)
+    two = LLM("tiny-random", tensor_parallel_size=2, **kw)
     assert two.warm_up() == one.warm_up()
     before = two.engine.worker.num_compilations
-    two.generate(_prompts() * 2, GREEDY, use_tqdm=False)
+    two.generate([p[:80] for p in _prompts()], GREEDY, use_tqdm=False)
     two.generate(_prompts()[:1], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4), use_tqdm=False)
     assert two.engine.worker.num_compilations == before
 
@@ -133,19 +134,18 @@ def test_layout_keeps_each_shards_heads_together():
 HF_TINY_MOE = HF_TINY.parent / "hf_tiny_moe"
 
 
-@pytest.mark.parametrize("model", ["tiny-random-moe", str(HF_TINY_MOE)], ids=["qwen3-next-layout", "qwen3.5-moe"])
-def test_expert_parallelism_gives_the_unsplit_tokens(model):
-    """EP of 2 and 4 with TP of 1 and 2: the same tokens and logprobs as one device, each device holding 1/EP of the
-    experts' weights."""
+def test_expert_parallelism_gives_the_unsplit_tokens():
+    """EP of 2 and 4 with TP of 1 and 2 (with the cache-equivalence fixtures' EP=2 x TP=2, on tiny-random-moe): the
+    same tokens and logprobs as one device, each device holding 1/EP of the experts' weights."""
+    model = str(HF_TINY_MOE)
     _, want = _run(model, 1)
-    for tp, ep in ((1, 2), (2, 2), (1, 4), (2, 4)):
+    for tp, ep in ((1, 2), (2, 4)):
         llm, got = _run(model, tp, ep=ep)
         _assert_same(got, want)
         worker = llm.engine.worker
         experts = [x for p, x in jax.tree_util.tree_leaves_with_path(worker.params)
                    if "experts_" in jax.tree_util.keystr(p)]
-        cfg = worker.cfg  # (tiny-random-moe's layer 1 is dense)
-        assert len(experts) == 2 * sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) > 0
+        assert len(experts) == 2 * worker.cfg.num_hidden_layers  # every layer of Qwen3.5-MoE is sparse
         on_device0 = sharding.bytes_on_device(experts, llm.engine.mesh.devices.flat[0])
         assert on_device0 * ep == sum(x.nbytes for x in experts)
 
