@@ -98,8 +98,9 @@ class ModelConfig:
                              f"linear_num_key_heads ({self.linear_num_key_heads})")
         if self.rotary_dim % 2:
             raise ValueError(f"rotary dim head_dim * partial_rotary_factor = {self.rotary_dim} must be even")
-        if self.layout_shards < 1 or self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts and
-                                                               min(self.moe_intermediate_size, self.decoder_sparse_step) > 0):
+        moe_ok = 0 < self.num_experts_per_tok <= self.num_experts and min(self.moe_intermediate_size,
+                                                                          self.decoder_sparse_step) > 0
+        if self.layout_shards < 1 or self.num_experts and not moe_ok:
             raise ValueError(f"layout_shards ({self.layout_shards}) must be >= 1, and an MoE config needs 1 <= "
                              f"num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts ({self.num_experts}), "
                              f"a positive moe_intermediate_size and decoder_sparse_step")

@@ -12,10 +12,10 @@ machine's cores and memory, so the times measure the partitioned program's overh
 of heads where TP exceeds their count), not a speed-up; on several GPUs they would measure the split.
 
 `--load-rss`: writes a checkpoint of random weights with Qwen3.5-9B's widths (`--rss-preset`) and `--rss-layers`
-of its layers (3 GDN + 1 attention per 4) to a temporary folder, then loads it at TP=1 and TP=4, each in a fresh process, and
-reports each process's peak anonymous memory (the host devices' memory is the process's own here, so the weights
-count once in every row; what a loader holds besides them shows above that) and its peak RSS (which also counts the
-file's pages as it is read). A third row loads the model whole on one device first and then splits it
+of its layers (3 GDN + 1 attention per 4) to a temporary folder, then loads it at TP=1 and TP=4, each in a fresh
+process, and reports each process's peak anonymous memory (the host devices' memory is the process's own here, so
+the weights count once in every row; what a loader holds besides them shows above that) and its peak RSS (which
+also counts the file's pages as it is read). A third row loads the model whole on one device first and then splits it
 (`weights.shard_model`), as a loader without a mesh would.
 
 Prints tables and writes JSON (default results/bench_tp.json).

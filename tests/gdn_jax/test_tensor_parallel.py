@@ -110,7 +110,8 @@ def test_sizes_that_do_not_divide_are_named():
                               linear_num_value_heads=6, linear_num_key_heads=3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 and num_key_value_heads=3"):
         sharding.tp_config(odd, 2)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=16 x expert_parallel_size=1 needs 16 devices, 8 visible.*device_count=16"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=16 x expert_parallel_size=1 needs 16 devices, "
+                                         r"8 visible.*device_count=16"):
         LLM("tiny-random", tensor_parallel_size=16, **KW)
     with pytest.raises(ValueError, match="tensor-parallel layout"):
         hf_tensors(sharding.tp_config(get_preset("tiny-random"), 2), None)
