@@ -355,6 +355,8 @@ def test_bench_moe_times_both_layers_and_plans_every_split(tmp_path):
     # the experts split over ep: a quarter of them per device at ep=4, all at ep=1
     assert plan[(1, 4)]["experts_gib"] * 4 == pytest.approx(plan[(4, 1)]["experts_gib"])
     assert all(r["kv_blocks"] > 0 and r["linear_slots"] > 0 for r in plan.values())
+    with pytest.raises(SystemExit):  # one device here: the split is refused before anything runs
+        _script("bench_moe").main(["--preset", "tiny-random-moe", "--ep-sizes", "2", "--out", str(out)])
 
 
 @pytest.mark.slow

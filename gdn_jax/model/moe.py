@@ -24,20 +24,26 @@ from gdn_jax.config import ModelConfig
 from gdn_jax.model.dense import LayerKernel
 from gdn_jax.model.forms import GENERIC, Forms
 from gdn_jax.model.layers import MLP, _linear, silu_mul, split_parts
+from gdn_jax.model.state import from_pool, pool_dtype, to_pool
 
 
 class ExpertKernel(nnx.Module):
-    """Every expert's matrix of one projection, [experts, n_in, n_out] (the product's layout: rows times it)."""
+    """Every expert's matrix of one projection, [experts, n_in, n_out] (the product's layout: rows times it), a
+    16-bit float kept as its bit patterns (`state.pool_dtype`): XLA's CPU backend converts a whole bfloat16 array to
+    float32 to slice one expert's matrix out of it, or copies it whole into the loop of `tiled`, a second per MoE
+    layer and step for a model of hundreds of experts; sliced as integers, only the tile's matrix is read."""
 
     def __init__(self, experts: int, n_in: int, n_out: int, dtype, std: float, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(nnx.initializers.normal(std)(rngs.params(), (experts, n_in, n_out), dtype))
+        w = nnx.initializers.normal(std)(rngs.params(), (experts, n_in, n_out), dtype)
+        self.kernel = nnx.Param(to_pool(w, jnp.zeros((), pool_dtype(dtype))))
 
 
 TILE_ROWS = 16  # rows of one product of the grouped product: the same for every step shape (see `tiled`)
 
 
 def tiled(rows, kernel, sizes):
-    """rows [M, n_in] sorted by expert, `sizes` [experts] of them per expert (rows past their sum: zeros out) ->
+    """rows [M, n_in] sorted by expert, `sizes` [experts] of them per expert (rows past their sum: zeros out), `kernel`
+    an `ExpertKernel`'s (bit patterns for a 16-bit `rows` dtype) ->
     [M, n_out] float32, each row times its expert's matrix: the rows cut into tiles of `TILE_ROWS` rows of one
     expert each, a product per tile with its expert's matrix, read where it lies (a loop over the tiles).
 
@@ -55,7 +61,8 @@ def tiled(rows, kernel, sizes):
     index = (first[expert] + (j - tile_end[expert] + tiles[expert]) * t)[:, None] + jnp.arange(t)[None, :]
     ok = (j < tile_end[-1])[:, None] & (index < (first + sizes)[expert][:, None])
     x = jnp.where(ok[..., None], rows[jnp.clip(index, 0, M - 1)], 0)  # [T, t, n_in]
-    y = jax.lax.map(lambda a: jnp.dot(a[0], kernel[a[1]], preferred_element_type=jnp.float32), (x, expert))
+    y = jax.lax.map(lambda a: jnp.dot(a[0], from_pool(kernel[a[1]], rows.dtype), preferred_element_type=jnp.float32),
+                    (x, expert))  # (a 16-bit kernel is sliced as its bit patterns: `ExpertKernel`)
     out = jnp.zeros((M + 1, kernel.shape[2]), jnp.float32)
     return out.at[jnp.where(ok, index, M)].set(y)[:M]
 

@@ -277,6 +277,8 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
 
     def place(path, parts):
         arr = _assemble(cfg, parts)
+        if flat[path].get_value().dtype == jnp.uint16:  # a 16-bit expert kernel's bit patterns (`moe.ExpertKernel`)
+            arr = jax.lax.bitcast_convert_type(arr, jnp.uint16)
         if mesh is not None:  # (on the CPU backend np.asarray is a view, not a copy)
             host = sharding.layout_tensor(cfg, tp_cfg, path, np.asarray(arr))
             arr = sharding.place_param(mesh, path, host, host.dtype)
@@ -298,7 +300,8 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
             hf_want = (want[0], 1, want[1]) if conv else want  # the shape the HF layout has
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(hf_want)}")
         parts = loaded.setdefault(path, {})
-        parts[_part_key(part)] = jnp.asarray(arr, dtype=flat[path].get_value().dtype)
+        stored = flat[path].get_value().dtype
+        parts[_part_key(part)] = jnp.asarray(arr, dtype=dtype if stored == jnp.uint16 else stored)
         if path == ("embed_tokens",) and cfg.tie_word_embeddings and "lm_head.weight" in stored:
             embed = parts[None]
         if len(parts) == parts_of[path]:
@@ -336,7 +339,10 @@ def hf_tensors(cfg: ModelConfig, params, fused_experts: bool = False) -> dict:
     flat = dict(nnx.to_flat_state(params))
     tensors = {}
     for name, (path, part) in _hf_names(cfg, fused_experts).items():
-        arr = _extract(cfg, np.asarray(flat[path].get_value()), part)
+        arr = np.asarray(flat[path].get_value())
+        if arr.dtype == np.uint16:  # a 16-bit expert kernel's bit patterns (`moe.ExpertKernel`)
+            arr = arr.view(jnp.bfloat16)
+        arr = _extract(cfg, arr, part)
         if name.endswith("conv1d.weight"):
             arr = arr[:, None, :]  # [C, K] -> HF [C, 1, K]
         tensors[name] = np.ascontiguousarray(arr)
