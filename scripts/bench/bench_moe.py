@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdn_jax.backends.cpu import tuning
 from gdn_jax.config import EngineConfig, get_preset
 from gdn_jax.entrypoints.cli import output_file, positive_int, positive_ints, positive_number
 from gdn_jax.model import sharding
@@ -47,13 +48,18 @@ from common import environment, run_command  # noqa: E402
 
 
 def _timed(layer, x, repeats: int, mesh=None) -> tuple[float, float]:
-    """(min, median) ms of the jitted layer on x; on `mesh`, its parameters placed as the engine places them."""
+    """(min, median) ms of the jitted layer on x, in the forms the engine's steps take on this backend
+    (`tuning.resolve_forms`; on a mesh without the CPU kernels); on `mesh`, its parameters placed as the engine
+    places them."""
+    forms = tuning.resolve_forms(x.dtype)
+    if mesh is not None:
+        forms = dataclasses.replace(forms, kernels=False, rows_kernel_rows=0)
     graphdef, params = nnx.split(layer)
     if mesh is not None:
         params = jax.tree_util.tree_map_with_path(lambda path, a: jax.device_put(a, jax.sharding.NamedSharding(
             mesh, sharding.param_spec(tuple(k.key for k in path if hasattr(k, "key")), a.ndim))), params)
         x = jax.device_put(x, sharding.replicated(mesh))
-    fn = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+    fn = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, forms))
     jax.block_until_ready(fn(params, x))
     times = []
     for _ in range(repeats):
