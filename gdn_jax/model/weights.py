@@ -300,8 +300,8 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
             hf_want = (want[0], 1, want[1]) if conv else want  # the shape the HF layout has
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(hf_want)}")
         parts = loaded.setdefault(path, {})
-        stored = flat[path].get_value().dtype
-        parts[_part_key(part)] = jnp.asarray(arr, dtype=dtype if stored == jnp.uint16 else stored)
+        kept = flat[path].get_value().dtype  # (uint16: a 16-bit expert kernel's bit patterns, placed as such)
+        parts[_part_key(part)] = jnp.asarray(arr, dtype=dtype if kept == jnp.uint16 else kept)
         if path == ("embed_tokens",) and cfg.tie_word_embeddings and "lm_head.weight" in stored:
             embed = parts[None]
         if len(parts) == parts_of[path]:
