@@ -2,8 +2,8 @@
 shared expert behind a sigmoid gate is added (transformers' `Qwen3_5MoeSparseMoeBlock`, `Qwen3NextSparseMoeBlock`).
 
 Dropless, with no capacity: the (token, expert) pairs are sorted by expert and each expert multiplies its own rows,
-tile by tile (`tiled`, a grouped product), so a token's result depends on its own row only, never on the other rows
-of the step, as "cache on == cache off" and "alone == in a batch" need. The shapes depend on the step's shape only,
+tile by tile (`tiled`, a grouped product), so the experts' part of a token's result depends on its own row only,
+never on the other rows of the step, as "cache on == cache off" and "alone == in a batch" need. The shapes depend on the step's shape only,
 never on the routing: a new routing compiles nothing. Padding tokens route to no expert.
 
 With an "ep" mesh axis the experts are split over it, each device holding num_experts / ep of them: each device
@@ -30,8 +30,8 @@ from gdn_jax.model.state import from_pool, pool_dtype, to_pool
 class ExpertKernel(nnx.Module):
     """Every expert's matrix of one projection, [experts, n_in, n_out] (the product's layout: rows times it), a
     16-bit float kept as its bit patterns (`state.pool_dtype`): XLA's CPU backend converts a whole bfloat16 array to
-    float32 to slice one expert's matrix out of it, or copies it whole into the loop of `tiled`, a second per MoE
-    layer and step for a model of hundreds of experts; sliced as integers, only the tile's matrix is read."""
+    float32 to slice one expert's matrix out of it, or copies it whole into the loop of `tiled`, on every call: for
+    hundreds of experts, far more than the products cost. Sliced as integers, only the tile's matrix is read."""
 
     def __init__(self, experts: int, n_in: int, n_out: int, dtype, std: float, rngs: nnx.Rngs):
         w = nnx.initializers.normal(std)(rngs.params(), (experts, n_in, n_out), dtype)
