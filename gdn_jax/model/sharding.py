@@ -121,14 +121,13 @@ def param_spec(path: tuple, ndim: int) -> P:
     return P()  # norms, the router, the shared expert's gate
 
 
-def place_param(mesh: Mesh | None, path: tuple, arr: np.ndarray, dtype) -> jax.Array:
-    """A host parameter on the mesh, each device given only its slice (`jax.make_array_from_callback`); without a
-    mesh, on the default device."""
-    arr = np.asarray(arr)
-    if mesh is None:
-        return jax.numpy.asarray(arr, dtype)
-    sharding = NamedSharding(mesh, param_spec(path, arr.ndim))
-    return jax.make_array_from_callback(arr.shape, sharding, lambda index: np.asarray(arr[index], dtype))
+def split_param(cfg: ModelConfig, tp_cfg: ModelConfig, mesh: Mesh, path: tuple, arr) -> jax.Array:
+    """One parameter of the HF-order model `cfg` (a host array, or one on the CPU backend, which np.asarray views
+    without a copy) in `tp_cfg`'s layout on the mesh, each device given only its slice
+    (`jax.make_array_from_callback`)."""
+    host = layout_tensor(cfg, tp_cfg, path, np.asarray(arr))
+    sharding = NamedSharding(mesh, param_spec(path, host.ndim))
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: np.ascontiguousarray(host[index]))
 
 
 # -- the pools ----------------------------------------------------------------------------------------------------

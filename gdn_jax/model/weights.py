@@ -279,9 +279,8 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
         arr = _assemble(cfg, parts)
         if flat[path].get_value().dtype == jnp.uint16:  # a 16-bit expert kernel's bit patterns (`moe.ExpertKernel`)
             arr = jax.lax.bitcast_convert_type(arr, jnp.uint16)
-        if mesh is not None:  # (on the CPU backend np.asarray is a view, not a copy)
-            host = sharding.layout_tensor(cfg, tp_cfg, path, np.asarray(arr))
-            arr = sharding.place_param(mesh, path, host, host.dtype)
+        if mesh is not None:
+            arr = sharding.split_param(cfg, tp_cfg, mesh, path, arr)
         flat[path] = flat[path].replace(arr)
 
     for name, arr in _open_tensors(folder, shards):
@@ -325,8 +324,7 @@ def shard_model(cfg: ModelConfig, params, mesh, dtype=jnp.float32):
     graphdef, abstract = abstract_model(tp_cfg, dtype, mesh)
     flat = dict(nnx.to_flat_state(abstract))
     for path, var in nnx.to_flat_state(params):
-        arr = sharding.layout_tensor(cfg, tp_cfg, path, np.asarray(var.get_value()))
-        flat[path] = flat[path].replace(sharding.place_param(mesh, path, arr, arr.dtype))
+        flat[path] = flat[path].replace(sharding.split_param(cfg, tp_cfg, mesh, path, var.get_value()))
     return tp_cfg, graphdef, nnx.from_flat_state(flat)
 
 
