@@ -170,6 +170,9 @@ class EngineConfig:
            "by heads)", min=1)
     expert_parallel_size: int = _setting(
         1, "devices an MoE model's experts are split over (a mesh axis 'ep'; the engine uses ep x tp devices)", min=1)
+    deterministic: bool = _setting(
+        False, "the batch-invariant forward: a request's logits, bit for bit, alone or batched, with the cache on or "
+               "off, however its prompt is split into steps (slower; one device)")
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduling: SchedulingConfig = dataclasses.field(default_factory=SchedulingConfig)
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
@@ -184,6 +187,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if not 0 <= self.seed < SEED_BOUND:  # reduced modulo 2**32 before: seeds 0 and 2**32 gave the same model
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.deterministic and self.tensor_parallel_size * self.expert_parallel_size > 1:
+            raise ValueError(f"deterministic=True runs on one device: tensor_parallel_size "
+                             f"({self.tensor_parallel_size}) and expert_parallel_size ({self.expert_parallel_size}) "
+                             f"must be 1")
         if self.token_budget < self.cache.chunk_stride:
             raise ValueError(f"max_num_batched_tokens ({self.token_budget}) must be >= chunk_stride "
                              f"({self.cache.chunk_stride})")

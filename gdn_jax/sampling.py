@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn_jax.model.deterministic import rowwise
 from scheduler.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 BAN_WIDTH = MAX_STOP_TOKEN_IDS + 1  # stop_token_ids with the further end-of-sequence ids, + EOS
@@ -214,7 +215,7 @@ def first_argmax(x):
 
 def _ranked(shifted, lse, chosen):
     """(top ids [B, K] int32, their logprobs [B, K], the chosen tokens' ranks [B]) from the shifted logits and their
-    log-sum-exp (`_log_softmax_parts`)."""
+    log-sum-exp (`log_softmax_parts`)."""
     logprobs = shifted - lse
     top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
     rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
@@ -226,7 +227,7 @@ def _unranked(shifted, lse, chosen):
     return jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K), shifted.dtype), jnp.zeros(B, jnp.int32)
 
 
-def _log_softmax_parts(logits):
+def log_softmax_parts(logits):
     """[B, V] -> (shifted [B, V], lse [B, 1]): `jax.nn.log_softmax(logits, -1)` is shifted - lse, computed the same
     way (max, shift, log of the sum of exponentials), so that a logprob taken as shifted[t] - lse is the one
     `log_softmax` gives for token t, without the [B, V] logprobs written out."""
@@ -235,14 +236,16 @@ def _log_softmax_parts(logits):
     return shifted, jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
 
 
-def sample(logits, md: SamplingMetadata):
+def sample(logits, md: SamplingMetadata, deterministic: bool = False):
     """logits: [B, V]. Returns (tokens [B], chosen_logprob [B], top_ids [B, MAX_LOGPROBS], top_logprobs
     [B, MAX_LOGPROBS], chosen_rank [B]); logprobs are those of the model's raw distribution (vLLM's convention), and a
     token's rank is 1 + the number of tokens strictly likelier (ties share a rank), over the whole vocabulary.
     The top entries and ranks are computed only when some row of the step asks for logprobs (`num_logprobs`), and
     are zeros otherwise: at a large vocabulary the top-k is most of a step's sampling. Only then are the
-    [B, V] logprobs written out too; the chosen token's logprob is its shifted logit less the log-sum-exp."""
-    shifted, lse = _log_softmax_parts(logits)
+    [B, V] logprobs written out too; the chosen token's logprob is its shifted logit less the log-sum-exp.
+    `deterministic`: the log-softmax in tiles of rows (`model.deterministic.rowwise`), a row's the same in any batch."""
+    shifted, lse = (rowwise(log_softmax_parts, logits.shape[:1], logits) if deterministic
+                    else log_softmax_parts(logits))
     processed = process_logits(logits, md)
     greedy = first_argmax(processed)
     samples = md.temperature >= GREEDY_BELOW

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,35 @@ def rope(x, positions, rotary_dim: int, theta: float):
     x1, x2 = jnp.split(x_rot, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+
+
+def online_softmax_init(qh):
+    """The online softmax's carry before the first key chunk, for queries qh [kvh, n, hd]: (running max, sum of
+    exponentials, output), float32."""
+    return (jnp.full(qh.shape[:2], -jnp.inf, jnp.float32), jnp.zeros(qh.shape[:2], jnp.float32),
+            jnp.zeros(qh.shape, jnp.float32))
+
+
+def key_chunk(qh, qpos, table, k_cache, v_cache, layer, cb: int, forms: Forms, c, carry):
+    """One turn of the online softmax: queries qh [kvh, n, hd] at positions qpos [n] over the keys of chunk c of a
+    row's block table `table` (cb blocks, keys [c * cb * bs, (c + 1) * cb * bs)), causal. carry: (running max
+    [kvh, n], sum of exponentials [kvh, n], output [kvh, n, hd]). A chunk no query sees leaves the carry exactly as it
+    was (its scores are all -inf: a scale of exp(0) = 1 and zero terms), which the deterministic forward relies on."""
+    kvh, _, hd = qh.shape
+    bs, dtype = k_cache.shape[3], qh.dtype
+    top, total, acc = carry
+    blocks = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
+    keys = from_pool(k_cache[:, layer, blocks], dtype).reshape(kvh, cb * bs, hd)
+    values = from_pool(v_cache[:, layer, blocks], dtype).reshape(kvh, cb * bs, hd)
+    scores = attention_scores(qh, keys, forms) * hd**-0.5
+    causal = c * cb * bs + jnp.arange(cb * bs)[None, :] <= qpos[:, None]  # [n, cb * bs]
+    scores = jnp.where(causal[None], scores, -jnp.inf)
+    new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # finite: key 0 is in every query's reach
+    p = jnp.exp(scores - new_top[..., None])
+    scale = jnp.exp(top - new_top)
+    pv = jnp.einsum("kqs,ksd->kqd", p.astype(dtype), values, preferred_element_type=jnp.float32,
+                    precision=float32_precision(dtype))
+    return new_top, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
 
 
 class Attention(nnx.Module):
@@ -181,24 +211,8 @@ class Attention(nnx.Module):
         tile_chunks = jnp.clip(reach, 1, chunks)  # [nq]
 
         def attend(qh, table, qpos, n):  # one row: [kvh, gTq, hd], [NB], [gTq], n chunks -> [kvh, gTq, hd] float32
-            def chunk(c, carry):  # keys [c * cb * bs, (c + 1) * cb * bs)
-                top, total, acc = carry  # running max [kvh, gTq], sum of exp [kvh, gTq], output [kvh, gTq, hd]
-                blocks = jax.lax.dynamic_slice_in_dim(table, c * cb, cb)
-                keys = from_pool(k_cache[:, layer, blocks], dtype).reshape(kvh, cb * bs, hd)
-                values = from_pool(v_cache[:, layer, blocks], dtype).reshape(kvh, cb * bs, hd)
-                scores = attention_scores(qh, keys, forms) * hd**-0.5
-                causal = c * cb * bs + jnp.arange(cb * bs)[None, :] <= qpos[:, None]  # [gTq, cb * bs]
-                scores = jnp.where(causal[None], scores, -jnp.inf)
-                new_top = jnp.maximum(top, jnp.max(scores, axis=-1))  # finite: key 0 is in every query's reach
-                p = jnp.exp(scores - new_top[..., None])
-                scale = jnp.exp(top - new_top)
-                pv = jnp.einsum("kqs,ksd->kqd", p.astype(dtype), values, preferred_element_type=jnp.float32,
-                                precision=float32_precision(dtype))
-                return new_top, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv
-
-            init = (jnp.full(qh.shape[:2], -jnp.inf, jnp.float32), jnp.zeros(qh.shape[:2], jnp.float32),
-                    jnp.zeros(qh.shape, jnp.float32))
-            _, total, acc = jax.lax.fori_loop(0, n, chunk, init)
+            step = partial(key_chunk, qh, qpos, table, k_cache, v_cache, layer, cb, forms)
+            _, total, acc = jax.lax.fori_loop(0, n, step, online_softmax_init(qh))
             return acc / total[..., None]
 
         per_row = 2 * kvh * cb * bs * hd * jnp.dtype(dtype).itemsize  # the keys + values of one chunk

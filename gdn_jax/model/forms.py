@@ -24,10 +24,13 @@ class Forms:
     prefill_kv_chunk_keys: int | None = None  # keys per attention iteration in prefill steps (None: the default)
     unroll: str = "0"                        # layers traced one by one: "1" every step, "decode" one-token steps
     decode_vector_bits: int = 256            # LLVM's vector width of narrow decode steps (a compile option)
+    deterministic: bool = False              # the batch-invariant forward (`model.deterministic`)
 
     def __post_init__(self):
         if self.kernels and not self.cpu:
             raise ValueError("Forms.kernels=True needs cpu=True: the kernels run on XLA's CPU backend only")
+        if self.deterministic and (self.cpu or self.unroll != "0"):
+            raise ValueError("Forms.deterministic=True takes XLA's generic forms: cpu=False, kernels=False, unroll='0'")
         if self.unroll not in UNROLL_SETTINGS:
             raise ValueError(f"Forms.unroll must be one of {UNROLL_SETTINGS}, got {self.unroll!r}")
         if self.decode_vector_bits not in VECTOR_BITS:
@@ -44,3 +47,4 @@ class Forms:
 
 
 GENERIC = Forms()
+DETERMINISTIC = Forms(deterministic=True)

@@ -28,6 +28,7 @@ from gdn_jax.model.forms import GENERIC, Forms
 from gdn_jax.model.layers import MLP, GatedRMSNorm, RMSNorm, _fused, _linear, split_parts
 from gdn_jax.model.attention import Attention, rows_per_iteration
 from gdn_jax.model.moe import SparseMoeBlock
+from gdn_jax.model import deterministic
 
 
 class GatedDeltaNet(nnx.Module):
@@ -271,7 +272,9 @@ class Qwen35Model(nnx.Module):
         """`gdn_schedule`: the chunked GDN rule's schedule ("auto", "fused", "parallel"; same maths).
         `chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
         boundary is a chunk boundary of a row's scan; None: `gated_delta.default_chunk_size`). `forms`: the forms
-        the step takes (`Forms`; the default: XLA's generic ones)."""
+        the step takes (`Forms`; the default: XLA's generic ones; `Forms.deterministic`: `deterministic.forward`)."""
+        if forms.deterministic:
+            return deterministic.forward(self, batch, state, all_logits, forms)
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
         warm = batch.has_initial_state
         ids = batch.linear_state_ids

@@ -52,10 +52,11 @@ def compiler_options(kind: str, forms: Forms | None = None) -> dict | None:
     """On the CPU backend: the LLVM IR emitters at `forms.decode_vector_bits` for a "decode" step (`executable_kind`;
     the step's `forms` are then required), `LLVM_IR_CPU_COMPILER_OPTIONS` for "sample", and those at
     `PREFILL_OPT_LEVEL` for a "prefill" step (unless XLA_FLAGS names an optimisation level); XLA's defaults otherwise
-    ("decode_wide", and every kind on an accelerator)."""
+    ("decode_wide", and every kind on an accelerator). Deterministic forms compile every kind alike: the same loop
+    body must round the same way in a prefill, a decode and a sampling program."""
     if kind not in ("prefill", "decode", "decode_wide", "sample"):
         raise ValueError(f"kind must be 'prefill', 'decode', 'decode_wide' or 'sample', got {kind!r}")
-    if kind == "decode_wide" or jax.default_backend() != "cpu":
+    if kind == "decode_wide" or jax.default_backend() != "cpu" or (forms is not None and forms.deterministic):
         return None
     if kind == "decode":
         if forms is None:

@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn_jax.model.forms import GENERIC, Forms
+from gdn_jax.model.forms import DETERMINISTIC, GENERIC, Forms
 from gdn_jax.model.state import Batch, DeviceState
 from gdn_jax.model.qwen35 import forward
 from gdn_jax.model.state import RestoreOps
-from gdn_jax.sampling import SamplingMetadata, sample
+from gdn_jax.model.deterministic import rowwise
+from gdn_jax.sampling import SamplingMetadata, log_softmax_parts, sample
 from scheduler.sampling_params import MAX_LOGPROBS
 from gdn_jax.worker.compilation import compiler_options
 
@@ -42,7 +43,8 @@ def _step_prompt_logprobs(graphdef, params, rule, state, batch: Batch, targets, 
     logits, state = forward(graphdef, params, batch, state, all_logits=True, chunk_size=rule[0],
                             gdn_schedule=rule[1], forms=rule[2])  # [B, T, V]
     last = jnp.take_along_axis(logits, jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = (rowwise(lambda x: jnp.subtract(*log_softmax_parts(x)), logits.shape[:2], logits)
+                if rule[2].deterministic else jax.nn.log_softmax(logits, axis=-1))
     target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T]
     rank = 1 + jnp.sum(logprobs > target_lp[..., None], axis=-1, dtype=jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
@@ -52,15 +54,20 @@ def _step_prompt_logprobs(graphdef, params, rule, state, batch: Batch, targets, 
 
 
 @functools.cache
-def sample_function():
+def sample_function(deterministic: bool = False):
+    """The sampling executable; `deterministic`: log-softmax in tiles of rows, compiled as the deterministic steps
+    are (`compiler_options`)."""
+    if deterministic:
+        return jax.jit(functools.partial(sample_packed, deterministic=True),
+                       compiler_options=compiler_options("sample", DETERMINISTIC))
     return jax.jit(sample_packed, compiler_options=compiler_options("sample"))
 
 
-def sample_packed(logits, md: SamplingMetadata):
+def sample_packed(logits, md: SamplingMetadata, deterministic: bool = False):
     """`sample`'s five outputs as one int32 [B, 3 + 2 * MAX_LOGPROBS] array (tokens, the chosen logprob's bits, the
     chosen token's rank, top ids, the top logprobs' bits): the step's result comes back to the host in one transfer,
     not five."""
-    tokens, chosen, top_ids, top_lp, rank = sample(logits, md)
+    tokens, chosen, top_ids, top_lp, rank = sample(logits, md, deterministic)
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     return jnp.concatenate([tokens[:, None], bits(chosen)[:, None], rank[:, None], top_ids, bits(top_lp)], axis=1)
 

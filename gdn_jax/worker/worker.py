@@ -30,7 +30,7 @@ from gdn_jax.diagnostics import map_on_threads, user_stacklevel
 from gdn_jax.worker import executable_store as executables
 from gdn_jax.backends.cpu import tuning
 from gdn_jax.config import EngineConfig, ModelConfig
-from gdn_jax.model.forms import Forms
+from gdn_jax.model.forms import DETERMINISTIC, Forms
 from gdn_jax.model.gated_delta import default_chunk_size
 from gdn_jax.model import sharding
 from gdn_jax.model.state import Batch, DeviceState, init_state
@@ -85,7 +85,7 @@ class Worker:
         self.memory, self.block_size = memory, block_size
         self.max_rows = _bucket(config.scheduling.max_num_seqs, 1, 1 << 30)
         self.max_blocks = math.ceil(max_model_len / block_size)
-        self.forms = tuning.resolve_forms(dtype) if forms is None else forms
+        self.forms = DETERMINISTIC if config.deterministic else tuning.resolve_forms(dtype) if forms is None else forms
         self.mesh = mesh
         self.shardings = None if mesh is None else (*sharding.state_shardings(mesh), sharding.replicated(mesh))
         if mesh is not None:
@@ -115,7 +115,7 @@ class Worker:
         self._prompt_fn = prompt_step_function(graphdef, params_def, self.chunk_size, gdn_schedule, self.forms,
                                                self._out_shardings())
         self.gdn_schedule = gdn_schedule
-        self._sample = sample_function()
+        self._sample = sample_function(self.forms.deterministic)
         # warm_up's executables, called directly: ("step", rows, tokens) and ("sample", rows)
         self._executables: dict[tuple, object] = {}
         self._stored: dict[tuple, str] = {}  # those loaded from the executable store: name -> its key there
