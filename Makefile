@@ -40,13 +40,14 @@ test-serial: test-lane-engine test-lane-rest
 test-lane-engine: $(VENV)/.installed
 	$(PYTEST) -m "engine and not mesh"
 	$(PYTEST) -m model
-	$(PYTEST) -m "not (engine or model or startup or server or studies or bench or mesh)"
+	$(PYTEST) -m "not (engine or model or startup or server or studies or bench or mesh or deterministic)"
 	$(PLUMBING) $(PYTEST) -m studies
 test-lane-rest: $(VENV)/.installed
 	$(PYTEST) -m startup
 	GDN_JAX_CPU_KERNELS=0 $(PYTEST) -m xla_forms
 	$(PLUMBING) $(PYTEST) -m server
 	$(PLUMBING) $(PYTEST) -m bench
+	$(PYTEST) -m deterministic
 	XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8" $(PYTEST) -m mesh
 
 # The comparison with transformers needs torch and transformers (the reference extra, CPU torch): a venv of its own,

@@ -1004,3 +1004,19 @@ def test_soak_cache_finds_the_exact_cache_exact_and_catches_an_unsafe_reuse(tmp_
     unsafe = soak.main(argv + ["--unsafe-reuse", "cold", "--out", str(tmp_path / "unsafe.json")])
     assert unsafe["mismatches"] and all(m["differences"] and m["seed"] == 2 for m in unsafe["mismatches"])
     assert json.loads((tmp_path / "unsafe.json").read_text())["mismatches"] == unsafe["mismatches"]
+
+
+def test_bench_deterministic_times_both_modes_and_batch_variance_finds_no_difference_in_deterministic_mode(tmp_path):
+    out = tmp_path / "det.json"
+    _script("bench_deterministic").main(["--preset", "tiny-random", "--dtypes", "float32", "--prefill", "64",
+                                         "--rows", "2", "--repeats", "1", "--steps", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["measure"] for r in rows] == ["prefill", "decode 2"]
+    assert all(r[m]["min_ms"] > 0 for r in rows for m in ("default", "deterministic")) and rows[0]["ratio"] > 0
+    out = tmp_path / "variance.json"
+    _script("batch_variance").main(["--preset", "tiny-random", "--prompt", "40", "--hit", "32", "--others", "2",
+                                    "--chunk-stride", "32", "--variants", "deterministic,gdn", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert results["deterministic"]["batched"] == {"max_abs_logprob": 0.0, "first_token_differs": None}
+    assert results["deterministic"]["hit"]["max_abs_logprob"] == 0.0 and results["deterministic"]["cached"] == 32
+    assert results["gdn"]["cached"] == 32

@@ -177,8 +177,15 @@ class Attention(nnx.Module):
 
     def attend(self, q, gate, k_cache, v_cache, layer, positions, block_tables, extent, forms: Forms):
         """The attention output [B, T, D] of queries q [B, T, H, hd] at `positions` [B, T] over the cached keys
-        (causal: a query sees the keys at its position and before), through the output gate and projection. `extent`
-        [B]: the keys a row's queries reach at most (start + length), which bounds the chunks read.
+        (causal: a query sees the keys at its position and before), through the output gate and projection
+        (`attend_heads`, then `gated_output`)."""
+        out = self.attend_heads(q, k_cache, v_cache, layer, positions, block_tables, extent, forms)
+        return self.gated_output(out.astype(gate.dtype), gate, forms)
+
+    def attend_heads(self, q, k_cache, v_cache, layer, positions, block_tables, extent, forms: Forms):
+        """The heads' attention outputs [B, T, H * hd] (q's dtype) of queries q [B, T, H, hd] at `positions` [B, T]
+        over the cached keys, causal. `extent` [B]: the keys a row's queries reach at most (start + length), which
+        bounds the chunks read.
 
         Each row attends to its keys in chunks of `kv_chunk_keys(T, forms)` (an online softmax), as many chunks as the
         longest row of the batch needs: the block tables' width (padding blocks) costs nothing. A long chunk's
@@ -190,10 +197,10 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T = q.shape[:2]
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        dtype = gate.dtype
+        dtype = q.dtype
         if T == 1 and cpu_kernels.attention_applies(k_cache, H, forms):  # one query per row: the compiled kernel
             out = cpu_kernels.attention_decode(k_cache, v_cache, layer, q[:, 0], block_tables, positions[:, 0] + 1)
-            return self.gated_output(out.astype(dtype).reshape(B, T, H * hd), gate, forms)
+            return out.astype(dtype).reshape(B, T, H * hd)
         bs = k_cache.shape[3]
         g = H // kvh  # per (row, kv head) one matmul over its g * Tq queries
         NB = block_tables.shape[1]
@@ -226,8 +233,7 @@ class Attention(nnx.Module):
             out = tile((qh[0], qpos[0], tile_chunks[0]))[None]
         else:
             out = jax.lax.map(tile, (qh, qpos, tile_chunks))  # [nq, B, kvh, g * Tq, hd]
-        out = out.astype(dtype).reshape(nq, B, kvh, g, Tq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H * hd)
-        return self.gated_output(out, gate, forms)
+        return out.astype(dtype).reshape(nq, B, kvh, g, Tq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H * hd)
 
     def gated_output(self, out, gate, forms: Forms = GENERIC):
         """The heads' outputs [B, T, H * hd] through the output gate and the output projection."""

@@ -52,8 +52,8 @@ def rowwise(fn, lead: tuple, *arrays):
     padded to whole tiles; fn(*tiles [TILE, ...]) -> a pytree of [TILE, ...] -> that pytree as [*lead, ...]."""
     R = math.prod(lead)
     n = -(-R // TILE)
-    flat = [jnp.pad(a.reshape(R, *a.shape[len(lead):]), [(0, (n + 1) * TILE - R)] + [(0, 0)] * (a.ndim - len(lead)))
-            for a in arrays]  # a spare tile (`_spare`)
+    flat = [_spare(jnp.pad(a.reshape(R, *a.shape[len(lead):]), [(0, n * TILE - R)] + [(0, 0)] * (a.ndim - len(lead))))
+            for a in arrays]
     shapes = jax.eval_shape(fn, *(jax.ShapeDtypeStruct((TILE,) + f.shape[1:], f.dtype) for f in flat))
     out = jax.tree.map(lambda s: jnp.zeros((n * TILE,) + s.shape[1:], s.dtype), shapes)
 

@@ -55,13 +55,21 @@ class GatedDeltaNet(nnx.Module):
         "parallel"; same maths), or "auto": "fused" with the CPU forms, else "parallel", and a step of more than one
         token per row runs the compiled kernel instead where the forms have the kernels (`cpu_kernels.gdn_prefill`,
         which has no gradient: training's forms have no kernels)."""
+        mixed, z, b, a = self.in_proj(x, forms)
+        o, *states = self.mix(mixed, z, b, a, conv_state, ssm_state, lengths, chunk_size, rule, saves, schedule, forms)
+        return (self.out_proj(o, forms), *states)
+
+    def mix(self, mixed, z, b, a, conv_state, ssm_state, lengths, chunk_size: int | None = None, rule=None, saves=None,
+            schedule: str = "auto", forms: Forms = GENERIC):
+        """`__call__` between the input and the output projections: from the input projection's parts (mixed
+        [B, T, C], z [B, T, Hv * dv], b, a [B, T, Hv]) to the gated norm's output [B, T, Hv * dv], with the states
+        (and the saved ones) as `__call__` returns them."""
         cfg = self.cfg
         chunk_size = chunk_size or default_chunk_size(forms.cpu)
         impl = schedule if schedule != "auto" else "fused" if forms.cpu else "parallel"
-        B, T, _ = x.shape
+        B, T, _ = mixed.shape
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed, z, b, a = self.in_proj(x, forms)
         saved_conv = None
         if saves is not None:  # the K-1 conv inputs before each boundary, as causal_conv1d keeps them
             rows, offsets = saves
@@ -96,9 +104,8 @@ class GatedDeltaNet(nnx.Module):
                     rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
                                    initial_state=ssm_state, lengths=lengths, **kw)
                 o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
-        o = self.norm(o.astype(x.dtype), z.reshape(B, T, nv, dv))
-        out = self.out_proj(o.reshape(B, T, nv * dv), forms)
-        return (out, conv_state, ssm_state) if saves is None else (out, conv_state, ssm_state, saved)
+        o = self.norm(o.astype(mixed.dtype), z.reshape(B, T, nv, dv)).reshape(B, T, nv * dv)
+        return (o, conv_state, ssm_state) if saves is None else (o, conv_state, ssm_state, saved)
 
 
 def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer, forms: Forms):

@@ -11,7 +11,7 @@ from gdn_jax import SamplingParams
 from gdn_jax.engine import LLMEngine
 from tests.gdn_jax.helpers import FIXTURE
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.deterministic
 
 KW = dict(block_size=16, chunk_stride=32, max_model_len=256, verbose=False, deterministic=True)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
