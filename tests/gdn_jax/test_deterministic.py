@@ -3,12 +3,14 @@ same bits alone, inside batches of 1 to 16 mixed requests arriving at different 
 at any point by the token budget), on a prefix-cache hit at any checkpoint, and after preemption, in float32 and
 bfloat16. Hypothesis chooses the batches, the arrivals and the splits."""
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gdn_jax import SamplingParams
 from gdn_jax.engine import LLMEngine
+from tests.gdn_jax import test_donation as donation
 from tests.gdn_jax.helpers import FIXTURE
 
 pytestmark = pytest.mark.deterministic
@@ -125,3 +127,18 @@ def test_qwen3_next_moe_alone_equals_batched():
     jobs = [(f"o{i}", p, SamplingParams(temperature=0.0, max_tokens=8)) for i, p in enumerate(others)]
     batched = _drive(engine, {0: jobs[:3] + [("b", target, PARAMS)] + jobs[3:]})["b"]
     assert _fingerprint(batched) == alone
+
+
+def test_every_step_shape_updates_the_pools_in_place():
+    """Donation holds in the deterministic steps too (bfloat16: pools of 16-bit patterns): every pool aliased to an
+    output, none copied, no temporary as large as one layer's pool."""
+    worker = LLMEngine("tiny", dtype="bfloat16", deterministic=True, **donation.ENGINE_KW).worker
+    pools = jax.tree.leaves(worker.state)
+    first = len(jax.tree.leaves(worker.params))
+    layer_pools = donation._layer_pools(worker.state)
+    for shape in worker.shape_buckets():
+        compiled = worker.compiled_step(shape)
+        hlo, mem = compiled.as_text(), compiled.memory_analysis()
+        assert donation._aliased_parameters(hlo) == set(range(first, first + len(pools))), shape
+        assert not {p.size for p in pools + layer_pools} & set(donation._copied_sizes(hlo)), shape
+        assert mem.temp_size_in_bytes < min(p.nbytes for p in layer_pools), shape
