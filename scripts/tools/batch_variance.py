@@ -86,13 +86,13 @@ PATCHES = {
 }
 
 
-def _run(engine, arrivals):
-    finals, i = {}, 0
-    while i <= max(arrivals) or engine.has_unfinished_requests():
-        for rid, prompt, params in arrivals.get(i, ()):
-            engine.add_request(rid, prompt, params)
+def _run(engine, requests):
+    """Adds the (id, prompt, params) requests and steps until they are done: id -> final output."""
+    for request in requests:
+        engine.add_request(*request)
+    finals = {}
+    while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
-        i += 1
     return finals
 
 
@@ -128,15 +128,15 @@ def measure(variant: str, args, rng_seed: int = 0) -> dict:
                            verbose=False)
         vocab = engine.cfg.vocab_size
         prompt = rng.integers(4, vocab, args.prompt).tolist()
-        alone = _run(engine, {0: [("alone", prompt, PARAMS)]})["alone"]
+        alone = _run(engine, [("alone", prompt, PARAMS)])["alone"]
         others = [(f"o{i}", rng.integers(4, vocab, int(n)).tolist(), SamplingParams(temperature=0.0, max_tokens=16))
                   for i, n in enumerate(rng.integers(16, args.prompt, args.others))]
         fresh = dataclasses.replace(PARAMS, skip_reading_prefix_cache=True)
-        batched = _run(engine, {0: others[:args.others // 2] + [("batched", prompt, fresh)]
-                                + others[args.others // 2:]})["batched"]
+        batched = _run(engine, others[:args.others // 2] + [("batched", prompt, fresh)]
+                       + others[args.others // 2:])["batched"]
         engine.reset_prefix_cache()
-        _run(engine, {0: [("warm", prompt[:args.hit] + [3] * 8, SamplingParams(temperature=0.0, max_tokens=1))]})
-        hit = _run(engine, {0: [("hit", prompt, PARAMS)]})["hit"]
+        _run(engine, [("warm", prompt[:args.hit] + [3] * 8, SamplingParams(temperature=0.0, max_tokens=1))])
+        hit = _run(engine, [("hit", prompt, PARAMS)])["hit"]
         return {"batched": _compare(alone, batched), "hit": _compare(alone, hit), "cached": hit.num_cached_tokens}
     finally:
         for mod, name, fn in saved:
