@@ -39,9 +39,11 @@ def _post_head(path: str, body: bytes) -> bytes:
             f"Content-Length: {len(body)}\r\n\r\n").encode()
 
 
-def _until_closed(sock: socket.socket, limit: float) -> tuple[float, bytes]:
-    """(seconds until the server closed `sock`, what it sent before); a TimeoutError past `limit`."""
-    t0, received = time.monotonic(), b""
+def _until_closed(sock: socket.socket, limit: float, t0: float | None = None) -> tuple[float, bytes]:
+    """(seconds from `t0` (default: now) until the server closed `sock`, what it sent before); a TimeoutError past
+    `limit`. A caller that sends first passes the time before sending: the server's timer may start before this
+    thread runs again."""
+    t0, received = time.monotonic() if t0 is None else t0, b""
     sock.settimeout(limit)
     try:
         while chunk := sock.recv(65536):
@@ -63,8 +65,9 @@ def _is_closed(sock: socket.socket) -> bool:
 def test_a_half_sent_body_gets_a_408_and_its_connection_closes(loop):
     body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
     with _serve(loop, body_timeout=1.0) as srv, socket.create_connection((srv.host, srv.port)) as sock:
+        t0 = time.monotonic()
         sock.sendall(_post_head("/v1/completions", body) + body[:len(body) // 2])
-        elapsed, reply = _until_closed(sock, 10)
+        elapsed, reply = _until_closed(sock, 10, t0)
     assert reply.startswith(b"HTTP/1.1 408 "), reply
     assert b"the request body did not arrive within 1 s" in reply and 1.0 <= elapsed < 3, elapsed
 
@@ -89,12 +92,14 @@ def test_headers_that_trickle_in_are_cut_at_the_header_timeout(loop):
 
 def test_idle_connections_are_closed_before_a_first_request_and_after_a_response(loop):
     with _serve(loop, keep_alive_timeout=1.0) as srv:
+        t0 = time.monotonic()
         with socket.create_connection((srv.host, srv.port)) as sock:  # connected, nothing sent
-            elapsed, reply = _until_closed(sock, 10)
+            elapsed, reply = _until_closed(sock, 10, t0)
         assert reply == b"" and 1.0 <= elapsed < 2.5, elapsed
         with socket.create_connection((srv.host, srv.port)) as sock:
+            t0 = time.monotonic()
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
-            elapsed, reply = _until_closed(sock, 10)
+            elapsed, reply = _until_closed(sock, 10, t0)
         assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"ok") and 1.0 <= elapsed < 2.5, elapsed
 
 
