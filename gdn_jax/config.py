@@ -68,6 +68,9 @@ def _check_fields(config) -> None:
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
                 raise ValueError(f"{f.name} must be a number, got {value!r}")
             object.__setattr__(config, f.name, float(value))
+            low = f.metadata.get("min")
+            if low is not None and not value >= low:  # NaN too
+                raise ValueError(f"{f.name} must be >= {low}, got {value}")
         elif kind is str and not isinstance(value, str):
             raise ValueError(f"{f.name} must be a str{' or None' if optional else ''}, got {value!r}")
 
@@ -89,6 +92,11 @@ class CacheConfig:
         "scan", "checkpoints written from the prefill scan, or promoted one stride per step")
     checkpoint_policy: Literal["all", "last"] = _setting(
         "all", "the boundaries a prefill row saves (\"scan\" mode): all it crosses, or its deepest")
+    checkpoint_eviction: Literal["lru", "flop_aware"] = _setting(
+        "lru", "which unpinned checkpoint an eviction takes: the least recently used, or the least useful by "
+               "Marconi's recency + alpha x prefill FLOPs saved (scheduler/eviction.py)")
+    eviction_alpha: float = _setting(
+        1.0, "flop_aware eviction: the weight of the FLOPs saved against recency (0: LRU)", min=0)
     num_kv_blocks: int | None = _setting(None, "KV blocks (None: from the memory budget)", min=1)
     num_linear_slots: int | None = _setting(None, "linear-state slots (None: from the memory budget)", min=1)
     memory_budget_bytes: int | None = _setting(

@@ -136,6 +136,25 @@ class ModelConfig:
     def conv_dim(self) -> int:  # channels of the qkv conv: [Q | K | V]
         return 2 * self.linear_key_dim + self.linear_value_dim
 
+    def prefill_flops(self) -> tuple[float, float]:
+        """(FLOPs per prefilled token, FLOPs per (query, earlier-or-same key) pair): what prefilling a prefix costs,
+        linear * L + quadratic * L (L + 1) / 2, the measure of what a checkpoint hit saves (the "flop_aware"
+        eviction). Per token: 2 per multiply-add of every matrix a token meets (the LM head and embedding excluded:
+        a prefix's prefill samples nothing), the conv taps, and the GDN rule's state products (decay, two reads, one
+        rank-1 write); per pair: attention's scores and values in every full-attention layer."""
+        D, H, hd, kvh = self.hidden_size, self.num_attention_heads, self.head_dim, self.num_key_value_heads
+        nv = self.linear_num_value_heads
+        gdn = (D * (self.conv_dim + self.linear_value_dim + 2 * nv) + self.linear_value_dim * D
+               + self.conv_dim * self.linear_conv_kernel_dim + 4 * nv * self.linear_key_head_dim
+               * self.linear_value_head_dim)
+        attention = D * (2 * H * hd + 2 * kvh * hd) + H * hd * D
+        dense = 3 * D * self.intermediate_size
+        moe = (self.num_experts * D + 3 * D * (self.num_experts_per_tok * self.moe_intermediate_size
+                                                + self.shared_expert_intermediate_size) + D)
+        per_token = sum((gdn if t == LINEAR else attention) + (moe if self.is_moe_layer(i) else dense)
+                        for i, t in enumerate(self.layer_types))
+        return 2.0 * per_token, 2.0 * 2 * H * hd * len(self.full_layer_ids)
+
     def fingerprint(self) -> str:
         """Identifies the model's state layout; mixed into the prefix-cache hash domains."""
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()

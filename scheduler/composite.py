@@ -9,6 +9,7 @@ bookkeeping (saves, pins), `reset_prefix_cache`, `stats` and `check_invariants`.
 from collections import Counter
 from dataclasses import dataclass
 
+from scheduler.eviction import eviction_policy
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache import BlockManagerImpl
 from scheduler.linear_cache import LinearStateBlockManager, deepest_hit_at_or_below
@@ -32,8 +33,9 @@ class CompositeBlockManager:
         self.config = config
         self.kv = BlockManagerImpl(config.num_kv_blocks, config.block_size,
                                    config.enable_prefix_caching)
+        eviction = eviction_policy(config.checkpoint_eviction, config.prefill_cost, config.eviction_alpha)
         self.linear = (LinearStateBlockManager(config.num_linear_slots, config.chunk_stride,
-                                               config.enable_prefix_caching)
+                                               config.enable_prefix_caching, eviction)
                        if config.has_linear_attention_layers else None)
 
     @property
@@ -151,7 +153,7 @@ class CompositeBlockManager:
         (counted as skipped) when that checkpoint exists or is being saved already, or no slot can be had."""
         cfg = self.config
         seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
-        return self.linear.acquire_save_slot(seq.linear_state_hashes[boundary // cfg.chunk_stride - 1])
+        return self.linear.acquire_save_slot(seq.linear_state_hashes[boundary // cfg.chunk_stride - 1], boundary)
 
     # -- after a step ----------------------------------------------------------------------
     def finish_step(self, plan: StepPlan, completed: bool) -> None:

@@ -1,5 +1,7 @@
 from dataclasses import dataclass
 
+from scheduler.eviction import EVICTION_POLICIES, PrefillCost
+
 UNSAFE_REUSE_MODES = (None, "cold", "stale")
 CHECKPOINT_MODES = ("scan", "promote")
 CHECKPOINT_POLICIES = ("all", "last")
@@ -40,6 +42,11 @@ class SchedulerConfig:
     # with prefill rows, so a long prompt no longer stalls the decodes while it prefills (vLLM v1's single budget).
     # False, and always with "promote": a step is all-prefill or all-decode, prefill first (the original design).
     mixed_steps: bool = True
+    # Which unpinned checkpoint an eviction takes (`scheduler.eviction`): the least recently used ("lru"), or the
+    # least useful by Marconi's recency + alpha x FLOPs saved ("flop_aware"), the FLOPs from `prefill_cost`.
+    checkpoint_eviction: str = "lru"
+    eviction_alpha: float = 1.0
+    prefill_cost: PrefillCost = PrefillCost()
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -76,6 +83,10 @@ class SchedulerConfig:
             raise ValueError(f"checkpoint_mode must be one of {CHECKPOINT_MODES}, got {self.checkpoint_mode!r}")
         if self.checkpoint_policy not in CHECKPOINT_POLICIES:
             raise ValueError(f"checkpoint_policy must be one of {CHECKPOINT_POLICIES}, got {self.checkpoint_policy!r}")
+        if self.checkpoint_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"checkpoint_eviction must be one of {EVICTION_POLICIES}, got {self.checkpoint_eviction!r}")
+        if not self.eviction_alpha >= 0:
+            raise ValueError(f"eviction_alpha must be >= 0, got {self.eviction_alpha}")
         if not isinstance(self.state_fingerprint, str):
             raise ValueError("state_fingerprint must be a str")
 

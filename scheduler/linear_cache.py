@@ -6,6 +6,7 @@ Slot ids [1, num_slots) are one pool; each is exactly one of free / live / check
 """
 from collections import Counter, OrderedDict, deque
 
+from scheduler.eviction import LRUEviction
 from scheduler.plan import LinearStateCacheOp
 from scheduler.sequence import Sequence
 
@@ -14,15 +15,23 @@ class LinearStatePrefixCache:
     """Checkpoint index: chunk-chain hash -> checkpoint slot, LRU over unpinned checkpoints.
 
     It owns the checkpoint slots it holds but not the pool; slots enter through
-    `insert_with_recorded_hash` and leave through `evict_lru`.
+    `insert_with_recorded_hash` and leave through `evict_victim` (the eviction policy's choice) or `evict`.
     """
 
-    def __init__(self, chunk_stride: int):
+    def __init__(self, chunk_stride: int, policy=None):
         self.chunk_stride = chunk_stride
+        self.policy = LRUEviction() if policy is None else policy  # `scheduler.eviction`
         self.slot_of: dict[int, int] = {}     # hash -> slot
         self.hash_of: dict[int, int] = {}     # slot -> hash
         self.pins: dict[int, int] = {}        # slot -> restore references
         self.lru: OrderedDict[int, None] = OrderedDict()  # unpinned slots, oldest first
+        self.depth_of: dict[int, int] = {}    # slot -> the prefix length it holds the state of (0: not told)
+        self.last_used: dict[int, int] = {}   # slot -> logical time of its insert or last restore
+        self.clock = 0
+
+    def _touch(self, slot: int) -> None:
+        self.clock += 1
+        self.last_used[slot] = self.clock
 
     def __len__(self) -> int:
         return len(self.slot_of)
@@ -50,6 +59,7 @@ class LinearStatePrefixCache:
         assert slot in self.hash_of, f"slot {slot} is not a checkpoint"
         self.pins[slot] += 1
         self.lru.pop(slot, None)
+        self._touch(slot)
 
     def release(self, slot: int) -> None:
         """Drop a restore reference; an unpinned checkpoint becomes the most recently used."""
@@ -57,9 +67,10 @@ class LinearStatePrefixCache:
         assert self.pins[slot] >= 0, f"negative pin count on checkpoint slot {slot}"
         if self.pins[slot] == 0:
             self.lru[slot] = None
+            self._touch(slot)
 
-    def insert_with_recorded_hash(self, slot: int, h: int) -> bool:
-        """Key `slot` by the hash recorded when its boundary was reached.
+    def insert_with_recorded_hash(self, slot: int, h: int, depth: int = 0) -> bool:
+        """Key `slot` by the hash recorded when its boundary (`depth` tokens) was reached.
 
         Returns False, taking nothing, when `h` is already cached (idempotent): the existing
         checkpoint is kept and the duplicate slot stays with the caller, which frees it.
@@ -71,6 +82,8 @@ class LinearStatePrefixCache:
         self.hash_of[slot] = h
         self.pins[slot] = 0
         self.lru[slot] = None
+        self.depth_of[slot] = depth
+        self._touch(slot)
         return True
 
     def evict(self, slot: int) -> None:
@@ -78,7 +91,15 @@ class LinearStatePrefixCache:
         assert slot in self.lru, f"slot {slot} is not an unpinned checkpoint"
         del self.lru[slot]
         del self.slot_of[self.hash_of.pop(slot)]
-        del self.pins[slot]
+        del self.pins[slot], self.depth_of[slot], self.last_used[slot]
+
+    def evict_victim(self) -> int | None:
+        """Remove the unpinned checkpoint the eviction policy picks; return its slot (None: none is unpinned)."""
+        if not self.lru:
+            return None
+        slot = self.policy.victim(self.lru, self.depth_of, self.last_used)
+        self.evict(slot)
+        return slot
 
     def evict_lru(self) -> int | None:
         """Remove the least recently used unpinned checkpoint; return its slot."""
@@ -114,14 +135,16 @@ def deepest_hit_at_or_below(hits: list[tuple[int, int]], limit: int) -> tuple[in
 class LinearStateBlockManager:
     """Owns the slot pool; hands out live slots, saves checkpoints, resolves restore sources."""
 
-    def __init__(self, num_slots: int, chunk_stride: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_slots: int, chunk_stride: int, enable_prefix_caching: bool = True, eviction=None):
+        """`eviction`: the checkpoint index's policy (`scheduler.eviction`; None: LRU)."""
         self.num_slots = num_slots
         self.chunk_stride = chunk_stride
         self.free_slots: deque[int] = deque(range(1, num_slots))
         self.live_slots: set[int] = set()
         self.saving: dict[int, int] = {}  # slot -> hash: checkpoints the in-flight step writes ("scan" mode)
         self.saving_hashes: set[int] = set()  # their hashes (a step may plan thousands: looked up, not searched)
-        self.index = LinearStatePrefixCache(chunk_stride) if enable_prefix_caching else None
+        self.saving_depth: dict[int, int] = {}  # slot -> the boundary it saves
+        self.index = LinearStatePrefixCache(chunk_stride, eviction) if enable_prefix_caching else None
         self.num_saved = 0
         self.num_save_skipped = 0
         self.num_evicted = 0
@@ -137,12 +160,12 @@ class LinearStateBlockManager:
         return len(self.free_slots) + (self.index.num_evictable if self.index is not None else 0)
 
     def acquire_live_slot(self) -> int | None:
-        """A fresh live slot: a free one, else the LRU unpinned checkpoint. Never a pinned or
+        """A fresh live slot: a free one, else an unpinned checkpoint (the eviction policy's). Never a pinned or
         live one; None when there is none."""
         if self.free_slots:
             slot = self.free_slots.popleft()
         else:
-            slot = self.index.evict_lru() if self.index is not None else None
+            slot = self.index.evict_victim() if self.index is not None else None
             if slot is None:
                 return None
             self.num_evicted += 1
@@ -159,41 +182,42 @@ class LinearStateBlockManager:
         self.live_slots.remove(slot)
         self.free_slots.append(slot)
 
-    def insert_with_recorded_hash(self, slot: int, h: int) -> bool:
-        """Promote live `slot` to a checkpoint keyed by `h`. If `h` is already cached the
+    def insert_with_recorded_hash(self, slot: int, h: int, depth: int = 0) -> bool:
+        """Promote live `slot` to a checkpoint keyed by `h` (at `depth` tokens). If `h` is already cached the
         duplicate slot is freed and the existing checkpoint kept. True iff `slot` was inserted."""
         self.live_slots.remove(slot)
-        if self.index.insert_with_recorded_hash(slot, h):
+        if self.index.insert_with_recorded_hash(slot, h, depth):
             self.num_saved += 1
             return True
         self.free_slots.append(slot)
         return False
 
     # -- checkpoints written inside a step ("scan" mode) --------------------------------------
-    def acquire_save_slot(self, h: int) -> int | None:
-        """A slot for the in-flight step to write the checkpoint of hash `h` into: a free one, else the LRU unpinned
-        checkpoint (never a live, pinned or saving one). None, counted as skipped, when `h` is cached or being saved
-        already, or when no slot can be had."""
+    def acquire_save_slot(self, h: int, depth: int = 0) -> int | None:
+        """A slot for the in-flight step to write the checkpoint of hash `h` (at `depth` tokens) into: a free one,
+        else an unpinned checkpoint, the eviction policy's (never a live, pinned or saving one). None, counted as
+        skipped, when `h` is cached or being saved already, or when no slot can be had."""
         if self.index.contains(h) or h in self.saving_hashes:
             self.num_save_skipped += 1
             return None
         if self.free_slots:
             slot = self.free_slots.popleft()
         else:
-            slot = self.index.evict_lru()
+            slot = self.index.evict_victim()
             if slot is None:
                 self.num_save_skipped += 1
                 return None
             self.num_evicted += 1
         self.saving[slot] = h
         self.saving_hashes.add(h)
+        self.saving_depth[slot] = depth
         return slot
 
     def commit_save(self, slot: int) -> None:
         """The step that wrote `slot` completed: it becomes the checkpoint of its hash."""
-        h = self.saving.pop(slot)
+        h, depth = self.saving.pop(slot), self.saving_depth.pop(slot)
         self.saving_hashes.remove(h)
-        if self.index.insert_with_recorded_hash(slot, h):
+        if self.index.insert_with_recorded_hash(slot, h, depth):
             self.num_saved += 1
         else:  # cached meanwhile (a reset cannot race a step; kept for safety)
             self.free_slots.append(slot)
@@ -202,6 +226,7 @@ class LinearStateBlockManager:
     def cancel_save(self, slot: int) -> None:
         """The step that should have written `slot` failed: the slot is free again, nothing is indexed."""
         self.saving_hashes.remove(self.saving.pop(slot))
+        del self.saving_depth[slot]
         self.free_slots.append(slot)
 
     # -- per sequence ----------------------------------------------------------------------
@@ -219,7 +244,7 @@ class LinearStateBlockManager:
             self.num_save_skipped += 1
             return -1
         checkpoint = seq.linear_state_id
-        self.insert_with_recorded_hash(checkpoint, h)
+        self.insert_with_recorded_hash(checkpoint, h, seq.pending_save_len)
         self.replace_block(seq, fresh)
         pinned = self.index.find(h)  # the restore source of this step
         assert pinned == checkpoint
@@ -278,7 +303,7 @@ class LinearStateBlockManager:
         if slot <= 0:
             return
         if h is not None and self.index is not None:
-            if not self.insert_with_recorded_hash(slot, h):  # cached meanwhile: the slot is freed, the save skipped
+            if not self.insert_with_recorded_hash(slot, h, seq.pending_save_len):  # cached meanwhile: the slot is freed, the save skipped
                 self.num_save_skipped += 1
         else:
             self.free_live_slot(slot)
@@ -317,6 +342,8 @@ class LinearStateBlockManager:
             assert {v: k for k, v in idx.slot_of.items()} == idx.hash_of
             assert set(idx.pins) == ckpt and all(p >= 0 for p in idx.pins.values())
             assert set(idx.lru) == {s for s in ckpt if idx.pins[s] == 0}, "LRU != unpinned checkpoints"
+            assert set(idx.depth_of) == ckpt == set(idx.last_used), "depths or uses kept for a slot not indexed"
+            assert set(self.saving_depth) == saving, "save depths differ from the saves"
             if not pins_allowed:
                 assert not any(idx.pins.values()), "checkpoint pinned outside a step"
             if sources is not None:

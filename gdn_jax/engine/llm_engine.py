@@ -31,6 +31,7 @@ from gdn_jax.worker.executable_store import StaleExecutable
 from gdn_jax.worker.memory import default_memory_budget, plan_memory
 from gdn_jax.worker.worker import Worker
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+from scheduler.eviction import PrefillCost
 from scheduler.sampling_params import SEED_BOUND
 
 
@@ -105,7 +106,9 @@ class LLMEngine:
             enable_prefix_caching=cache.enable_prefix_caching, has_linear_attention_layers=has_linear,
             state_fingerprint=f"{self.cfg.fingerprint()}:{config.dtype}", eos_token_id=self.cfg.eos_token_id,
             unsafe_reuse=cache.unsafe_reuse, checkpoint_mode=cache.checkpoint_mode,
-            checkpoint_policy=cache.checkpoint_policy, mixed_steps=sched.mixed_steps)
+            checkpoint_policy=cache.checkpoint_policy, mixed_steps=sched.mixed_steps,
+            checkpoint_eviction=cache.checkpoint_eviction, eviction_alpha=cache.eviction_alpha,
+            prefill_cost=PrefillCost(*self.cfg.prefill_flops()))
         if cache.unsafe_reuse is not None:
             warnings.warn(f"unsafe_reuse={cache.unsafe_reuse!r}: reusing KV matches with a {cache.unsafe_reuse} GDN "
                           f"state; outputs drift from the model's (an ablation for accuracy studies only)",

@@ -274,16 +274,20 @@ def _random_workload(rng, num_requests: int) -> list[tuple[int, str, list[int], 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engines", ["scan", pytest.param("scan-auto-2", marks=pytest.mark.mesh)], indirect=True)
-def test_random_workloads_under_memory_pressure_equal_each_request_alone_without_the_cache(engines):
+@pytest.mark.parametrize("engines, eviction", [("scan", "lru"), ("scan", "flop_aware"),
+                                               pytest.param("scan-auto-2", "lru", marks=pytest.mark.mesh)],
+                         indirect=["engines"])
+def test_random_workloads_under_memory_pressure_equal_each_request_alone_without_the_cache(engines, eviction):
     """Random mixed workloads on an engine with so few KV blocks and linear slots that blocks and checkpoints are
     evicted and requests preempted all the time: every request that is not aborted ends exactly as it does alone on
     the cache-off engine (tokens, finish reason, logprobs), whatever its batch; after every step the scheduler's
-    invariants hold and the counters agree; no request is lost, duplicated or heard from after its abort."""
+    invariants hold and the counters agree; no request is lost, duplicated or heard from after its abort. With
+    either checkpoint eviction policy."""
     plain = engines[1].engine
     tight = LLMEngine("tiny-random", enable_prefix_caching=True, num_kv_blocks=18, num_linear_slots=9,
                       max_num_batched_tokens=64, tensor_parallel_size=engines[0].engine.config.tensor_parallel_size,
-                      **ENGINE_KW)
+                      checkpoint_eviction=eviction, eviction_alpha=2.0, **ENGINE_KW)
+    assert tight.scheduler.block_manager.linear.index.policy.name == eviction
     alone = {}
     for seed in range(2):
         work = _random_workload(np.random.default_rng(seed), 16)
