@@ -115,3 +115,26 @@ def test_gpu_memory_utilization_out_of_range_is_refused_even_when_no_budget_is_a
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1\.5"):
         LLMEngine("tiny-random", max_num_seqs=4, max_model_len=128, gpu_memory_utilization=1.5, verbose=False,
                   **pools)
+
+
+@pytest.mark.parametrize("preset", ["tiny-random", "tiny-random-moe"])
+def test_prefill_flops_count_every_matrix_a_token_meets(preset):
+    """`ModelConfig.prefill_flops` (the FLOP-aware eviction's cost) against the model's own parameters: 2 FLOPs per
+    weight of every matrix and conv tap a token meets (of an MoE layer's experts, the k it routes to), the GDN
+    rule's 4 products per state element, and per (query, key) pair 4 H hd in each full-attention layer."""
+    from flax import nnx
+    from gdn_jax.model.qwen35 import init_model
+    from gdn_jax.model_config import get_preset
+
+    cfg = get_preset(preset)
+    _, params = init_model(cfg)
+    flat = {"/".join(str(k) for k in path): a for path, a in nnx.to_flat_state(params)}
+    weights = 0
+    for name, a in flat.items():
+        if name.startswith(("embed_tokens", "lm_head")) or a.ndim < 2:
+            continue
+        weights += a.size * cfg.num_experts_per_tok // cfg.num_experts if "experts" in name else a.size
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    linear, quadratic = cfg.prefill_flops()
+    assert linear == 2 * weights + 2 * 4 * state * len(cfg.linear_layer_ids)
+    assert quadratic == 4 * cfg.num_attention_heads * cfg.head_dim * len(cfg.full_layer_ids)
