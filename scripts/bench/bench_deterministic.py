@@ -74,13 +74,13 @@ def _decode(engine, vocab: int, rows: int, steps: int, rng) -> list[float]:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="bench_deterministic.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="hybrid-1024")
-    ap.add_argument("--dtypes", type=dtype_names, default=["float32", "bfloat16"])
+    ap.add_argument("--preset", default="hybrid-1024", help="model preset (random weights) or HF folder")
+    ap.add_argument("--dtypes", type=dtype_names, default=["float32", "bfloat16"], help="comma-separated dtypes")
     ap.add_argument("--prefill", type=positive_int, default=2048, help="prompt tokens of the prefill")
     ap.add_argument("--rows", type=positive_ints, default=[1, 16], help="decode batch sizes")
-    ap.add_argument("--repeats", type=positive_int, default=3)
-    ap.add_argument("--steps", type=positive_int, default=12)
-    ap.add_argument("--out", type=output_file, default="results/bench_deterministic.json")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="timed prefills per mode, after a compiling one")
+    ap.add_argument("--steps", type=positive_int, default=12, help="timed decode steps per batch size and mode")
+    ap.add_argument("--out", type=output_file, default="results/bench_deterministic.json", help="JSON written")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     results = []

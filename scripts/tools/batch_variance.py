@@ -146,14 +146,14 @@ def measure(variant: str, args, rng_seed: int = 0) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="batch_variance.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="hybrid-1024")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--prompt", type=positive_int, default=1024)
+    ap.add_argument("--preset", default="hybrid-1024", help="model preset (random weights) or HF folder")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights and activations")
+    ap.add_argument("--prompt", type=positive_int, default=1024, help="tokens of the request's prompt")
     ap.add_argument("--hit", type=positive_int, default=768, help="prompt tokens the hit shares (a checkpoint)")
-    ap.add_argument("--others", type=positive_int, default=8)
-    ap.add_argument("--chunk-stride", type=positive_int, default=128)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--out", type=output_file, default="results/batch_variance.json")
+    ap.add_argument("--others", type=positive_int, default=8, help="other requests in the batch")
+    ap.add_argument("--chunk-stride", type=positive_int, default=128, help="tokens between checkpoints")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--out", type=output_file, default="results/batch_variance.json", help="JSON written")
     args = ap.parse_args(argv)
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
