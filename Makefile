@@ -61,12 +61,12 @@ test-fast: $(VENV)/.installed  # everything but the tests marked slow
 	$(PY) -m pytest -q -m "not slow and not mesh"
 	XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8" $(PY) -m pytest -q -m "mesh and not slow"
 
-# Long randomized runs for an offline soak: the scheduler's properties (CI uses the derandomized "ci" profile of
-# tests/conftest.py), then random engine workloads, cache on, against each request alone with the cache off
-# (SOAK_MINUTES, default 10; CI runs one round of it).
+# Long randomized runs for an offline soak: the scheduler's properties and the deterministic mode's bit-identity
+# (CI uses the derandomized "ci" profile of tests/conftest.py), then random engine workloads, cache on, against each
+# request alone with the cache off (SOAK_MINUTES, default 10; CI runs one round of it).
 SOAK_MINUTES ?= 10
 soak: $(VENV)/.installed
-	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -q tests/scheduler/test_scheduler_properties.py
+	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -q tests/scheduler/test_scheduler_properties.py tests/gdn_jax/test_deterministic.py
 	$(PY) scripts/tools/soak_cache.py --minutes $(SOAK_MINUTES) --seed $$(date +%s)
 
 # Re-executes the study notebooks in place, so that the outputs committed with them are those of a real full run.

@@ -19,7 +19,9 @@ KW = dict(block_size=16, chunk_stride=32, max_model_len=256, verbose=False, dete
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
 DTYPES = ("float32", "bfloat16")
 TIGHT_BLOCKS = 25  # the tight engine's KV blocks: 24 usable (block 0 pads)
-EXAMPLES = settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Each example runs engines for seconds: 3 in CI (the derandomised "ci" profile), 50 random ones under `make soak`.
+EXAMPLES = settings(max_examples=3 if settings.default.derandomize else 50, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(scope="module", params=DTYPES)

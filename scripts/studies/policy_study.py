@@ -1,0 +1,157 @@
+"""The policy lab: checkpoint eviction policies compared on traces shaped like real workloads, at equal memory.
+
+    .venv/bin/python scripts/studies/policy_study.py [--model tiny] [--dtype float32] [--out results] [--quick]
+                                                     [--policies lru,flop_aware] [--alpha 2.0] [--checkpoints 6]
+
+Three workloads, token ids drawn from the model's vocabulary (seeded), lengths scaled down for a CPU:
+- `chat`: conversations of several turns, each turn's prompt the conversation so far plus a new user message,
+  submitted turn by turn, all conversations at once. Shaped on LMSYS-Chat-1M (Zheng et al., 2023), whose
+  conversations have 2.0 turns on average, user messages of 69.5 tokens and answers of 214.5: here 3 turns, messages
+  of 20-80 tokens, answers of 32 (--quick: 16).
+- `agentic`: a long shared tool prompt; each task's steps extend its own context with an action and an observation
+  (the ReAct loop, Yao et al., 2023), and every other task branches from the second step of the task before it, as
+  sub-tasks of one job do.
+- `fewshot`: one long shared prefix of worked examples and many short questions after it, each answered in a few
+  tokens, as in MMLU's 5-shot evaluation (Hendrycks et al., 2021).
+
+Each workload runs on one engine per policy and on a cache-off engine, all with the same pools: KV blocks enough for
+every sequence (so that only the linear checkpoints compete), and `--checkpoints` checkpoint slots beside the live
+ones. Each policy's measured pass follows a first pass on an engine of its own, which compiles the step shapes. Per workload and policy: the token hit rate (prompt tokens reused over prompt tokens), TTFT p50 and p95 (ms),
+the prefill FLOPs the hits saved (`ModelConfig.prefill_flops` at each request's reuse), the checkpoint room in bytes,
+evictions, and `exact`: every request's tokens equal the cache-off engine's.
+
+Writes policy_study.json ({"workloads": {name: {policy: {...}}}}) and prints a table.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from gdn_jax import LLMEngine, SamplingParams
+from gdn_jax.entrypoints.cli import positive_int
+from scheduler.eviction import EVICTION_POLICIES, PrefillCost
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
+from common import environment, parse, run_command, study_parser, write_json  # noqa: E402
+
+FULL = dict(conversations=6, turns=3, message=(20, 80), answer=32, tool_prompt=384, tasks=6, steps=3, action=48,
+            shots=512, questions=16, question=(10, 40), chunk_stride=32, max_model_len=2048)
+QUICK = dict(conversations=3, turns=3, message=(12, 40), answer=16, tool_prompt=128, tasks=3, steps=3, action=24,
+             shots=192, questions=6, question=(8, 24), chunk_stride=32, max_model_len=1024)
+MAX_NUM_SEQS = 4
+
+
+def _ids(rng, vocab: int, n: int) -> list[int]:
+    return rng.integers(4, vocab, n).tolist()
+
+
+def _run(engine, requests) -> dict:
+    """Submits (id, prompt, max_tokens) together and steps until they are done: id -> final output."""
+    for rid, prompt, max_tokens in requests:
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return done
+
+
+def chat(engine, size: dict, vocab: int, rng) -> dict:
+    system = _ids(rng, vocab, 48)
+    history = {c: list(system) for c in range(size["conversations"])}
+    messages = {(c, t): _ids(rng, vocab, int(rng.integers(*size["message"])))
+                for c in history for t in range(size["turns"])}
+    outs = {}
+    for t in range(size["turns"]):
+        wave = {f"c{c}t{t}": history[c] + messages[c, t] for c in history}
+        done = _run(engine, [(rid, p, size["answer"]) for rid, p in wave.items()])
+        for c in history:
+            rid = f"c{c}t{t}"
+            history[c] = wave[rid] + done[rid].outputs[0].token_ids
+        outs.update(done)
+    return outs
+
+
+def agentic(engine, size: dict, vocab: int, rng) -> dict:
+    tools = _ids(rng, vocab, size["tool_prompt"])
+    steps = [[_ids(rng, vocab, size["action"]) for _ in range(size["steps"])] for _ in range(size["tasks"])]
+    context = {k: tools + _ids(rng, vocab, 16) for k in range(size["tasks"])}
+    outs = {}
+    for s in range(size["steps"]):
+        wave = {}
+        for k in context:
+            if s == 2 and k % 2 == 1:  # a sub-task branches from the second step of the task before it
+                context[k] = list(outs[f"a{k - 1}s1"].prompt_token_ids) + outs[f"a{k - 1}s1"].outputs[0].token_ids
+            wave[f"a{k}s{s}"] = context[k] + steps[k][s]
+        done = _run(engine, [(rid, p, 8) for rid, p in wave.items()])
+        for k in context:
+            rid = f"a{k}s{s}"
+            context[k] = wave[rid] + done[rid].outputs[0].token_ids
+        outs.update(done)
+    return outs
+
+
+def fewshot(engine, size: dict, vocab: int, rng) -> dict:
+    shots = _ids(rng, vocab, size["shots"])
+    questions = [_ids(rng, vocab, int(rng.integers(*size["question"]))) for _ in range(size["questions"])]
+    return _run(engine, [(f"q{i}", shots + q, 2) for i, q in enumerate(questions)])
+
+
+WORKLOADS = {"chat": chat, "agentic": agentic, "fewshot": fewshot}
+
+
+def measure(outs: dict, engine, cost: PrefillCost) -> dict:
+    stats, plan = engine.cache_stats(), engine.memory
+    ttft = sorted(o.metrics.ttft * 1e3 for o in outs.values())
+    return {"token_hit_rate": stats["reused_tokens"] / max(1, stats["query_tokens"]),
+            "ttft_p50_ms": statistics.median(ttft), "ttft_p95_ms": float(np.percentile(ttft, 95)),
+            "flops_saved": sum(cost.flops(o.num_cached_tokens) for o in outs.values()),
+            "checkpoint_bytes": plan.num_checkpoint_slots * plan.bytes_per_linear_slot,
+            "checkpoint_slots": plan.num_checkpoint_slots, "evictions": stats["checkpoints_evicted"],
+            "hits": stats["hits"], "queries": stats["queries"], "checkpoint_dtype": "float32"}
+
+
+def main(argv=None):
+    ap = study_parser("policy_study.py", __doc__, "policy_study.json", "3 small workloads on the tiny model")
+    ap.add_argument("--policies", default=",".join(EVICTION_POLICIES),
+                    help=f"comma-separated eviction policies, of {', '.join(EVICTION_POLICIES)}")
+    ap.add_argument("--alpha", type=float, default=2.0, help="flop_aware: the weight of FLOPs saved against recency")
+    ap.add_argument("--checkpoints", type=positive_int, default=6,
+                    help="checkpoint slots beside the live ones (the same for every policy)")
+    args = parse(ap, argv, files=("policy_study.json",))
+    policies = args.policies.split(",")
+    wrong = [p for p in policies if p not in EVICTION_POLICIES]
+    if wrong:
+        ap.error(f"--policies: {', '.join(wrong)}: expected some of {', '.join(EVICTION_POLICIES)}")
+    size = QUICK if args.quick else FULL
+    pools = dict(num_linear_slots=1 + MAX_NUM_SEQS + args.checkpoints, max_num_seqs=MAX_NUM_SEQS,
+                 num_kv_blocks=MAX_NUM_SEQS * size["max_model_len"] // 16 * 2 + 1, block_size=16,
+                 chunk_stride=size["chunk_stride"], max_model_len=size["max_model_len"], dtype=args.dtype,
+                 verbose=False)
+    result = {"args": vars(args), "environment": environment(), "workloads": {}}
+    print(f"{'workload':9} {'policy':11} {'hit rate':>8} {'TTFT p50':>9} {'p95':>8} {'FLOPs saved':>12} "
+          f"{'evictions':>9} exact")
+    for name, workload in WORKLOADS.items():
+        off = LLMEngine(args.model, enable_prefix_caching=False, **pools)
+        vocab, cost = off.cfg.vocab_size, PrefillCost(*off.cfg.prefill_flops())
+        reference = {rid: o.outputs[0].token_ids for rid, o in workload(off, size, vocab,
+                                                                           np.random.default_rng(0)).items()}
+        rows = result["workloads"][name] = {}
+        for policy in policies:
+            # a first pass on an engine of its own compiles every step shape the measured pass runs
+            workload(LLMEngine(args.model, checkpoint_eviction=policy, eviction_alpha=args.alpha, **pools), size, vocab,
+                     np.random.default_rng(0))
+            engine = LLMEngine(args.model, checkpoint_eviction=policy, eviction_alpha=args.alpha, **pools)
+            outs = workload(engine, size, vocab, np.random.default_rng(0))
+            row = rows[policy] = measure(outs, engine, cost)
+            row["exact"] = {rid: o.outputs[0].token_ids for rid, o in outs.items()} == reference
+            print(f"{name:9} {policy:11} {row['token_hit_rate']:8.3f} {row['ttft_p50_ms']:9.1f} "
+                  f"{row['ttft_p95_ms']:8.1f} {row['flops_saved']:12.3g} {row['evictions']:9d} {row['exact']}")
+    print(f"wrote {write_json(args.out, 'policy_study.json', result)}")
+
+
+if __name__ == "__main__":
+    run_command(main)
