@@ -59,6 +59,15 @@ def _run(engine, requests) -> dict:
     return done
 
 
+def _wave(engine, contexts: dict, prompts: dict, name, max_tokens: int) -> dict:
+    """Runs prompts[key] together, each under the id name(key); each context becomes its prompt and its answer.
+    Returns the outputs by id."""
+    done = _run(engine, [(name(k), p, max_tokens) for k, p in prompts.items()])
+    for k, p in prompts.items():
+        contexts[k] = p + done[name(k)].outputs[0].token_ids
+    return done
+
+
 def chat(engine, size: dict, vocab: int, rng) -> dict:
     system = _ids(rng, vocab, 48)
     history = {c: list(system) for c in range(size["conversations"])}
@@ -66,12 +75,8 @@ def chat(engine, size: dict, vocab: int, rng) -> dict:
                 for c in history for t in range(size["turns"])}
     outs = {}
     for t in range(size["turns"]):
-        wave = {f"c{c}t{t}": history[c] + messages[c, t] for c in history}
-        done = _run(engine, [(rid, p, size["answer"]) for rid, p in wave.items()])
-        for c in history:
-            rid = f"c{c}t{t}"
-            history[c] = wave[rid] + done[rid].outputs[0].token_ids
-        outs.update(done)
+        prompts = {c: history[c] + messages[c, t] for c in history}
+        outs.update(_wave(engine, history, prompts, lambda c, t=t: f"c{c}t{t}", size["answer"]))
     return outs
 
 
@@ -81,16 +86,12 @@ def agentic(engine, size: dict, vocab: int, rng) -> dict:
     context = {k: tools + _ids(rng, vocab, 16) for k in range(size["tasks"])}
     outs = {}
     for s in range(size["steps"]):
-        wave = {}
-        for k in context:
-            if s == 2 and k % 2 == 1:  # a sub-task branches from the second step of the task before it
-                context[k] = list(outs[f"a{k - 1}s1"].prompt_token_ids) + outs[f"a{k - 1}s1"].outputs[0].token_ids
-            wave[f"a{k}s{s}"] = context[k] + steps[k][s]
-        done = _run(engine, [(rid, p, 8) for rid, p in wave.items()])
-        for k in context:
-            rid = f"a{k}s{s}"
-            context[k] = wave[rid] + done[rid].outputs[0].token_ids
-        outs.update(done)
+        if s == 2:  # every other task becomes a sub-task branching from the second step of the task before it
+            for k in range(1, size["tasks"], 2):
+                parent = outs[f"a{k - 1}s1"]
+                context[k] = list(parent.prompt_token_ids) + parent.outputs[0].token_ids
+        prompts = {k: context[k] + steps[k][s] for k in context}
+        outs.update(_wave(engine, context, prompts, lambda k, s=s: f"a{k}s{s}", 8))
     return outs
 
 
