@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 
 from scheduler.eviction import EVICTION_POLICIES, PrefillCost
+from scheduler.placement import PLACEMENTS
 
 UNSAFE_REUSE_MODES = (None, "cold", "stale")
 CHECKPOINT_MODES = ("scan", "promote")
@@ -47,6 +48,9 @@ class SchedulerConfig:
     checkpoint_eviction: str = "lru"
     eviction_alpha: float = 1.0
     prefill_cost: PrefillCost = PrefillCost()
+    # Which boundaries a "scan" prefill row saves (`scheduler.placement`): every one it crosses ("stride"), or those
+    # the observed shared-prefix lengths make most useful ("overlap"; with checkpoint_policy "all").
+    checkpoint_placement: str = "stride"
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -85,6 +89,12 @@ class SchedulerConfig:
             raise ValueError(f"checkpoint_policy must be one of {CHECKPOINT_POLICIES}, got {self.checkpoint_policy!r}")
         if self.checkpoint_eviction not in EVICTION_POLICIES:
             raise ValueError(f"checkpoint_eviction must be one of {EVICTION_POLICIES}, got {self.checkpoint_eviction!r}")
+        if self.checkpoint_placement not in PLACEMENTS:
+            raise ValueError(f"checkpoint_placement must be one of {PLACEMENTS}, got {self.checkpoint_placement!r}")
+        if self.checkpoint_placement == "overlap" and (self.checkpoint_mode, self.checkpoint_policy) != ("scan", "all"):
+            raise ValueError(f"checkpoint_placement 'overlap' chooses the boundaries a \"scan\" prefill saves: it needs "
+                             f"checkpoint_mode 'scan' and checkpoint_policy 'all', got {self.checkpoint_mode!r} and "
+                             f"{self.checkpoint_policy!r}")
         if not self.eviction_alpha >= 0:
             raise ValueError(f"eviction_alpha must be >= 0, got {self.eviction_alpha}")
         if not isinstance(self.state_fingerprint, str):

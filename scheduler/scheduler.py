@@ -24,6 +24,7 @@ from collections import Counter
 
 from scheduler.composite import CompositeBlockManager, PrefixMatch
 from scheduler.config import SchedulerConfig
+from scheduler.placement import OverlapPlacement
 from scheduler.plan import CheckpointSave, LinearStateCacheOp, ScheduledSequence, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.waiting import WaitingQueue
@@ -55,6 +56,11 @@ class Scheduler:
         self.fork_parent: dict[int, int] = {}
         self.fork_rank: dict[int, int] = {}
         self._num_fork_groups = 0
+        self.placement = None  # "overlap": `OverlapPlacement`, fed the KV match of each first admission
+        if config.checkpoint_placement == "overlap":
+            checkpoints = config.num_linear_slots - 1 - config.max_num_seqs
+            self.placement = OverlapPlacement(config.chunk_stride, config.prefill_cost,
+                                              checkpoints // config.max_num_seqs)
 
     # -- requests --------------------------------------------------------------------------
     def add(self, seq: Sequence, forks: list[Sequence] = (), group=None) -> None:
@@ -287,6 +293,12 @@ class Scheduler:
             if cfg.checkpoint_policy == "last":
                 boundaries = boundaries[-1:]
             seq = self.seqs[row.seq_id]
+            if self.placement is not None:
+                if not seq.placement_chosen:
+                    seq.placed_boundaries = self.placement.boundaries(seq.num_prompt_tokens // stride)
+                    seq.placement_chosen = True
+                if seq.placed_boundaries is not None:
+                    boundaries = [b for b in boundaries if b // stride in seq.placed_boundaries]
             for b in boundaries:
                 slot = self.block_manager.acquire_save_slot(seq, b)
                 if slot is not None:
@@ -463,6 +475,8 @@ class Scheduler:
 
     # -- lifecycle -------------------------------------------------------------------------
     def _record_admission(self, seq: Sequence, m: PrefixMatch) -> None:
+        if self.placement is not None and seq.num_admissions == 0:
+            self.placement.observe(m.kv_match)
         self.counters["checkpoints_restored"] += m.restore_src_slot_id > 0
         if seq.num_admissions > 0:
             self.counters["readmissions"] += 1

@@ -32,6 +32,9 @@ class Sequence:
         # Deferred save: chain hash of the chunk boundary just reached, saved next step.
         self.pending_save_hash: int | None = None
         self.pending_save_len = 0
+        # "overlap" placement: the boundaries (in strides) its prefill saves, chosen at its first save (None: all)
+        self.placed_boundaries: set[int] | None = None
+        self.placement_chosen = False
 
         self._history = array("q")  # token_ids as C integers, as far as `history` has needed them
 

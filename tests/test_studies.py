@@ -85,7 +85,7 @@ def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
 @pytest.mark.parametrize("script, argv, message", [
     ("accuracy_study", ["--seed", "-1"], "argument --seed: -1 is below 0"),
     ("checkpoint_tradeoff", ["--turns", "0"], "argument --turns: 0 is below 1"),
-    ("policy_study", ["--policies", "lru,lfu"], "--policies: lfu: expected some of lru, flop_aware"),
+    ("policy_study", ["--policies", "lru,lfu"], "--policies: lfu: expected some of lru, flop_aware, overlap"),
     ("checkpoint_tradeoff", ["--conversations", "two"], "'two' is not an integer"),
     ("checkpoint_tradeoff", ["--block-size", "48"], "--block-size (48) must divide every chunk_stride of the sweep"),
     ("ttft_study", ["--ab", "--shared", "300", "--prompt", "256"], "--shared (300) must be below --prompt (256)"),
@@ -422,9 +422,10 @@ def test_policy_study_compares_eviction_policies_exactly_at_equal_memory(tmp_pat
     workloads = json.loads((tmp_path / "policy_study.json").read_text())["workloads"]
     assert set(workloads) == {"chat", "agentic", "fewshot"}
     for name, rows in workloads.items():
-        assert set(rows) == {"lru", "flop_aware"}
+        assert set(rows) == {"lru", "flop_aware", "overlap"}
         assert all(r["exact"] for r in rows.values()), name  # cache on equals off under every policy
-        assert rows["lru"]["checkpoint_bytes"] == rows["flop_aware"]["checkpoint_bytes"] > 0  # equal memory
+        assert rows["lru"]["checkpoint_bytes"] == rows["flop_aware"]["checkpoint_bytes"] == rows["overlap"][
+            "checkpoint_bytes"] > 0  # equal memory
         assert all(0 < r["token_hit_rate"] <= 1 and r["flops_saved"] > 0 and r["ttft_p95_ms"] >= r["ttft_p50_ms"]
                    for r in rows.values()), name
     for name in ("chat", "agentic"):

@@ -108,6 +108,7 @@ class LLMEngine:
             unsafe_reuse=cache.unsafe_reuse, checkpoint_mode=cache.checkpoint_mode,
             checkpoint_policy=cache.checkpoint_policy, mixed_steps=sched.mixed_steps,
             checkpoint_eviction=cache.checkpoint_eviction, eviction_alpha=cache.eviction_alpha,
+            checkpoint_placement=cache.checkpoint_placement,
             prefill_cost=PrefillCost(*self.cfg.prefill_flops()))
         if cache.unsafe_reuse is not None:
             warnings.warn(f"unsafe_reuse={cache.unsafe_reuse!r}: reusing KV matches with a {cache.unsafe_reuse} GDN "

@@ -1,7 +1,8 @@
 """The policy lab: checkpoint eviction policies compared on traces shaped like real workloads, at equal memory.
 
     .venv/bin/python scripts/studies/policy_study.py [--model tiny] [--dtype float32] [--out results] [--quick]
-                                                     [--policies lru,flop_aware] [--alpha 2.0] [--checkpoints 6]
+                                                     [--policies lru,flop_aware,overlap] [--alpha 2.0]
+                                                     [--checkpoints 6]
 
 Three workloads, token ids drawn from the model's vocabulary (seeded), lengths scaled down for a CPU:
 - `chat`: conversations of several turns, each turn's prompt the conversation so far plus a new user message,
@@ -14,11 +15,14 @@ Three workloads, token ids drawn from the model's vocabulary (seeded), lengths s
 - `fewshot`: one long shared prefix of worked examples and many short questions after it, each answered in a few
   tokens, as in MMLU's 5-shot evaluation (Hendrycks et al., 2021).
 
+Policies: `lru` (every boundary saved, LRU eviction: the default), `flop_aware` (every boundary, Marconi's FLOP-aware
+eviction) and `overlap` (the boundaries the observed shared-prefix lengths favour, LRU eviction).
+
 Each workload runs on one engine per policy and on a cache-off engine, all with the same pools: KV blocks enough for
 every sequence (so that only the linear checkpoints compete), and `--checkpoints` checkpoint slots beside the live
 ones. Each policy's measured pass follows a first pass on an engine of its own, which compiles the step shapes. Per workload and policy: the token hit rate (prompt tokens reused over prompt tokens), TTFT p50 and p95 (ms),
 the prefill FLOPs the hits saved (`ModelConfig.prefill_flops` at each request's reuse), the checkpoint room in bytes,
-evictions, and `exact`: every request's tokens equal the cache-off engine's.
+evictions, checkpoints saved, and `exact`: every request's tokens equal the cache-off engine's.
 
 Writes policy_study.json ({"workloads": {name: {policy: {...}}}}) and prints a table.
 """
@@ -33,7 +37,7 @@ import numpy as np
 
 from gdn_jax import LLMEngine, SamplingParams
 from gdn_jax.entrypoints.cli import positive_int
-from scheduler.eviction import EVICTION_POLICIES, PrefillCost
+from scheduler.eviction import PrefillCost
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
 from common import environment, parse, run_command, study_parser, write_json  # noqa: E402
@@ -43,6 +47,9 @@ FULL = dict(conversations=6, turns=3, message=(20, 80), answer=32, tool_prompt=3
 QUICK = dict(conversations=3, turns=3, message=(12, 40), answer=16, tool_prompt=128, tasks=3, steps=3, action=24,
              shots=192, questions=6, question=(8, 24), chunk_stride=32, max_model_len=1024)
 MAX_NUM_SEQS = 4
+# policy -> its engine settings
+POLICIES = {"lru": dict(checkpoint_eviction="lru"), "flop_aware": dict(checkpoint_eviction="flop_aware"),
+            "overlap": dict(checkpoint_eviction="lru", checkpoint_placement="overlap")}
 
 
 def _ids(rng, vocab: int, n: int) -> list[int]:
@@ -112,21 +119,22 @@ def measure(outs: dict, engine, cost: PrefillCost) -> dict:
             "flops_saved": sum(cost.flops(o.num_cached_tokens) for o in outs.values()),
             "checkpoint_bytes": plan.num_checkpoint_slots * plan.bytes_per_linear_slot,
             "checkpoint_slots": plan.num_checkpoint_slots, "evictions": stats["checkpoints_evicted"],
+            "checkpoints_saved": stats["checkpoints_saved"],
             "hits": stats["hits"], "queries": stats["queries"], "checkpoint_dtype": "float32"}
 
 
 def main(argv=None):
     ap = study_parser("policy_study.py", __doc__, "policy_study.json", "3 small workloads on the tiny model")
-    ap.add_argument("--policies", default=",".join(EVICTION_POLICIES),
-                    help=f"comma-separated eviction policies, of {', '.join(EVICTION_POLICIES)}")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"comma-separated, of {', '.join(POLICIES)}")
     ap.add_argument("--alpha", type=float, default=2.0, help="flop_aware: the weight of FLOPs saved against recency")
     ap.add_argument("--checkpoints", type=positive_int, default=6,
                     help="checkpoint slots beside the live ones (the same for every policy)")
     args = parse(ap, argv, files=("policy_study.json",))
     policies = args.policies.split(",")
-    wrong = [p for p in policies if p not in EVICTION_POLICIES]
+    wrong = [p for p in policies if p not in POLICIES]
     if wrong:
-        ap.error(f"--policies: {', '.join(wrong)}: expected some of {', '.join(EVICTION_POLICIES)}")
+        ap.error(f"--policies: {', '.join(wrong)}: expected some of {', '.join(POLICIES)}")
     size = QUICK if args.quick else FULL
     pools = dict(num_linear_slots=1 + MAX_NUM_SEQS + args.checkpoints, max_num_seqs=MAX_NUM_SEQS,
                  num_kv_blocks=MAX_NUM_SEQS * size["max_model_len"] // 16 * 2 + 1, block_size=16,
@@ -134,7 +142,7 @@ def main(argv=None):
                  verbose=False)
     result = {"args": vars(args), "environment": environment(), "workloads": {}}
     print(f"{'workload':9} {'policy':11} {'hit rate':>8} {'TTFT p50':>9} {'p95':>8} {'FLOPs saved':>12} "
-          f"{'evictions':>9} exact")
+          f"{'evictions':>9} {'saved':>6} exact")
     for name, workload in WORKLOADS.items():
         off = LLMEngine(args.model, enable_prefix_caching=False, **pools)
         vocab, cost = off.cfg.vocab_size, PrefillCost(*off.cfg.prefill_flops())
@@ -143,14 +151,15 @@ def main(argv=None):
         rows = result["workloads"][name] = {}
         for policy in policies:
             # a first pass on an engine of its own compiles every step shape the measured pass runs
-            workload(LLMEngine(args.model, checkpoint_eviction=policy, eviction_alpha=args.alpha, **pools), size, vocab,
-                     np.random.default_rng(0))
-            engine = LLMEngine(args.model, checkpoint_eviction=policy, eviction_alpha=args.alpha, **pools)
+            settings = dict(POLICIES[policy], eviction_alpha=args.alpha, **pools)
+            workload(LLMEngine(args.model, **settings), size, vocab, np.random.default_rng(0))
+            engine = LLMEngine(args.model, **settings)
             outs = workload(engine, size, vocab, np.random.default_rng(0))
             row = rows[policy] = measure(outs, engine, cost)
             row["exact"] = {rid: o.outputs[0].token_ids for rid, o in outs.items()} == reference
             print(f"{name:9} {policy:11} {row['token_hit_rate']:8.3f} {row['ttft_p50_ms']:9.1f} "
-                  f"{row['ttft_p95_ms']:8.1f} {row['flops_saved']:12.3g} {row['evictions']:9d} {row['exact']}")
+                  f"{row['ttft_p95_ms']:8.1f} {row['flops_saved']:12.3g} {row['evictions']:9d} "
+                  f"{row['checkpoints_saved']:6d} {row['exact']}")
     print(f"wrote {write_json(args.out, 'policy_study.json', result)}")
 
 
