@@ -420,6 +420,7 @@ def test_accuracy_study_takes_the_positions_of_a_model_that_has_fewer_than_its_m
 def test_policy_study_compares_eviction_policies_exactly_at_equal_memory(tmp_path):
     _script("policy_study").main(["--quick", "--model", MODEL, "--out", str(tmp_path)])
     workloads = json.loads((tmp_path / "policy_study.json").read_text())["workloads"]
+    assert (tmp_path / "policy_study.png").stat().st_size > 0
     assert set(workloads) == {"chat", "agentic", "fewshot"}
     for name, rows in workloads.items():
         assert set(rows) == {"lru", "flop_aware", "overlap"}

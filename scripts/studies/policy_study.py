@@ -24,7 +24,8 @@ ones. Each policy's measured pass follows a first pass on an engine of its own, 
 the prefill FLOPs the hits saved (`ModelConfig.prefill_flops` at each request's reuse), the checkpoint room in bytes,
 evictions, checkpoints saved, and `exact`: every request's tokens equal the cache-off engine's.
 
-Writes policy_study.json ({"workloads": {name: {policy: {...}}}}) and prints a table.
+Writes policy_study.json ({"workloads": {name: {policy: {...}}}}) and policy_study.png (hit rate and checkpoints
+saved per workload and policy), and prints a table.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from gdn_jax.entrypoints.cli import positive_int
 from scheduler.eviction import PrefillCost
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
-from common import environment, parse, run_command, study_parser, write_json  # noqa: E402
+from common import environment, parse, run_command, save, study_parser, write_json  # noqa: E402
 
 FULL = dict(conversations=6, turns=3, message=(20, 80), answer=32, tool_prompt=384, tasks=6, steps=3, action=48,
             shots=512, questions=16, question=(10, 40), chunk_stride=32, max_model_len=2048)
@@ -123,14 +124,34 @@ def measure(outs: dict, engine, cost: PrefillCost) -> dict:
             "hits": stats["hits"], "queries": stats["queries"], "checkpoint_dtype": "float32"}
 
 
+def plot(workloads: dict, path: Path | None = None, axes=None):
+    """Token hit rate and checkpoints saved, one group of bars per workload and one bar per policy, on two axes
+    (`axes`: a notebook's; else a new figure). Saved as PNG to `path` when given."""
+    if axes is None:
+        from matplotlib.figure import Figure  # no pyplot: a headless script neither needs nor changes a backend
+        axes = Figure(figsize=(11, 3.6)).subplots(1, 2)
+    names, policies = list(workloads), list(next(iter(workloads.values())))
+    width = 0.8 / len(policies)
+    for ax, (key, label) in zip(axes, [("token_hit_rate", "token hit rate"), ("checkpoints_saved", "checkpoints saved")]):
+        for j, policy in enumerate(policies):
+            ax.bar([i + (j - (len(policies) - 1) / 2) * width for i in range(len(names))],
+                   [workloads[n][policy][key] for n in names], width, label=policy)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel(label)
+    axes[0].legend()
+    axes[0].set_title("Checkpoint policies at equal memory")
+    save(axes[0].figure, path)
+    return axes[0].figure
+
+
 def main(argv=None):
-    ap = study_parser("policy_study.py", __doc__, "policy_study.json", "3 small workloads on the tiny model")
+    ap = study_parser("policy_study.py", __doc__, "policy_study.json and .png", "3 small workloads on the tiny model")
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help=f"comma-separated, of {', '.join(POLICIES)}")
     ap.add_argument("--alpha", type=float, default=2.0, help="flop_aware: the weight of FLOPs saved against recency")
     ap.add_argument("--checkpoints", type=positive_int, default=6,
                     help="checkpoint slots beside the live ones (the same for every policy)")
-    args = parse(ap, argv, files=("policy_study.json",))
+    args = parse(ap, argv, files=("policy_study.json", "policy_study.png"))
     policies = args.policies.split(",")
     wrong = [p for p in policies if p not in POLICIES]
     if wrong:
@@ -160,7 +181,8 @@ def main(argv=None):
             print(f"{name:9} {policy:11} {row['token_hit_rate']:8.3f} {row['ttft_p50_ms']:9.1f} "
                   f"{row['ttft_p95_ms']:8.1f} {row['flops_saved']:12.3g} {row['evictions']:9d} "
                   f"{row['checkpoints_saved']:6d} {row['exact']}")
-    print(f"wrote {write_json(args.out, 'policy_study.json', result)}")
+    plot(result["workloads"], Path(args.out) / "policy_study.png")
+    print(f"wrote {write_json(args.out, 'policy_study.json', result)} and policy_study.png")
 
 
 if __name__ == "__main__":
