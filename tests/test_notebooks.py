@@ -41,6 +41,13 @@ def _accuracy(ns):
     assert ns["fig"].axes[0].get_yscale() == "log" and len(ns["fig"].axes[0].lines) == 3
 
 
+def _policies(ns):
+    workloads = ns["workloads"]
+    assert set(workloads) == {"chat", "agentic", "fewshot"}
+    assert all(set(rows) == {"lru", "flop_aware", "overlap"} for rows in workloads.values())
+    assert all(len(ax.patches) == 9 for ax in ns["axes"])  # 3 workloads x 3 policies, hit rate and saves
+
+
 # what each notebook's output must contain, and the checks on its namespace
 EXPECTED = {
     "01_prefix_cache_walkthrough.ipynb": (
@@ -49,6 +56,9 @@ EXPECTED = {
     "02_accuracy_study.ipynb": (
         ["exact == no_cache (KL max < 1e-6, greedy agreement 1.0) True", "unsafe_cold drifts True",
          "unsafe_stale drifts True"], _accuracy),
+    "03_policies.ipynb": (
+        ["every policy exact (cache on == off on every workload) True",
+         "flop_aware hit rate >= lru on chat and agentic True"], _policies),
     "train_tiny.ipynb": (["loss decreased True", "restored True"], None),
 }
 

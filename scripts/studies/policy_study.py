@@ -144,6 +144,36 @@ def plot(workloads: dict, path: Path | None = None, axes=None):
     return axes[0].figure
 
 
+def run_study(model: str, dtype: str, size: dict, policies=tuple(POLICIES), alpha: float = 2.0,
+              checkpoints: int = 6, progress=print) -> dict:
+    """Every workload on a cache-off engine and on one engine per policy, all with the same pools: {workload name:
+    {policy: the row `measure` gives, with "exact"}}. `progress` receives each row's line of the table."""
+    pools = dict(num_linear_slots=1 + MAX_NUM_SEQS + checkpoints, max_num_seqs=MAX_NUM_SEQS,
+                 num_kv_blocks=MAX_NUM_SEQS * size["max_model_len"] // 16 * 2 + 1, block_size=16,
+                 chunk_stride=size["chunk_stride"], max_model_len=size["max_model_len"], dtype=dtype, verbose=False)
+    progress(f"{'workload':9} {'policy':11} {'hit rate':>8} {'TTFT p50':>9} {'p95':>8} {'FLOPs saved':>12} "
+             f"{'evictions':>9} {'saved':>6} exact")
+    result = {}
+    for name, workload in WORKLOADS.items():
+        off = LLMEngine(model, enable_prefix_caching=False, **pools)
+        vocab, cost = off.cfg.vocab_size, PrefillCost(*off.cfg.prefill_flops())
+        reference = {rid: o.outputs[0].token_ids for rid, o in workload(off, size, vocab,
+                                                                           np.random.default_rng(0)).items()}
+        rows = result[name] = {}
+        for policy in policies:
+            settings = dict(POLICIES[policy], eviction_alpha=alpha, **pools)
+            # a first pass on an engine of its own compiles every step shape the measured pass runs
+            workload(LLMEngine(model, **settings), size, vocab, np.random.default_rng(0))
+            engine = LLMEngine(model, **settings)
+            outs = workload(engine, size, vocab, np.random.default_rng(0))
+            row = rows[policy] = measure(outs, engine, cost)
+            row["exact"] = {rid: o.outputs[0].token_ids for rid, o in outs.items()} == reference
+            progress(f"{name:9} {policy:11} {row['token_hit_rate']:8.3f} {row['ttft_p50_ms']:9.1f} "
+                     f"{row['ttft_p95_ms']:8.1f} {row['flops_saved']:12.3g} {row['evictions']:9d} "
+                     f"{row['checkpoints_saved']:6d} {row['exact']}")
+    return result
+
+
 def main(argv=None):
     ap = study_parser("policy_study.py", __doc__, "policy_study.json and .png", "3 small workloads on the tiny model")
     ap.add_argument("--policies", default=",".join(POLICIES),
@@ -156,32 +186,10 @@ def main(argv=None):
     wrong = [p for p in policies if p not in POLICIES]
     if wrong:
         ap.error(f"--policies: {', '.join(wrong)}: expected some of {', '.join(POLICIES)}")
-    size = QUICK if args.quick else FULL
-    pools = dict(num_linear_slots=1 + MAX_NUM_SEQS + args.checkpoints, max_num_seqs=MAX_NUM_SEQS,
-                 num_kv_blocks=MAX_NUM_SEQS * size["max_model_len"] // 16 * 2 + 1, block_size=16,
-                 chunk_stride=size["chunk_stride"], max_model_len=size["max_model_len"], dtype=args.dtype,
-                 verbose=False)
-    result = {"args": vars(args), "environment": environment(), "workloads": {}}
-    print(f"{'workload':9} {'policy':11} {'hit rate':>8} {'TTFT p50':>9} {'p95':>8} {'FLOPs saved':>12} "
-          f"{'evictions':>9} {'saved':>6} exact")
-    for name, workload in WORKLOADS.items():
-        off = LLMEngine(args.model, enable_prefix_caching=False, **pools)
-        vocab, cost = off.cfg.vocab_size, PrefillCost(*off.cfg.prefill_flops())
-        reference = {rid: o.outputs[0].token_ids for rid, o in workload(off, size, vocab,
-                                                                           np.random.default_rng(0)).items()}
-        rows = result["workloads"][name] = {}
-        for policy in policies:
-            # a first pass on an engine of its own compiles every step shape the measured pass runs
-            settings = dict(POLICIES[policy], eviction_alpha=args.alpha, **pools)
-            workload(LLMEngine(args.model, **settings), size, vocab, np.random.default_rng(0))
-            engine = LLMEngine(args.model, **settings)
-            outs = workload(engine, size, vocab, np.random.default_rng(0))
-            row = rows[policy] = measure(outs, engine, cost)
-            row["exact"] = {rid: o.outputs[0].token_ids for rid, o in outs.items()} == reference
-            print(f"{name:9} {policy:11} {row['token_hit_rate']:8.3f} {row['ttft_p50_ms']:9.1f} "
-                  f"{row['ttft_p95_ms']:8.1f} {row['flops_saved']:12.3g} {row['evictions']:9d} "
-                  f"{row['checkpoints_saved']:6d} {row['exact']}")
-    plot(result["workloads"], Path(args.out) / "policy_study.png")
+    workloads = run_study(args.model, args.dtype, QUICK if args.quick else FULL, policies, args.alpha,
+                          args.checkpoints)
+    plot(workloads, Path(args.out) / "policy_study.png")
+    result = {"args": vars(args), "environment": environment(), "workloads": workloads}
     print(f"wrote {write_json(args.out, 'policy_study.json', result)} and policy_study.png")
 
 
