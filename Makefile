@@ -39,12 +39,12 @@ test: $(VENV)/.installed
 test-serial: test-lane-engine test-lane-rest
 test-lane-engine: $(VENV)/.installed
 	$(PYTEST) -m "engine and not mesh"
+	GDN_JAX_CPU_KERNELS=0 $(PYTEST) -m xla_forms
 	$(PYTEST) -m model
 	$(PYTEST) -m "not (engine or model or startup or server or studies or bench or mesh or deterministic)"
 	$(PLUMBING) $(PYTEST) -m studies
 test-lane-rest: $(VENV)/.installed
 	$(PYTEST) -m startup
-	GDN_JAX_CPU_KERNELS=0 $(PYTEST) -m xla_forms
 	$(PLUMBING) $(PYTEST) -m server
 	$(PLUMBING) $(PYTEST) -m bench
 	$(PYTEST) -m deterministic
