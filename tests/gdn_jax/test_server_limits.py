@@ -39,6 +39,11 @@ def _post_head(path: str, body: bytes) -> bytes:
             f"Content-Length: {len(body)}\r\n\r\n").encode()
 
 
+# The least time a 1 s server timeout may take to act, as measured here: the server's event loop times it from the
+# clock it read at the start of its iteration, which can be a few ms old (0.9999 s was seen on a busy machine).
+EARLY = 0.98
+
+
 def _until_closed(sock: socket.socket, limit: float, t0: float | None = None) -> tuple[float, bytes]:
     """(seconds from `t0` (default: now) until the server closed `sock`, what it sent before); a TimeoutError past
     `limit`. A caller that sends first passes the time before sending: the server's timer may start before this
@@ -69,7 +74,7 @@ def test_a_half_sent_body_gets_a_408_and_its_connection_closes(loop):
         sock.sendall(_post_head("/v1/completions", body) + body[:len(body) // 2])
         elapsed, reply = _until_closed(sock, 10, t0)
     assert reply.startswith(b"HTTP/1.1 408 "), reply
-    assert b"the request body did not arrive within 1 s" in reply and 1.0 <= elapsed < 3, elapsed
+    assert b"the request body did not arrive within 1 s" in reply and EARLY <= elapsed < 3, elapsed
 
 
 def test_headers_that_trickle_in_are_cut_at_the_header_timeout(loop):
@@ -87,7 +92,7 @@ def test_headers_that_trickle_in_are_cut_at_the_header_timeout(loop):
             except OSError:  # closed while the line was on its way
                 break
         elapsed = time.monotonic() - t0
-    assert 1.0 <= elapsed < 2.5, elapsed
+    assert EARLY <= elapsed < 2.5, elapsed
 
 
 def test_idle_connections_are_closed_before_a_first_request_and_after_a_response(loop):
@@ -95,12 +100,12 @@ def test_idle_connections_are_closed_before_a_first_request_and_after_a_response
         t0 = time.monotonic()
         with socket.create_connection((srv.host, srv.port)) as sock:  # connected, nothing sent
             elapsed, reply = _until_closed(sock, 10, t0)
-        assert reply == b"" and 1.0 <= elapsed < 2.5, elapsed
+        assert reply == b"" and EARLY <= elapsed < 2.5, elapsed
         with socket.create_connection((srv.host, srv.port)) as sock:
             t0 = time.monotonic()
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
             elapsed, reply = _until_closed(sock, 10, t0)
-        assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"ok") and 1.0 <= elapsed < 2.5, elapsed
+        assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"ok") and EARLY <= elapsed < 2.5, elapsed
 
 
 def _aborts(url: str) -> float:
@@ -177,7 +182,7 @@ def test_a_client_that_never_reads_is_dropped_after_the_stream_timeout(loop, mon
         with _never_reading_client(srv, _bodies(3)[2]):
             elapsed = _until_it_left_the_engine(loop)
         assert _aborts(srv.url) == aborts + 1, "the request ran to its end: it was never aborted"
-        assert elapsed >= 1.0
+        assert elapsed >= EARLY
         for _ in range(100):  # bounded: the snapshot follows the abort
             stats = loop.stats
             if stats["num_running"] == 0 and stats["live_slots"] == 0:
