@@ -101,14 +101,6 @@ class LinearStatePrefixCache:
         self.evict(slot)
         return slot
 
-    def evict_lru(self) -> int | None:
-        """Remove the least recently used unpinned checkpoint; return its slot."""
-        if not self.lru:
-            return None
-        slot = next(iter(self.lru))
-        self.evict(slot)
-        return slot
-
     def match(self, token_ids: list[int], hashes: list[int]) -> tuple[list[tuple[int, int]], int]:
         """Probe every whole chunk strictly below the final token.
 
@@ -141,9 +133,9 @@ class LinearStateBlockManager:
         self.chunk_stride = chunk_stride
         self.free_slots: deque[int] = deque(range(1, num_slots))
         self.live_slots: set[int] = set()
-        self.saving: dict[int, int] = {}  # slot -> hash: checkpoints the in-flight step writes ("scan" mode)
+        # slot -> (hash, boundary): the checkpoints the in-flight step writes ("scan" mode)
+        self.saving: dict[int, tuple[int, int]] = {}
         self.saving_hashes: set[int] = set()  # their hashes (a step may plan thousands: looked up, not searched)
-        self.saving_depth: dict[int, int] = {}  # slot -> the boundary it saves
         self.index = LinearStatePrefixCache(chunk_stride, eviction) if enable_prefix_caching else None
         self.num_saved = 0
         self.num_save_skipped = 0
@@ -208,14 +200,13 @@ class LinearStateBlockManager:
                 self.num_save_skipped += 1
                 return None
             self.num_evicted += 1
-        self.saving[slot] = h
+        self.saving[slot] = h, depth
         self.saving_hashes.add(h)
-        self.saving_depth[slot] = depth
         return slot
 
     def commit_save(self, slot: int) -> None:
         """The step that wrote `slot` completed: it becomes the checkpoint of its hash."""
-        h, depth = self.saving.pop(slot), self.saving_depth.pop(slot)
+        h, depth = self.saving.pop(slot)
         self.saving_hashes.remove(h)
         if self.index.insert_with_recorded_hash(slot, h, depth):
             self.num_saved += 1
@@ -225,8 +216,7 @@ class LinearStateBlockManager:
 
     def cancel_save(self, slot: int) -> None:
         """The step that should have written `slot` failed: the slot is free again, nothing is indexed."""
-        self.saving_hashes.remove(self.saving.pop(slot))
-        del self.saving_depth[slot]
+        self.saving_hashes.remove(self.saving.pop(slot)[0])
         self.free_slots.append(slot)
 
     # -- per sequence ----------------------------------------------------------------------
@@ -303,8 +293,8 @@ class LinearStateBlockManager:
         if slot <= 0:
             return
         if h is not None and self.index is not None:
-            if not self.insert_with_recorded_hash(slot, h, seq.pending_save_len):  # cached meanwhile: the slot is freed, the save skipped
-                self.num_save_skipped += 1
+            if not self.insert_with_recorded_hash(slot, h, seq.pending_save_len):
+                self.num_save_skipped += 1  # cached meanwhile: the slot is freed, the save skipped
         else:
             self.free_live_slot(slot)
 
@@ -334,8 +324,8 @@ class LinearStateBlockManager:
         assert len(free) + len(live) + len(ckpt) + len(saving) == len(free | live | ckpt | saving), "slot in two states"
         assert free | live | ckpt | saving == set(range(1, self.num_slots)), "slot leaked or slot 0 used"
         assert pins_allowed or not saving, "checkpoint being saved outside a step"
-        assert len(set(self.saving.values())) == len(saving), "one hash saved twice in a step"
-        assert self.saving_hashes == set(self.saving.values()), "the hashes being saved differ from the saves'"
+        assert len({h for h, _ in self.saving.values()}) == len(saving), "one hash saved twice in a step"
+        assert self.saving_hashes == {h for h, _ in self.saving.values()}, "hashes being saved differ from the saves'"
         assert saving == set(saves), "slots being saved differ from the in-flight plan's saves"
         if self.index is not None:
             idx = self.index
@@ -343,7 +333,6 @@ class LinearStateBlockManager:
             assert set(idx.pins) == ckpt and all(p >= 0 for p in idx.pins.values())
             assert set(idx.lru) == {s for s in ckpt if idx.pins[s] == 0}, "LRU != unpinned checkpoints"
             assert set(idx.depth_of) == ckpt == set(idx.last_used), "depths or uses kept for a slot not indexed"
-            assert set(self.saving_depth) == saving, "save depths differ from the saves"
             if not pins_allowed:
                 assert not any(idx.pins.values()), "checkpoint pinned outside a step"
             if sources is not None:

@@ -93,6 +93,16 @@ def rope(x, positions, rotary_dim: int, theta: float):
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
+def write_kv(k_cache, v_cache, k, v, slot_mapping, layer):
+    """The caches with keys and values k, v [B, T, kvh, hd] written at their flat KV slots `slot_mapping` [B, T] of
+    layer `layer`."""
+    bs = k_cache.shape[3]
+    flat = slot_mapping.reshape(-1)
+    at = (layer_ids(layer, flat), flat // bs, flat % bs)  # (layer, block, offset) per token
+    return (write_rows(k_cache, at, k.reshape(flat.shape[0], *k.shape[2:]), axis=1),
+            write_rows(v_cache, at, v.reshape(flat.shape[0], *v.shape[2:]), axis=1))
+
+
 def online_softmax_init(qh):
     """The online softmax's carry before the first key chunk, for queries qh [kvh, n, hd]: (running max, sum of
     exponentials, output), float32."""
@@ -168,19 +178,14 @@ class Attention(nnx.Module):
         v = v.reshape(B, T, kvh, hd)
         q = rope(q, batch.positions, cfg.rotary_dim, cfg.rope_theta)
         k = rope(k, batch.positions, cfg.rotary_dim, cfg.rope_theta)
-        bs = k_cache.shape[3]
-        flat = batch.slot_mapping.reshape(-1)
-        at = (layer_ids(layer, flat), flat // bs, flat % bs)  # (layer, block, offset) per token
-        k_cache = write_rows(k_cache, at, k.reshape(B * T, kvh, hd), axis=1)
-        v_cache = write_rows(v_cache, at, v.reshape(B * T, kvh, hd), axis=1)
-        return q, gate, k_cache, v_cache
+        return (q, gate, *write_kv(k_cache, v_cache, k, v, batch.slot_mapping, layer))
 
     def attend(self, q, gate, k_cache, v_cache, layer, positions, block_tables, extent, forms: Forms):
         """The attention output [B, T, D] of queries q [B, T, H, hd] at `positions` [B, T] over the cached keys
         (causal: a query sees the keys at its position and before), through the output gate and projection
         (`attend_heads`, then `gated_output`)."""
         out = self.attend_heads(q, k_cache, v_cache, layer, positions, block_tables, extent, forms)
-        return self.gated_output(out.astype(gate.dtype), gate, forms)
+        return self.gated_output(out, gate, forms)
 
     def attend_heads(self, q, k_cache, v_cache, layer, positions, block_tables, extent, forms: Forms):
         """The heads' attention outputs [B, T, H * hd] (q's dtype) of queries q [B, T, H, hd] at `positions` [B, T]

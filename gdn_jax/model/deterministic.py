@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gdn_jax.model.attention import key_chunk, online_softmax_init
+from gdn_jax.model.attention import key_chunk, online_softmax_init, write_kv
 from gdn_jax.model.forms import DETERMINISTIC, Forms
 from gdn_jax.model.gated_delta import l2norm, new_state, token_step
 from gdn_jax.model.layers import split_parts
@@ -126,9 +126,10 @@ def gdn_mixer(gdn, mixed, z, b, a, conv_in, ssm_in, lengths, saves=None):
     if saves is not None:
         S_ = saves[0].shape[0]
         bufs = (jnp.zeros((S_,) + conv_in.shape[1:], conv_in.dtype), jnp.zeros((S_, nv, dk, dv), _F32))
-    conv_spare, ssm_spare = _spare(conv_in), _spare(ssm_in.astype(_F32))
+    ssm_in = ssm_in.astype(_F32)
+    conv_spare, ssm_spare = _spare(conv_in), _spare(ssm_in)
     out = jnp.zeros((B, T, nv * dv), dtype)
-    out, conv_out, ssm_out, bufs = _loop(B, row, (out, conv_in, ssm_in.astype(_F32), bufs))
+    out, conv_out, ssm_out, bufs = _loop(B, row, (out, conv_in, ssm_in, bufs))
     return out, conv_out, ssm_out, bufs
 
 
@@ -203,11 +204,7 @@ def forward(model, batch: Batch, state: DeviceState, all_logits: bool, forms: Fo
             return [y[:, 0] for y in attn.project(layer.input_layernorm(x)[:, None], p[:, None], forms)]
 
         q, k, v, gate = rowwise(project, lead, x, batch.positions)
-        bs = st.k.shape[3]
-        flat = batch.slot_mapping.reshape(-1)
-        at = (layer_ids(j, flat), flat // bs, flat % bs)
-        kc = write_rows(st.k, at, k.reshape(B * T, *k.shape[2:]), axis=1)
-        vc = write_rows(st.v, at, v.reshape(B * T, *v.shape[2:]), axis=1)
+        kc, vc = write_kv(st.k, st.v, k, v, batch.slot_mapping, j)
         out = attend(cfg, q, kc, vc, j, batch.positions, batch.block_tables)
         h = rowwise(lambda o, g: attn.gated_output(o, g, forms), lead, out, gate)
         return residual(layer, x, h), dataclasses.replace(st, k=kc, v=vc)

@@ -57,10 +57,8 @@ def _step_prompt_logprobs(graphdef, params, rule, state, batch: Batch, targets, 
 def sample_function(deterministic: bool = False):
     """The sampling executable; `deterministic`: log-softmax in tiles of rows, compiled as the deterministic steps
     are (`compiler_options`)."""
-    if deterministic:
-        return jax.jit(functools.partial(sample_packed, deterministic=True),
-                       compiler_options=compiler_options("sample", DETERMINISTIC))
-    return jax.jit(sample_packed, compiler_options=compiler_options("sample"))
+    return jax.jit(functools.partial(sample_packed, deterministic=deterministic),
+                   compiler_options=compiler_options("sample", DETERMINISTIC if deterministic else None))
 
 
 def sample_packed(logits, md: SamplingMetadata, deterministic: bool = False):

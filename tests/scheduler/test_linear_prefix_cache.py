@@ -78,7 +78,7 @@ def test_find_refreshes_lru_order_but_contains_does_not():
     assert list(idx.lru) == [1, 2]
     idx.release(idx.find(10))
     assert list(idx.lru) == [2, 1]
-    assert idx.evict_lru() == 2
+    assert idx.evict_victim() == 2
 
 
 def test_acquiring_a_live_slot_reclaims_an_unpinned_checkpoint_never_a_pinned_one():
