@@ -66,6 +66,11 @@ class CompositeBlockManager:
             return PrefixMatch(kv_blocks, kv_match, reach, kv_match, -1)
         if cfg.unsafe_reuse == "stale":   # ablation: all the KV, the GDN state of the deepest checkpoint below it
             return PrefixMatch(kv_blocks, kv_match, reach, kv_match, src)
+        if self.linear.index.num_off_grid:  # a fork point kept for samples that could not fork (`keep_fork_point`)
+            top = min(kv_match, (len(seq.token_ids) - 1) // cfg.block_size * cfg.block_size)
+            depth, slot = self.linear.index.match_blocks(seq.block_hashes, cfg.block_size, reuse, top)
+            if depth > reuse:
+                reuse, src, reach = depth, slot, max(reach, depth)
         return PrefixMatch(kv_blocks[:reuse // cfg.block_size], kv_match, reach, reuse, src)
 
     def admissible(self, seq: Sequence, m: PrefixMatch) -> PrefixMatch | None:
@@ -135,6 +140,18 @@ class CompositeBlockManager:
         op = self.linear.admit(child, parent.linear_state_id, fork=True)
         assert op is not None, "can_fork promised a live slot"
         return op
+
+    def keep_fork_point(self, parent: Sequence, point: int) -> None:
+        """Samples that could not fork from `parent` at `point` run as ordinary requests: its state there becomes a
+        checkpoint keyed by the KV hash of the block ending at `point` (off the stride grid), so that they restore it
+        instead of prefilling the whole prompt. Like a deferred save, the parent's live slot turns into it at its
+        next step or its release. A stride boundary is a checkpoint already."""
+        cfg = self.config
+        if not self.saves_checkpoints or point % cfg.chunk_stride == 0 or parent.pending_save_hash is not None:
+            return
+        parent.update_block_hashes(cfg.block_size, cfg.state_fingerprint)
+        parent.pending_save_hash = parent.block_hashes[point // cfg.block_size - 1]
+        parent.pending_save_len = point
 
     # -- a running sequence's next step ----------------------------------------------------
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:

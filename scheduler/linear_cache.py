@@ -28,6 +28,7 @@ class LinearStatePrefixCache:
         self.depth_of: dict[int, int] = {}    # slot -> the prefix length it holds the state of (0: not told)
         self.last_used: dict[int, int] = {}   # slot -> logical time of its insert or last restore
         self.clock = 0
+        self.num_off_grid = 0  # checkpoints at a block boundary off the stride grid, keyed by its KV block hash
 
     def _touch(self, slot: int) -> None:
         self.clock += 1
@@ -83,6 +84,7 @@ class LinearStatePrefixCache:
         self.pins[slot] = 0
         self.lru[slot] = None
         self.depth_of[slot] = depth
+        self.num_off_grid += depth % self.chunk_stride != 0
         self._touch(slot)
         return True
 
@@ -91,6 +93,7 @@ class LinearStatePrefixCache:
         assert slot in self.lru, f"slot {slot} is not an unpinned checkpoint"
         del self.lru[slot]
         del self.slot_of[self.hash_of.pop(slot)]
+        self.num_off_grid -= self.depth_of[slot] % self.chunk_stride != 0
         del self.pins[slot], self.depth_of[slot], self.last_used[slot]
 
     def evict_victim(self) -> int | None:
@@ -114,6 +117,15 @@ class LinearStatePrefixCache:
             if self.contains(hashes[i]):
                 hits.append(((i + 1) * self.chunk_stride, self.slot_of[hashes[i]]))
         return hits, (hits[-1][0] if hits else 0)
+
+    def match_blocks(self, block_hashes: list[int], block_size: int, above: int, limit: int) -> tuple[int, int]:
+        """(depth, slot) of the deepest off-grid checkpoint at a block boundary in (above, limit], keyed by the KV
+        hash of the block ending there; (0, -1) if none. Probes only; pins nothing."""
+        for i in range(min(limit // block_size, len(block_hashes)), above // block_size, -1):
+            slot = self.slot_of.get(block_hashes[i - 1])
+            if slot is not None and (i * block_size) % self.chunk_stride:
+                return i * block_size, slot
+        return 0, -1
 
 
 def deepest_hit_at_or_below(hits: list[tuple[int, int]], limit: int) -> tuple[int, int]:
@@ -333,6 +345,7 @@ class LinearStateBlockManager:
             assert set(idx.pins) == ckpt and all(p >= 0 for p in idx.pins.values())
             assert set(idx.lru) == {s for s in ckpt if idx.pins[s] == 0}, "LRU != unpinned checkpoints"
             assert set(idx.depth_of) == ckpt == set(idx.last_used), "depths or uses kept for a slot not indexed"
+            assert idx.num_off_grid == sum(d % self.chunk_stride != 0 for d in idx.depth_of.values())
             if not pins_allowed:
                 assert not any(idx.pins.values()), "checkpoint pinned outside a step"
             if sources is not None:

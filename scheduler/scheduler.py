@@ -227,6 +227,8 @@ class Scheduler:
                 rows.append(self._row(child, len(child.token_ids), op))
                 self.counters["forks"] += 1
             self.forks[parent_id] = (point, left)
+            if left:
+                self.block_manager.keep_fork_point(parent, point)
             self._release_forks(parent_id)
         return budget
 

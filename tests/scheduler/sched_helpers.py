@@ -108,16 +108,21 @@ class FakeDevice:
         return out
 
     def check_checkpoints(self, sched: Scheduler) -> None:
-        """Each checkpoint's key is the chain hash of exactly the tokens its slot holds."""
+        """Each checkpoint's key is the chain hash of exactly the tokens its slot holds: the linear chain at a stride
+        boundary, the KV chain at a block boundary off the stride grid (a kept fork point)."""
         linear = sched.block_manager.linear
         if linear is None or linear.index is None:
             return
-        cs = self.config.chunk_stride
+        cs, bs = self.config.chunk_stride, self.config.block_size
         seed = domain_seed("linear", cs, self.config.state_fingerprint)
+        kv_seed = domain_seed("kv", bs, self.config.state_fingerprint)
         for h, slot in linear.index.slot_of.items():
             st = self.state[slot]
-            assert len(st) % cs == 0 and len(st) > 0
-            assert chain_hashes(list(st), cs, seed)[-1] == h
+            assert len(st) > 0 and len(st) == linear.index.depth_of[slot]
+            if len(st) % cs:
+                assert len(st) % bs == 0 and chain_hashes(list(st), bs, kv_seed)[-1] == h
+            else:
+                assert chain_hashes(list(st), cs, seed)[-1] == h
 
 
 def make_seq(seq_id: int, tokens, max_tokens: int = 4, **sp) -> Sequence:

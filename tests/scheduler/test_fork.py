@@ -116,6 +116,20 @@ def test_children_that_do_not_fit_run_as_ordinary_requests():
     assert _prefill_tokens(plans) == 16 + 2 * 3 + 2 * 3
 
 
+def test_children_that_do_not_fit_restore_the_fork_point_off_the_stride_grid():
+    """Fork point 20 (bs 4, chunk 8) is no checkpoint boundary: the parent keeps its state there as a checkpoint
+    keyed by the block hash, so the fallbacks recompute 3 tokens each instead of 7 (from checkpoint 16)."""
+    cfg = small_config(max_num_seqs=2)
+    sched, dev, parent, children = _serve_group(cfg, PROMPT[:23], 4)
+    plans = run(sched, dev)
+    s = sched.stats()
+    assert s["forks"] == 1 and s["fork_fallbacks"] == 2 and s["hits"] == 2
+    assert s["reused_tokens"] == 2 * 20
+    assert _prefill_tokens(plans) == 20 + 4 * 3  # once to the fork point, then 3 tokens per sample
+    assert all(c.output_token_ids == parent.output_token_ids for c in children)
+    assert sched.block_manager.linear.index.num_off_grid == 1
+
+
 def test_a_cached_fork_point_turns_children_into_ordinary_cache_hits():
     cfg = small_config()
     sched, dev = Scheduler(cfg), FakeDevice(cfg)

@@ -35,7 +35,7 @@ def test_slot_zero_is_never_handed_out_and_n_slots_give_n_minus_1():
 
 def test_releasing_the_last_reference_frees_a_live_slot():
     m = manager(3)
-    a, b = m.acquire_live_slot(), m.acquire_live_slot()
+    a, _ = m.acquire_live_slot(), m.acquire_live_slot()
     assert m.acquire_live_slot() is None
     m.free_live_slot(a)
     assert m.acquire_live_slot() == a
@@ -59,7 +59,7 @@ def test_prefix_cache_insert_of_existing_hash_takes_nothing():
 
 def test_save_evicts_the_lru_unpinned_checkpoint_for_its_fresh_slot():
     m = manager(5)
-    old, new = checkpoint(m, 1), checkpoint(m, 2)
+    old, _ = checkpoint(m, 1), checkpoint(m, 2)
     seq = seq_with_pending_save(m, 3)
     m.acquire_live_slot()  # pool now full: 2 checkpoints + 2 live
     live = seq.linear_state_id

@@ -93,7 +93,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             op = row.linear_op
             assert row.start_pos <= kv_match[row.seq_id]
             if cfg.prefix_caches_linear_state:
-                assert row.start_pos % cfg.chunk_stride == 0
+                index = sched.block_manager.linear.index
+                # a stride boundary, or a sample's kept fork point: a checkpoint at a block boundary off the grid
+                assert row.start_pos % cfg.chunk_stride == 0 or index.depth_of[op.restore_src_slot_id] == row.start_pos
                 assert op.restore_requested and (op.restore_src_slot_id > 0) == (row.start_pos > 0)
             elif op is not None:
                 assert (op.restore_requested, op.restore_src_slot_id) == (True, -1)
