@@ -280,7 +280,7 @@ class LLMEngine:
         step went on for the others, and `step` ends those with "error" (`_end_with_error`)."""
         self.scheduler.postprocess(plan, sampled)
         now = time.perf_counter()
-        touched: dict[str, RequestState] = {}  # one output per request, however many of its samples stepped
+        touched: dict[str, tuple[RequestState, list[int]]] = {}  # one output per request: the samples that stepped
         broken: dict[str, tuple[RequestState, Exception]] = {}
         for i, s in enumerate(plan.seqs):
             req = self._by_seq.get(s.seq_id)
@@ -294,16 +294,16 @@ class LLMEngine:
                 broken[req.request_id] = req, exc
                 touched.pop(req.request_id, None)
                 continue
-            touched[req.request_id] = req
+            touched.setdefault(req.request_id, (req, []))[1].append(index)
         outputs = []
-        for req in touched.values():
+        for req, changed in touched.values():
             req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)  # once per request, not per row
             if req.is_finished:
                 req.metrics.finished_time = now
             if req.final_only and not req.is_finished:
                 continue  # an output copies everything so far: built per step, that grew with the output
             try:
-                out = self.output_processor.make_output(req)
+                out = self.output_processor.make_output(req, None if req.final_only else changed)
             except Exception as exc:
                 broken[req.request_id] = req, exc
                 continue

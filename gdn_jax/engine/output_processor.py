@@ -32,6 +32,8 @@ class RequestState:
     streams: list = dataclasses.field(default_factory=list)  # per sample: the tokenizer's incremental text decoder
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)  # shared by every output of the request
     final_only: bool = False  # an output only when it finishes (`LLM.generate` reads no other)
+    # per sample: its CompletionOutput in the last output (None: not built yet), reused while the sample is unchanged
+    built: list = dataclasses.field(default_factory=list)
 
     @property
     def seq(self) -> Sequence:
@@ -152,16 +154,18 @@ class OutputProcessor:
         stops = seq.sampling_params.stop
         return text[:max(0, len(text) - max(map(len, stops)) + 1)] if stops else text
 
-    def make_output(self, req: RequestState) -> RequestOutput:
-        """The request's output so far (its final one once every sample finished)."""
-        completions = []
-        for i, seq in enumerate(req.seqs):
-            ids = seq.output_token_ids  # a fresh list (a slice)
-            lps = req.logprobs[i]
-            completions.append(CompletionOutput(i, self.visible_text(req, i), ids,
-                                                req.cumulative_logprob[i] if lps is not None else None,
-                                                list(lps) if lps is not None else None, seq.finish_reason,
-                                                req.stop_reasons[i]))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
+    def make_output(self, req: RequestState, changed=None) -> RequestOutput:
+        """The request's output so far (its final one once every sample finished). `changed`: the samples that
+        changed since the last output (None: all); the others keep the CompletionOutput built then, which nothing
+        modifies, so a step that advances a few of a request's many samples costs a few."""
+        if len(req.built) != len(req.seqs):
+            req.built, changed = [None] * len(req.seqs), None
+        for i in range(len(req.seqs)) if changed is None else changed:
+            seq, lps = req.seqs[i], req.logprobs[i]
+            req.built[i] = CompletionOutput(i, self.visible_text(req, i), seq.output_token_ids,  # a fresh list
+                                            req.cumulative_logprob[i] if lps is not None else None,
+                                            list(lps) if lps is not None else None, seq.finish_reason,
+                                            req.stop_reasons[i])
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, list(req.built),
                              req.is_finished, req.metrics.num_cached_tokens, req.metrics,
                              prompt_logprobs=req.prompt_logprobs, error=req.error)

@@ -731,7 +731,7 @@ def test_generate_builds_each_output_once_but_the_step_api_streams_them(llm, mon
     built = []
     processor = llm.engine.output_processor
     real = processor.make_output
-    monkeypatch.setattr(processor, "make_output", lambda req: built.append(req.request_id) or real(req))
+    monkeypatch.setattr(processor, "make_output", lambda req, *a: built.append(req.request_id) or real(req, *a))
     llm.engine.add_request("own", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2, n=2, seed=3)
     outs = llm.generate([[8, 9, 10], [11, 12]], sp, use_tqdm=False)
@@ -740,6 +740,26 @@ def test_generate_builds_each_output_once_but_the_step_api_streams_them(llm, mon
     mine = [r for r in built if r != "own"]
     assert sorted(mine) == sorted(o.request_id for o in outs)  # one each, the final one
     assert built.count("own") == 20
+
+
+def test_a_step_output_rebuilds_only_the_samples_that_stepped(engine):
+    """Of a request of many samples, a step rebuilds the CompletionOutputs of the samples it advanced and reuses the
+    others' objects (a flood of n=256 spent most of its step rebuilding them); every output still equals a full
+    rebuild, field for field."""
+    sp = SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, logprobs=1, n=7)
+    engine.add_request("many", random_ids(np.random.default_rng(11), 40), sp)  # 7 samples, 4 rows: they run in turns
+    req, previous, reused = engine._requests["many"], None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            stepped = {i for i, c in enumerate(out.outputs)
+                       if previous is None or c.token_ids != previous.outputs[i].token_ids}
+            if previous is not None:
+                reused += sum(c is previous.outputs[i] for i, c in enumerate(out.outputs))
+                assert all(out.outputs[i] is not previous.outputs[i] for i in stepped)
+            full = engine.output_processor.make_output(dataclasses.replace(req, built=[]))  # from nothing
+            assert out.outputs == full.outputs
+            previous = out
+    assert reused > 0 and [len(c.token_ids) for c in previous.outputs] == [6] * 7
 
 
 def test_generate_tokenizes_each_text_prompt_once(llm, monkeypatch):

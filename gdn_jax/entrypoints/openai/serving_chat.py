@@ -88,6 +88,8 @@ class OpenAIServingChat(OpenAIServing):
 
             def one(j: int, out: RequestOutput) -> dict | None:
                 comp = out.outputs[j]
+                if j in streams and streams[j].unchanged(comp, out.finished):
+                    return None
                 d, lp = {}, None
                 if j not in streams:
                     d["role"], streams[j] = "assistant", SampleStream(tok, 0, k is not None)

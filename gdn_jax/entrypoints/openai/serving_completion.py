@@ -114,6 +114,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def one(i: int, j: int, out: RequestOutput) -> dict | None:
             comp = out.outputs[j]
+            if (i, j) in streams and streams[i, j].unchanged(comp, out.finished):
+                return None
             prompt_text, ids = prompts[i]
             prefix, lp = "", None
             if (i, j) not in streams:  # first chunk of this sample: the echoed prompt rides along

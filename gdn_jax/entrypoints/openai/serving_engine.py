@@ -294,10 +294,17 @@ class SampleStream:
     def __init__(self, tokenizer, base: int, logprobs: bool):
         self.text, self.num_tokens, self.shown, self.base = "", 0, 0, base
         self.offsets = TextOffsets(tokenizer, base) if logprobs else None
+        self.last = None  # the CompletionOutput of the last `advance`
+
+    def unchanged(self, comp, finished: bool) -> bool:
+        """Nothing to send: the engine gave the same CompletionOutput again (it rebuilds only the samples that
+        stepped), and the request has not finished (its end sends every sample's finish reason)."""
+        return comp is self.last and not finished
 
     def advance(self, comp, text: str, finished: bool) -> tuple[str, bool, slice]:
         """The sample's output now, with `text` its text shown -> (the text not sent yet, whether tokens came since
         the last call, the tokens whose logprobs go out now)."""
+        self.last = comp
         new = text[len(self.text):] if text.startswith(self.text) else ""
         self.text += new
         fresh, self.num_tokens = len(comp.token_ids) > self.num_tokens, len(comp.token_ids)
