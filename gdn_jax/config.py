@@ -135,6 +135,9 @@ class SchedulingConfig:
     mixed_steps: bool = _setting(
         True, "a step decodes every running sequence and prefills within the rest of the token budget (\"scan\" "
               "mode; \"promote\" never mixes)")
+    new_request_steps: bool = _setting(
+        True, "with mixed_steps, a new request's first prefill runs ahead of its turn in a step of its own, at most "
+              "every other step, so that its first token waits for no one else's prefill")
     # (no flags: `gdn-jax serve` bounds a whole HTTP request, prompts x n, and its queue with flags of its own)
     max_seqs_per_request: int = _setting(
         MAX_N, "sequences one request may add (its n); more is a ValueError", min=1, cli=False)

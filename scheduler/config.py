@@ -43,6 +43,10 @@ class SchedulerConfig:
     # with prefill rows, so a long prompt no longer stalls the decodes while it prefills (vLLM v1's single budget).
     # False, and always with "promote": a step is all-prefill or all-decode, prefill first (the original design).
     mixed_steps: bool = True
+    # With mixed_steps: a request none of whose sequences was admitted yet is admitted ahead of its turn, in a step
+    # of its own (its first prefill, with no decode rows), and the next step is an ordinary one: a short request's
+    # first token waits for no one else's prefill, as under a flood of samples.
+    new_request_steps: bool = True
     # Which unpinned checkpoint an eviction takes (`scheduler.eviction`): the least recently used ("lru"), or the
     # least useful by Marconi's recency + alpha x FLOPs saved ("flop_aware"), the FLOPs from `prefill_cost`.
     checkpoint_eviction: str = "lru"

@@ -57,6 +57,7 @@ class Scheduler:
         self.fork_rank: dict[int, int] = {}
         self._num_fork_groups = 0
         self.placement = None  # "overlap": `OverlapPlacement`, fed the KV match of each first admission
+        self._new_request_step = False  # the last step was one of new requests' first prefills (`new_request_steps`)
         if config.checkpoint_placement == "overlap":
             checkpoints = config.num_linear_slots - 1 - config.max_num_seqs
             self.placement = OverlapPlacement(config.chunk_stride, config.prefill_cost,
@@ -144,6 +145,16 @@ class Scheduler:
         are allocated (and may preempt) before any admission, and the saves are planned once every row of the step
         has its slots."""
         budget, forked, parents = self.config.max_num_batched_tokens, [], set()
+        if self.config.new_request_steps and not self._new_request_step and self.waiting.new_head() is not None:
+            # a new request's first prefill runs in a step of its own, so that its first token waits for the step
+            # in flight only; every other step stays an ordinary one, so the running requests lose one step in two
+            # at most
+            rows: list[ScheduledSequence] = []
+            self._admit(rows, budget, 0, self.waiting.new_head, self.waiting.pop_new)
+            if rows:
+                self._new_request_step = True
+                return StepPlan(is_prefill=True, seqs=rows, saves=self._plan_saves(rows))
+        self._new_request_step = False
         if self.forks:
             budget = self._schedule_forks(forked, budget, parents)
         skip = {r.seq_id for r in forked} | parents
@@ -256,8 +267,13 @@ class Scheduler:
             rows.append(self._row(seq, end, op))
             longest = max(longest, end - seq.num_computed_tokens)
         # Preempted sequences, then new ones, one per request in turn (`WaitingQueue`).
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        self._admit(rows, budget, longest, lambda: self.waiting[0] if self.waiting else None, self.waiting.popleft)
+        return rows
+
+    def _admit(self, rows: list[ScheduledSequence], budget: int, longest: int, head, pop) -> None:
+        """Admit `head()` (None: no more) while it fits in the rows, blocks, slots and `budget`; `pop` takes it
+        out of the waiting queue."""
+        while len(self.running) < self.config.max_num_seqs and (seq := head()) is not None:
             m = self.block_manager.admissible(seq, self.block_manager.match(seq))
             if m is None:
                 break
@@ -267,7 +283,7 @@ class Scheduler:
             end = self._chunk_end(m.reuse, target, self._row_budget(len(rows), longest, budget))
             if end is None:
                 break
-            self.waiting.popleft()
+            pop()
             if cached_fork:
                 self._release_forks(seq.seq_id)
             op = self.block_manager.admit(seq, m)
@@ -277,7 +293,6 @@ class Scheduler:
             budget -= end - m.reuse
             rows.append(self._row(seq, end, op))
             longest = max(longest, end - m.reuse)
-        return rows
 
     def _plan_saves(self, rows: list[ScheduledSequence]) -> list[CheckpointSave]:
         """"scan" mode: a checkpoint slot for each boundary a row crosses (policy "all") or for the deepest one

@@ -18,13 +18,15 @@ from scheduler.sequence import Sequence
 class _Lane:
     """Sequences in order, as [sequence] entries; [None] is a tombstone."""
 
-    __slots__ = ("items", "live", "dead", "request")
+    __slots__ = ("items", "live", "dead", "request", "new", "owed")
 
     def __init__(self, request: int | None):
         self.items: deque[list] = deque()
         self.live = 0
         self.dead = 0
         self.request = request  # None: the lane of preempted sequences
+        self.new = False  # a request none of whose sequences was admitted yet (`WaitingQueue.new_head`)
+        self.owed = 0  # turns it passes: it had one ahead of them (`WaitingQueue.pop_new`)
 
     def head(self) -> list | None:
         while self.items and self.items[0][0] is None:
@@ -53,6 +55,7 @@ class WaitingQueue:
         self._turns: deque[_Lane] = deque()  # lanes in the order of their next turn; emptied ones until passed
         self._empty_turns = 0  # emptied lanes still in `_turns`
         self._entries: dict[int, tuple[list, _Lane]] = {}  # seq_id -> its entry and lane
+        self._new: deque[_Lane] = deque()  # lanes of new requests, oldest first; ones no longer new until passed
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -63,9 +66,13 @@ class WaitingQueue:
     def __iter__(self) -> Iterator[Sequence]:
         """Every waiting sequence in the order it would be admitted if nothing else changed."""
         yield from self._preempted
-        turns = deque(iter(lane) for lane in self._turns if lane.live)
+        turns = deque([iter(lane), lane.owed] for lane in self._turns if lane.live)
         while turns:
-            seq = next(turns[0], None)
+            if turns[0][1]:
+                turns[0][1] -= 1
+                turns.rotate(-1)
+                continue
+            seq = next(turns[0][0], None)
             if seq is None:
                 turns.popleft()
             else:
@@ -103,7 +110,13 @@ class WaitingQueue:
     def append(self, seq: Sequence, request: int) -> None:
         """`seq` last in the lane of `request` (a new request's lane takes its turn after every other)."""
         self._check_absent([seq])
+        created = request not in self._lanes
         lane = self._lane(request, first=False)
+        if created:
+            while self._new and not (self._new[0].new and self._new[0].live):  # admitted or emptied since
+                self._new.popleft().new = False
+            lane.new = True
+            self._new.append(lane)
         lane.items.append(self._entry(seq, lane))
 
     def extend(self, seqs: Iterable[Sequence], request: int) -> None:
@@ -131,6 +144,7 @@ class WaitingQueue:
         seq = lane.items.popleft()[0]
         del self._entries[seq.seq_id]
         lane.live -= 1
+        lane.new = False
         if lane is not self._preempted:
             self._turns.popleft()
             if lane.live:
@@ -139,18 +153,47 @@ class WaitingQueue:
                 del self._lanes[lane.request]
         return seq
 
+    def new_head(self) -> Sequence | None:
+        """The next sequence of the oldest request none of whose sequences was admitted yet, if one waits (nothing
+        preempted waits). The scheduler admits it ahead of its turn (`pop_new`), in a step of its own, so that a
+        request's first token waits for no one else's prefill."""
+        if self._preempted.head() is not None:
+            return None
+        while self._new and (not self._new[0].new or self._new[0].head() is None):
+            self._new.popleft().new = False
+        return self._new[0].head()[0] if self._new else None
+
+    def pop_new(self) -> Sequence:
+        """Takes `new_head()` out of the queue; its request is no longer new, and keeps its place in the turns."""
+        if self.new_head() is None:
+            raise IndexError("no new request waits")
+        lane = self._new.popleft()
+        lane.new = False
+        seq = lane.items.popleft()[0]
+        del self._entries[seq.seq_id]
+        lane.live -= 1
+        if lane.live == 0:
+            self._emptied(lane)
+        else:
+            lane.owed += 1
+        return seq
+
     def remove(self, seq: Sequence) -> None:
         found = self._entries.get(seq.seq_id)
         if found is None or found[0][0] is not seq:
             raise ValueError(f"sequence {seq.seq_id} is not waiting")
         entry, lane = self._entries.pop(seq.seq_id)
         lane.kill(entry)
-        if lane.live == 0 and lane is not self._preempted:  # its turn passes when it comes
-            del self._lanes[lane.request]
-            self._empty_turns += 1
-            if self._empty_turns > max(len(self._turns) - self._empty_turns, 32):
-                self._turns = deque(lane for lane in self._turns if lane.live)
-                self._empty_turns = 0
+        if lane.live == 0 and lane is not self._preempted:
+            self._emptied(lane)
+
+    def _emptied(self, lane: _Lane) -> None:
+        """A request's lane has no sequence left: its turn passes when it comes."""
+        del self._lanes[lane.request]
+        self._empty_turns += 1
+        if self._empty_turns > max(len(self._turns) - self._empty_turns, 32):
+            self._turns = deque(lane for lane in self._turns if lane.live)
+            self._empty_turns = 0
 
     def _head_lane(self) -> _Lane | None:
         """The lane of the next sequence to admit (None: nothing waits)."""
@@ -158,8 +201,12 @@ class WaitingQueue:
             return self._preempted
         while self._turns:
             lane = self._turns[0]
-            if lane.head() is not None:
+            if lane.head() is None:
+                self._turns.popleft()
+                self._empty_turns -= 1
+            elif lane.owed:
+                lane.owed -= 1
+                self._turns.rotate(-1)
+            else:
                 return lane
-            self._turns.popleft()
-            self._empty_turns -= 1
         return None

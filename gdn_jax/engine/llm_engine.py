@@ -107,6 +107,7 @@ class LLMEngine:
             state_fingerprint=f"{self.cfg.fingerprint()}:{config.dtype}", eos_token_id=self.cfg.eos_token_id,
             unsafe_reuse=cache.unsafe_reuse, checkpoint_mode=cache.checkpoint_mode,
             checkpoint_policy=cache.checkpoint_policy, mixed_steps=sched.mixed_steps,
+            new_request_steps=sched.new_request_steps,
             checkpoint_eviction=cache.checkpoint_eviction, eviction_alpha=cache.eviction_alpha,
             checkpoint_placement=cache.checkpoint_placement,
             prefill_cost=PrefillCost(*self.cfg.prefill_flops()))

@@ -103,3 +103,31 @@ def test_decode_out_of_kv_preempts_the_newest_running_sequence():
     sched.postprocess(plan, dev.execute(plan))
     run(sched, dev)
     assert len(older.output_token_ids) == len(newer.output_token_ids) == 3 and older.num_preemptions == 0
+
+
+@pytest.mark.own_mode
+@pytest.mark.parametrize("new_request_steps", [True, False])
+def test_a_new_request_prefills_in_a_step_of_its_own_then_steps_alternate(new_request_steps):
+    """Three requests decode; a fourth arrives. Its first prefill is a step of its own (the decodes sit it out), and
+    the next step is an ordinary mixed one even when another new request waits: the running requests lose one step
+    in two at most. Without `new_request_steps` the arrival rides in the decodes' mixed step."""
+    cfg = small_config(checkpoint_mode="scan", max_num_seqs=6, new_request_steps=new_request_steps)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    for i in range(3):
+        submit(sched, dev, make_seq(i, P[3 * i:3 * i + 9], max_tokens=20))
+    plan = None
+    while plan is None or plan.is_prefill:  # to a step of decodes only (an ordinary one)
+        sched.postprocess(plan := sched.schedule(), dev.execute(plan))
+    submit(sched, dev, make_seq(10, P[:14], max_tokens=3))
+    submit(sched, dev, make_seq(11, P[5:19], max_tokens=3))
+    plans = []
+    for _ in range(2):
+        plans.append(sched.schedule())
+        sched.postprocess(plans[-1], dev.execute(plans[-1]))
+    rows = [[r.seq_id for r in p.seqs] for p in plans]
+    if new_request_steps:  # the new requests' first prefills alone (11's split by the budget); then an ordinary step
+        assert rows == [[10, 11], [11, 0, 1, 2, 10]]
+        assert plans[0].num_decode_rows == 0 and plans[1].num_decode_rows == 4
+    else:
+        assert rows[0][0] == 10 and plans[0].num_decode_rows == 3
+    run(sched, dev)
