@@ -66,7 +66,7 @@ class CompositeBlockManager:
             return PrefixMatch(kv_blocks, kv_match, reach, kv_match, -1)
         if cfg.unsafe_reuse == "stale":   # ablation: all the KV, the GDN state of the deepest checkpoint below it
             return PrefixMatch(kv_blocks, kv_match, reach, kv_match, src)
-        if self.linear.index.num_off_grid:  # a fork point kept for samples that could not fork (`keep_fork_point`)
+        if self.linear.index.num_off_grid:  # a block boundary off the stride grid (`keep_state`)
             top = min(kv_match, (len(seq.token_ids) - 1) // cfg.block_size * cfg.block_size)
             depth, slot = self.linear.index.match_blocks(seq.block_hashes, cfg.block_size, reuse, top)
             if depth > reuse:
@@ -141,17 +141,23 @@ class CompositeBlockManager:
         assert op is not None, "can_fork promised a live slot"
         return op
 
-    def keep_fork_point(self, parent: Sequence, point: int) -> None:
-        """Samples that could not fork from `parent` at `point` run as ordinary requests: its state there becomes a
-        checkpoint keyed by the KV hash of the block ending at `point` (off the stride grid), so that they restore it
-        instead of prefilling the whole prompt. Like a deferred save, the parent's live slot turns into it at its
-        next step or its release. A stride boundary is a checkpoint already."""
+    def keep_state(self, seq: Sequence, point: int) -> None:
+        """`seq` has just computed `point` tokens (a block boundary): its state there becomes a checkpoint, like a
+        deferred save (the live slot turns into it at the sequence's next step, or its release). Off the stride grid
+        it is keyed by the KV hash of the block ending at `point`. For a fork point that samples could not fork from
+        (they restore it instead of prefilling the prompt) and for an application's hinted positions; nothing when
+        that checkpoint exists or is being saved."""
         cfg = self.config
-        if not self.saves_checkpoints or point % cfg.chunk_stride == 0 or parent.pending_save_hash is not None:
+        if not self.saves_checkpoints or seq.pending_save_hash is not None:
             return
-        parent.update_block_hashes(cfg.block_size, cfg.state_fingerprint)
-        parent.pending_save_hash = parent.block_hashes[point // cfg.block_size - 1]
-        parent.pending_save_len = point
+        if point % cfg.chunk_stride:
+            seq.update_block_hashes(cfg.block_size, cfg.state_fingerprint)
+            h = seq.block_hashes[point // cfg.block_size - 1]
+        else:
+            seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
+            h = seq.linear_state_hashes[point // cfg.chunk_stride - 1]
+        if not self.linear.index.contains(h) and h not in self.linear.saving_hashes:
+            seq.pending_save_hash, seq.pending_save_len = h, point
 
     # -- a running sequence's next step ----------------------------------------------------
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:

@@ -20,6 +20,7 @@ live slot (a fork op), and computes the rest of the prompt itself (at most block
 is recomputed, never copied). A child that cannot be forked at that moment (no row, block, slot or budget), or whose
 parent finds the fork point already in the prefix cache, runs as an ordinary request instead.
 """
+import bisect
 from collections import Counter
 
 from scheduler.composite import CompositeBlockManager, PrefixMatch
@@ -103,6 +104,10 @@ class Scheduler:
             raise ValueError(f"request {seq.seq_id}: seq_id already in use")
         if seq.status != SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"request {seq.seq_id}: sequence was already scheduled")
+        hints, bs = list(seq.checkpoint_positions), self.config.block_size
+        if hints != sorted(set(hints)) or any(not 0 < h <= seq.num_prompt_tokens or h % bs for h in hints):
+            raise ValueError(f"request {seq.seq_id}: checkpoint_positions must be ascending multiples of block_size "
+                             f"({bs}) within the prompt ({seq.num_prompt_tokens} tokens), got {hints}")
 
     def abort(self, seq_id: int) -> bool:
         """Finish a request. One whose step is in flight keeps its KV blocks and live slot until `postprocess` (or
@@ -188,10 +193,23 @@ class Scheduler:
             end = end // stride * stride
         return end if end > num_computed else None
 
-    def _target(self, seq: Sequence) -> int:
-        """How far `seq` may compute now: a parent stops at its fork point until its children are forked."""
+    def _target(self, seq: Sequence, start: int | None = None) -> int:
+        """How far `seq` may compute now from `start` (default: what it has computed): a parent stops at its fork
+        point until its children are forked, and a prompt at each hinted position (`checkpoint_positions`); from
+        a hinted position off the stride grid, at the next stride boundary, so that its later rows start on the
+        grid and save their boundaries as any prompt's."""
         pending = self.forks.get(seq.seq_id)
-        return pending[0] if pending is not None else len(seq.token_ids)
+        end = pending[0] if pending is not None else len(seq.token_ids)
+        if seq.checkpoint_positions:
+            start = seq.num_computed_tokens if start is None else start
+            hints = seq.checkpoint_positions
+            i = bisect.bisect_right(hints, start)
+            if i < len(hints):
+                end = min(end, hints[i])
+            stride = self.config.chunk_stride
+            if start % stride and start in hints:
+                end = min(end, (start // stride + 1) * stride)
+        return end
 
     def _pop_forks(self, parent_id: int) -> list[Sequence]:
         """Forget that `parent_id` has children waiting to fork from it; returns them."""
@@ -238,8 +256,8 @@ class Scheduler:
                 rows.append(self._row(child, len(child.token_ids), op))
                 self.counters["forks"] += 1
             self.forks[parent_id] = (point, left)
-            if left:
-                self.block_manager.keep_fork_point(parent, point)
+            if left:  # they restore the parent's state at the fork point instead of prefilling the prompt
+                self.block_manager.keep_state(parent, point)
             self._release_forks(parent_id)
         return budget
 
@@ -279,7 +297,7 @@ class Scheduler:
                 break
             # the fork point is cached: the children restore it as well, as ordinary requests
             cached_fork = seq.seq_id in self.forks and m.reuse >= self.forks[seq.seq_id][0]
-            target = len(seq.token_ids) if cached_fork else self._target(seq)
+            target = len(seq.token_ids) if cached_fork else self._target(seq, m.reuse)
             end = self._chunk_end(m.reuse, target, self._row_budget(len(rows), longest, budget))
             if end is None:
                 break
@@ -395,6 +413,8 @@ class Scheduler:
             scanned = (prefill_row and self.config.checkpoint_mode == "scan"
                        and row.start_pos % self.config.chunk_stride == 0)
             self.block_manager.on_computed(seq, saved_in_step=scanned)
+            if seq.checkpoint_positions and seq.num_computed_tokens in seq.checkpoint_positions:
+                self.block_manager.keep_state(seq, seq.num_computed_tokens)
             if prefill_row:
                 if seq.is_prefilling:
                     self.prefilling[seq.seq_id] = seq

@@ -35,6 +35,8 @@ class Sequence:
         # "overlap" placement: the boundaries (in strides) its prefill saves, chosen at its first save (None: all)
         self.placed_boundaries: set[int] | None = None
         self.placement_chosen = False
+        # Application hints: prompt positions (block boundaries, ascending) whose states become checkpoints
+        self.checkpoint_positions: tuple[int, ...] = ()
 
         self._history = array("q")  # token_ids as C integers, as far as `history` has needed them
 

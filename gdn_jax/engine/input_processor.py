@@ -13,6 +13,7 @@ from scheduler import SamplingParams
 from scheduler.sampling_params import MAX_STOP_TOKEN_IDS
 
 MAX_FULL_ROW_VOCAB = 65_536  # prompt_logprobs=-1 returns whole rows only for vocabularies up to this size
+MAX_CHECKPOINT_POSITIONS = 16  # hinted checkpoints per prompt
 
 
 def _token_list(ids, what: str = "a token-id prompt") -> list:
@@ -81,9 +82,10 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, dict):
-        other = [k for k in prompt if k not in ("prompt", "prompt_token_ids")]
+        other = [k for k in prompt if k not in ("prompt", "prompt_token_ids", "checkpoint_positions")]
         if other:  # e.g. vLLM's multi_modal_data, or a misspelt key: ignoring it would run another request
-            raise ValueError(f"a dict prompt takes 'prompt' and 'prompt_token_ids' only, got {other[0]!r}")
+            raise ValueError(f"a dict prompt takes 'prompt', 'prompt_token_ids' and 'checkpoint_positions' only, "
+                             f"got {other[0]!r}")
         text = prompt.get("prompt")
         if ("prompt" in prompt or text is not None) and not isinstance(text, str) and not (
                 text is None and "prompt_token_ids" in prompt):  # with token ids the text is optional
@@ -98,10 +100,37 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
     raise ValueError(f"unsupported prompt type {type(prompt).__name__}: use str, list[int] or a dict")
 
 
+def checkpoint_positions(positions, num_tokens: int, block_size: int) -> tuple[int, ...]:
+    """An application's hint: the prompt positions (token counts) whose states it wants kept as checkpoints, e.g.
+    the end of a shared system prompt. A checkpoint holds whole KV blocks, so each is kept at the block boundary at
+    or below its position. Returns those boundaries, ascending and distinct; raises ValueError naming the field."""
+    if positions is None:
+        return ()
+    if not isinstance(positions, (list, tuple)):
+        raise ValueError(f"checkpoint_positions must be a list of token positions, got {type(positions).__name__}")
+    if len(positions) > MAX_CHECKPOINT_POSITIONS:
+        raise ValueError(f"checkpoint_positions holds {len(positions)} positions; at most "
+                         f"{MAX_CHECKPOINT_POSITIONS} are supported")
+    for p in positions:
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
+            raise ValueError(f"checkpoint_positions: {p!r} is not a token position (an int)")
+        if not block_size <= p <= num_tokens:
+            raise ValueError(f"checkpoint_positions: {p} is outside [{block_size}, {num_tokens}]: a checkpoint holds "
+                             f"whole KV blocks of {block_size} tokens of the prompt ({num_tokens} tokens)")
+    return tuple(sorted({int(p) // block_size * block_size for p in positions}))
+
+
+def prompt_hints(prompt) -> dict:
+    """The hint keys of a dict prompt (`checkpoint_positions`), to pass on with its token ids; {} for any other."""
+    return {"checkpoint_positions": prompt["checkpoint_positions"]} if isinstance(prompt, dict) and prompt.get(
+        "checkpoint_positions") is not None else {}
+
+
 def validate_request(prompt, params: SamplingParams, *, tokenizer, vocab_size: int, extra_eos_ids: list[int],
-                     max_model_len: int) -> tuple[str | None, list[int], SamplingParams]:
+                     max_model_len: int, block_size: int) -> tuple[str | None, list[int], SamplingParams]:
     """Checks a request against the model (its vocabulary, its further end-of-sequence ids, which join the stop ids
-    unless ignore_eos) and `max_model_len`; returns (text, token ids, params) or raises ValueError."""
+    unless ignore_eos), `max_model_len` and a dict prompt's hints; returns (text, token ids, params) or raises
+    ValueError."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
     params.__post_init__()  # re-validate: the object may have been mutated after construction
@@ -127,6 +156,7 @@ def validate_request(prompt, params: SamplingParams, *, tokenizer, vocab_size: i
         raise ValueError(f"token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
     if len(ids) > max_model_len:
         raise ValueError(f"prompt of {len(ids)} tokens is longer than max_model_len {max_model_len}")
+    checkpoint_positions(prompt_hints(prompt).get("checkpoint_positions"), len(ids), block_size)
     if params.prompt_logprobs == -1 and vocab_size > MAX_FULL_ROW_VOCAB:
         raise ValueError(f"prompt_logprobs=-1 (whole rows) needs a vocabulary of at most {MAX_FULL_ROW_VOCAB} "
                          f"entries; this model has {vocab_size}")

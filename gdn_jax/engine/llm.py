@@ -12,6 +12,7 @@ import numpy as np
 from gdn_jax.chat import ChatTemplate
 from gdn_jax.config import EngineConfig, ModelConfig
 from gdn_jax.diagnostics import user_stacklevel
+from gdn_jax.engine.input_processor import prompt_hints
 from gdn_jax.engine.llm_engine import LLMEngine
 from gdn_jax.engine.outputs import EngineStepError, RequestOutput
 from scheduler import SamplingParams
@@ -58,12 +59,13 @@ class LLM:
         checked = [self.engine.validate_request(prompt, sp)[:2] for prompt, sp in zip(prompts, params)]
         ids = []
         try:
-            for (text, token_ids), sp in zip(checked, params):
+            for prompt, (text, token_ids), sp in zip(prompts, checked, params):
                 rid = str(next(self._ids))
                 while rid in self.engine._requests:  # an id the caller gave a request of its own on this engine
                     rid = str(next(self._ids))
                 ids.append(rid)  # before it is added: an interrupt right after the add still aborts it
-                self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": token_ids}, sp)
+                self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": token_ids, **prompt_hints(prompt)},
+                                        sp)
                 self.engine._requests[rid].final_only = True
         except BaseException:  # interrupted while adding (a long batch): none of it stays to run in a later call
             self.engine.abort_request(ids)

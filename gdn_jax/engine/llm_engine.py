@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from gdn_jax.config import EngineConfig, ModelConfig
 from gdn_jax.diagnostics import user_stacklevel
-from gdn_jax.engine.input_processor import model_eos_ids, model_sampling_defaults, validate_request
+from gdn_jax.engine.input_processor import (checkpoint_positions, model_eos_ids, model_sampling_defaults,
+                                             prompt_hints, validate_request)
 from gdn_jax.engine.output_processor import OutputProcessor, RequestState
 from gdn_jax.engine.outputs import EngineFull, EngineStepError, RequestMetrics, RequestOutput
 from gdn_jax.model.sharding import bytes_on_device, make_mesh, tp_config
@@ -144,7 +145,8 @@ class LLMEngine:
         """Checks a request without touching the engine; returns (text, token ids, params) or raises ValueError."""
         params = self.default_sampling_params() if sampling_params is None else sampling_params
         checked = validate_request(prompt, params, tokenizer=self.tokenizer, vocab_size=self.cfg.vocab_size,
-                                   extra_eos_ids=self.extra_eos_ids, max_model_len=self.max_model_len)
+                                   extra_eos_ids=self.extra_eos_ids, max_model_len=self.max_model_len,
+                                   block_size=self.scheduler_config.block_size)
         n = checked[2].n
         for name in ("max_seqs_per_request", "max_waiting_sequences"):  # (past the second it could never be queued)
             bound = getattr(self.config.scheduling, name)
@@ -183,6 +185,8 @@ class LLMEngine:
                                          seed=None if params.seed is None else (params.seed + i) % SEED_BOUND)
                      for i in range(params.n)]
         seqs = [Sequence(next(self._seq_ids), ids, params_of[0])]
+        seqs[0].checkpoint_positions = checkpoint_positions(  # (its samples compute no part of the prompt they hint)
+            prompt_hints(prompt).get("checkpoint_positions"), len(ids), self.scheduler_config.block_size)
         seqs += [seqs[0].sample(next(self._seq_ids), p) for p in params_of[1:]]  # the prompt converted once
         arrival = time.perf_counter() if arrival_time is None else float(arrival_time)
         req = RequestState(request_id, text, seqs, RequestMetrics(arrival),

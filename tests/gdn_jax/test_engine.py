@@ -762,6 +762,44 @@ def test_a_step_output_rebuilds_only_the_samples_that_stepped(engine):
     assert reused > 0 and [len(c.token_ids) for c in previous.outputs] == [6] * 7
 
 
+def test_a_hinted_position_becomes_a_checkpoint_that_a_later_prompt_restores_exactly(engine):
+    """A dict prompt's `checkpoint_positions` (53: kept at the block boundary 48, off the 32-token grid): a later
+    prompt sharing 50 tokens restores 48 instead of 32, and gives what it gives with the prefix cache unread."""
+    rng = np.random.default_rng(23)
+    shared = random_ids(rng, 50)
+    greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    engine.add_request("hinted", {"prompt_token_ids": shared + [7] * 10, "checkpoint_positions": [53]},
+                       SamplingParams(**greedy))
+    _drain(engine)
+    engine.add_request("hit", shared + [9, 9], SamplingParams(**greedy))
+    hit = _drain(engine)["hit"]
+    engine.add_request("cold", shared + [9, 9], SamplingParams(**greedy, skip_reading_prefix_cache=True))
+    cold = _drain(engine)["cold"]
+    assert hit.num_cached_tokens == 48 and cold.num_cached_tokens == 0
+    assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_allclose([d[t].logprob for d, t in zip(hit.outputs[0].logprobs, hit.outputs[0].token_ids)],
+                               [d[t].logprob for d, t in zip(cold.outputs[0].logprobs, cold.outputs[0].token_ids)],
+                               atol=1e-4)
+
+
+def test_generate_passes_a_dict_prompts_hints_on(llm):
+    index = llm.engine.scheduler.block_manager.linear.index
+    before = {d for d in index.depth_of.values() if d % 32}
+    llm.generate([{"prompt_token_ids": list(range(100, 160)), "checkpoint_positions": [50]}],
+                 SamplingParams(max_tokens=1), use_tqdm=False)
+    assert {d for d in index.depth_of.values() if d % 32} - before == {48}
+
+
+@pytest.mark.parametrize("positions, message", [
+    (64, "must be a list"), ([True], "not a token position"), ([8], r"outside \[16, 50\]"),
+    ([51], r"outside \[16, 50\]"), (list(range(16, 50, 2)), "at most 16")])
+def test_bad_hints_are_refused_naming_the_field(engine, positions, message):
+    prompt = {"prompt_token_ids": list(range(4, 54)), "checkpoint_positions": positions}
+    with pytest.raises(ValueError, match="checkpoint_positions.*" + message):
+        engine.add_request("bad", prompt, SamplingParams(max_tokens=1))
+    assert not engine.has_unfinished_requests()
+
+
 def test_generate_tokenizes_each_text_prompt_once(llm, monkeypatch):
     """`generate` validates every prompt before it adds any (tokenizing a text prompt), then adds the token ids it
     found: the text is not tokenized a second time. Its output is the same as a token-id prompt's, with the text."""

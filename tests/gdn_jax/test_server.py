@@ -861,3 +861,20 @@ def test_a_reply_of_reasoning_only_can_be_sent_back_in_the_next_turn(server):
         assert r.json()["usage"]["prompt_tokens"] == len("<|user|>why?<|assistant|><|user|>and?<|assistant|><think>")
         r = _post(server, {**body, "messages": [{"role": "user", "content": None}]}, "/v1/chat/completions", parsed.url)
         assert r.status_code == 400 and "content must be a string" in r.json()["error"]["message"]
+
+
+def test_a_hinted_position_is_kept_and_hit_and_a_bad_one_is_a_400(server, client):
+    """`checkpoint_positions` (extra body): a prompt of token ids hinted at 57 keeps the state at 48, off the
+    32-token grid; a later prompt sharing 50 tokens then reuses 48 tokens (32 without the hint). A position past
+    the prompt is a 400 naming the field."""
+    rng = np.random.default_rng(41)
+    shared = rng.integers(4, 500, 50).tolist()
+    first = client.completions.create(model="tiny", prompt=shared + [3, 3, 3, 3, 3, 3, 3], max_tokens=1,
+                                      temperature=0.0, extra_body={"checkpoint_positions": [57]})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model="tiny", prompt=shared + [5, 5], max_tokens=1, temperature=0.0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 48
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"model": "tiny", "prompt": shared, "max_tokens": 1, "checkpoint_positions": [51]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "checkpoint_positions"
+    assert "51 is outside [16, 50]" in r.json()["error"]["message"]

@@ -131,3 +131,31 @@ def test_a_new_request_prefills_in_a_step_of_its_own_then_steps_alternate(new_re
     else:
         assert rows[0][0] == 10 and plans[0].num_decode_rows == 3
     run(sched, dev)
+
+
+@pytest.mark.parametrize("hints, reuse", [((), (8, 16)), ((12, 20), (12, 20))])
+def test_hinted_positions_become_checkpoints_that_later_prompts_hit(hints, reuse):
+    """bs 4, stride 8: a prompt hinted at 12 and 20 (off the grid) stops its prefill there and keeps each state; a
+    later prompt sharing 13 tokens then restores 12, one sharing 22 restores 20 (16 and 8 from the grid alone).
+    The stride boundaries after a hint are still saved, and every state read is the prefix's own (FakeDevice)."""
+    cfg = small_config()
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    first = make_seq(1, P[:28], max_tokens=2)
+    first.checkpoint_positions = hints
+    submit(sched, dev, first)
+    run(sched, dev)
+    index = sched.block_manager.linear.index
+    assert sorted(index.depth_of.values()) == sorted({8, 16, 24} | set(hints))
+    later = [submit(sched, dev, make_seq(2, P[:13] + [6, 6, 6], max_tokens=1)),
+             submit(sched, dev, make_seq(3, P[:22] + [6, 6], max_tokens=1))]
+    run(sched, dev)
+    assert tuple(s.num_cached_tokens for s in later) == reuse
+
+
+def test_hints_are_checked():
+    sched = Scheduler(small_config())
+    for hints in [(6,), (12, 8), (8, 8), (0,), (32,)]:
+        seq = make_seq(1, P[:28])
+        seq.checkpoint_positions = hints
+        with pytest.raises(ValueError, match="checkpoint_positions"):
+            sched.add(seq)

@@ -45,12 +45,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finished = []
 
     @rule(requests=st.lists(st.tuples(st.integers(0, len(ROOTS) - 1), st.integers(0, 24),
-                                      st.lists(st.integers(0, 3), max_size=6), st.integers(1, 20)),
+                                      st.lists(st.integers(0, 3), max_size=6), st.integers(1, 20),
+                                      st.sets(st.integers(1, 8), max_size=3)),
                             min_size=1, max_size=4))
     def add_requests(self, requests):
-        for root, k, suffix, max_tokens in requests:
+        for root, k, suffix, max_tokens, hints in requests:
             tokens = (ROOTS[root][:k] + suffix) or [1]
             seq = make_seq(self.next_id, tokens, max_tokens=max_tokens)
+            # application hints: block boundaries within the prompt, where its state becomes a checkpoint
+            bs = self.config.block_size
+            seq.checkpoint_positions = tuple(sorted(h * bs for h in hints if h * bs <= len(tokens)))
             self.next_id += 1
             self.sched.add(seq)
             self.dev.add(seq)

@@ -115,6 +115,9 @@ class SamplingRequest(_Body):
     length_penalty: Any = None
     skip_special_tokens: Any = None  # true (special tokens' text left out) is what this server does
     return_tokens_as_token_ids: Any = None
+    # gdn-jax's: prompt positions (token counts) whose states to keep as checkpoints, e.g. where a shared system
+    # prompt ends (each at the KV block boundary at or below it; for every prompt of the request)
+    checkpoint_positions: list[int] | None = None
 
 
 class CompletionRequest(SamplingRequest):

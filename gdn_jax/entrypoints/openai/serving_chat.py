@@ -81,7 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         parse = self.config.reasoning_parser is not None
         keep = req.include_reasoning  # false: the reasoning is split off and left out (vLLM's include_reasoning)
         opened = parse and prompt_opens_reasoning(text)
-        sub = self.submit([(text, ids)], params, arrival)
+        sub = self.submit([(text, ids)], params, arrival, req.checkpoint_positions)
         if req.stream:
             streams: dict[int, SampleStream] = {}
             parts: dict[int, ReasoningStream] = {}

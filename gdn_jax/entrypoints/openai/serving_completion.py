@@ -77,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append((text if text is not None else self.engine.tokenizer.decode(ids), ids))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "object": "text_completion", "created": created, "model": self.config.model_name}
-        sub = self.submit(prompts, params, arrival)
+        sub = self.submit(prompts, params, arrival, req.checkpoint_positions)
         if req.stream:
             return self.stream_response(request, sub, head, self._completion_chunks(req, prompts, score_only),
                                         req.stream_options, score_only)

@@ -30,6 +30,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from gdn_jax.engine import RequestOutput
+from gdn_jax.engine.input_processor import checkpoint_positions as check_positions
 from gdn_jax.entrypoints.openai.engine_loop import RETRY_AFTER_S, EngineLoop, Mailbox, Sink
 from gdn_jax.entrypoints.openai.protocol import (BadRequest, CompletionRequest, SamplingRequest, refuse_unsupported,
                                                  stream_error_event)
@@ -209,10 +210,19 @@ class OpenAIServing:
             name = re.match(r"\w*", str(e)).group()
             raise BadRequest(str(e), name if name in SamplingParams.__dataclass_fields__ else field) from None
 
-    def submit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-               arrival: float) -> Submission:
+    def submit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, arrival: float,
+               checkpoint_positions: list[int] | None = None) -> Submission:
         """Submits one engine request per prompt, if the server admits them: not while it shuts down (503), not more
-        than `max_sequences_per_request` sequences (400), not past `max_waiting_sequences` (429)."""
+        than `max_sequences_per_request` sequences (400), not past `max_waiting_sequences` (429). The hinted
+        `checkpoint_positions` apply to every prompt (400 naming the field when one does not fit one)."""
+        hints = {}
+        if checkpoint_positions is not None:
+            hints["checkpoint_positions"] = checkpoint_positions
+            for _, ids in prompts:
+                try:
+                    check_positions(checkpoint_positions, len(ids), self.engine.scheduler_config.block_size)
+                except ValueError as e:
+                    raise BadRequest(str(e), "checkpoint_positions") from None
         if self.shutdown.begun:
             raise BadRequest("the server is shutting down", status=503)
         new, limit = len(prompts) * params.n, self.config.max_sequences_per_request
@@ -228,8 +238,8 @@ class OpenAIServing:
         base = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         rids = [f"{base}-{i}" for i in range(len(prompts))]
         for i, (text, ids) in enumerate(prompts):
-            self.loop.submit(rids[i], {"prompt_token_ids": ids, "prompt": text}, params, Sink(mailbox, i, params.n),
-                             arrival, queue_group=base)
+            self.loop.submit(rids[i], {"prompt_token_ids": ids, "prompt": text, **hints}, params,
+                             Sink(mailbox, i, params.n), arrival, queue_group=base)
         return Submission(self.loop, mailbox, rids)
 
     async def outputs(self, request: Request, sub: Submission):
