@@ -97,9 +97,10 @@ class CacheConfig:
                "Marconi's recency + alpha x prefill FLOPs saved (scheduler/eviction.py)")
     eviction_alpha: float = _setting(
         1.0, "flop_aware eviction: the weight of the FLOPs saved against recency (0: LRU)", min=0)
-    checkpoint_placement: Literal["stride", "overlap"] = _setting(
+    checkpoint_placement: Literal["stride", "overlap", "end_of_turn"] = _setting(
         "stride", "the boundaries a \"scan\" prefill saves: every one it crosses, or those the shared-prefix lengths "
-                  "seen so far make most useful (a dynamic program, scheduler/placement.py)")
+                  "seen so far make most useful (a dynamic program, scheduler/placement.py); end_of_turn: every "
+                  "one, and the states at the end of each prompt and of each output so far")
     num_kv_blocks: int | None = _setting(None, "KV blocks (None: from the memory budget)", min=1)
     num_linear_slots: int | None = _setting(None, "linear-state slots (None: from the memory budget)", min=1)
     memory_budget_bytes: int | None = _setting(

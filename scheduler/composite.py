@@ -141,12 +141,13 @@ class CompositeBlockManager:
         assert op is not None, "can_fork promised a live slot"
         return op
 
-    def keep_state(self, seq: Sequence, point: int) -> None:
+    def keep_state(self, seq: Sequence, point: int, replaces: bool = False) -> None:
         """`seq` has just computed `point` tokens (a block boundary): its state there becomes a checkpoint, like a
         deferred save (the live slot turns into it at the sequence's next step, or its release). Off the stride grid
         it is keyed by the KV hash of the block ending at `point`. For a fork point that samples could not fork from
         (they restore it instead of prefilling the prompt) and for an application's hinted positions; nothing when
-        that checkpoint exists or is being saved."""
+        that checkpoint exists or is being saved. With `replaces` (the end of an output so far) the sequence's
+        previous such checkpoint off the grid is dropped, if no step restores it: one per sequence is kept."""
         cfg = self.config
         if not self.saves_checkpoints or seq.pending_save_hash is not None:
             return
@@ -156,8 +157,15 @@ class CompositeBlockManager:
         else:
             seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
             h = seq.linear_state_hashes[point // cfg.chunk_stride - 1]
-        if not self.linear.index.contains(h) and h not in self.linear.saving_hashes:
-            seq.pending_save_hash, seq.pending_save_len = h, point
+        index = self.linear.index
+        if index.contains(h) or h in self.linear.saving_hashes:
+            return
+        seq.pending_save_hash, seq.pending_save_len = h, point
+        if replaces:
+            slot = index.slot_of.get(seq.replaced_hash)
+            if slot is not None and slot in index.lru and index.depth_of[slot] % cfg.chunk_stride:
+                self.linear.evict_checkpoint(slot)
+            seq.replaced_hash = h if point % cfg.chunk_stride else None
 
     # -- a running sequence's next step ----------------------------------------------------
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:

@@ -53,7 +53,8 @@ class SchedulerConfig:
     eviction_alpha: float = 1.0
     prefill_cost: PrefillCost = PrefillCost()
     # Which boundaries a "scan" prefill row saves (`scheduler.placement`): every one it crosses ("stride"), or those
-    # the observed shared-prefix lengths make most useful ("overlap"; with checkpoint_policy "all").
+    # the observed shared-prefix lengths make most useful ("overlap"; with checkpoint_policy "all"); "end_of_turn":
+    # "stride", and the states at the end of each prompt and of each output so far (at a KV block boundary).
     checkpoint_placement: str = "stride"
 
     def __post_init__(self):

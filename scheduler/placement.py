@@ -1,5 +1,7 @@
 """Which stride boundaries a "scan" prefill row saves as checkpoints: every one it crosses (`"stride"`), or the ones a
 dynamic program over the shared-prefix lengths seen so far finds most useful (`OverlapPlacement`, `"overlap"`).
+`"end_of_turn"` saves what "stride" does and also where a chat's next turn starts: the end of each prompt and of
+each output so far, at the KV block boundary at or below it (the scheduler does this with `keep_state`).
 """
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from collections import Counter, deque
 
 from scheduler.eviction import PrefillCost
 
-PLACEMENTS = ("stride", "overlap")
+PLACEMENTS = ("stride", "overlap", "end_of_turn")
 
 
 class OverlapPlacement:

@@ -59,6 +59,7 @@ class Scheduler:
         self._num_fork_groups = 0
         self.placement = None  # "overlap": `OverlapPlacement`, fed the KV match of each first admission
         self._new_request_step = False  # the last step was one of new requests' first prefills (`new_request_steps`)
+        self.end_of_turn = config.checkpoint_placement == "end_of_turn"
         if config.checkpoint_placement == "overlap":
             checkpoints = config.num_linear_slots - 1 - config.max_num_seqs
             self.placement = OverlapPlacement(config.chunk_stride, config.prefill_cost,
@@ -78,6 +79,10 @@ class Scheduler:
         if any(c.token_ids != seq.token_ids for c in forks):
             raise ValueError(f"request {seq.seq_id}: a fork shares its parent's prompt")
         lane = seq.seq_id if group is None else ("group", group)
+        bs = self.config.block_size
+        if self.end_of_turn and len(seq.token_ids) >= bs:  # the prompt's end is a hinted position
+            end = len(seq.token_ids) // bs * bs
+            seq.checkpoint_positions = tuple(sorted({*seq.checkpoint_positions, end}))
         self.seqs[seq.seq_id] = seq
         self.lane_of[seq.seq_id] = lane
         self.waiting.append(seq, request=lane)
@@ -202,11 +207,11 @@ class Scheduler:
         end = pending[0] if pending is not None else len(seq.token_ids)
         if seq.checkpoint_positions:
             start = seq.num_computed_tokens if start is None else start
-            hints = seq.checkpoint_positions
-            i = bisect.bisect_right(hints, start)
-            if i < len(hints):
-                end = min(end, hints[i])
-            stride = self.config.chunk_stride
+            hints, stride = seq.checkpoint_positions, self.config.chunk_stride
+            # a row crossing a hint on the grid saves it as any boundary ("scan": `_plan_saves`; "promote" rows stop
+            # at every boundary)
+            nxt = next((h for h in hints[bisect.bisect_right(hints, start):] if h % stride), end)
+            end = min(end, nxt)
             if start % stride and start in hints:
                 end = min(end, (start // stride + 1) * stride)
         return end
@@ -334,6 +339,9 @@ class Scheduler:
                     seq.placement_chosen = True
                 if seq.placed_boundaries is not None:
                     boundaries = [b for b in boundaries if b // stride in seq.placed_boundaries]
+            if seq.checkpoint_positions:  # hinted boundaries on the grid (the row stops at the others: `_target`)
+                boundaries = sorted({*boundaries, *(h for h in seq.checkpoint_positions
+                                                    if h % stride == 0 and start < h <= end)})
             for b in boundaries:
                 slot = self.block_manager.acquire_save_slot(seq, b)
                 if slot is not None:
@@ -415,6 +423,8 @@ class Scheduler:
             self.block_manager.on_computed(seq, saved_in_step=scanned)
             if seq.checkpoint_positions and seq.num_computed_tokens in seq.checkpoint_positions:
                 self.block_manager.keep_state(seq, seq.num_computed_tokens)
+            elif self.end_of_turn and not prefill_row and seq.num_computed_tokens % self.config.block_size == 0:
+                self.block_manager.keep_state(seq, seq.num_computed_tokens, replaces=True)  # where the output is
             if prefill_row:
                 if seq.is_prefilling:
                     self.prefilling[seq.seq_id] = seq

@@ -37,6 +37,7 @@ class Sequence:
         self.placement_chosen = False
         # Application hints: prompt positions (block boundaries, ascending) whose states become checkpoints
         self.checkpoint_positions: tuple[int, ...] = ()
+        self.replaced_hash: int | None = None  # "end_of_turn": its last checkpoint at the end of its output so far
 
         self._history = array("q")  # token_ids as C integers, as far as `history` has needed them
 

@@ -85,7 +85,7 @@ def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
 @pytest.mark.parametrize("script, argv, message", [
     ("accuracy_study", ["--seed", "-1"], "argument --seed: -1 is below 0"),
     ("checkpoint_tradeoff", ["--turns", "0"], "argument --turns: 0 is below 1"),
-    ("policy_study", ["--policies", "lru,lfu"], "--policies: lfu: expected some of lru, flop_aware, overlap"),
+    ("policy_study", ["--policies", "lru,lfu"], "--policies: lfu: expected some of lru, flop_aware, overlap, end_of_turn"),
     ("checkpoint_tradeoff", ["--conversations", "two"], "'two' is not an integer"),
     ("checkpoint_tradeoff", ["--block-size", "48"], "--block-size (48) must divide every chunk_stride of the sweep"),
     ("ttft_study", ["--ab", "--shared", "300", "--prompt", "256"], "--shared (300) must be below --prompt (256)"),
@@ -423,11 +423,12 @@ def test_policy_study_compares_eviction_policies_exactly_at_equal_memory(tmp_pat
     assert (tmp_path / "policy_study.png").stat().st_size > 0
     assert set(workloads) == {"chat", "agentic", "fewshot"}
     for name, rows in workloads.items():
-        assert set(rows) == {"lru", "flop_aware", "overlap"}
+        assert set(rows) == {"lru", "flop_aware", "overlap", "end_of_turn"}
         assert all(r["exact"] for r in rows.values()), name  # cache on equals off under every policy
-        assert rows["lru"]["checkpoint_bytes"] == rows["flop_aware"]["checkpoint_bytes"] == rows["overlap"][
-            "checkpoint_bytes"] > 0  # equal memory
+        assert len({r["checkpoint_bytes"] for r in rows.values()}) == 1 and rows["lru"]["checkpoint_bytes"] > 0
         assert all(0 < r["token_hit_rate"] <= 1 and r["flops_saved"] > 0 and r["ttft_p95_ms"] >= r["ttft_p50_ms"]
                    for r in rows.values()), name
     for name in ("chat", "agentic"):
         assert workloads[name]["flop_aware"]["token_hit_rate"] >= workloads[name]["lru"]["token_hit_rate"]
+    # the next turn of a chat restores where the last one ended
+    assert workloads["chat"]["end_of_turn"]["token_hit_rate"] > workloads["chat"]["lru"]["token_hit_rate"]

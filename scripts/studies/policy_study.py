@@ -1,7 +1,7 @@
 """The policy lab: checkpoint eviction policies compared on traces shaped like real workloads, at equal memory.
 
     .venv/bin/python scripts/studies/policy_study.py [--model tiny] [--dtype float32] [--out results] [--quick]
-                                                     [--policies lru,flop_aware,overlap] [--alpha 2.0]
+                                                     [--policies lru,flop_aware,overlap,end_of_turn] [--alpha 2.0]
                                                      [--checkpoints 6]
 
 Three workloads, token ids drawn from the model's vocabulary (seeded), lengths scaled down for a CPU:
@@ -16,7 +16,8 @@ Three workloads, token ids drawn from the model's vocabulary (seeded), lengths s
   tokens, as in MMLU's 5-shot evaluation (Hendrycks et al., 2021).
 
 Policies: `lru` (every boundary saved, LRU eviction: the default), `flop_aware` (every boundary, Marconi's FLOP-aware
-eviction) and `overlap` (the boundaries the observed shared-prefix lengths favour, LRU eviction).
+eviction), `overlap` (the boundaries the observed shared-prefix lengths favour, LRU eviction) and `end_of_turn`
+(every boundary, and the states at the end of each prompt and of each output so far, LRU eviction).
 
 Each workload runs on one engine per policy and on a cache-off engine, all with the same pools: KV blocks enough for
 every sequence (so that only the linear checkpoints compete), and `--checkpoints` checkpoint slots beside the live
@@ -50,7 +51,8 @@ QUICK = dict(conversations=3, turns=3, message=(12, 40), answer=16, tool_prompt=
 MAX_NUM_SEQS = 4
 # policy -> its engine settings
 POLICIES = {"lru": dict(checkpoint_eviction="lru"), "flop_aware": dict(checkpoint_eviction="flop_aware"),
-            "overlap": dict(checkpoint_eviction="lru", checkpoint_placement="overlap")}
+            "overlap": dict(checkpoint_eviction="lru", checkpoint_placement="overlap"),
+            "end_of_turn": dict(checkpoint_eviction="lru", checkpoint_placement="end_of_turn")}
 
 
 def _ids(rng, vocab: int, n: int) -> list[int]:

@@ -68,3 +68,23 @@ def test_overlap_needs_scan_saves_of_every_boundary():
         small_config(checkpoint_mode="promote", checkpoint_placement="overlap")
     with pytest.raises(ValueError, match="checkpoint_placement must be one of"):
         small_config(checkpoint_placement="sparse")
+
+
+@pytest.mark.parametrize("placement, reuse", [("stride", (16, 32)), ("end_of_turn", (20, 36))])
+def test_end_of_turn_keeps_the_end_of_the_prompt_and_of_the_output(placement, reuse):
+    """bs 4, stride 8. A first turn: a prompt of 22 tokens and 15 tokens of output (36 computed). "end_of_turn" keeps
+    the state at 20 (the prompt's end, at a block boundary) and at 36 (the output's), the one it kept at 28 on the
+    way dropped; a later prompt that keeps the first prompt but rewrites the reply restores 20, and the next turn,
+    all of the first plus a new message, restores 36 (the grid alone: 16 and 32)."""
+    cfg = small_config(checkpoint_placement=placement)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    prompt = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 0, 2, 6, 4, 3, 3, 2, 3, 0, 4, 6, 2]
+    first = submit(sched, dev, make_seq(1, prompt, max_tokens=15))
+    run(sched, dev)
+    index = sched.block_manager.linear.index
+    off_grid = sorted(d for d in index.depth_of.values() if d % 8)
+    assert off_grid == ([20, 36] if placement == "end_of_turn" else [])
+    edited = submit(sched, dev, make_seq(2, prompt + [6, 6, 6, 6, 6, 6], max_tokens=1))
+    next_turn = submit(sched, dev, make_seq(3, first.token_ids + [5, 5, 5], max_tokens=1))
+    run(sched, dev)
+    assert (edited.num_cached_tokens, next_turn.num_cached_tokens) == reuse

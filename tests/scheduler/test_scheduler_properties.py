@@ -28,9 +28,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 extra_blocks=st.integers(0, 3), budget_chunks=st.integers(1, 3),
                 has_linear=st.sampled_from([True, True, True, False]),
                 caching=st.sampled_from([True, True, True, False]), eos=st.sampled_from([None, 0]),
-                mode=st.sampled_from(["scan", "promote"]), policy=st.sampled_from(["all", "last"]))
+                mode=st.sampled_from(["scan", "promote"]), policy=st.sampled_from(["all", "last"]),
+                placement=st.sampled_from(["stride", "end_of_turn"]))
     def setup(self, block_size, chunk_blocks, max_num_seqs, extra_slots, extra_blocks,
-              budget_chunks, has_linear, caching, eos, mode, policy):
+              budget_chunks, has_linear, caching, eos, mode, policy, placement):
         chunk_stride = block_size * chunk_blocks
         self.config = SchedulerConfig(
             block_size=block_size, chunk_stride=chunk_stride,
@@ -38,7 +39,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_linear_slots=max_num_seqs + extra_slots, max_num_seqs=max_num_seqs,
             max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=chunk_stride * budget_chunks,
             enable_prefix_caching=caching, has_linear_attention_layers=has_linear,
-            eos_token_id=eos, state_fingerprint="prop", checkpoint_mode=mode, checkpoint_policy=policy)
+            eos_token_id=eos, state_fingerprint="prop", checkpoint_mode=mode, checkpoint_policy=policy,
+            checkpoint_placement=placement)
         self.sched = Scheduler(self.config)
         self.dev = FakeDevice(self.config)
         self.next_id = 0
