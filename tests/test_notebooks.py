@@ -44,8 +44,8 @@ def _accuracy(ns):
 def _policies(ns):
     workloads = ns["workloads"]
     assert set(workloads) == {"chat", "agentic", "fewshot"}
-    assert all(set(rows) == {"lru", "flop_aware", "overlap"} for rows in workloads.values())
-    assert all(len(ax.patches) == 9 for ax in ns["axes"])  # 3 workloads x 3 policies, hit rate and saves
+    assert all(set(rows) == {"lru", "flop_aware", "overlap", "end_of_turn"} for rows in workloads.values())
+    assert all(len(ax.patches) == 12 for ax in ns["axes"])  # 3 workloads x 4 policies, hit rate and saves
 
 
 # what each notebook's output must contain, and the checks on its namespace
@@ -58,7 +58,8 @@ EXPECTED = {
          "unsafe_stale drifts True"], _accuracy),
     "03_policies.ipynb": (
         ["every policy exact (cache on == off on every workload) True",
-         "flop_aware hit rate >= lru on chat and agentic True"], _policies),
+         "flop_aware hit rate >= lru on chat and agentic True", "end_of_turn hit rate > lru on chat True"],
+        _policies),
     "train_tiny.ipynb": (["loss decreased True", "restored True"], None),
 }
 
