@@ -26,7 +26,7 @@ run: $(VENV)/.installed
 # processes share compiled executables through JAX's persistent cache in a folder of its own (tests/conftest.py).
 # Modules that name no group run in the engine lane's third process. The groups that test what the server, training,
 # the studies and the scripts do with the model's results compile with LLVM's optimisation off (in half the time);
-# the xla_forms tests run again with the CPU kernels off, in XLA's forms; the mesh tests (tensor and expert
+# the xla_forms tests run (again) with the CPU kernels off, in XLA's forms; the mesh tests (tensor and expert
 # parallelism) run in a process of 8 host devices.
 PYTEST = $(PY) -m pytest -q --ignore=tests/reference
 PLUMBING := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
@@ -41,7 +41,7 @@ test-lane-engine: $(VENV)/.installed
 	$(PYTEST) -m "engine and not mesh"
 	GDN_JAX_CPU_KERNELS=0 $(PYTEST) -m xla_forms
 	$(PYTEST) -m model
-	$(PYTEST) -m "not (engine or model or startup or server or studies or bench or mesh or deterministic)"
+	$(PYTEST) -m "not (engine or model or startup or server or studies or bench or mesh or deterministic or xla_forms)"
 	$(PLUMBING) $(PYTEST) -m studies
 test-lane-rest: $(VENV)/.installed
 	$(PYTEST) -m startup

@@ -10,7 +10,9 @@ import pytest
 
 from gdn_jax.engine import LLMEngine
 
-pytestmark = [pytest.mark.engine, pytest.mark.xla_forms]
+# the engine group: every step shape, the CPU's forms; `make test` runs the xla_forms tests again with the CPU kernels
+# off (XLA's forms): there a subset of the shapes, the ones that differ most
+ENGINE, XLA_FORMS = pytest.mark.engine, pytest.mark.xla_forms
 
 # pools far larger than any activation of the tiny model, so a pool-sized temporary cannot hide among them
 ENGINE_KW = dict(max_num_seqs=2, max_model_len=64, chunk_stride=32, num_kv_blocks=1024, num_linear_slots=1024,
@@ -36,18 +38,36 @@ def _layer_pools(state) -> list:
     return [state.k[:, 0], state.v[:, 0], state.conv[0], state.ssm[0]]
 
 
+@ENGINE
 @pytest.mark.slow  # compiles every bucket: ~30 s per dtype without the compilation cache
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_no_step_shape_copies_a_pool(dtype):
     worker = LLMEngine("tiny", dtype=dtype, **ENGINE_KW).worker
-    pools = jax.tree.leaves(worker.state)
-    first_pool = len(jax.tree.leaves(worker.params))  # the step's arguments: params, then the state
-    # neither a whole stacked pool nor one layer's part of it (the layer loop indexes the stacks)
-    pool_sizes = {p.size for p in pools + _layer_pools(worker.state)}
     shapes = worker.shape_buckets()
     # prefill rows up to max_model_len; shapes of 32 and 64 tokens also write checkpoints (checkpoint_mode "scan")
     assert {t for _, t, _ in shapes} == {1, 16, 32, 64} and {b for b, _, _ in shapes} == {1, 2}
     assert [worker.num_saves(b, t) for b in (1, 2) for t in (16, 32, 64)] == [0, 1, 2, 0, 2, 4]
+    _assert_no_pool_copied(worker, shapes)
+
+
+@XLA_FORMS
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_and_the_most_saving_prefill_steps_copy_no_pool(dtype):
+    """In XLA's forms (`make test` runs the xla_forms tests with the CPU kernels off): the one- and two-row decode
+    steps and the prefill steps that write the most checkpoints (one row of 64 tokens, 2 saves; two rows, 4), of the
+    grid whose every shape the test above checks in the CPU's forms."""
+    worker = LLMEngine("tiny", dtype=dtype, **ENGINE_KW).worker
+    shapes = [worker.step_shape(1, 1, False), worker.step_shape(2, 1, False), worker.step_shape(1, 64, True),
+              worker.step_shape(2, 64, True)]
+    assert set(shapes) <= set(worker.shape_buckets()) and [worker.num_saves(b, t) for b, t, _ in shapes] == [0, 0, 2, 4]
+    _assert_no_pool_copied(worker, shapes)
+
+
+def _assert_no_pool_copied(worker, shapes):
+    pools = jax.tree.leaves(worker.state)
+    first_pool = len(jax.tree.leaves(worker.params))  # the step's arguments: params, then the state
+    # neither a whole stacked pool nor one layer's part of it (the layer loop indexes the stacks)
+    pool_sizes = {p.size for p in pools + _layer_pools(worker.state)}
     for shape in shapes:
         compiled = worker.compiled_step(shape)
         hlo, mem = compiled.as_text(), compiled.memory_analysis()
@@ -58,6 +78,8 @@ def test_no_step_shape_copies_a_pool(dtype):
         assert mem.temp_size_in_bytes < min(p.nbytes for p in _layer_pools(worker.state)), (shape, mem.temp_size_in_bytes)
 
 
+@ENGINE
+@XLA_FORMS
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_unrolled_one_row_decode_step_updates_the_pools_in_place(monkeypatch, dtype):
     """GDN_JAX_UNROLL_LAYERS=decode: the one-row decode step (every layer traced with its index known) copies no pool

@@ -148,12 +148,12 @@ def test_a_preempted_prompt_re_admitted_on_a_prefix_cached_since_is_scored_past_
 
 
 def test_prompt_logprobs_compile_only_their_own_variant():
-    llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=64, verbose=False)
-    plain = 2 * 4 * 1                           # rows {1,2} x tokens {1,16,32,64} (up to max_model_len) x blocks {8}
-    assert llm.engine.warm_up(prompt_logprobs=True) == plain + 2 * 3
+    llm = LLM("tiny-random", block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=32, verbose=False)
+    plain = 2 * 3 * 1                           # rows {1,2} x tokens {1,16,32} (up to max_model_len) x blocks {2}
+    assert llm.engine.warm_up(prompt_logprobs=True) == plain + 2 * 2
     warm = llm.cache_stats()["compilations"]
     rng = np.random.default_rng(1)
-    prompts = [random_ids(rng, n) for n in (5, 40, 33)]
+    prompts = [random_ids(rng, n) for n in (5, 27, 17)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1), use_tqdm=False)
     assert llm.cache_stats()["compilations"] == warm

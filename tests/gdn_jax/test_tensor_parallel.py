@@ -96,7 +96,9 @@ def test_no_compilation_after_warm_up_and_the_same_grid():
     kw = {**KW, "max_num_seqs": 2, "max_model_len": 96}  # a small grid: warm-up compiles every shape of it
     one = LLM("tiny-random", tensor_parallel_size=1, **kw)
     two = LLM("tiny-random", tensor_parallel_size=2, **kw)
-    assert two.warm_up() == one.warm_up()
+    # the one-device grid, not compiled: warm-up compiles the worker's shape buckets and returns their number
+    grid = one.engine.worker.shape_buckets()
+    assert two.engine.worker.shape_buckets() == grid and two.warm_up() == len(grid) > 1
     before = two.engine.worker.num_compilations
     two.generate([p[:80] for p in _prompts()], GREEDY, use_tqdm=False)
     two.generate(_prompts()[:1], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4), use_tqdm=False)
