@@ -101,6 +101,9 @@ class CacheConfig:
         "stride", "the boundaries a \"scan\" prefill saves: every one it crosses, or those the shared-prefix lengths "
                   "seen so far make most useful (a dynamic program, scheduler/placement.py); end_of_turn: every "
                   "one, and the states at the end of each prompt and of each output so far")
+    host_checkpoint_bytes: int = _setting(
+        0, "host memory for checkpoints the device pool evicts: a later hit copies one back before its step (0: "
+           "none; one device only)", min=0)
     num_kv_blocks: int | None = _setting(None, "KV blocks (None: from the memory budget)", min=1)
     num_linear_slots: int | None = _setting(None, "linear-state slots (None: from the memory budget)", min=1)
     memory_budget_bytes: int | None = _setting(
@@ -204,6 +207,10 @@ class EngineConfig:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         if self.deterministic and self.tensor_parallel_size * self.expert_parallel_size > 1:
             raise ValueError(f"deterministic=True runs on one device: tensor_parallel_size "
+                             f"({self.tensor_parallel_size}) and expert_parallel_size ({self.expert_parallel_size}) "
+                             f"must be 1")
+        if self.cache.host_checkpoint_bytes and self.tensor_parallel_size * self.expert_parallel_size > 1:
+            raise ValueError(f"host_checkpoint_bytes runs on one device: tensor_parallel_size "
                              f"({self.tensor_parallel_size}) and expert_parallel_size ({self.expert_parallel_size}) "
                              f"must be 1")
         if self.token_budget < self.cache.chunk_stride:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from scheduler.eviction import eviction_policy
 from scheduler.config import SchedulerConfig
+from scheduler.host_tier import HostTier
 from scheduler.kv_cache import BlockManagerImpl
 from scheduler.linear_cache import LinearStateBlockManager, deepest_hit_at_or_below
 from scheduler.plan import LinearStateCacheOp, StepPlan
@@ -25,6 +26,7 @@ class PrefixMatch:
     linear_reach: int         # deepest checkpoint boundary the linear leaf matched
     reuse: int                # tokens that will be skipped
     restore_src_slot_id: int  # checkpoint restored at `reuse`, -1 for a cold start
+    host_key: int | None = None  # a host-tier hit at `reuse`: copied into a slot at admission (`HostTier`)
 
 
 class CompositeBlockManager:
@@ -37,6 +39,9 @@ class CompositeBlockManager:
         self.linear = (LinearStateBlockManager(config.num_linear_slots, config.chunk_stride,
                                                config.enable_prefix_caching, eviction)
                        if config.has_linear_attention_layers else None)
+        self.host = None
+        if config.num_host_checkpoints and self.saves_checkpoints:
+            self.host = self.linear.index.host = HostTier(config.num_host_checkpoints, config.chunk_stride)
 
     @property
     def saves_checkpoints(self) -> bool:
@@ -66,11 +71,16 @@ class CompositeBlockManager:
             return PrefixMatch(kv_blocks, kv_match, reach, kv_match, -1)
         if cfg.unsafe_reuse == "stale":   # ablation: all the KV, the GDN state of the deepest checkpoint below it
             return PrefixMatch(kv_blocks, kv_match, reach, kv_match, src)
+        top = min(kv_match, (len(seq.token_ids) - 1) // cfg.block_size * cfg.block_size)
         if self.linear.index.num_off_grid:  # a block boundary off the stride grid (`keep_state`)
-            top = min(kv_match, (len(seq.token_ids) - 1) // cfg.block_size * cfg.block_size)
             depth, slot = self.linear.index.match_blocks(seq.block_hashes, cfg.block_size, reuse, top)
             if depth > reuse:
                 reuse, src, reach = depth, slot, max(reach, depth)
+        if self.host is not None and self.host.entries:  # deeper on the host than on the device
+            usable = min((len(seq.token_ids) - 1) // cfg.chunk_stride, len(seq.linear_state_hashes))
+            depth, h = self.host.match(seq.linear_state_hashes, usable, seq.block_hashes, cfg.block_size, reuse, top)
+            if depth > reuse:
+                return PrefixMatch(kv_blocks[:depth // cfg.block_size], kv_match, max(reach, depth), depth, -1, h)
         return PrefixMatch(kv_blocks[:reuse // cfg.block_size], kv_match, reach, reuse, src)
 
     def admissible(self, seq: Sequence, m: PrefixMatch) -> PrefixMatch | None:
@@ -82,7 +92,7 @@ class CompositeBlockManager:
         """
         if self._fits(seq, m):
             return m
-        if m.restore_src_slot_id > 0:
+        if m.restore_src_slot_id > 0 or m.host_key is not None:
             cold = PrefixMatch([], m.kv_match, m.linear_reach, 0, -1)
             if self._fits(seq, cold):
                 return cold
@@ -97,7 +107,8 @@ class CompositeBlockManager:
             return False
         if self.linear is not None:
             pinned_now = m.restore_src_slot_id > 0 and not self.linear.is_pinned(m.restore_src_slot_id)
-            if self.linear.num_obtainable - pinned_now < 1:
+            onload = m.host_key is not None  # the slot the host entry is copied into, besides the live one
+            if self.linear.num_obtainable - pinned_now - onload < 1:
                 return False
         return True
 
@@ -109,7 +120,13 @@ class CompositeBlockManager:
         self.kv.allocate(seq, len(seq.token_ids))
         op = None
         if self.linear is not None:
-            op = self.linear.admit(seq, m.restore_src_slot_id)
+            src = m.restore_src_slot_id
+            if m.host_key is not None:  # pinned now (it holds the host entry from the start of the step)
+                src = self.linear.acquire_onload_slot(m.host_key)
+                assert src is not None, "admissible promised the slot"
+            op = self.linear.admit(seq, src)
+            if m.host_key is not None:
+                self.linear.index.release(src)  # `admit` took the step's pin
             assert op is not None, "admissible promised a live slot"
         seq.num_computed_tokens = m.reuse
         return op
@@ -198,6 +215,11 @@ class CompositeBlockManager:
                 self.linear.commit_save(save.slot)
             else:
                 self.linear.cancel_save(save.slot)
+        if not completed and self.host is not None:  # its copies may not have run: nothing of them is trusted
+            self.host.cancel(plan.host_ops)
+            for _, slot in plan.onloads:
+                if slot in self.linear.index.lru:
+                    self.linear.evict_checkpoint(slot)
 
     def on_computed(self, seq: Sequence, saved_in_step: bool = False) -> None:
         """Hash what became full and computed; record a pending save at a chunk boundary, unless the step wrote
@@ -226,6 +248,9 @@ class CompositeBlockManager:
         if self.linear is None:
             return self.kv.num_cached_blocks == 0
         self.linear.reset_prefix_cache()
+        if self.host is not None:  # (the engine drops their bytes with the next step's plan)
+            for h in list(self.host.entries):
+                self.host.forget(h)
         return self.kv.num_cached_blocks == 0 and self.linear.num_checkpoints == 0 and not self.linear.saving
 
     # -- observability ---------------------------------------------------------------------
@@ -235,6 +260,9 @@ class CompositeBlockManager:
                dict(checkpoints_saved=0, checkpoints_save_skipped=0, checkpoints_evicted=0, live_slots=0,
                     checkpoint_slots=0, free_slots=0))
         out.update(self.kv.stats())
+        host = self.host
+        out.update(host_checkpoints=len(host) if host else 0, checkpoints_offloaded=host.num_offloaded if host else 0,
+                   checkpoints_onloaded=host.num_onloaded if host else 0)
         return out
 
     def check_invariants(self, running: list[Sequence], inflight: StepPlan | None) -> None:

@@ -56,6 +56,8 @@ class SchedulerConfig:
     # the observed shared-prefix lengths make most useful ("overlap"; with checkpoint_policy "all"); "end_of_turn":
     # "stride", and the states at the end of each prompt and of each output so far (at a KV block boundary).
     checkpoint_placement: str = "stride"
+    # Checkpoints the host tier keeps after the device pool evicts them (`scheduler.host_tier`; 0: none)
+    num_host_checkpoints: int = 0
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -100,6 +102,8 @@ class SchedulerConfig:
             raise ValueError(f"checkpoint_placement 'overlap' chooses the boundaries a \"scan\" prefill saves: it needs "
                              f"checkpoint_mode 'scan' and checkpoint_policy 'all', got {self.checkpoint_mode!r} and "
                              f"{self.checkpoint_policy!r}")
+        if self.num_host_checkpoints < 0:
+            raise ValueError(f"num_host_checkpoints must be >= 0, got {self.num_host_checkpoints}")
         if not self.eviction_alpha >= 0:
             raise ValueError(f"eviction_alpha must be >= 0, got {self.eviction_alpha}")
         if not isinstance(self.state_fingerprint, str):

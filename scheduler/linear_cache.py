@@ -29,6 +29,7 @@ class LinearStatePrefixCache:
         self.last_used: dict[int, int] = {}   # slot -> logical time of its insert or last restore
         self.clock = 0
         self.num_off_grid = 0  # checkpoints at a block boundary off the stride grid, keyed by its KV block hash
+        self.host = None  # `HostTier`: where a checkpoint the policy evicts goes on living
 
     def _touch(self, slot: int) -> None:
         self.clock += 1
@@ -79,6 +80,8 @@ class LinearStatePrefixCache:
         if h in self.slot_of:
             return False
         assert slot not in self.hash_of, f"slot {slot} is already a checkpoint"
+        if self.host is not None and h in self.host.entries:  # computed again: the device's copy is the one kept
+            self.host.forget(h)
         self.slot_of[h] = slot
         self.hash_of[slot] = h
         self.pins[slot] = 0
@@ -101,6 +104,8 @@ class LinearStatePrefixCache:
         if not self.lru:
             return None
         slot = self.policy.victim(self.lru, self.depth_of, self.last_used)
+        if self.host is not None:
+            self.host.offer(slot, self.hash_of[slot], self.depth_of[slot])
         self.evict(slot)
         return slot
 
@@ -214,6 +219,23 @@ class LinearStateBlockManager:
             self.num_evicted += 1
         self.saving[slot] = h, depth
         self.saving_hashes.add(h)
+        return slot
+
+    def acquire_onload_slot(self, h: int) -> int | None:
+        """A slot for host entry `h` to be copied into before the step: a free one, else an unpinned checkpoint (the
+        eviction policy's, which may go to the host in turn). It is the checkpoint of `h` at once, pinned as the
+        step's restore source. None when no slot can be had."""
+        if not self.free_slots and not self.index.lru:
+            return None
+        depth = self.index.host.take(h)  # first: the eviction below may send a checkpoint to a full host tier
+        if self.free_slots:
+            slot = self.free_slots.popleft()
+        else:
+            slot = self.index.evict_victim()
+            self.num_evicted += 1
+        self.index.host.load(h, slot)
+        self.index.insert_with_recorded_hash(slot, h, depth)
+        self.index.pin(slot)
         return slot
 
     def commit_save(self, slot: int) -> None:
@@ -346,6 +368,10 @@ class LinearStateBlockManager:
             assert set(idx.lru) == {s for s in ckpt if idx.pins[s] == 0}, "LRU != unpinned checkpoints"
             assert set(idx.depth_of) == ckpt == set(idx.last_used), "depths or uses kept for a slot not indexed"
             assert idx.num_off_grid == sum(d % self.chunk_stride != 0 for d in idx.depth_of.values())
+            if idx.host is not None:  # a checkpoint is on the device or on the host, never both
+                host = idx.host
+                assert len(host) <= host.capacity and not host.entries.keys() & idx.slot_of.keys()
+                assert host.num_off_grid == sum(d % self.chunk_stride != 0 for d in host.entries.values())
             if not pins_allowed:
                 assert not any(idx.pins.values()), "checkpoint pinned outside a step"
             if sources is not None:

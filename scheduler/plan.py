@@ -81,6 +81,14 @@ class StepPlan:
     seqs: list[ScheduledSequence]
     saves: list[CheckpointSave] = field(default_factory=list)
     num_decode_rows: int = 0  # a prefill step's trailing decode rows (0 unless mixed)
+    # the host tier's copies and drops (`scheduler.host_tier`), in this order, before anything else of the step:
+    # ("out", slot, hash) a slot's checkpoint to the host, ("drop", hash), ("in", hash, slot) an entry into a slot
+    host_ops: list[tuple] = field(default_factory=list)
+
+    @property
+    def onloads(self) -> list[tuple[int, int]]:
+        """(hash, slot) of every host entry the step copies into a slot."""
+        return [op[1:] for op in self.host_ops if op[0] == "in"]
 
     def __post_init__(self):
         if not 0 <= self.num_decode_rows <= (len(self.seqs) if self.is_prefill else 0):

@@ -21,6 +21,7 @@ is recomputed, never copied). A child that cannot be forked at that moment (no r
 parent finds the fork point already in the prefix cache, runs as an ordinary request instead.
 """
 import bisect
+import dataclasses
 from collections import Counter
 
 from scheduler.composite import CompositeBlockManager, PrefixMatch
@@ -109,10 +110,7 @@ class Scheduler:
             raise ValueError(f"request {seq.seq_id}: seq_id already in use")
         if seq.status != SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"request {seq.seq_id}: sequence was already scheduled")
-        hints, bs = list(seq.checkpoint_positions), self.config.block_size
-        if hints != sorted(set(hints)) or any(not 0 < h <= seq.num_prompt_tokens or h % bs for h in hints):
-            raise ValueError(f"request {seq.seq_id}: checkpoint_positions must be ascending multiples of block_size "
-                             f"({bs}) within the prompt ({seq.num_prompt_tokens} tokens), got {hints}")
+        seq.check_hints(self.config.block_size)
 
     def abort(self, seq_id: int) -> bool:
         """Finish a request. One whose step is in flight keeps its KV blocks and live slot until `postprocess` (or
@@ -145,6 +143,8 @@ class Scheduler:
             plan = self._schedule_mixed()
         else:
             plan = self._schedule_prefill() or self._schedule_decode()
+        if plan is not None and self.block_manager.host is not None:
+            plan = dataclasses.replace(plan, host_ops=self.block_manager.host.drain())
         self.inflight = plan
         return plan
 
@@ -524,7 +524,8 @@ class Scheduler:
     def _record_admission(self, seq: Sequence, m: PrefixMatch) -> None:
         if self.placement is not None and seq.num_admissions == 0:
             self.placement.observe(m.kv_match)
-        self.counters["checkpoints_restored"] += m.restore_src_slot_id > 0
+        restored = m.restore_src_slot_id > 0 or m.host_key is not None
+        self.counters["checkpoints_restored"] += restored
         if seq.num_admissions > 0:
             self.counters["readmissions"] += 1
         elif self.config.enable_prefix_caching and not seq.sampling_params.skip_reading_prefix_cache:
@@ -535,7 +536,7 @@ class Scheduler:
         if seq.num_admissions == 0:  # per-request metrics describe the first admission
             seq.kv_match, seq.linear_reach, seq.num_cached_tokens = m.kv_match, m.linear_reach, m.reuse
             seq.reuse_lost = m.kv_match - m.reuse
-            seq.restored = m.restore_src_slot_id > 0
+            seq.restored = restored
         seq.num_admissions += 1
 
     def _preempt(self, seq: Sequence) -> None:

@@ -57,6 +57,13 @@ class Sequence:
         # has had (its prompt logprobs up to there are scored).
         self.max_num_computed_tokens = 0
 
+    def check_hints(self, block_size: int) -> None:
+        """`checkpoint_positions` must be ascending multiples of `block_size` within the prompt (ValueError)."""
+        hints = list(self.checkpoint_positions)
+        if hints != sorted(set(hints)) or any(not 0 < h <= self.num_prompt_tokens or h % block_size for h in hints):
+            raise ValueError(f"request {self.seq_id}: checkpoint_positions must be ascending multiples of block_size "
+                             f"({block_size}) within the prompt ({self.num_prompt_tokens} tokens), got {hints}")
+
     def sample(self, seq_id: int, sampling_params: SamplingParams) -> "Sequence":
         """A further sample of this sequence's prompt (n > 1), made before it has run: the prompt is copied, not
         converted token by token again, which for many samples of a long prompt was most of adding the request."""

@@ -29,6 +29,7 @@ from gdn_jax.model.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker.compile_cache import enable_compilation_cache
 from gdn_jax.worker.executable_store import StaleExecutable
+from gdn_jax.worker.host_tier import HostStore
 from gdn_jax.worker.memory import default_memory_budget, plan_memory
 from gdn_jax.worker.worker import Worker
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
@@ -111,12 +112,15 @@ class LLMEngine:
             new_request_steps=sched.new_request_steps,
             checkpoint_eviction=cache.checkpoint_eviction, eviction_alpha=cache.eviction_alpha,
             checkpoint_placement=cache.checkpoint_placement,
+            num_host_checkpoints=(cache.host_checkpoint_bytes // self.memory.bytes_per_linear_slot
+                                  if self.memory.bytes_per_linear_slot else 0),
             prefill_cost=PrefillCost(*self.cfg.prefill_flops()))
         if cache.unsafe_reuse is not None:
             warnings.warn(f"unsafe_reuse={cache.unsafe_reuse!r}: reusing KV matches with a {cache.unsafe_reuse} GDN "
                           f"state; outputs drift from the model's (an ablation for accuracy studies only)",
                           stacklevel=user_stacklevel())
         self.scheduler = Scheduler(self.scheduler_config)
+        self.host_store = HostStore()  # the host tier's entries (`host_checkpoint_bytes`)
         eos = [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]
         self.worker = Worker(model_cfg, graphdef, params, self.memory, config,
                              eos_token_ids=tuple(eos + self.extra_eos_ids), mesh=self.mesh)
@@ -333,6 +337,8 @@ class LLMEngine:
         full = any(t is not None and self._by_seq[s.seq_id].seq.sampling_params.prompt_logprobs == -1
                    for s, t in zip(plan.seqs, targets or ()))
         try:
+            if plan.host_ops:  # the host tier's copies, before the step
+                self.worker.state = self.host_store.apply(self.worker.state, plan.host_ops)
             result = (self.worker.execute(plan, targets, full) if targets and any(targets)
                       else self.worker.execute(plan))
         except StaleExecutable:  # (the worker warned) the step is recomputed with that shape compiled again

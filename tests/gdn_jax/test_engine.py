@@ -782,6 +782,32 @@ def test_a_hinted_position_becomes_a_checkpoint_that_a_later_prompt_restores_exa
                                atol=1e-4)
 
 
+def test_a_checkpoint_evicted_to_the_host_tier_is_restored_exactly():
+    """host_checkpoint_bytes: with room for one checkpoint beside the live slot, the prompts after A evict A's
+    checkpoint (at 32; the one at 64 had no slot) from the device to the host; A's next prompt restores it from there,
+    with the same tokens and logprobs as with the prefix cache unread. Refused with tensor parallelism."""
+    engine = LLMEngine("tiny-random", host_checkpoint_bytes=1 << 30, num_linear_slots=3,
+                       **dict(KW, max_num_seqs=1))
+    rng = np.random.default_rng(5)
+    shared = random_ids(rng, 100)
+    greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    for i, prompt in enumerate([shared] + [random_ids(rng, 100) for _ in range(2)]):
+        engine.add_request(f"p{i}", prompt, SamplingParams(**greedy))
+        _drain(engine)
+    assert engine.cache_stats()["checkpoints_offloaded"] >= 2 and len(engine.host_store.entries) >= 2
+    engine.add_request("hit", shared + [9, 9], SamplingParams(**greedy))
+    hit = _drain(engine)["hit"]
+    engine.add_request("cold", shared + [9, 9], SamplingParams(**greedy, skip_reading_prefix_cache=True))
+    cold = _drain(engine)["cold"]
+    assert hit.num_cached_tokens == 32 and engine.cache_stats()["checkpoints_onloaded"] == 1
+    assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_allclose([d[t].logprob for d, t in zip(hit.outputs[0].logprobs, hit.outputs[0].token_ids)],
+                               [d[t].logprob for d, t in zip(cold.outputs[0].logprobs, cold.outputs[0].token_ids)],
+                               atol=1e-4)
+    with pytest.raises(ValueError, match="host_checkpoint_bytes runs on one device"):
+        LLMEngine("tiny-random", host_checkpoint_bytes=1 << 20, tensor_parallel_size=2, **KW)
+
+
 def test_generate_passes_a_dict_prompts_hints_on(llm):
     index = llm.engine.scheduler.block_manager.linear.index
     before = {d for d in index.depth_of.values() if d % 32}

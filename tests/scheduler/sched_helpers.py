@@ -36,6 +36,7 @@ class FakeDevice:
         self.kv: dict[tuple[int, int], int] = {}
         self.tokens: dict[int, list[int]] = {}  # the test's own view of every request
         self.restores = []  # (seq_id, start_pos, src) of warm restores
+        self.host: dict[int, tuple] = {}  # the host tier: hash -> the state copied out
         self.num_tokens_computed = 0
 
     def add(self, seq: Sequence) -> None:
@@ -50,7 +51,17 @@ class FakeDevice:
         # a mixed step runs its prefill rows, then its decode rows: a restore (a fork's) that read a live slot a decode
         # row advances would race that write (the worker refuses such a step)
         decode_lives = {row.linear_op.linear_state_id for row in plan.decode_seqs if row.linear_op is not None}
-        # Restores first (all rows), as the jitted step does before the forward.
+        # The host tier's copies first, as the engine makes them before the step.
+        for op in plan.host_ops:
+            if op[0] == "out":  # (the step may reuse the slot: it is read before)
+                assert 0 < op[1] < cfg.num_linear_slots and op[2] not in self.host
+                self.host[op[2]] = self.state[op[1]]
+            elif op[0] == "drop":
+                self.host.pop(op[1], None)  # (an offload a failed step was to make may be absent)
+            else:
+                assert op[0] == "in" and op[2] not in lives
+                self.state[op[2]] = self.host.pop(op[1])
+        # Restores (all rows), as the jitted step does before the forward.
         new_state = {}
         for row in plan.seqs:
             op = row.linear_op

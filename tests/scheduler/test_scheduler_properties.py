@@ -29,9 +29,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 has_linear=st.sampled_from([True, True, True, False]),
                 caching=st.sampled_from([True, True, True, False]), eos=st.sampled_from([None, 0]),
                 mode=st.sampled_from(["scan", "promote"]), policy=st.sampled_from(["all", "last"]),
-                placement=st.sampled_from(["stride", "end_of_turn"]))
+                placement=st.sampled_from(["stride", "end_of_turn"]), host=st.sampled_from([0, 0, 1, 3]))
     def setup(self, block_size, chunk_blocks, max_num_seqs, extra_slots, extra_blocks,
-              budget_chunks, has_linear, caching, eos, mode, policy, placement):
+              budget_chunks, has_linear, caching, eos, mode, policy, placement, host):
         chunk_stride = block_size * chunk_blocks
         self.config = SchedulerConfig(
             block_size=block_size, chunk_stride=chunk_stride,
@@ -40,7 +40,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=chunk_stride * budget_chunks,
             enable_prefix_caching=caching, has_linear_attention_layers=has_linear,
             eos_token_id=eos, state_fingerprint="prop", checkpoint_mode=mode, checkpoint_policy=policy,
-            checkpoint_placement=placement)
+            checkpoint_placement=placement, num_host_checkpoints=host)
         self.sched = Scheduler(self.config)
         self.dev = FakeDevice(self.config)
         self.next_id = 0
