@@ -419,7 +419,12 @@ def test_accuracy_study_takes_the_positions_of_a_model_that_has_fewer_than_its_m
 
 def test_policy_study_compares_eviction_policies_exactly_at_equal_memory(tmp_path):
     _script("policy_study").main(["--quick", "--model", MODEL, "--out", str(tmp_path)])
-    workloads = json.loads((tmp_path / "policy_study.json").read_text())["workloads"]
+    result = json.loads((tmp_path / "policy_study.json").read_text())
+    workloads, tier = result["workloads"], result["host_tier"]
+    # the host tier: a checkpoint moved to the host is restored whole, as from the device, and exactly
+    assert tier["host_hit_reused_tokens"] == tier["device_hit_reused_tokens"] == tier["prefix_tokens"] == 256
+    assert tier["recompute_reused_tokens"] == 0 and tier["exact"]
+    assert min(tier[f"{k}_ttft_ms"] for k in ("device_hit", "host_hit", "recompute")) > 0
     assert (tmp_path / "policy_study.png").stat().st_size > 0
     assert set(workloads) == {"chat", "agentic", "fewshot"}
     for name, rows in workloads.items():

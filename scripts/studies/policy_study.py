@@ -25,8 +25,11 @@ ones. Each policy's measured pass follows a first pass on an engine of its own, 
 the prefill FLOPs the hits saved (`ModelConfig.prefill_flops` at each request's reuse), the checkpoint room in bytes,
 evictions, checkpoints saved, and `exact`: every request's tokens equal the cache-off engine's.
 
-Writes policy_study.json ({"workloads": {name: {policy: {...}}}}) and policy_study.png (hit rate and checkpoints
-saved per workload and policy), and prints a table.
+Then the host tier (`host_checkpoint_bytes`): the TTFT of a prompt whose prefix (--quick: 256 tokens, else 1024) is a
+checkpoint on the device, on the host, or recomputed (`host_tier`).
+
+Writes policy_study.json ({"workloads": {name: {policy: {...}}}, "host_tier": {...}}) and policy_study.png (hit rate
+and checkpoints saved per workload and policy), and prints a table.
 """
 
 from __future__ import annotations
@@ -176,6 +179,43 @@ def run_study(model: str, dtype: str, size: dict, policies=tuple(POLICIES), alph
     return result
 
 
+def host_tier(model: str, dtype: str, prefix: int, rounds: int = 5, progress=print) -> dict:
+    """The TTFT of a prompt whose `prefix` tokens are cached as a checkpoint on the device, on the host
+    (`host_checkpoint_bytes`: the device's one checkpoint slot was taken by two later prompts) or nowhere (the same
+    without the host tier: recomputed); KV blocks for every prompt stay cached. Medians over `rounds` prompts, after a compiling round; `exact`: the host
+    hits' tokens equal the recomputed ones."""
+    kw = dict(max_num_seqs=1, num_linear_slots=3, block_size=16, chunk_stride=32, checkpoint_policy="last",
+              max_model_len=prefix + 64, num_kv_blocks=4 * (prefix + 64) // 16 + 1, dtype=dtype, verbose=False)
+    engines = {"device_hit": LLMEngine(model, **kw), "host_hit": LLMEngine(model, host_checkpoint_bytes=1 << 30, **kw),
+               "recompute": LLMEngine(model, **kw)}
+    rng, vocab = np.random.default_rng(1), engines["device_hit"].cfg.vocab_size
+    prompts = [(_ids(rng, vocab, prefix), _ids(rng, vocab, 8), [_ids(rng, vocab, prefix) for _ in range(2)])
+               for _ in range(rounds + 1)]
+
+    def ttfts(engine, evict: bool):
+        out = []
+        for i, (shared, tail, others) in enumerate(prompts):
+            _run(engine, [(f"a{i}", shared + [3], 1)])
+            for j, other in enumerate(others if evict else ()):
+                _run(engine, [(f"o{i}.{j}", other, 1)])
+            hit = _run(engine, [(f"b{i}", shared + tail, 4)])[f"b{i}"]
+            out.append((hit.metrics.ttft * 1e3, hit.num_cached_tokens, hit.outputs[0].token_ids))
+        return out[1:]  # the first round compiled
+
+    runs = {name: ttfts(engine, evict=name != "device_hit") for name, engine in engines.items()}
+    host, recompute = runs["host_hit"], runs["recompute"]
+    row = {"prefix_tokens": prefix}
+    for name, runs in runs.items():
+        row[f"{name}_ttft_ms"] = statistics.median(t for t, _, _ in runs)
+        row[f"{name}_reused_tokens"] = statistics.median(r for _, r, _ in runs)
+    row["exact"] = [tokens for *_, tokens in host] == [tokens for *_, tokens in recompute]
+    progress(f"host tier, {prefix}-token prefix: TTFT device hit {row['device_hit_ttft_ms']:.1f} ms, host hit "
+             f"{row['host_hit_ttft_ms']:.1f} ms, recompute {row['recompute_ttft_ms']:.1f} ms (reused "
+             f"{row['device_hit_reused_tokens']:.0f} / {row['host_hit_reused_tokens']:.0f} / "
+             f"{row['recompute_reused_tokens']:.0f} tokens), exact {row['exact']}")
+    return row
+
+
 def main(argv=None):
     ap = study_parser("policy_study.py", __doc__, "policy_study.json and .png", "3 small workloads on the tiny model")
     ap.add_argument("--policies", default=",".join(POLICIES),
@@ -191,7 +231,8 @@ def main(argv=None):
     workloads = run_study(args.model, args.dtype, QUICK if args.quick else FULL, policies, args.alpha,
                           args.checkpoints)
     plot(workloads, Path(args.out) / "policy_study.png")
-    result = {"args": vars(args), "environment": environment(), "workloads": workloads}
+    tier = host_tier(args.model, args.dtype, 256 if args.quick else 1024)
+    result = {"args": vars(args), "environment": environment(), "workloads": workloads, "host_tier": tier}
     print(f"wrote {write_json(args.out, 'policy_study.json', result)} and policy_study.png")
 
 
