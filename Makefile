@@ -25,9 +25,9 @@ run: $(VENV)/.installed
 # vm.max_map_count). Compiling takes most of the time, on one core, so two lanes of processes run at once; a lane's
 # processes share compiled executables through JAX's persistent cache in a folder of its own (tests/conftest.py).
 # Modules that name no group run in the engine lane's third process. The groups that test what the server, training,
-# the studies and the scripts do with the model's results compile with LLVM's optimisation off (in half the time);
-# the xla_forms tests run (again) with the CPU kernels off, in XLA's forms; the mesh tests (tensor and expert
-# parallelism) run in a process of 8 host devices.
+# the studies and the scripts do with the model's results, and the mesh tests (tensor and expert parallelism against
+# one device, in a process of 8 host devices), compile with LLVM's optimisation off (in half the time); the xla_forms
+# tests run (again) with the CPU kernels off, in XLA's forms.
 PYTEST = $(PY) -m pytest -q --ignore=tests/reference
 PLUMBING := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 .PHONY: test-serial test-lane-engine test-lane-rest
@@ -39,7 +39,6 @@ test: $(VENV)/.installed
 test-serial: test-lane-engine test-lane-rest
 test-lane-engine: $(VENV)/.installed
 	$(PYTEST) -m "engine and not mesh"
-	GDN_JAX_CPU_KERNELS=0 $(PYTEST) -m xla_forms
 	$(PYTEST) -m model
 	$(PYTEST) -m "not (engine or model or startup or server or studies or bench or mesh or deterministic or xla_forms)"
 	$(PLUMBING) $(PYTEST) -m studies
@@ -48,7 +47,9 @@ test-lane-rest: $(VENV)/.installed
 	$(PLUMBING) $(PYTEST) -m server
 	$(PLUMBING) $(PYTEST) -m bench
 	$(PYTEST) -m deterministic
-	XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8" $(PYTEST) -m mesh
+	GDN_JAX_CPU_KERNELS=0 $(PYTEST) -m xla_forms
+	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false \
+	  --xla_force_host_platform_device_count=8" $(PYTEST) -m mesh
 
 # The comparison with transformers needs torch and transformers (the reference extra, CPU torch): a venv of its own,
 # so that `make test` never installs them.

@@ -19,8 +19,8 @@ KW = dict(block_size=16, chunk_stride=32, max_model_len=256, verbose=False, dete
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
 DTYPES = ("float32", "bfloat16")
 TIGHT_BLOCKS = 25  # the tight engine's KV blocks: 24 usable (block 0 pads)
-# Each example runs engines for seconds: 3 in CI (the derandomised "ci" profile), 50 random ones under `make soak`.
-EXAMPLES = settings(max_examples=3 if settings.default.derandomize else 50, deadline=None,
+# Each example runs engines for seconds: 2 in CI (the derandomised "ci" profile), 50 random ones under `make soak`.
+EXAMPLES = settings(max_examples=2 if settings.default.derandomize else 50, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -101,12 +101,13 @@ def test_alone_equals_a_prefix_cache_hit(engines, seed, checkpoint, extra, rest)
     assert _fingerprint(out) == _alone(engines, target)
 
 
+@pytest.mark.parametrize("engines", ["bfloat16"], indirect=True)  # (both dtypes: the tests above)
 @EXAMPLES
 @given(target=prompts, others=st.lists(st.integers(0, 1 << 20), min_size=3, max_size=3))
 def test_alone_equals_after_preemption(engines, target, others):
-    """Three requests decode until the KV blocks left are the target's prompt and one more; the target, admitted
-    then as the newest running request, is preempted when they next need a block (and is resumed from its tokens,
-    or from a checkpoint)."""
+    """Three requests decode until the KV blocks left are the target's prompt and one more; the target, admitted then
+    as the newest running request, is preempted when they next need a block (and is resumed from its tokens, or from
+    a checkpoint). In bfloat16, whose rounding shows a differing order soonest."""
     n = next(_counter)
     engine = engines["tight"]
     for i, seed in enumerate(others):

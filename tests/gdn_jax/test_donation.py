@@ -39,8 +39,8 @@ def _layer_pools(state) -> list:
 
 
 @ENGINE
-@pytest.mark.slow  # compiles every bucket: ~30 s per dtype without the compilation cache
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow  # compiles every bucket: ~30 s without the compilation cache
+@pytest.mark.parametrize("dtype", ["float32"])  # bfloat16 (16-bit pools): the subset below, and the deterministic steps
 def test_no_step_shape_copies_a_pool(dtype):
     worker = LLMEngine("tiny", dtype=dtype, **ENGINE_KW).worker
     shapes = worker.shape_buckets()
