@@ -121,12 +121,10 @@ class CompositeBlockManager:
         op = None
         if self.linear is not None:
             src = m.restore_src_slot_id
-            if m.host_key is not None:  # pinned now (it holds the host entry from the start of the step)
+            if m.host_key is not None:  # a slot that holds the host entry from the start of the step
                 src = self.linear.acquire_onload_slot(m.host_key)
                 assert src is not None, "admissible promised the slot"
             op = self.linear.admit(seq, src)
-            if m.host_key is not None:
-                self.linear.index.release(src)  # `admit` took the step's pin
             assert op is not None, "admissible promised a live slot"
         seq.num_computed_tokens = m.reuse
         return op
@@ -172,8 +170,7 @@ class CompositeBlockManager:
             seq.update_block_hashes(cfg.block_size, cfg.state_fingerprint)
             h = seq.block_hashes[point // cfg.block_size - 1]
         else:
-            seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
-            h = seq.linear_state_hashes[point // cfg.chunk_stride - 1]
+            h = self._stride_key(seq, point)
         index = self.linear.index
         if index.contains(h) or h in self.linear.saving_hashes:
             return
@@ -199,9 +196,12 @@ class CompositeBlockManager:
     def acquire_save_slot(self, seq: Sequence, boundary: int) -> int | None:
         """A slot for the step to write `seq`'s checkpoint at `boundary` (a chunk_stride multiple) into, or None
         (counted as skipped) when that checkpoint exists or is being saved already, or no slot can be had."""
-        cfg = self.config
-        seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
-        return self.linear.acquire_save_slot(seq.linear_state_hashes[boundary // cfg.chunk_stride - 1], boundary)
+        return self.linear.acquire_save_slot(self._stride_key(seq, boundary), boundary)
+
+    def _stride_key(self, seq: Sequence, boundary: int) -> int:
+        """The checkpoint key of `seq`'s state at `boundary`, a chunk_stride multiple: its linear chain hash there."""
+        seq.update_linear_state_hashes(self.config.chunk_stride, self.config.state_fingerprint)
+        return seq.linear_state_hashes[boundary // self.config.chunk_stride - 1]
 
     # -- after a step ----------------------------------------------------------------------
     def finish_step(self, plan: StepPlan, completed: bool) -> None:
@@ -231,9 +231,7 @@ class CompositeBlockManager:
         self.kv.hash_computed_blocks(seq)
         n = seq.num_computed_tokens
         if self.linear is not None and not saved_in_step and n > 0 and n % cfg.chunk_stride == 0:
-            seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
-            seq.pending_save_hash = seq.linear_state_hashes[n // cfg.chunk_stride - 1]
-            seq.pending_save_len = n
+            seq.pending_save_hash, seq.pending_save_len = self._stride_key(seq, n), n
 
     def deallocate(self, seq: Sequence) -> None:
         self.kv.deallocate(seq)

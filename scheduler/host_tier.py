@@ -11,6 +11,8 @@ KV match, as any checkpoint.
 """
 from collections import OrderedDict
 
+from scheduler.linear_cache import deepest_off_grid
+
 
 class HostTier:
     """Up to `capacity` checkpoints in host memory, by hash: hash -> depth (tokens), least recently used first."""
@@ -28,7 +30,7 @@ class HostTier:
     def offer(self, slot: int, h: int, depth: int) -> None:
         """A checkpoint leaves device slot `slot`: keep it (the plan copies the slot out), making room by forgetting
         the least recently used entry."""
-        if not self.capacity or not depth:
+        if not depth:  # (a checkpoint of unknown depth could not be matched)
             return
         if len(self.entries) >= self.capacity:
             self.forget(next(iter(self.entries)))
@@ -54,9 +56,10 @@ class HostTier:
                 best = i * self.chunk_stride, stride_hashes[i - 1]
                 break
         if self.num_off_grid:
-            for i in range(min(limit // block_size, len(block_hashes)), max(above, best[0]) // block_size, -1):
-                if block_hashes[i - 1] in self.entries and (i * block_size) % self.chunk_stride:
-                    return i * block_size, block_hashes[i - 1]
+            depth, h = deepest_off_grid(self.entries, block_hashes, block_size, self.chunk_stride,
+                                        max(above, best[0]), limit)
+            if depth:
+                return depth, h
         return best
 
     def take(self, h: int) -> int:

@@ -124,13 +124,20 @@ class LinearStatePrefixCache:
         return hits, (hits[-1][0] if hits else 0)
 
     def match_blocks(self, block_hashes: list[int], block_size: int, above: int, limit: int) -> tuple[int, int]:
-        """(depth, slot) of the deepest off-grid checkpoint at a block boundary in (above, limit], keyed by the KV
-        hash of the block ending there; (0, -1) if none. Probes only; pins nothing."""
-        for i in range(min(limit // block_size, len(block_hashes)), above // block_size, -1):
-            slot = self.slot_of.get(block_hashes[i - 1])
-            if slot is not None and (i * block_size) % self.chunk_stride:
-                return i * block_size, slot
-        return 0, -1
+        """(depth, slot) of the deepest off-grid checkpoint in (above, limit] (`deepest_off_grid`); (0, -1) if none.
+        Probes only; pins nothing."""
+        depth, h = deepest_off_grid(self.slot_of, block_hashes, block_size, self.chunk_stride, above, limit)
+        return (depth, self.slot_of[h]) if depth else (0, -1)
+
+
+def deepest_off_grid(keys, block_hashes: list[int], block_size: int, chunk_stride: int, above: int,
+                     limit: int) -> tuple[int, int | None]:
+    """(depth, key) of the deepest block boundary in (above, limit], off the stride grid, whose KV block hash is in
+    `keys` (a checkpoint kept there is keyed by the hash of the block ending there); (0, None) if none."""
+    for i in range(min(limit // block_size, len(block_hashes)), above // block_size, -1):
+        if block_hashes[i - 1] in keys and (i * block_size) % chunk_stride:
+            return i * block_size, block_hashes[i - 1]
+    return 0, None
 
 
 def deepest_hit_at_or_below(hits: list[tuple[int, int]], limit: int) -> tuple[int, int]:
@@ -223,8 +230,8 @@ class LinearStateBlockManager:
 
     def acquire_onload_slot(self, h: int) -> int | None:
         """A slot for host entry `h` to be copied into before the step: a free one, else an unpinned checkpoint (the
-        eviction policy's, which may go to the host in turn). It is the checkpoint of `h` at once, pinned as the
-        step's restore source. None when no slot can be had."""
+        eviction policy's, which may go to the host in turn). It is the checkpoint of `h` at once; `admit` pins it
+        as the step's restore source before taking the live slot. None when no slot can be had."""
         if not self.free_slots and not self.index.lru:
             return None
         depth = self.index.host.take(h)  # first: the eviction below may send a checkpoint to a full host tier
@@ -235,7 +242,6 @@ class LinearStateBlockManager:
             self.num_evicted += 1
         self.index.host.load(h, slot)
         self.index.insert_with_recorded_hash(slot, h, depth)
-        self.index.pin(slot)
         return slot
 
     def commit_save(self, slot: int) -> None:

@@ -4,6 +4,7 @@ as numpy arrays, keyed by the checkpoint's hash."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -14,12 +15,9 @@ def _read(conv, ssm, slot):
     return conv[:, slot], ssm[:, slot]
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=(0, 1))  # the pools are updated in place
 def _write(conv, ssm, slot, c, s):
     return conv.at[:, slot].set(c), ssm.at[:, slot].set(s)
-
-
-_write_donating = jax.jit(_write.__wrapped__, donate_argnums=(0, 1))
 
 
 class HostStore:
@@ -28,13 +26,9 @@ class HostStore:
     def __init__(self):
         self.entries: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes + s.nbytes for c, s in self.entries.values())
-
-    def apply(self, state, ops: list[tuple], donate: bool = True):
-        """The state after ("out", slot, hash) copies, ("drop", hash) and ("in", hash, slot) writes, in order. A
-        write donates the pools (updated in place) unless `donate` is False."""
+    def apply(self, state, ops: list[tuple]):
+        """The state after ("out", slot, hash) copies, ("drop", hash) and ("in", hash, slot) writes, in order (a
+        write donates the pools it is given)."""
         for op in ops:
             if op[0] == "out":
                 c, s = jax.device_get(_read(state.conv, state.ssm, np.int32(op[1])))
@@ -43,6 +37,6 @@ class HostStore:
                 self.entries.pop(op[1], None)  # (an entry a failed step was to copy out may be absent)
             else:
                 c, s = self.entries.pop(op[1])
-                conv, ssm = (_write_donating if donate else _write)(state.conv, state.ssm, np.int32(op[2]), c, s)
+                conv, ssm = _write(state.conv, state.ssm, np.int32(op[2]), c, s)
                 state = dataclasses.replace(state, conv=conv, ssm=ssm)
         return state
