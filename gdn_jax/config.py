@@ -104,6 +104,9 @@ class CacheConfig:
     host_checkpoint_bytes: int = _setting(
         0, "host memory for checkpoints the device pool evicts: a later hit copies one back before its step (0: "
            "none; one device only)", min=0)
+    checkpoint_dtype: Literal["float32", "bfloat16", "int8", "float8_e4m3fn"] = _setting(
+        "float32", "how checkpoints are stored: float32 as the live state, or compressed (per-head scales for int8 and "
+                   "float8) and expanded at restore, 2x (bfloat16) or 4x as many in the same bytes; drifts from exact")
     num_kv_blocks: int | None = _setting(None, "KV blocks (None: from the memory budget)", min=1)
     num_linear_slots: int | None = _setting(None, "linear-state slots (None: from the memory budget)", min=1)
     memory_budget_bytes: int | None = _setting(
@@ -125,6 +128,9 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.unsafe_reuse is not None and not self.enable_prefix_caching:
             raise ValueError("unsafe_reuse needs enable_prefix_caching=True: it is an ablation of the prefix cache")
+        if self.checkpoint_dtype != "float32" and self.host_checkpoint_bytes:
+            raise ValueError(f"checkpoint_dtype={self.checkpoint_dtype!r} keeps its compressed checkpoints on the "
+                             f"device, host_checkpoint_bytes on the host: set one of them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +215,10 @@ class EngineConfig:
             raise ValueError(f"deterministic=True runs on one device: tensor_parallel_size "
                              f"({self.tensor_parallel_size}) and expert_parallel_size ({self.expert_parallel_size}) "
                              f"must be 1")
-        if self.cache.host_checkpoint_bytes and self.tensor_parallel_size * self.expert_parallel_size > 1:
-            raise ValueError(f"host_checkpoint_bytes runs on one device: tensor_parallel_size "
+        tier = ("host_checkpoint_bytes" if self.cache.host_checkpoint_bytes else
+                "checkpoint_dtype" if self.cache.checkpoint_dtype != "float32" else None)
+        if tier and self.tensor_parallel_size * self.expert_parallel_size > 1:
+            raise ValueError(f"{tier} runs on one device: tensor_parallel_size "
                              f"({self.tensor_parallel_size}) and expert_parallel_size ({self.expert_parallel_size}) "
                              f"must be 1")
         if self.token_budget < self.cache.chunk_stride:

@@ -65,6 +65,8 @@ class CompositeBlockManager:
         if self.linear is None:  # plain KV path: every matched block is reused
             return PrefixMatch(kv_blocks, kv_match, 0, kv_match, -1)
         seq.update_linear_state_hashes(cfg.chunk_stride, cfg.state_fingerprint)
+        if self.host is not None and cfg.offload_checkpoints:  # every restore reads a compressed checkpoint
+            self.linear.offload_unpinned()
         hits, reach = self.linear.match(seq.token_ids, seq.linear_state_hashes)
         reuse, src = deepest_hit_at_or_below(hits, kv_match)  # <= min(kv_match, reach), a checkpoint
         if cfg.unsafe_reuse == "cold":    # ablation: all the KV, a zero GDN state
@@ -107,8 +109,7 @@ class CompositeBlockManager:
             return False
         if self.linear is not None:
             pinned_now = m.restore_src_slot_id > 0 and not self.linear.is_pinned(m.restore_src_slot_id)
-            onload = m.host_key is not None  # the slot the host entry is copied into, besides the live one
-            if self.linear.num_obtainable - pinned_now - onload < 1:
+            if self.linear.num_obtainable - pinned_now < 1:
                 return False
         return True
 
@@ -120,12 +121,13 @@ class CompositeBlockManager:
         self.kv.allocate(seq, len(seq.token_ids))
         op = None
         if self.linear is not None:
-            src = m.restore_src_slot_id
-            if m.host_key is not None:  # a slot that holds the host entry from the start of the step
-                src = self.linear.acquire_onload_slot(m.host_key)
-                assert src is not None, "admissible promised the slot"
-            op = self.linear.admit(seq, src)
+            if m.host_key is not None:
+                self.host.reserve(m.host_key)
+            op = self.linear.admit(seq, m.restore_src_slot_id)
             assert op is not None, "admissible promised a live slot"
+            if m.host_key is not None:  # the tier's entry is copied into the live slot before the step, which reads it
+                self.host.load(m.host_key, op.linear_state_id)
+                op = LinearStateCacheOp(op.linear_state_id)
         seq.num_computed_tokens = m.reuse
         return op
 
@@ -217,9 +219,6 @@ class CompositeBlockManager:
                 self.linear.cancel_save(save.slot)
         if not completed and self.host is not None:  # its copies may not have run: nothing of them is trusted
             self.host.cancel(plan.host_ops)
-            for _, slot in plan.onloads:
-                if slot in self.linear.index.lru:
-                    self.linear.evict_checkpoint(slot)
 
     def on_computed(self, seq: Sequence, saved_in_step: bool = False) -> None:
         """Hash what became full and computed; record a pending save at a chunk boundary, unless the step wrote
@@ -258,9 +257,11 @@ class CompositeBlockManager:
                dict(checkpoints_saved=0, checkpoints_save_skipped=0, checkpoints_evicted=0, live_slots=0,
                     checkpoint_slots=0, free_slots=0))
         out.update(self.kv.stats())
-        host = self.host
-        out.update(host_checkpoints=len(host) if host else 0, checkpoints_offloaded=host.num_offloaded if host else 0,
-                   checkpoints_onloaded=host.num_onloaded if host else 0)
+        host, compressed = self.host, self.config.offload_checkpoints  # (an empty tier is falsy: `len`)
+        out.update(host_checkpoints=len(host) if host is not None and not compressed else 0,
+                   compressed_checkpoints=len(host) if host is not None and compressed else 0,
+                   checkpoints_offloaded=host.num_offloaded if host is not None else 0,
+                   checkpoints_onloaded=host.num_onloaded if host is not None else 0)
         return out
 
     def check_invariants(self, running: list[Sequence], inflight: StepPlan | None) -> None:

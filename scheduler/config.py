@@ -58,6 +58,9 @@ class SchedulerConfig:
     checkpoint_placement: str = "stride"
     # Checkpoints the host tier keeps after the device pool evicts them (`scheduler.host_tier`; 0: none)
     num_host_checkpoints: int = 0
+    # The tier is the compressed one (`checkpoint_dtype`): every unpinned checkpoint moves there before a match, so
+    # that every restore reads a compressed checkpoint and the device's slots hold only live states and the step's.
+    offload_checkpoints: bool = False
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:

@@ -4,9 +4,9 @@ back into a slot before the step that restores it.
 The scheduler decides everything and the engine only moves the bytes: each step's plan lists, in the order they were
 decided and before anything else of the step runs (`StepPlan.host_ops`), the slots to copy out ("out", read before
 the step overwrites them), the host entries to forget ("drop": the least recently used when the tier is full, or one
-the device holds again) and the entries to copy in ("in", into a slot that is a checkpoint from then on, the step's
-restore source). An entry is keyed by its checkpoint's hash, so it is matched as the device's checkpoints are; a
-checkpoint is on the device or on the host, never both. KV blocks stay on the device: a host hit is reused up to the
+the device holds again) and the entries to copy in ("in", into the live slot of the sequence that restores it, whose
+step then reads its own slot; the entry stays). An entry is keyed by its checkpoint's hash, so it is matched as the
+device's checkpoints are; a checkpoint is on the device or on the host, never both. KV blocks stay on the device: a host hit is reused up to the
 KV match, as any checkpoint.
 """
 from collections import OrderedDict
@@ -23,6 +23,7 @@ class HostTier:
         self.num_off_grid = 0  # entries at a block boundary off the stride grid, keyed by the KV block hash
         self.ops: list[tuple] = []  # ("out", slot, hash), ("drop", hash), ("in", hash, slot), for the next plan
         self.num_offloaded = self.num_onloaded = self.num_dropped = 0
+        self.reserved = None  # an entry being restored (`reserve`)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -33,7 +34,10 @@ class HostTier:
         if not depth:  # (a checkpoint of unknown depth could not be matched)
             return
         if len(self.entries) >= self.capacity:
-            self.forget(next(iter(self.entries)))
+            victim = next((e for e in self.entries if e != self.reserved), None)
+            if victim is None:  # (the one entry is the one being restored)
+                return
+            self.forget(victim)
         self.entries[h] = depth
         self.num_off_grid += depth % self.chunk_stride != 0
         self.ops.append(("out", slot, h))
@@ -62,14 +66,17 @@ class HostTier:
                 return depth, h
         return best
 
-    def take(self, h: int) -> int:
-        """Entry `h` goes back to the device (`load` says into which slot); returns its depth."""
-        depth = self.entries.pop(h)
-        self.num_off_grid -= depth % self.chunk_stride != 0
-        return depth
+    def reserve(self, h: int) -> None:
+        """Entry `h` is about to be restored (`load`): no offer forgets it meanwhile (taking the live slot may evict a
+        checkpoint to the tier)."""
+        self.reserved = h
+        self.entries.move_to_end(h)
 
     def load(self, h: int, slot: int) -> None:
-        """The entry taken goes into `slot` (after the copies out decided before: the slot may be one of theirs)."""
+        """Entry `h` is copied into live slot `slot` before the step (after the copies out decided before: the slot
+        may be one of theirs), and stays: it is the most recently used."""
+        self.reserved = None
+        self.entries.move_to_end(h)
         self.ops.append(("in", h, slot))
         self.num_onloaded += 1
 

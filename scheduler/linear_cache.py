@@ -194,6 +194,12 @@ class LinearStateBlockManager:
         self.free_slots.append(slot)
         self.num_evicted += 1
 
+    def offload_unpinned(self) -> None:
+        """Every unpinned checkpoint goes to the tier (`index.host`), in the eviction policy's order; its slot is
+        free."""
+        while self.index.lru:
+            self.free_slots.append(self.index.evict_victim())
+
     def free_live_slot(self, slot: int) -> None:
         self.live_slots.remove(slot)
         self.free_slots.append(slot)
@@ -226,22 +232,6 @@ class LinearStateBlockManager:
             self.num_evicted += 1
         self.saving[slot] = h, depth
         self.saving_hashes.add(h)
-        return slot
-
-    def acquire_onload_slot(self, h: int) -> int | None:
-        """A slot for host entry `h` to be copied into before the step: a free one, else an unpinned checkpoint (the
-        eviction policy's, which may go to the host in turn). It is the checkpoint of `h` at once; `admit` pins it
-        as the step's restore source before taking the live slot. None when no slot can be had."""
-        if not self.free_slots and not self.index.lru:
-            return None
-        depth = self.index.host.take(h)  # first: the eviction below may send a checkpoint to a full host tier
-        if self.free_slots:
-            slot = self.free_slots.popleft()
-        else:
-            slot = self.index.evict_victim()
-            self.num_evicted += 1
-        self.index.host.load(h, slot)
-        self.index.insert_with_recorded_hash(slot, h, depth)
         return slot
 
     def commit_save(self, slot: int) -> None:

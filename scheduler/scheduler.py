@@ -319,8 +319,8 @@ class Scheduler:
 
     def _plan_saves(self, rows: list[ScheduledSequence]) -> list[CheckpointSave]:
         """"scan" mode: a checkpoint slot for each boundary a row crosses (policy "all") or for the deepest one
-        ("last"), taken after every row has its live slot. A row that starts off the stride grid (a fork, or the
-        unsafe ablation's KV-only reuse) saves nothing: its boundaries are not chunk ends of its scan."""
+        ("last"), taken after every row has its live slot (deepest first with compressed checkpoints: few slots). A row
+        starting off the stride grid (a fork, the unsafe ablation's KV-only reuse) saves nothing: no chunk ends."""
         cfg = self.config
         if cfg.checkpoint_mode != "scan" or not self.block_manager.saves_checkpoints:
             return []
@@ -342,7 +342,7 @@ class Scheduler:
             if seq.checkpoint_positions:  # hinted boundaries on the grid (the row stops at the others: `_target`)
                 boundaries = sorted({*boundaries, *(h for h in seq.checkpoint_positions
                                                     if h % stride == 0 and start < h <= end)})
-            for b in boundaries:
+            for b in reversed(boundaries) if cfg.offload_checkpoints else boundaries:
                 slot = self.block_manager.acquire_save_slot(seq, b)
                 if slot is not None:
                     saves.append(CheckpointSave(row=i, offset=b - start, boundary=b, slot=slot))

@@ -33,7 +33,7 @@ def test_accuracy_study_shows_exact_equals_no_cache_and_both_unsafe_modes_drift(
     result = json.loads((tmp_path / "accuracy_study.json").read_text())
     assert (tmp_path / "accuracy_study.png").stat().st_size > 0
     modes = result["modes"]
-    assert set(modes) == {"exact", "unsafe_cold", "unsafe_stale"}
+    assert set(modes) == {"exact", "unsafe_cold", "unsafe_stale", "ckpt_bfloat16", "ckpt_int8", "ckpt_float8"}
     exact = modes["exact"]
     assert exact["kl_max"] < 1e-6 and exact["greedy_agreement"] == 1.0 and exact["first_divergence_mean"] is None
     assert exact["max_abs_logprob_diff"] < 1e-4
@@ -42,6 +42,10 @@ def test_accuracy_study_shows_exact_equals_no_cache_and_both_unsafe_modes_drift(
         assert m["kl_mean"] > 100 * max(exact["kl_mean"], 1e-9), name
         assert m["max_abs_logprob_diff"] > 1e-2, name
         assert m["mean_cached_tokens"] > exact["mean_cached_tokens"], name  # they reuse more, wrongly
+    for name in ("ckpt_bfloat16", "ckpt_int8", "ckpt_float8"):  # compressed checkpoints: reused as exact, rounded
+        m = modes[name]
+        assert m["mean_cached_tokens"] == exact["mean_cached_tokens"], name
+        assert exact["kl_mean"] < m["kl_mean"] < modes["unsafe_cold"]["kl_mean"], name
     assert result["config"]["max_model_len"] == 1024 and result["environment"]["jax"]
 
 
@@ -228,7 +232,7 @@ def test_accuracy_workload_user_turns_follow_the_seed():
 
 
 def test_the_studies_engines_share_the_accelerators_memory(monkeypatch):
-    """The accuracy study builds four engines side by side: the first sizes its pools from a quarter of the default
+    """The accuracy study builds its engines side by side: the first sizes its pools from a quarter of the default
     accelerator share (`gpu_memory_utilization` is per engine), the others copy its pools and ask for no budget (on a
     GPU a second full share would not fit beside the first)."""
     from gdn_jax.engine import llm_engine
@@ -242,8 +246,10 @@ def test_the_studies_engines_share_the_accelerators_memory(monkeypatch):
 
     monkeypatch.setattr(llm_engine, "default_memory_budget", budget)
     engines = _script("accuracy_study").make_engines("tiny-random", "float32", 32)
-    assert len(engines) == 4 and asked == [GPU_MEMORY_UTILIZATION / 4]
-    assert len({(e.engine.memory.num_kv_blocks, e.engine.memory.num_linear_slots) for e in engines.values()}) == 1
+    assert len(engines) == 7 and asked == [GPU_MEMORY_UTILIZATION / 7]
+    exact = engines["exact"].engine.memory  # (a compressed mode has fewer float32 slots of that many: given)
+    assert {(e.engine.memory.num_kv_blocks, e.engine.config.cache.num_linear_slots or e.engine.memory.num_linear_slots)
+            for e in engines.values()} == {(exact.num_kv_blocks, exact.num_linear_slots)}
 
 
 def test_accuracy_progress_bar_counts_the_continued_turns(monkeypatch):
@@ -427,10 +433,16 @@ def test_policy_study_compares_eviction_policies_exactly_at_equal_memory(tmp_pat
     assert min(tier[f"{k}_ttft_ms"] for k in ("device_hit", "host_hit", "recompute")) > 0
     assert (tmp_path / "policy_study.png").stat().st_size > 0
     assert set(workloads) == {"chat", "agentic", "fewshot"}
-    for name, rows in workloads.items():
-        assert set(rows) == {"lru", "flop_aware", "overlap", "end_of_turn"}
-        assert all(r["exact"] for r in rows.values()), name  # cache on equals off under every policy
+    for name, every in workloads.items():
+        assert set(every) == {"lru", "flop_aware", "overlap", "end_of_turn", "lru_int8"}
+        rows = {k: r for k, r in every.items() if r["checkpoint_dtype"] == "float32"}
+        assert all(r["exact"] for r in rows.values()), name  # cache on equals off under every float32 policy
         assert len({r["checkpoint_bytes"] for r in rows.values()}) == 1 and rows["lru"]["checkpoint_bytes"] > 0
+        # int8 checkpoints: about 4x as many in the bytes of the float32 slots not kept for a step's saves
+        int8, lru = every["lru_int8"], rows["lru"]
+        assert 0.95 * lru["checkpoint_bytes"] <= int8["checkpoint_bytes"] <= lru["checkpoint_bytes"]
+        assert int8["compressed_checkpoints"] >= 3.5 * (lru["checkpoint_slots"] - int8["checkpoint_slots"]) > 0
+        assert int8["token_hit_rate"] > 0 and int8["checkpoint_dtype"] == "int8", name
         assert all(0 < r["token_hit_rate"] <= 1 and r["flops_saved"] > 0 and r["ttft_p95_ms"] >= r["ttft_p50_ms"]
                    for r in rows.values()), name
     for name in ("chat", "agentic"):

@@ -29,7 +29,7 @@ from gdn_jax.model.weights import load_model, model_folder
 from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker.compile_cache import enable_compilation_cache
 from gdn_jax.worker.executable_store import StaleExecutable
-from gdn_jax.worker.host_tier import HostStore
+from gdn_jax.worker.host_tier import CompressedStore, HostStore
 from gdn_jax.worker.memory import default_memory_budget, plan_memory
 from gdn_jax.worker.worker import Worker
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
@@ -113,14 +113,17 @@ class LLMEngine:
             checkpoint_eviction=cache.checkpoint_eviction, eviction_alpha=cache.eviction_alpha,
             checkpoint_placement=cache.checkpoint_placement,
             num_host_checkpoints=(cache.host_checkpoint_bytes // self.memory.bytes_per_linear_slot
-                                  if self.memory.bytes_per_linear_slot else 0),
+                                  if self.memory.bytes_per_linear_slot else 0) + self.memory.num_compressed_checkpoints,
+            offload_checkpoints=self.memory.num_compressed_checkpoints > 0,
             prefill_cost=PrefillCost(*self.cfg.prefill_flops()))
         if cache.unsafe_reuse is not None:
             warnings.warn(f"unsafe_reuse={cache.unsafe_reuse!r}: reusing KV matches with a {cache.unsafe_reuse} GDN "
                           f"state; outputs drift from the model's (an ablation for accuracy studies only)",
                           stacklevel=user_stacklevel())
         self.scheduler = Scheduler(self.scheduler_config)
-        self.host_store = HostStore()  # the host tier's entries (`host_checkpoint_bytes`)
+        # the tier's entries: on the host (`host_checkpoint_bytes`), or compressed on the device (`checkpoint_dtype`)
+        self.host_store = (CompressedStore(cache.checkpoint_dtype) if self.memory.num_compressed_checkpoints else
+                           HostStore())
         eos = [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]
         self.worker = Worker(model_cfg, graphdef, params, self.memory, config,
                              eos_token_ids=tuple(eos + self.extra_eos_ids), mesh=self.mesh)
@@ -133,8 +136,9 @@ class LLMEngine:
             warnings.warn(f"chunk_stride ({cache.chunk_stride}) exceeds max_model_len ({sched.max_model_len}): no "
                           f"sequence reaches a checkpoint boundary, so the prefix cache will never reuse a token",
                           stacklevel=user_stacklevel())
-        if caches_linear and self.memory.num_checkpoint_slots < sched.max_num_seqs:
-            warnings.warn(f"only {self.memory.num_checkpoint_slots} checkpoint slots for {sched.max_num_seqs} "
+        room = self.memory.num_checkpoint_slots + self.memory.num_compressed_checkpoints
+        if caches_linear and room < sched.max_num_seqs:
+            warnings.warn(f"only {room} checkpoint slots for {sched.max_num_seqs} "
                           f"sequences: under full concurrency most boundaries cannot be saved",
                           stacklevel=user_stacklevel())
         self._requests: dict[str, RequestState] = {}

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from gdn_jax.diagnostics import user_stacklevel
 from gdn_jax.config import GPU_MEMORY_UTILIZATION, EngineConfig, ModelConfig
+from gdn_jax.worker.host_tier import compressed_entry_bytes
 
 
 CPU_MEMORY_BUDGET_BYTES = 2 << 30   # pools' budget on a device that reports no memory size (the CPU)
@@ -25,10 +26,15 @@ class MemoryPlan:
     num_linear_slots: int
     max_num_seqs: int = 0
     devices: int = 1  # the pools are split over this many devices (tensor parallelism); the bytes are per device
+    # checkpoints compressed on the device (`checkpoint_dtype`), in the bytes that float32 checkpoint slots would hold
+    num_compressed_checkpoints: int = 0
+    bytes_per_compressed_checkpoint: int = 0
+    checkpoint_dtype: str = "float32"
 
     @property
     def total_bytes(self) -> int:
-        return self.num_kv_blocks * self.bytes_per_kv_block + self.num_linear_slots * self.bytes_per_linear_slot
+        return (self.num_kv_blocks * self.bytes_per_kv_block + self.num_linear_slots * self.bytes_per_linear_slot
+                + self.num_compressed_checkpoints * self.bytes_per_compressed_checkpoint)
 
     @property
     def num_checkpoint_slots(self) -> int:
@@ -40,6 +46,9 @@ class MemoryPlan:
         linear = (f"linear state: {self.num_linear_slots} slots x {self.bytes_per_linear_slot / mib:.2f} MiB "
                   f"(1 padding + {self.max_num_seqs} live + {self.num_checkpoint_slots} checkpoint); "
                   if self.bytes_per_linear_slot else "")
+        if self.num_compressed_checkpoints:
+            linear += (f"{self.num_compressed_checkpoints} {self.checkpoint_dtype} checkpoints x "
+                       f"{self.bytes_per_compressed_checkpoint / mib:.2f} MiB; ")
         each = f" per device (the pools split {self.devices} ways)" if self.devices > 1 else ""
         return (f"KV: {self.num_kv_blocks} blocks x {self.bytes_per_kv_block / 1024:.1f} KiB; {linear}"
                 f"total {self.total_bytes / mib:.1f} MiB{each}")
@@ -144,4 +153,21 @@ def plan_memory(cfg: ModelConfig, config: EngineConfig, memory_budget_bytes: int
                     f"slots x {per_slot / 2**20:.2f} MiB leaves {max(left, 0) / 2**20:.1f} MiB for KV, less than one "
                     f"sequence of max_model_len={max_model_len} needs ({min_blocks} blocks x {per_block / 2**10:.1f} KiB)")
             num_kv_blocks = min(want, left // per_block)
-    return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs, devices)
+    compressed = {}
+    if cache.checkpoint_dtype != "float32" and caches_linear:
+        compressed = _compressed_checkpoints(cfg, cache.checkpoint_dtype, num_linear_slots - live, max_num_seqs,
+                                             per_slot)
+        num_linear_slots = live + compressed.pop("staging")
+    return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs, devices, **compressed)
+
+
+def _compressed_checkpoints(cfg: ModelConfig, dtype: str, slots: int, max_num_seqs: int, per_slot: int) -> dict:
+    """The checkpoint room of `slots` float32 slots with `checkpoint_dtype` `dtype`: a few stay float32 slots, which a
+    step writes its checkpoints into before they are compressed (so they bound the checkpoints one step saves), up to
+    one per sequence and half of them; the bytes of the others hold compressed checkpoints."""
+    staging = max(1, min(max_num_seqs, slots // 2))
+    entry = compressed_entry_bytes(len(cfg.linear_layer_ids), (cfg.linear_conv_kernel_dim - 1, cfg.conv_dim),
+                                   (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                                   dtype)
+    return dict(staging=staging, num_compressed_checkpoints=(slots - staging) * per_slot // entry,
+                bytes_per_compressed_checkpoint=entry, checkpoint_dtype=dtype)

@@ -3,11 +3,13 @@
     .venv/bin/python scripts/studies/accuracy_study.py [--model tiny] [--dtype float32] [--out results] [--quick]
 
 One seeded workload (shared prefixes whose lengths fall between checkpoint boundaries, distinct suffixes, and
-multi-turn continuations) runs through four engines on the same weights:
+multi-turn continuations) runs through seven engines on the same weights:
   no_cache      the reference: every position computed from scratch
   exact         the prefix cache: reuse = min(KV match, checkpoint reach) on a checkpoint
   unsafe_cold   the whole KV match with a zero GDN state   (`LLM(unsafe_reuse="cold")`)
   unsafe_stale  the whole KV match with the GDN state of the deepest checkpoint below it (`unsafe_reuse="stale"`)
+  ckpt_bfloat16, ckpt_int8, ckpt_float8   exact's reuse from compressed checkpoints (`checkpoint_dtype`), in the
+                same pool bytes
 Per mode: teacher-forced on the reference continuation, KL(reference || mode) at every position the mode computed
 (from whole log-distributions, `prompt_logprobs=-1`), and the largest |delta logprob| of the reference tokens;
 free-running greedy agreement with the reference, and where the first token differs. Prints a table, writes
@@ -34,7 +36,9 @@ from common import (check_length, environment, figure, fit_model_len, model_conf
 
 MODES = {"no_cache": dict(enable_prefix_caching=False), "exact": dict(enable_prefix_caching=True),
          "unsafe_cold": dict(enable_prefix_caching=True, unsafe_reuse="cold"),
-         "unsafe_stale": dict(enable_prefix_caching=True, unsafe_reuse="stale")}
+         "unsafe_stale": dict(enable_prefix_caching=True, unsafe_reuse="stale"),
+         **{f"ckpt_{name}": dict(enable_prefix_caching=True, checkpoint_dtype=dtype)
+            for name, dtype in [("bfloat16", "bfloat16"), ("int8", "int8"), ("float8", "float8_e4m3fn")]}}
 # workload sizes: the full study and --quick (a test and the notebook's reduced mode run the latter)
 SIZES = {"full": dict(groups=6, per_group=4, turns=2, max_tokens=24),
          "quick": dict(groups=2, per_group=2, turns=1, max_tokens=12)}
@@ -144,12 +148,13 @@ def model_len(model: str, needed: int) -> int:
 
 def make_engines(model: str, dtype: str, chunk_stride: int, max_model_len: int = ENGINE["max_model_len"]
                  ) -> dict[str, LLM]:
-    """One engine per mode on the same weights. All get the pools of the `exact` engine, so their steps have the same
-    shapes and the first engine's compiled steps serve the other three."""
+    """One engine per mode on the same weights. All get the pools of the `exact` engine: their steps have the same
+    shapes and the first engine's compiled steps serve the unsafe ones; the compressed ones, with fewer float32 slots
+    (`checkpoint_dtype`), share theirs."""
     engines = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the unsafe modes warn by design
-        for name in ("exact", "no_cache", "unsafe_cold", "unsafe_stale"):
+        for name in sorted(MODES, key=lambda name: name != "exact"):
             pools = pools_of(engines["exact"].engine) if engines else share_of(len(MODES))
             engines[name] = LLM(model, dtype=dtype, chunk_stride=chunk_stride, verbose=False,
                                 **{**ENGINE, "max_model_len": max_model_len}, **pools, **MODES[name])

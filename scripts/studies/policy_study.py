@@ -1,7 +1,8 @@
 """The policy lab: checkpoint eviction policies compared on traces shaped like real workloads, at equal memory.
 
     .venv/bin/python scripts/studies/policy_study.py [--model tiny] [--dtype float32] [--out results] [--quick]
-                                                     [--policies lru,flop_aware,overlap,end_of_turn] [--alpha 2.0]
+                                                     [--policies lru,flop_aware,overlap,end_of_turn,lru_int8]
+                                                     [--alpha 2.0]
                                                      [--checkpoints 6]
 
 Three workloads, token ids drawn from the model's vocabulary (seeded), lengths scaled down for a CPU:
@@ -17,7 +18,9 @@ Three workloads, token ids drawn from the model's vocabulary (seeded), lengths s
 
 Policies: `lru` (every boundary saved, LRU eviction: the default), `flop_aware` (every boundary, Marconi's FLOP-aware
 eviction), `overlap` (the boundaries the observed shared-prefix lengths favour, LRU eviction) and `end_of_turn`
-(every boundary, and the states at the end of each prompt and of each output so far, LRU eviction).
+(every boundary, and the states at the end of each prompt and of each output so far, LRU eviction), and `lru_int8`
+(`lru` with int8 checkpoints, `checkpoint_dtype`: about 4x as many in the same bytes; not exact, its drift is the
+accuracy study's).
 
 Each workload runs on one engine per policy and on a cache-off engine, all with the same pools: KV blocks enough for
 every sequence (so that only the linear checkpoints compete), and `--checkpoints` checkpoint slots beside the live
@@ -55,7 +58,8 @@ MAX_NUM_SEQS = 4
 # policy -> its engine settings
 POLICIES = {"lru": dict(checkpoint_eviction="lru"), "flop_aware": dict(checkpoint_eviction="flop_aware"),
             "overlap": dict(checkpoint_eviction="lru", checkpoint_placement="overlap"),
-            "end_of_turn": dict(checkpoint_eviction="lru", checkpoint_placement="end_of_turn")}
+            "end_of_turn": dict(checkpoint_eviction="lru", checkpoint_placement="end_of_turn"),
+            "lru_int8": dict(checkpoint_eviction="lru", checkpoint_dtype="int8")}
 
 
 def _ids(rng, vocab: int, n: int) -> list[int]:
@@ -123,10 +127,11 @@ def measure(outs: dict, engine, cost: PrefillCost) -> dict:
     return {"token_hit_rate": stats["reused_tokens"] / max(1, stats["query_tokens"]),
             "ttft_p50_ms": statistics.median(ttft), "ttft_p95_ms": float(np.percentile(ttft, 95)),
             "flops_saved": sum(cost.flops(o.num_cached_tokens) for o in outs.values()),
-            "checkpoint_bytes": plan.num_checkpoint_slots * plan.bytes_per_linear_slot,
-            "checkpoint_slots": plan.num_checkpoint_slots, "evictions": stats["checkpoints_evicted"],
-            "checkpoints_saved": stats["checkpoints_saved"],
-            "hits": stats["hits"], "queries": stats["queries"], "checkpoint_dtype": "float32"}
+            "checkpoint_bytes": (plan.num_checkpoint_slots * plan.bytes_per_linear_slot
+                                 + plan.num_compressed_checkpoints * plan.bytes_per_compressed_checkpoint),
+            "checkpoint_slots": plan.num_checkpoint_slots, "compressed_checkpoints": plan.num_compressed_checkpoints,
+            "evictions": stats["checkpoints_evicted"], "checkpoints_saved": stats["checkpoints_saved"],
+            "hits": stats["hits"], "queries": stats["queries"], "checkpoint_dtype": engine.config.cache.checkpoint_dtype}
 
 
 def plot(workloads: dict, path: Path | None = None, axes=None):

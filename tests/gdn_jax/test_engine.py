@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jax
+import jax.numpy as jnp
 
 from gdn_jax import LLM, EngineStepError, LLMEngine, SamplingParams
 from tests.gdn_jax.helpers import FIXTURE, random_ids
@@ -807,6 +808,55 @@ def test_a_checkpoint_evicted_to_the_host_tier_is_restored_exactly():
                                atol=1e-4)
     with pytest.raises(ValueError, match="host_checkpoint_bytes runs on one device"):
         LLMEngine("tiny-random", host_checkpoint_bytes=1 << 20, tensor_parallel_size=2, **KW)
+
+
+def test_compress_keeps_each_head_within_its_dtypes_step_and_expand_undoes_it():
+    """int8: within half a step of its head's scale; float8 e4m3: 3 mantissa bits; bfloat16: 8; a compressed
+    checkpoint compressed again after a restore is the same (int8, bfloat16) or within a step (float8): a restore and a
+    save do not drift further."""
+    from gdn_jax.worker.host_tier import compress, expand
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 8, 8)) * jnp.array([1e-3, 1.0, 30.0, 0.0])[None, :, None, None]
+    top = jnp.max(jnp.abs(x), axis=(2, 3), keepdims=True)
+    for dtype, bound in [("int8", top / 127 / 2), ("float8_e4m3fn", jnp.abs(x) * 2.0**-4 + top / 448 * 2.0**-9),
+                         ("bfloat16", jnp.abs(x) * 2.0**-8)]:
+        q, scale = compress(x, dtype, (2, 3))
+        y = expand(q, scale)
+        assert q.dtype == jnp.dtype(dtype) and bool(jnp.all(jnp.abs(y - x) <= bound * 1.0001)), dtype
+        assert bool(jnp.any(y != x)), dtype  # (it does round)
+        again = expand(*compress(y, dtype, (2, 3)))  # float8: the scale may move by an ulp, a value by a step
+        assert bool(jnp.all(again == y)) if dtype != "float8_e4m3fn" else bool(jnp.all(jnp.abs(again - y) <= bound)), dtype
+
+
+def test_compressed_checkpoints_hold_more_in_the_same_bytes_and_restore_close_to_exact():
+    """checkpoint_dtype: the float32 checkpoint slots' bytes hold 4x (int8, float8) or 2x (bfloat16) as many
+    compressed checkpoints, less a few float32 slots kept for a step's saves and restores. A hit restores a compressed
+    checkpoint: the same greedy tokens as with the cache unread on tiny-random, its logprobs close but not equal (the
+    checkpoint was rounded), while float32 checkpoints are exact."""
+    rng = np.random.default_rng(5)
+    shared = random_ids(rng, 100)
+    greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    drift = {}
+    for dtype, ratio in [("float32", 1), ("bfloat16", 2), ("int8", 4), ("float8_e4m3fn", 4)]:
+        engine = LLMEngine("tiny-random", checkpoint_dtype=dtype, num_linear_slots=13, **dict(KW, max_num_seqs=2))
+        plan = engine.memory
+        if ratio > 1:
+            staging = plan.num_linear_slots - 3
+            assert 0.97 * ratio <= plan.bytes_per_linear_slot / plan.bytes_per_compressed_checkpoint <= ratio
+            assert plan.num_compressed_checkpoints == (10 - staging) * plan.bytes_per_linear_slot // (
+                plan.bytes_per_compressed_checkpoint) >= (10 - staging) * ratio * 0.95
+        for name, kw in [("a", {}), ("hit", {}), ("cold", dict(skip_reading_prefix_cache=True))]:
+            engine.add_request(name, shared + [9, 9] * (name != "a"), SamplingParams(**greedy, **kw))
+            out = _drain(engine)[name]
+            drift[dtype, name] = out
+        hit, cold = drift[dtype, "hit"], drift[dtype, "cold"]
+        assert hit.num_cached_tokens == 96 and hit.outputs[0].token_ids == cold.outputs[0].token_ids
+        assert engine.cache_stats()["checkpoints_onloaded"] == (ratio > 1)
+        lp = [np.array([d[t].logprob for d, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)])
+              for r in (hit, cold)]
+        err = np.max(np.abs(lp[0] - lp[1]))
+        assert (err < 1e-5) if ratio == 1 else (1e-5 < err < 0.2), (dtype, err)
+    with pytest.raises(ValueError, match="set one of them"):
+        LLMEngine("tiny-random", checkpoint_dtype="int8", host_checkpoint_bytes=1 << 20, **KW)
 
 
 def test_generate_passes_a_dict_prompts_hints_on(llm):

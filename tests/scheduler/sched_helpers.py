@@ -59,8 +59,8 @@ class FakeDevice:
             elif op[0] == "drop":
                 self.host.pop(op[1], None)  # (an offload a failed step was to make may be absent)
             else:
-                assert op[0] == "in" and op[2] not in lives
-                self.state[op[2]] = self.host.pop(op[1])
+                assert op[0] == "in" and op[2] in lives  # into the live slot of the row that restores it
+                self.state[op[2]] = self.host[op[1]]
         # Restores (all rows), as the jitted step does before the forward.
         new_state = {}
         for row in plan.seqs:

@@ -24,11 +24,11 @@ def test_an_evicted_checkpoint_is_hit_on_the_host_and_copied_back_before_its_ste
     assert again.num_cached_tokens == 16 and again.restored
     onloads = [(p, h, slot) for p in plans for h, slot in p.onloads]
     assert len(onloads) == 1
-    plan, _, slot = onloads[0]
-    row = next(r for r in plan.seqs if r.seq_id == 9)  # the row restores the slot the host entry went into
-    assert row.start_pos == 16 and row.linear_op.restore_src_slot_id == slot
+    plan, h, slot = onloads[0]
+    row = next(r for r in plan.seqs if r.seq_id == 9)  # the entry goes into the row's live slot, which it reads
+    assert row.start_pos == 16 and row.linear_op.linear_state_id == slot and not row.linear_op.restore_requested
     host = sched.block_manager.host
-    assert host.num_onloaded == 1 and host.num_offloaded >= 2
+    assert host.num_onloaded == 1 and host.num_offloaded >= 2 and h in host.entries  # (the entry stays)
 
 
 def test_without_the_host_tier_the_prompt_is_computed_again():
@@ -50,7 +50,26 @@ def test_a_failed_step_forgets_what_it_was_to_copy():
     submit(sched, dev, make_seq(9, SHARED + [0, 0], max_tokens=2))
     plan = sched.schedule()
     assert plan.onloads
-    sched.fail_step(plan)  # the copies may not have run: the slot it was to fill holds no checkpoint
-    index = sched.block_manager.linear.index
-    assert plan.onloads[0][1] not in index.hash_of and plan.onloads[0][0] not in sched.block_manager.host.entries
+    outs = [op[2] for op in plan.host_ops if op[0] == "out"]
+    sched.fail_step(plan)  # the copies may not have run: what it was to copy out is forgotten, what in is kept
+    host = sched.block_manager.host
+    assert plan.onloads[0][0] in host.entries and not set(outs) & set(host.entries)
     sched.check_invariants()
+
+
+def test_the_compressed_tier_takes_every_unpinned_checkpoint_before_a_match():
+    """offload_checkpoints (checkpoint_dtype): a match first moves every unpinned checkpoint to the tier, so the
+    device keeps none between steps and the hit is restored from the tier, though its slot was never needed."""
+    cfg = small_config(max_num_seqs=1, num_linear_slots=8, num_host_checkpoints=8, offload_checkpoints=True)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    submit(sched, dev, make_seq(0, SHARED, max_tokens=1))
+    run(sched, dev)
+    index = sched.block_manager.linear.index
+    assert len(index) == 2 and not sched.block_manager.host.entries  # saved, still on the device
+    again = submit(sched, dev, make_seq(9, SHARED + [0, 0], max_tokens=2))
+    plans = run(sched, dev)
+    outs = [op for op in plans[0].host_ops if op[0] == "out"]
+    assert len(outs) == 2 and plans[0].host_ops.index(outs[-1]) < plans[0].host_ops.index(("in", *plans[0].onloads[0]))
+    assert again.num_cached_tokens == 16 and sched.block_manager.host.num_onloaded == 1
+    stats = sched.stats()
+    assert stats["compressed_checkpoints"] >= 1 and stats["host_checkpoints"] == 0

@@ -29,9 +29,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 has_linear=st.sampled_from([True, True, True, False]),
                 caching=st.sampled_from([True, True, True, False]), eos=st.sampled_from([None, 0]),
                 mode=st.sampled_from(["scan", "promote"]), policy=st.sampled_from(["all", "last"]),
-                placement=st.sampled_from(["stride", "end_of_turn"]), host=st.sampled_from([0, 0, 1, 3]))
+                placement=st.sampled_from(["stride", "end_of_turn"]), host=st.sampled_from([0, 0, 1, 3]),
+                offload=st.booleans())
     def setup(self, block_size, chunk_blocks, max_num_seqs, extra_slots, extra_blocks,
-              budget_chunks, has_linear, caching, eos, mode, policy, placement, host):
+              budget_chunks, has_linear, caching, eos, mode, policy, placement, host, offload):
         chunk_stride = block_size * chunk_blocks
         self.config = SchedulerConfig(
             block_size=block_size, chunk_stride=chunk_stride,
@@ -40,7 +41,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=chunk_stride * budget_chunks,
             enable_prefix_caching=caching, has_linear_attention_layers=has_linear,
             eos_token_id=eos, state_fingerprint="prop", checkpoint_mode=mode, checkpoint_policy=policy,
-            checkpoint_placement=placement, num_host_checkpoints=host)
+            checkpoint_placement=placement, num_host_checkpoints=host, offload_checkpoints=offload and host > 0)
         self.sched = Scheduler(self.config)
         self.dev = FakeDevice(self.config)
         self.next_id = 0
@@ -98,7 +99,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             op = row.linear_op
             assert row.start_pos <= kv_match[row.seq_id]
-            if cfg.prefix_caches_linear_state:
+            onloaded = {slot: h for h, slot in plan.onloads}  # a tier's entry copied into the row's live slot
+            if op is not None and op.linear_state_id in onloaded:
+                host = sched.block_manager.host
+                # (a full tier may drop the entry later in the plan, after its copy; the device checks the state)
+                assert not op.restore_requested and host.entries.get(onloaded[op.linear_state_id], row.start_pos) == (
+                    row.start_pos) > 0
+            elif cfg.prefix_caches_linear_state:
                 index = sched.block_manager.linear.index
                 # a stride boundary, or a sample's kept fork point: a checkpoint at a block boundary off the grid
                 assert row.start_pos % cfg.chunk_stride == 0 or index.depth_of[op.restore_src_slot_id] == row.start_pos
