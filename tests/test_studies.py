@@ -89,7 +89,7 @@ def test_checkpoint_tradeoff_sweeps_stride_and_capacity(tmp_path):
 @pytest.mark.parametrize("script, argv, message", [
     ("accuracy_study", ["--seed", "-1"], "argument --seed: -1 is below 0"),
     ("checkpoint_tradeoff", ["--turns", "0"], "argument --turns: 0 is below 1"),
-    ("policy_study", ["--policies", "lru,lfu"], "--policies: lfu: expected some of lru, flop_aware, overlap, end_of_turn"),
+    ("policy_study", ["--policies", "lru,lfu"], "--policies: lfu: expected some of lru, flop_aware, overlap, end_of_turn, lru_int8"),
     ("checkpoint_tradeoff", ["--conversations", "two"], "'two' is not an integer"),
     ("checkpoint_tradeoff", ["--block-size", "48"], "--block-size (48) must divide every chunk_stride of the sweep"),
     ("ttft_study", ["--ab", "--shared", "300", "--prompt", "256"], "--shared (300) must be below --prompt (256)"),
