@@ -85,6 +85,9 @@ class ModelConfig:
     # the tensor-parallel layout (`model.sharding.tp_config`): the shards a fused projection's rows and the GDN conv
     # channels are interleaved for, so that each shard's slice holds its heads of every part (1: the HF order)
     layout_shards: int = 1
+    # multi-token prediction (`model.mtp`): full-attention decoder layers that draft the token after next from the
+    # model's last hidden state; 0: none built or loaded (the engine builds them only to speculate)
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):
         bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
@@ -157,7 +160,9 @@ class ModelConfig:
 
     def fingerprint(self) -> str:
         """Identifies the model's state layout; mixed into the prefix-cache hash domains."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        fields = dataclasses.asdict(self)
+        fields.pop("mtp_num_hidden_layers")  # (the drafting layers hold none of the state a checkpoint holds)
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
@@ -261,6 +266,7 @@ class ModelConfig:
             eos_token_id=eos,
             name=name,
             model_type=model_type,
+            mtp_num_hidden_layers=_mtp_layers(cfg),
             **moe,
         )
 
@@ -286,7 +292,7 @@ class ModelConfig:
             "linear_conv_kernel_dim": self.linear_conv_kernel_dim, "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings, "max_position_embeddings": self.max_position_embeddings,
             "eos_token_id": self.eos_token_id, "hidden_act": "silu", "torch_dtype": "float32",
-        }
+        } | ({"mtp_num_hidden_layers": self.mtp_num_hidden_layers} if self.mtp_num_hidden_layers else {})
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -334,6 +340,15 @@ def _rope_fields(cfg: dict) -> tuple[float, float]:
 # config.json fields a model cannot do without (each a positive int)
 ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                  "qwen3_next": "Qwen3NextForCausalLM"}
+
+
+def _mtp_layers(cfg: dict) -> int:
+    """The MTP decoder layers a config declares: Qwen3.5's `mtp_num_hidden_layers`, Qwen3-Next's
+    `num_nextn_predict_layers` (absent: none)."""
+    value = cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers")) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"model config field 'mtp_num_hidden_layers' must be an int >= 0, got {value!r}")
+    return value
 
 
 def _moe_fields(cfg: dict) -> dict:

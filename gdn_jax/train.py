@@ -72,6 +72,12 @@ def dense_forward(model, tokens, chunk_size: int = 32, forms: Forms | None = Non
     `chunk_size` of the chunked gated delta rule (32 trains faster than 64 on CPU); `forms`, by default
     `training_forms()`."""
     forms = training_forms() if forms is None else forms
+    return model.logits(dense_hidden(model, tokens, chunk_size, forms), forms)
+
+
+def dense_hidden(model, tokens, chunk_size: int = 32, forms: Forms | None = None):
+    """`dense_forward`'s last layer output [B, T, D], before the final norm."""
+    forms = training_forms() if forms is None else forms
     x = model.embed_tokens[...][tokens]
     B = tokens.shape[0]
     for layer in model.layers:
@@ -85,7 +91,63 @@ def dense_forward(model, tokens, chunk_size: int = 32, forms: Forms | None = Non
             h = dense_attention(layer.self_attn, h, forms)
         x = x + h
         x = x + layer.mlp(layer.post_attention_layernorm(x), forms)
-    return model.logits(x, forms)
+    return x
+
+
+def mtp_dense_forward(model, hidden, next_tokens, forms: Forms | None = None):
+    """The MTP block (`model.mtp`) over whole rows: the main model's normed output hidden [B, T, D] at positions
+    0..T-1 and the tokens that follow them, next_tokens [B, T] -> float32 logits [B, T, V] of the tokens after
+    those."""
+    forms = training_forms() if forms is None else forms
+    x = model.mtp.inputs(model.embed_tokens[...][next_tokens], hidden, forms)
+    for layer in model.mtp.layers:
+        x = layer.residual(x, dense_attention(layer.self_attn, layer.input_layernorm(x), forms), forms)
+    return model.head(model.mtp.norm(x), forms)
+
+
+class MtpForward:
+    """Training of the MTP block alone on a frozen model (Qwen3-Next's next-next-token loss): `loss(mtp, rest,
+    tokens)`, where `mtp` and `rest` are the float32 params of the block and of everything else
+    (`split_mtp`); the main model's hidden states carry no gradient."""
+
+    def __init__(self, cfg: ModelConfig, compute_dtype=jnp.float32):
+        from gdn_jax.model.qwen35 import Qwen35Model
+
+        model = nnx.eval_shape(lambda: Qwen35Model(cfg, dtype=compute_dtype, rngs=nnx.Rngs(0)))
+        self.graphdef, self.mtp_abstract, self.rest_abstract = nnx.split(model, nnx.PathContains("mtp"), ...)
+
+    def model(self, mtp, rest):
+        return nnx.merge(self.graphdef, cast_params(mtp, self.mtp_abstract), cast_params(rest, self.rest_abstract))
+
+    def token_nats(self, mtp, rest, tokens):
+        """Per-target cross entropy (nats) of predicting tokens[:, 2:] from the model's hidden states at
+        tokens[:, :-2] and the tokens after them: [B, T - 2] float32."""
+        model = self.model(mtp, rest)
+        hidden = jax.lax.stop_gradient(model.norm(dense_hidden(model, tokens[:, :-2])))
+        logp = jax.nn.log_softmax(mtp_dense_forward(model, hidden, tokens[:, 1:-1]), axis=-1)
+        return -jnp.take_along_axis(logp, tokens[:, 2:, None], axis=-1)[..., 0]
+
+    def loss(self, mtp, rest, tokens):
+        return jnp.mean(self.token_nats(mtp, rest, tokens))
+
+
+def split_mtp(params):
+    """A model's params -> (its MTP block's, the rest), as `MtpForward` takes them."""
+    flat = dict(nnx.to_flat_state(params))
+    return tuple(nnx.from_flat_state({k: v for k, v in flat.items() if (k[0] == "mtp") == want})
+                 for want in (True, False))
+
+
+def make_mtp_train_step(fwd: MtpForward, tx):
+    """One jitted step of the MTP block: (mtp, opt_state, rest, tokens [B, T + 2]) -> (mtp, opt_state, loss)."""
+    import optax
+
+    def step(mtp, opt_state, rest, tokens):
+        loss, grads = jax.value_and_grad(fwd.loss)(mtp, rest, tokens)
+        updates, opt_state = tx.update(grads, opt_state, mtp)
+        return optax.apply_updates(mtp, updates), opt_state, loss
+
+    return jax.jit(step)  # (no donation: the masked optimizer state holds the block's 1-D params themselves)
 
 
 def cast_params(params, abstract):

@@ -28,6 +28,7 @@ from gdn_jax.model.forms import GENERIC, Forms
 from gdn_jax.model.layers import MLP, GatedRMSNorm, RMSNorm, _fused, _linear, split_parts
 from gdn_jax.model.attention import Attention, rows_per_iteration
 from gdn_jax.model.moe import SparseMoeBlock
+from gdn_jax.model.mtp import MultiTokenPredictor, mtp_layer_config
 from gdn_jax.model import deterministic
 
 
@@ -223,6 +224,10 @@ class Qwen35Model(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(rngs, cfg.hidden_size, cfg.vocab_size, dtype, std)
+        if cfg.mtp_num_hidden_layers:  # the drafting block (`model.mtp`), outside the layer loop
+            layer_cfg = mtp_layer_config(cfg)
+            self.mtp = MultiTokenPredictor(cfg, dtype, rngs, std, [
+                DecoderLayer(layer_cfg, 0, dtype, rngs, std, mesh) for _ in range(cfg.mtp_num_hidden_layers)])
 
     def scan_layers(self, carry, linear, full, unroll: bool = False):
         """Runs the decoder layers in order on `carry`: `linear(layer, j, carry) -> carry` for the j-th GDN layer,
@@ -375,8 +380,12 @@ class Qwen35Model(nnx.Module):
 
     def logits(self, x, forms: Forms = GENERIC):
         """Final norm and LM head (tied or not): hidden [..., D] -> float32 logits [..., V]."""
+        return self.head(self.norm(x), forms)
+
+    def head(self, x, forms: Forms = GENERIC):
+        """The LM head alone (tied or not): normed hidden [..., D] -> float32 logits [..., V] (the MTP block's too)."""
         head = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head.kernel
-        return dense(self.norm(x), head[...], forms)
+        return dense(x, head[...], forms)
 
 
 def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False,

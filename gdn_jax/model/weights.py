@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn_jax.config import LINEAR, PRESETS, ModelConfig, NotAModelFolder, get_preset
+from gdn_jax.config import FULL, LINEAR, PRESETS, ModelConfig, NotAModelFolder, get_preset
+from gdn_jax.model.mtp import mtp_layer_config
 from gdn_jax.model.qwen35 import Qwen35Model, init_model
 from gdn_jax.model import sharding
 from gdn_jax.model.layers import fused_parts
 
-SKIPPED_PREFIXES = ("mtp.", "model.visual.")
+SKIPPED_PREFIXES = ("mtp.", "model.visual.")  # the MTP block's are read where the config builds it
 WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a weight may be stored in
 
 
@@ -42,8 +43,7 @@ def _hf_names(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, tuple[
             names[prefix + f"{proj}.weight"] = ((*module_path, "kernel"), slice(offset, offset + n))
             offset += n
 
-    for i, t in enumerate(cfg.layer_types):
-        p, at = f"model.layers.{i}.", ("layers", i)
+    def layer(cfg, i, t, p, at):  # decoder layer i (of type t) of `cfg`, its tensors under p, its params at `at`
         names[p + "input_layernorm.weight"] = ((*at, "input_layernorm", "weight"), None)
         names[p + "post_attention_layernorm.weight"] = ((*at, "post_attention_layernorm", "weight"), None)
         mixer = "linear_attn" if t == LINEAR else "self_attn"
@@ -81,6 +81,15 @@ def _hf_names(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, tuple[
         else:
             for norm in ("q_norm", "k_norm"):
                 names[p + f"self_attn.{norm}.weight"] = ((*at, "self_attn", norm, "weight"), None)
+
+    for i, t in enumerate(cfg.layer_types):
+        layer(cfg, i, t, f"model.layers.{i}.", ("layers", i))
+    if cfg.mtp_num_hidden_layers:  # the drafting block (`model.mtp`): its own norms, fc and full-attention layers
+        for leaf in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            names[f"mtp.{leaf}.weight"] = (("mtp", leaf, "weight"), None)
+        names["mtp.fc.weight"] = (("mtp", "fc", "kernel"), None)
+        for j in range(cfg.mtp_num_hidden_layers):
+            layer(mtp_layer_config(cfg), 0, FULL, f"mtp.layers.{j}.", ("mtp", "layers", j))
     return names
 
 
@@ -187,14 +196,19 @@ def _safe_open(folder: Path, fname: str):
         raise ValueError(f"{folder / fname} cannot be read as safetensors: {e}") from None
 
 
-def _tensor_names(folder: Path, shards: list[str]) -> set[str]:
+def _skipped(cfg: ModelConfig) -> tuple[str, ...]:
+    """The tensor name prefixes a model of `cfg` does not read."""
+    return tuple(p for p in SKIPPED_PREFIXES if not (p == "mtp." and cfg.mtp_num_hidden_layers))
+
+
+def _tensor_names(folder: Path, shards: list[str], skipped: tuple[str, ...] = SKIPPED_PREFIXES) -> set[str]:
     """Every tensor's name (text layout, `_canonical`), from the shards' headers alone. A name held twice (in two
     shards, or under the text and the multimodal prefix) is a ValueError naming both: which copy a loader takes
     would decide the model's numbers. So is a dtype no weight is stored in."""
     where: dict[str, tuple[str, str]] = {}  # name -> (file, the name as stored)
     for fname in shards:
         with _safe_open(folder, fname) as f:
-            names = [n for n in f.keys() if not n.startswith(SKIPPED_PREFIXES)]
+            names = [n for n in f.keys() if not n.startswith(skipped)]
             dtypes = {n: f.get_slice(n).get_dtype() for n in names}
         for raw in names:
             if dtypes[raw] not in WEIGHT_DTYPES:  # integers; float8, whose scales only a quantized config has
@@ -209,12 +223,12 @@ def _tensor_names(folder: Path, shards: list[str]) -> set[str]:
     return set(where)
 
 
-def _open_tensors(folder: Path, shards: list[str]):
+def _open_tensors(folder: Path, shards: list[str], skipped: tuple[str, ...] = SKIPPED_PREFIXES):
     """Yields (name, array) for every tensor of the checkpoint's shards (their dtypes checked: `_tensor_names`)."""
     for fname in shards:
         with _safe_open(folder, fname) as f:
             for name in f.keys():
-                if not name.startswith(SKIPPED_PREFIXES):
+                if not name.startswith(skipped):
                     yield name, f.get_tensor(name)
 
 
@@ -240,7 +254,8 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32, mesh=None):
     return nnx.split(nnx.eval_shape(lambda: Qwen35Model(cfg, dtype=dtype, rngs=nnx.Rngs(0), mesh=mesh)))
 
 
-def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jnp.float32, mesh=None):
+def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jnp.float32, mesh=None,
+                    mtp: bool = False):
     """Loads a HF Qwen3.5 folder; returns (cfg, graphdef, params). Errors name the missing or mis-shaped tensor. A
     checkpoint that stores an lm_head.weight of its own under tie_word_embeddings true comes back untied (a warning
     says so), as transformers loads it.
@@ -248,13 +263,17 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
     With a "tp" `mesh` the params come split over it in the tensor-parallel layout (`graphdef` is then that of
     `sharding.tp_config(cfg, tp)`; `cfg` stays the HF-order config): each parameter is placed as soon as its
     tensors are read, every device given only its slice, so the host holds one parameter at a time, never the
-    model."""
+    model. `mtp`: the MTP block too (`model.mtp`; its tensors are otherwise skipped)."""
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_pretrained(folder)
+    if not mtp:  # the drafting block is built and read only for speculation
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
+    elif not cfg.mtp_num_hidden_layers:
+        raise ValueError(f"{folder}: the model config declares no MTP layers (mtp_num_hidden_layers) to draft with")
     # the names checked against the config from the files' headers, before the model is built: a config of many
     # more layers than the checkpoint holds took minutes to trace before its first missing tensor was named
     shards = _shards(folder)
-    stored = _tensor_names(folder, shards)
+    stored = _tensor_names(folder, shards, _skipped(cfg))
     expected = _hf_names(cfg, fused_experts=any(n.endswith(".mlp.experts.gate_up_proj") for n in stored))
     unexpected = [n for n in stored if n not in expected and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if unexpected:
@@ -283,7 +302,7 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
             arr = sharding.split_param(cfg, tp_cfg, mesh, path, arr)
         flat[path] = flat[path].replace(arr)
 
-    for name, arr in _open_tensors(folder, shards):
+    for name, arr in _open_tensors(folder, shards, _skipped(cfg)):
         name = _canonical(name)
         if _has_nonfinite(arr):  # the model would run, and every logit come out NaN: tokens 0, 0, 0, ...
             raise ValueError(f"tensor {name!r} in {folder} holds NaN or infinite values: the checkpoint is damaged")
@@ -311,7 +330,7 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
         # in the dtype the model runs in, where equal values are the tied model)
         warnings.warn(f"{folder}: tie_word_embeddings is true but the checkpoint stores an lm_head.weight other than "
                       f"its embeddings; it is used untied, as transformers does", stacklevel=2)
-        return load_hf_weights(folder, dataclasses.replace(cfg, tie_word_embeddings=False), dtype, mesh)
+        return load_hf_weights(folder, dataclasses.replace(cfg, tie_word_embeddings=False), dtype, mesh, mtp)
     params = nnx.from_flat_state(flat)
     return cfg, graphdef, params
 
@@ -418,12 +437,14 @@ def model_folder(model: "str | ModelConfig") -> Path | None:
     return path if path.is_dir() else None
 
 
-def load_model(model: "str | ModelConfig", dtype=jnp.float32, seed: int = 0, mesh=None):
+def load_model(model: "str | ModelConfig", dtype=jnp.float32, seed: int = 0, mesh=None, mtp: bool = False):
     """A preset name or a `ModelConfig` (random deterministic weights), a shipped model's name, or a HF folder
     -> (cfg, graphdef, params); with a "tp" `mesh`, split over it (`load_hf_weights`, `shard_model`: `cfg` is the
-    HF-order config, the graphdef that of its tensor-parallel layout)."""
+    HF-order config, the graphdef that of its tensor-parallel layout). `mtp`: with the MTP block (a random model
+    gets one layer where its config declares none)."""
     if isinstance(model, ModelConfig) or model in PRESETS:
         cfg = model if isinstance(model, ModelConfig) else get_preset(model)
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=(cfg.mtp_num_hidden_layers or 1) if mtp else 0)
         graphdef, params = init_model(cfg, seed=seed, dtype=dtype)
         if mesh is not None:
             graphdef, params = shard_model(cfg, params, mesh, dtype)[1:]
@@ -432,4 +453,4 @@ def load_model(model: "str | ModelConfig", dtype=jnp.float32, seed: int = 0, mes
     if folder is None:
         raise ValueError(f"model {model!r} is neither a shipped model ({', '.join(shipped_models()) or 'none'}), "
                          f"a random-weight preset ({', '.join(PRESETS)}) nor a folder")
-    return load_hf_weights(folder, dtype=dtype, mesh=mesh)
+    return load_hf_weights(folder, dtype=dtype, mesh=mesh, mtp=mtp)
