@@ -138,6 +138,31 @@ def split_mtp(params):
                  for want in (True, False))
 
 
+def mtp_heldout(cfg: ModelConfig, params, ids: np.ndarray, rows: int, window: int = 256) -> dict:
+    """The MTP block teacher-forced on `rows` held-out windows: its next-next-token accuracy and bits per byte, and
+    how often its argmax equals the main model's argmax at the next position (the acceptance of a one-token greedy
+    draft, were the drafts made from the true tokens)."""
+    from gdn_jax.model.qwen35 import Qwen35Model
+
+    model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Qwen35Model(cfg, rngs=nnx.Rngs(0)))), params)
+
+    @jax.jit
+    def one(tokens):
+        hidden = dense_hidden(model, tokens)
+        main = model.logits(hidden)  # predicts tokens[:, 1:]
+        draft = mtp_dense_forward(model, model.norm(hidden[:, :-2]), tokens[:, 1:-1])  # predicts tokens[:, 2:]
+        nats = -jnp.take_along_axis(jax.nn.log_softmax(draft, axis=-1), tokens[:, 2:, None], axis=-1)[..., 0]
+        top = jnp.argmax(draft, axis=-1)
+        return jnp.stack([jnp.mean(top == tokens[:, 2:]), jnp.mean(top == jnp.argmax(main[:, 1:-1], axis=-1)),
+                          jnp.mean(nats) / LN2])
+
+    n = min(rows, len(ids) // window)
+    windows = np.asarray(ids[:n * window], np.int32).reshape(n, window)
+    got = np.mean([np.asarray(one(windows[i:i + 8])) for i in range(0, n, 8)], axis=0)
+    return {"next_next_accuracy": float(got[0]), "agrees_with_main_greedy": float(got[1]),
+            "bits_per_byte": float(got[2]), "windows": int(n), "window": window}
+
+
 def make_mtp_train_step(fwd: MtpForward, tx):
     """One jitted step of the MTP block: (mtp, opt_state, rest, tokens [B, T + 2]) -> (mtp, opt_state, loss)."""
     import optax

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
@@ -31,9 +30,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the checkout's gdn_jax; com
 from gdn_jax.entrypoints.cli import nonnegative_int, positive_int  # noqa: E402
 from gdn_jax.model.qwen35 import Qwen35Model  # noqa: E402
 from gdn_jax.model.weights import load_hf_weights, save_hf_weights  # noqa: E402
-from gdn_jax.train import (LN2, MtpForward, TrainConfig, bits_per_byte, dense_hidden, forward_for,  # noqa: E402
-                           load_corpus, make_mtp_train_step, make_optimizer, mtp_dense_forward, sample_batch,
-                           split_mtp)
+from gdn_jax.train import (LN2, MtpForward, TrainConfig, bits_per_byte, forward_for, load_corpus,  # noqa: E402
+                           make_mtp_train_step, make_optimizer, mtp_heldout, sample_batch, split_mtp)
 from common import run_command  # noqa: E402
 
 
@@ -71,34 +69,12 @@ def with_mtp(folder: Path, seed: int):
     return cfg, nnx.from_flat_state(flat)
 
 
-def evaluate(cfg, params, ids: np.ndarray, rows: int, window: int = 256) -> dict:
-    """Teacher-forced on held-out windows: the block's next-next-token accuracy and nats, and how often its argmax
-    equals the main model's argmax at the next position (what a greedy draft of one token would be accepted at)."""
-    model = nnx.merge(nnx.graphdef(Qwen35Model(cfg, rngs=nnx.Rngs(0))), params)
-
-    @jax.jit
-    def one(tokens):
-        hidden = dense_hidden(model, tokens)
-        main = model.logits(hidden)  # [B, T, V]: predicts tokens[:, 1:]
-        draft = mtp_dense_forward(model, model.norm(hidden[:, :-2]), tokens[:, 1:-1])  # predicts tokens[:, 2:]
-        logp = jax.nn.log_softmax(draft, axis=-1)
-        nats = -jnp.take_along_axis(logp, tokens[:, 2:, None], axis=-1)[..., 0]
-        top = jnp.argmax(draft, axis=-1)
-        return (jnp.mean(top == tokens[:, 2:]), jnp.mean(top == jnp.argmax(main[:, 1:-1], axis=-1)), jnp.mean(nats))
-
-    n = min(rows, len(ids) // window)
-    windows = np.asarray(ids[:n * window], np.int32).reshape(n, window)
-    got = np.array([[float(x) for x in one(windows[i:i + 8])] for i in range(0, n, 8)])
-    return {"next_next_accuracy": float(got[:, 0].mean()), "agrees_with_main_greedy": float(got[:, 1].mean()),
-            "bits_per_byte": float(got[:, 2].mean() / LN2), "windows": int(n), "window": window}
-
-
 def main(argv=None) -> dict:
     a = parse(argv)
     folder = Path(a.model)
     corpus = load_corpus()
     cfg, params = with_mtp(folder, a.seed)
-    before = evaluate(cfg, params, corpus.heldout, a.eval_rows)
+    before = mtp_heldout(cfg, params, corpus.heldout, a.eval_rows)
     print(f"before: {before}")
     tc = TrainConfig(steps=a.steps, batch=a.batch, seq_len=a.seq_len + 1, lr=a.lr, warmup=a.warmup, seed=a.seed)
     tx = make_optimizer(tc)[0]
@@ -113,11 +89,13 @@ def main(argv=None) -> dict:
             history.append({"step": i + 1, "loss": float(loss), "time": time.time() - t0})
             print(f"step {i + 1}: next-next loss {float(loss) / LN2:.3f} bits/byte ({time.time() - t0:.0f} s)")
     params = nnx.from_flat_state({**dict(nnx.to_flat_state(rest)), **dict(nnx.to_flat_state(mtp))})
-    after = evaluate(cfg, params, corpus.heldout, a.eval_rows)
+    after = mtp_heldout(cfg, params, corpus.heldout, a.eval_rows)
     print(f"after: {after}")
     main_bpb = bits_per_byte(forward_for(cfg, "float32"), params, corpus.heldout, 256)  # (as the card's)
     save_hf_weights(folder, cfg, params)
-    result = {"settings": vars(a), "before": before, "after": after, "main_heldout_bits_per_byte": main_bpb,
+    where = folder.resolve()
+    shown = str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(folder)  # (no machine's path)
+    result = {"settings": {**vars(a), "model": shown}, "before": before, "after": after, "main_heldout_bits_per_byte": main_bpb,
               "wall_s": time.time() - t0, "history": history, "jax": jax.__version__}
     (folder / "mtp_training.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {folder} (main model held-out {main_bpb:.3f} bits/byte, unchanged weights)")
