@@ -40,3 +40,44 @@ class MultiTokenPredictor(nnx.Module):
         """The first layer's input [..., D] from the next tokens' embeddings and the hidden states [..., D]."""
         both = jnp.concatenate([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], axis=-1)
         return self.fc(both, forms)
+
+
+def mtp_forward(model, hidden, next_tokens, batch, state, forms: Forms = GENERIC):
+    """The MTP block over a step's rows, on the paged KV pools: `hidden` [B, T, D] the model's normed outputs at the
+    batch's positions (`Qwen35Model.__call__(..., hidden=True)`), `next_tokens` [B, T] the token after each. Its
+    keys and values are written at those positions, in the KV pools' layers after the model's own, and its queries
+    attend to those of the positions before, as the main model's attention does. Returns (logits [B, T, V] of the
+    tokens after those, its normed outputs [B, T, D], which stand in for the hidden states when it drafts on, state).
+    """
+    x = model.mtp.inputs(model.embed_tokens[...][next_tokens], hidden, forms)
+    valid = jnp.arange(x.shape[1])[None, :] < batch.lengths[:, None]
+    first = len(model.cfg.full_layer_ids)  # the block's layers in the KV pools
+    for m, layer in enumerate(model.mtp.layers):
+        attn = layer.self_attn
+        q, gate, k, v = attn.project_write(layer.input_layernorm(x), state.k, state.v, batch, first + m, forms)
+        h = attn.attend(q, gate, k, v, first + m, batch.positions, batch.block_tables, batch.start_pos + batch.lengths,
+                        forms)
+        x = layer.residual(x, h, forms, valid)
+        state = dataclasses.replace(state, k=k, v=v)
+    out = model.mtp.norm(x)
+    return model.head(out, forms), out, state
+
+
+def mtp_draft(model, hidden, token, batch, state, k: int, forms: Forms = GENERIC):
+    """k greedy drafts per row: from the model's normed output `hidden` [B, D] at each row's last position
+    (batch.start_pos, one token per row: `token` [B], the token sampled after it), the block drafts the token after
+    that, then from its own output and that draft the next, k times (its keys and values written at the positions
+    start .. start + k - 1, which the row's block table must hold). Returns (drafts [B, k] int32, state)."""
+    bs = state.k.shape[3]
+    drafts = []
+    for i in range(k):
+        pos = batch.start_pos + i
+        step = dataclasses.replace(
+            batch, tokens=token[:, None], start_pos=pos,
+            slot_mapping=(jnp.take_along_axis(batch.block_tables, (pos // bs)[:, None], axis=1) * bs
+                          + (pos % bs)[:, None]))
+        logits, out, state = mtp_forward(model, hidden[:, None], token[:, None], step, state, forms)
+        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        hidden = out[:, 0]
+        drafts.append(token)
+    return jnp.stack(drafts, axis=1), state

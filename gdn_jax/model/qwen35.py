@@ -280,11 +280,15 @@ class Qwen35Model(nnx.Module):
         return _repeat(repeats, group, carry, unroll)
 
     def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int | None = None,
-                 gdn_schedule: str = "auto", forms: Forms = GENERIC):
-        """`gdn_schedule`: the chunked GDN rule's schedule ("auto", "fused", "parallel"; same maths).
+                 gdn_schedule: str = "auto", forms: Forms = GENERIC, hidden: bool = False):
+        """`hidden` (with `all_logits`): also returns every position's output after the final norm [B, T, D], what
+        the MTP block drafts from (`model.mtp`).
+        `gdn_schedule`: the chunked GDN rule's schedule ("auto", "fused", "parallel"; same maths).
         `chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
         boundary is a chunk boundary of a row's scan; None: `gated_delta.default_chunk_size`). `forms`: the forms
         the step takes (`Forms`; the default: XLA's generic ones; `Forms.deterministic`: `deterministic.forward`)."""
+        if hidden and (forms.deterministic or not all_logits):
+            raise ValueError("hidden states come with all_logits, in the default forms")
         if forms.deterministic:
             return deterministic.forward(self, batch, state, all_logits, forms)
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
@@ -361,6 +365,9 @@ class Qwen35Model(nnx.Module):
             x = self.last_layer_tail(pending, state, batch, last, last_j, forms)
         elif not all_logits:  # hidden state of each row's last real token
             x = at_last(x)
+        if hidden:
+            normed = self.norm(x)
+            return self.head(normed, forms), state, normed
         return self.logits(x, forms), state
 
     def last_layer_tail(self, pending, state: DeviceState, batch: Batch, last, j: int, forms: Forms):

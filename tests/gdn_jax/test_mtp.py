@@ -111,3 +111,63 @@ def test_training_the_block_lowers_its_next_next_loss_and_leaves_the_model_alone
     assert float(loss) < 0.7 * first
     after = _flat(rest)
     assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_the_block_on_the_paged_pools_equals_its_dense_forward_across_prefill_chunks(chunks=(19, 21)):
+    """`mtp_forward` after each prefill chunk of the model (its hidden states, and the tokens after them: the next
+    chunk's first, or any token after the last) writes the block's keys and values in the pools' layer after the
+    model's own; every position's draft logits equal `mtp_dense_forward` over the whole sequence."""
+    from gdn_jax.model.mtp import mtp_forward
+    from gdn_jax.model.state import init_state
+    from gdn_jax.train import dense_hidden, mtp_dense_forward
+    from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
+
+    graphdef, params = init_model(CFG)
+    model = nnx.merge(graphdef, params)
+    tokens = random_ids(np.random.default_rng(4), 41)  # 40 positions, and the token after the last
+    state = init_state(CFG, 5, BLOCK_SIZE, 2)
+    assert state.k.shape[1] == len(CFG.full_layer_ids) + 1
+    got, start = [], 0
+    for n in chunks:
+        batch = single_row_batch(tokens[start:start + n], start, 4)
+        _, state, hidden = model(batch, state, all_logits=True, hidden=True)
+        logits, _, state = mtp_forward(model, hidden, jnp.asarray(tokens[start + 1:start + n + 1])[None], batch, state)
+        got.append(np.asarray(logits[0]))
+        start += n
+    seq = jnp.asarray(tokens)[None]
+    want = mtp_dense_forward(model, model.norm(dense_hidden(model, seq[:, :40])), seq[:, 1:])
+    np.testing.assert_allclose(np.concatenate(got), np.asarray(want[0]), atol=2e-4, rtol=0)
+
+
+def test_drafting_chains_the_blocks_greedy_tokens_through_its_own_outputs():
+    """`mtp_draft` after a prompt: its k drafts are the dense block's greedy tokens when each later position is fed
+    the block's own output at the one before and the draft before it (what a draft of several tokens means)."""
+    from gdn_jax.model.mtp import mtp_draft, mtp_forward
+    from gdn_jax.model.state import init_state
+    from gdn_jax.train import dense_attention, dense_hidden, mtp_dense_forward, training_forms
+    from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
+
+    graphdef, params = init_model(CFG)
+    model = nnx.merge(graphdef, params)
+    prompt = random_ids(np.random.default_rng(5), 30)
+    state = init_state(CFG, 5, BLOCK_SIZE, 2)
+    batch = single_row_batch(prompt, 0, 4)
+    logits, state, hidden = model(batch, state, all_logits=True, hidden=True)
+    sampled = int(jnp.argmax(logits[0, -1]))
+    _, _, state = mtp_forward(model, hidden[:, :-1], jnp.asarray(prompt[1:])[None],  # the prompt's own positions
+                              single_row_batch(prompt[:29], 0, 4), state)
+    one = single_row_batch([sampled], 29, 4)
+    drafts, _ = mtp_draft(model, hidden[:, -1], jnp.asarray([sampled]), one, state, 3)
+
+    seq, forms = jnp.asarray(prompt + [sampled])[None], training_forms()
+    hs = model.norm(dense_hidden(model, seq[:, :30]))  # the model's outputs at positions 0..29
+    nexts, want = seq[:, 1:], []
+    for _ in range(3):
+        out_logits = mtp_dense_forward(model, hs, nexts)
+        want.append(int(jnp.argmax(out_logits[0, -1])))
+        x = model.mtp.inputs(model.embed_tokens[...][nexts], hs)  # the block's output at the last position ...
+        for layer in model.mtp.layers:
+            x = layer.residual(x, dense_attention(layer.self_attn, layer.input_layernorm(x), forms), forms)
+        hs = jnp.concatenate([hs, model.mtp.norm(x)[:, -1:]], axis=1)  # ... stands in for the next hidden state
+        nexts = jnp.concatenate([nexts, jnp.asarray([[want[-1]]])], axis=1)
+    assert np.asarray(drafts[0]).tolist() == want
