@@ -5,6 +5,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -1020,3 +1021,28 @@ def test_bench_deterministic_times_both_modes_and_batch_variance_finds_no_differ
     assert results["deterministic"]["batched"] == {"max_abs_logprob": 0.0, "first_token_differs": None}
     assert results["deterministic"]["hit"]["max_abs_logprob"] == 0.0 and results["deterministic"]["cached"] == 32
     assert results["gdn"]["cached"] == 32
+
+
+def test_step_audit_keeps_the_op_counts_of_tiny_randoms_steps(tmp_path, capsys):
+    """The steps of tiny-random lowered for cuda from abstract shapes (no GPU): the layer loops' switches are its
+    conditionals, none once the layers are unrolled; a mixed step counts its two executables. On the CPU, compiled:
+    no step copies a pool. --compile for cuda is refused."""
+    audit = _script("step_audit")
+    common = ["--model", "tiny-random", "--rows", "4", "--tokens", "64", "--max-model-len", "256"]
+    ops = ("conditionals", "while_loops", "custom_calls", "collectives")
+
+    def run(*argv):
+        return {k: tuple(s[n] for n in ops) for k, s in audit.main([*common, *argv])["steps"].items()}
+
+    assert run("--platform", "cuda", "--out", str(tmp_path / "loop")) == {
+        "decode": (5, 4, 0, 0), "prefill": (5, 4, 0, 0), "mixed": (10, 8, 0, 0)}
+    assert run("--platform", "cuda", "--unroll", "1", "--out", str(tmp_path / "unrolled")) == {
+        "decode": (0, 5, 0, 0), "prefill": (0, 5, 0, 0), "mixed": (0, 10, 0, 0)}
+    mixed = (tmp_path / "loop" / "mixed.mlir").read_text()
+    assert mixed.count("// step shape") == 2 and len(re.findall(r"stablehlo\.case\b", mixed)) == 10
+    cpu = audit.main([*common, "--platform", "cpu", "--compile", "--out", str(tmp_path / "cpu")])["steps"]
+    assert all(s["pool_copies"] == 0 and s["conditionals"] == 5 * len(s["shapes"]) for s in cpu.values())
+    assert "decode" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        audit.main([*common, "--platform", "cuda", "--compile", "--out", str(tmp_path / "x")])
+    assert "--compile" in capsys.readouterr().err

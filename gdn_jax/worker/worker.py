@@ -306,9 +306,15 @@ class Worker:
     def lowered_step(self, shape: tuple[int, int, int]):
         """The step's forward lowered for one (rows, tokens, blocks) bucket (`.compile()` compiles it); the worker's
         state is not touched."""
+        with gc_paused():
+            return self.traced_step(shape).lower()
+
+    def traced_step(self, shape: tuple[int, int, int]):
+        """The step's forward traced for one bucket: `.lower(lowering_platforms=("cuda",))` lowers it for a platform
+        this process has no device of (scripts/tools/step_audit.py)."""
         batch = self._padding_args(*shape)[0]
         with gc_paused():
-            return self._fn_for(batch.tokens).lower(self._param_leaves, self.state, batch)
+            return self._fn_for(batch.tokens).trace(self._param_leaves, self.state, batch)
 
     def lowered_prompt_step(self, shape: tuple[int, int, int]):
         """The prompt-logprobs forward (top-k, not whole rows) lowered for one prefill bucket."""
