@@ -113,6 +113,11 @@ class ModelConfig:
         return len(self.layer_types)
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers whose keys and values the KV pools hold: the full-attention ones, then the MTP block's."""
+        return len(self.full_layer_ids) + self.mtp_num_hidden_layers
+
+    @property
     def linear_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
 

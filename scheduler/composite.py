@@ -26,7 +26,7 @@ class PrefixMatch:
     linear_reach: int         # deepest checkpoint boundary the linear leaf matched
     reuse: int                # tokens that will be skipped
     restore_src_slot_id: int  # checkpoint restored at `reuse`, -1 for a cold start
-    host_key: int | None = None  # a host-tier hit at `reuse`: copied into a slot at admission (`HostTier`)
+    host_key: int | None = None  # a tier hit at `reuse`: copied into the live slot at admission (`HostTier`)
 
 
 class CompositeBlockManager:

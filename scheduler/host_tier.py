@@ -1,13 +1,14 @@
 """The host tier: checkpoints evicted from the device's slot pool live on in host memory, and a hit there is copied
-back into a slot before the step that restores it.
+into the restoring sequence's live slot before its step.
 
 The scheduler decides everything and the engine only moves the bytes: each step's plan lists, in the order they were
 decided and before anything else of the step runs (`StepPlan.host_ops`), the slots to copy out ("out", read before
 the step overwrites them), the host entries to forget ("drop": the least recently used when the tier is full, or one
 the device holds again) and the entries to copy in ("in", into the live slot of the sequence that restores it, whose
 step then reads its own slot; the entry stays). An entry is keyed by its checkpoint's hash, so it is matched as the
-device's checkpoints are; a checkpoint is on the device or on the host, never both. KV blocks stay on the device: a host hit is reused up to the
-KV match, as any checkpoint.
+device's checkpoints are; a checkpoint is on the device or on the host, never both. KV blocks stay on the device: a
+host hit is reused up to the KV match, as any checkpoint. The compressed tier (`checkpoint_dtype`) is the same
+bookkeeping, its entries kept compressed on the device.
 """
 from collections import OrderedDict
 

@@ -94,8 +94,7 @@ def from_pool(x, dtype):
 
 
 def init_state(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int, dtype=jnp.float32) -> DeviceState:
-    # the MTP block's attention layers (`model.mtp`) keep their keys and values after the model's own
-    n_full, n_lin = len(cfg.full_layer_ids) + cfg.mtp_num_hidden_layers, len(cfg.linear_layer_ids)
+    n_full, n_lin = cfg.num_kv_layers, len(cfg.linear_layer_ids)
     kv_shape = (cfg.num_key_value_heads, n_full, num_blocks, block_size, cfg.head_dim)  # head-major: see Attention
     conv_shape = (n_lin, num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
     ssm_shape = (n_lin, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)

@@ -272,8 +272,8 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
         raise ValueError(f"{folder}: the model config declares no MTP layers (mtp_num_hidden_layers) to draft with")
     # the names checked against the config from the files' headers, before the model is built: a config of many
     # more layers than the checkpoint holds took minutes to trace before its first missing tensor was named
-    shards = _shards(folder)
-    stored = _tensor_names(folder, shards, _skipped(cfg))
+    shards, skipped = _shards(folder), _skipped(cfg)
+    stored = _tensor_names(folder, shards, skipped)
     expected = _hf_names(cfg, fused_experts=any(n.endswith(".mlp.experts.gate_up_proj") for n in stored))
     unexpected = [n for n in stored if n not in expected and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if unexpected:
@@ -302,7 +302,7 @@ def load_hf_weights(folder: str | Path, cfg: ModelConfig | None = None, dtype=jn
             arr = sharding.split_param(cfg, tp_cfg, mesh, path, arr)
         flat[path] = flat[path].replace(arr)
 
-    for name, arr in _open_tensors(folder, shards, _skipped(cfg)):
+    for name, arr in _open_tensors(folder, shards, skipped):
         name = _canonical(name)
         if _has_nonfinite(arr):  # the model would run, and every logit come out NaN: tokens 0, 0, 0, ...
             raise ValueError(f"tensor {name!r} in {folder} holds NaN or infinite values: the checkpoint is damaged")

@@ -73,19 +73,21 @@ def expand(q, scale):
     return x if scale is None else x * scale
 
 
+def _activation_dtype(conv):
+    """The dtype the conv pool's values are in (a 16-bit float pool holds its bit patterns: `state.pool_dtype`)."""
+    return jnp.bfloat16 if conv.dtype == jnp.uint16 else conv.dtype
+
+
 @functools.partial(jax.jit, static_argnums=3)
 def _compress_slot(conv, ssm, slot, dtype: str):
     c, s = conv[:, slot], ssm[:, slot]  # [L, K-1, C] in the pool's dtype, [L, Hv, dk, dv] float32
-    act = jnp.bfloat16 if c.dtype == jnp.uint16 else c.dtype
-    return compress(from_pool(c, act).astype(jnp.float32), dtype, (2,)), compress(s, dtype, (2, 3))
+    return compress(from_pool(c, _activation_dtype(c)).astype(jnp.float32), dtype, (2,)), compress(s, dtype, (2, 3))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _expand_slot(conv, ssm, slot, entry):
     (qc, sc), (qs, ss) = entry
-    act = jnp.bfloat16 if conv.dtype == jnp.uint16 else conv.dtype
-    c = to_pool(expand(qc, sc).astype(act), conv)
-    return conv.at[:, slot].set(c), ssm.at[:, slot].set(expand(qs, ss))
+    return _write(conv, ssm, slot, to_pool(expand(qc, sc).astype(_activation_dtype(conv)), conv), expand(qs, ss))
 
 
 class CompressedStore(HostStore):

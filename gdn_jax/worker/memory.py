@@ -112,7 +112,7 @@ def plan_memory(cfg: ModelConfig, config: EngineConfig, memory_budget_bytes: int
     if memory_budget_bytes is None and (num_kv_blocks is None or num_linear_slots is None):
         raise ValueError("plan_memory needs a memory budget where a pool count is not given")
     itemsize = jnp.dtype(config.dtype).itemsize
-    per_block = 2 * (len(cfg.full_layer_ids) + cfg.mtp_num_hidden_layers) * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize // devices
+    per_block = 2 * cfg.num_kv_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize // devices
     per_slot = len(cfg.linear_layer_ids) * (
         (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * itemsize
         + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4) // devices

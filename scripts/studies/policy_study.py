@@ -131,7 +131,8 @@ def measure(outs: dict, engine, cost: PrefillCost) -> dict:
                                  + plan.num_compressed_checkpoints * plan.bytes_per_compressed_checkpoint),
             "checkpoint_slots": plan.num_checkpoint_slots, "compressed_checkpoints": plan.num_compressed_checkpoints,
             "evictions": stats["checkpoints_evicted"], "checkpoints_saved": stats["checkpoints_saved"],
-            "hits": stats["hits"], "queries": stats["queries"], "checkpoint_dtype": engine.config.cache.checkpoint_dtype}
+            "hits": stats["hits"], "queries": stats["queries"],
+            "checkpoint_dtype": engine.config.cache.checkpoint_dtype}
 
 
 def plot(workloads: dict, path: Path | None = None, axes=None):

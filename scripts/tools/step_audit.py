@@ -31,6 +31,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from gdn_jax.backends.cpu import tuning
 from gdn_jax.config import PRESETS, EngineConfig, get_preset
 from gdn_jax.entrypoints.cli import positive_int
 from gdn_jax.model.forms import UNROLL_SETTINGS, Forms
@@ -66,13 +67,12 @@ def audit_worker(a) -> Worker:
     dtype = getattr(jnp, a.dtype)
     settings = EngineConfig.create(dtype=a.dtype, max_num_seqs=a.rows, max_model_len=a.max_model_len,
                                    max_num_batched_tokens=max(a.tokens, 64))
-    forms = None if a.platform == "cpu" else Forms(unroll=a.unroll)
+    # the forms are given before the worker jits its steps with them
+    forms = dataclasses.replace(tuning.resolve_forms(dtype), unroll=a.unroll) if a.platform == "cpu" else Forms(
+        unroll=a.unroll)
     graphdef, params = abstract_model(cfg, dtype)
     # (abstract pools: the budget only has to hold the settings' minimum, and their size changes no op)
-    worker = Worker(cfg, graphdef, params, plan_memory(cfg, settings, 64 << 30), settings, forms=forms)
-    if a.platform == "cpu" and a.unroll != "0":
-        worker.forms = dataclasses.replace(worker.forms, unroll=a.unroll)
-    return worker
+    return Worker(cfg, graphdef, params, plan_memory(cfg, settings, 64 << 30), settings, forms=forms)
 
 
 def lower(worker: Worker, shape: tuple[int, int, int], platform: str) -> str:

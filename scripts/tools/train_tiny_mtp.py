@@ -95,7 +95,8 @@ def main(argv=None) -> dict:
     save_hf_weights(folder, cfg, params)
     where = folder.resolve()
     shown = str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(folder)  # (no machine's path)
-    result = {"settings": {**vars(a), "model": shown}, "before": before, "after": after, "main_heldout_bits_per_byte": main_bpb,
+    result = {"settings": {**vars(a), "model": shown}, "before": before, "after": after,
+              "main_heldout_bits_per_byte": main_bpb,
               "wall_s": time.time() - t0, "history": history, "jax": jax.__version__}
     (folder / "mtp_training.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {folder} (main model held-out {main_bpb:.3f} bits/byte, unchanged weights)")
