@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import types
 import typing
@@ -174,6 +175,47 @@ class CompileConfig:
         _check_fields(self)
 
 
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, under vLLM's name and keys: `{"method": "mtp", "num_speculative_tokens": k}`. The model's
+    MTP block drafts k tokens per running sequence, and one step of the model verifies them (docs/design.md,
+    "Speculative decoding")."""
+    method: Literal["mtp"] = "mtp"
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self):
+        if self.method != "mtp":
+            raise ValueError(f"speculative_config: method must be 'mtp' (the model's own MTP block), got "
+                             f"{self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an int in [1, "
+                             f"{MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        object.__setattr__(self, "num_speculative_tokens", int(k))
+
+    @classmethod
+    def of(cls, value) -> "SpeculativeConfig | None":
+        """A SpeculativeConfig from one, a dict of its keys, or its JSON text (the command line's); None stays."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config: not JSON ({exc}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{\"method\": \"mtp\", "
+                             f"\"num_speculative_tokens\": 2}}, got {value!r}")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; the keys are method and "
+                             f"num_speculative_tokens")
+        return cls(**value)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Every setting of an engine: the model, its dtype and seed, and the cache, scheduling and compile settings.
@@ -197,6 +239,9 @@ class EngineConfig:
     deterministic: bool = _setting(
         False, "the batch-invariant forward: a request's logits, bit for bit, alone or batched, with the cache on or "
                "off, however its prompt is split into steps (slower; one device)")
+    speculative_config: SpeculativeConfig | None = _setting(
+        None, "speculative decoding with the model's MTP block, as JSON: {\"method\": \"mtp\", "
+              "\"num_speculative_tokens\": k} (greedy and seeded outputs as without it)")
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduling: SchedulingConfig = dataclasses.field(default_factory=SchedulingConfig)
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
@@ -205,6 +250,7 @@ class EngineConfig:
         if not isinstance(self.model, (str, os.PathLike, ModelConfig)):  # LLM(3) failed inside pathlib
             raise ValueError(f"model must be a model name, a folder or a ModelConfig, got {self.model!r} "
                              f"({type(self.model).__name__})")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         _check_fields(self)
         for name, kind in SUB_CONFIGS.items():
             if not isinstance(getattr(self, name), kind):
@@ -221,9 +267,21 @@ class EngineConfig:
             raise ValueError(f"{tier} runs on one device: tensor_parallel_size "
                              f"({self.tensor_parallel_size}) and expert_parallel_size ({self.expert_parallel_size}) "
                              f"must be 1")
+        if self.speculative_config is not None:
+            refused = ("deterministic=True" if self.deterministic else
+                       "tensor or expert parallelism" if self.tensor_parallel_size * self.expert_parallel_size > 1
+                       else "checkpoint_mode 'promote'" if self.cache.checkpoint_mode == "promote" else None)
+            if refused:
+                raise ValueError(f"speculative_config runs on one device, in the default forms and checkpoint_mode "
+                                 f"'scan': not with {refused}")
         if self.token_budget < self.cache.chunk_stride:
             raise ValueError(f"max_num_batched_tokens ({self.token_budget}) must be >= chunk_stride "
                              f"({self.cache.chunk_stride})")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts per running sequence and step (0: no speculation)."""
+        return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
 
     @property
     def token_budget(self) -> int:

@@ -37,7 +37,7 @@ class CompositeBlockManager:
                                    config.enable_prefix_caching)
         eviction = eviction_policy(config.checkpoint_eviction, config.prefill_cost, config.eviction_alpha)
         self.linear = (LinearStateBlockManager(config.num_linear_slots, config.chunk_stride,
-                                               config.enable_prefix_caching, eviction)
+                                               config.enable_prefix_caching, eviction, config.num_draft_slots)
                        if config.has_linear_attention_layers else None)
         self.host = None
         if config.num_host_checkpoints and self.saves_checkpoints:

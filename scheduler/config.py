@@ -61,6 +61,9 @@ class SchedulerConfig:
     # The tier is the compressed one (`checkpoint_dtype`): every unpinned checkpoint moves there before a match, so
     # that every restore reads a compressed checkpoint and the device's slots hold only live states and the step's.
     offload_checkpoints: bool = False
+    # Speculative decoding: drafts a decode row verifies per step (0: none). Each sequence then has this many draft
+    # slots, which a verify step writes its state into after each draft (`scheduler.speculation`).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -85,10 +88,13 @@ class SchedulerConfig:
             raise ValueError(
                 f"num_kv_blocks ({self.num_kv_blocks}) too small: one sequence of "
                 f"max_model_len={self.max_model_len} needs {blocks_per_seq} blocks plus padding block 0")
-        if self.has_linear_attention_layers and self.num_linear_slots <= self.max_num_seqs:
+        if self.has_linear_attention_layers and self.num_linear_slots <= self.max_num_seqs + self.num_draft_slots:
             raise ValueError(
                 f"num_linear_slots ({self.num_linear_slots}): too few linear slots for max_num_seqs "
-                f"({self.max_num_seqs}); need more than max_num_seqs (slot 0 is padding)")
+                f"({self.max_num_seqs}) and {self.num_draft_slots} draft slots; need more than both (slot 0 is "
+                f"padding)")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.unsafe_reuse not in UNSAFE_REUSE_MODES:
             raise ValueError(f"unsafe_reuse must be one of {UNSAFE_REUSE_MODES}, got {self.unsafe_reuse!r}")
         if self.unsafe_reuse is not None and not self.enable_prefix_caching:
@@ -111,6 +117,11 @@ class SchedulerConfig:
             raise ValueError(f"eviction_alpha must be >= 0, got {self.eviction_alpha}")
         if not isinstance(self.state_fingerprint, str):
             raise ValueError("state_fingerprint must be a str")
+
+    @property
+    def num_draft_slots(self) -> int:
+        """Slots a verify step writes the states after each draft into: k per sequence (none without GDN layers)."""
+        return self.num_speculative_tokens * self.max_num_seqs if self.has_linear_attention_layers else 0
 
     @property
     def prefix_caches_linear_state(self) -> bool:

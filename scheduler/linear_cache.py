@@ -151,11 +151,14 @@ def deepest_hit_at_or_below(hits: list[tuple[int, int]], limit: int) -> tuple[in
 class LinearStateBlockManager:
     """Owns the slot pool; hands out live slots, saves checkpoints, resolves restore sources."""
 
-    def __init__(self, num_slots: int, chunk_stride: int, enable_prefix_caching: bool = True, eviction=None):
-        """`eviction`: the checkpoint index's policy (`scheduler.eviction`; None: LRU)."""
+    def __init__(self, num_slots: int, chunk_stride: int, enable_prefix_caching: bool = True, eviction=None,
+                 num_draft_slots: int = 0):
+        """`eviction`: the checkpoint index's policy (`scheduler.eviction`; None: LRU). `num_draft_slots`: slots set
+        apart for speculative decoding's verify steps (`swap_draft_slot`)."""
         self.num_slots = num_slots
         self.chunk_stride = chunk_stride
-        self.free_slots: deque[int] = deque(range(1, num_slots))
+        self.free_slots: deque[int] = deque(range(1, num_slots - num_draft_slots))
+        self.draft_slots: set[int] = set(range(num_slots - num_draft_slots, num_slots))
         self.live_slots: set[int] = set()
         # slot -> (hash, boundary): the checkpoints the in-flight step writes ("scan" mode)
         self.saving: dict[int, tuple[int, int]] = {}
@@ -199,6 +202,15 @@ class LinearStateBlockManager:
         free."""
         while self.index.lru:
             self.free_slots.append(self.index.evict_victim())
+
+    def swap_draft_slot(self, seq: Sequence, slot: int) -> None:
+        """A verify step rejected a draft: draft slot `slot` holds the state after the last accepted position and
+        becomes the sequence's live slot; the old live slot, a step ahead of it, becomes a draft slot."""
+        self.draft_slots.remove(slot)
+        self.draft_slots.add(seq.linear_state_id)
+        self.live_slots.remove(seq.linear_state_id)
+        self.live_slots.add(slot)
+        seq.linear_state_id = slot
 
     def free_live_slot(self, slot: int) -> None:
         self.live_slots.remove(slot)
@@ -349,10 +361,11 @@ class LinearStateBlockManager:
         assert live == self.live_slots, "live slots differ from the running sequences'"
         free = set(self.free_slots)
         ckpt = set(self.index.hash_of) if self.index is not None else set()
-        saving = set(self.saving)
+        saving, draft = set(self.saving), self.draft_slots
         assert len(free) == len(self.free_slots), "duplicate id in the slot free list"
-        assert len(free) + len(live) + len(ckpt) + len(saving) == len(free | live | ckpt | saving), "slot in two states"
-        assert free | live | ckpt | saving == set(range(1, self.num_slots)), "slot leaked or slot 0 used"
+        assert (len(free) + len(live) + len(ckpt) + len(saving) + len(draft)
+                == len(free | live | ckpt | saving | draft)), "slot in two states"
+        assert free | live | ckpt | saving | draft == set(range(1, self.num_slots)), "slot leaked or slot 0 used"
         assert pins_allowed or not saving, "checkpoint being saved outside a step"
         assert len({h for h, _ in self.saving.values()}) == len(saving), "one hash saved twice in a step"
         assert self.saving_hashes == {h for h, _ in self.saving.values()}, "hashes being saved differ from the saves'"

@@ -54,6 +54,10 @@ class ScheduledSequence:
     num_generated: int          # len(output_token_ids) before this step (the worker folds it into the seed)
     history: array | None = None  # prompt + output so far (C integers), only for sampling rows that use penalties
     num_prompt_tokens: int = 0
+    next_token_id: int = -1     # the known token after token_ids (-1: none, the row samples it); the MTP block's input
+    # speculative decoding: a verify row's drafts (token_ids[1:]), and the slots its state after each goes to
+    draft_token_ids: tuple[int, ...] = ()
+    draft_slots: tuple[int, ...] = ()
 
     @property
     def num_prompt_tokens_computed(self) -> int:

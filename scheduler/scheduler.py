@@ -1,18 +1,15 @@
 """Continuous batching with chunked prefill aligned to checkpoint boundaries.
 
-With `mixed_steps` ("scan" mode, the default) a step first gives each running decode its one token, then fills
-the rest of `max_num_batched_tokens` with prefill rows (vLLM v1's single token budget), so decodes keep their pace
-while a long prompt prefills; the plan lists the prefill rows first, then the decode rows. Otherwise (and always
-with "promote") a step is either all-prefill or all-decode; prefill goes first whenever something can be
-prefilled. A prefill row ends at the end of the known tokens or, when the token budget cuts it, at a multiple of
-`chunk_stride`, so every row starts on a checkpoint boundary. With checkpoint_mode="scan" a row covers as many
-strides as the budget allows and the plan lists a save for each boundary it crosses (`StepPlan.saves`: the forward
-writes those states into checkpoint slots); with "promote" a row stops at each boundary and the next step promotes
-the live slot to the checkpoint. Admission takes KV
-blocks for every known token and one live slot, so a prefill never stalls halfway; when decode runs
-out of KV the most recently admitted sequence is preempted by recompute. The waiting queue admits preempted sequences
-first, then one sequence per request in turn (round-robin, `WaitingQueue`), so that a request of many samples cannot
-hold up the requests queued after it; the head waits until it fits, nothing passes it.
+With `mixed_steps` ("scan" mode, the default) a step gives each running decode its token (with speculation, its
+verify row: `scheduler.speculation`), then fills the rest of `max_num_batched_tokens` with prefill rows (vLLM v1's
+single budget); the plan lists the prefill rows first. Otherwise (and always with "promote") a step is all-prefill
+or all-decode, prefill first. A prefill row ends at the end of the known tokens or, cut by the budget, at a multiple
+of `chunk_stride`, so every row starts on a checkpoint boundary. "scan": a row covers as many strides as the budget
+allows and the forward writes the state at each boundary it crosses (`StepPlan.saves`); "promote": a row stops at
+each boundary and the next step promotes the live slot. Admission takes KV blocks for every known token and one live
+slot, so a prefill never stalls halfway; when decode runs out of KV the newest sequence is preempted by recompute.
+The waiting queue admits preempted sequences first, then one sequence per request in turn (`WaitingQueue`), so that
+a request of many samples cannot hold up those queued after it; the head waits until it fits, nothing passes it.
 
 n > 1 forks: the parent prefills its prompt up to the fork point (the last block boundary below the final prompt
 token); then each child mounts those full KV blocks by refcount, gets its own live slot restored from the parent's
@@ -29,6 +26,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.placement import OverlapPlacement
 from scheduler.plan import CheckpointSave, LinearStateCacheOp, ScheduledSequence, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.speculation import Speculation
 from scheduler.waiting import WaitingQueue
 
 
@@ -61,6 +59,7 @@ class Scheduler:
         self.placement = None  # "overlap": `OverlapPlacement`, fed the KV match of each first admission
         self._new_request_step = False  # the last step was one of new requests' first prefills (`new_request_steps`)
         self.end_of_turn = config.checkpoint_placement == "end_of_turn"
+        self.spec = Speculation(config, self.block_manager) if config.num_speculative_tokens else None
         if config.checkpoint_placement == "overlap":
             checkpoints = config.num_linear_slots - 1 - config.max_num_seqs
             self.placement = OverlapPlacement(config.chunk_stride, config.prefill_cost,
@@ -139,6 +138,8 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         assert self.inflight is None, "postprocess the previous plan before scheduling again"
+        if self.spec is not None:
+            self.spec.begin_step()
         if self.config.mixed_steps and self.config.checkpoint_mode == "scan":
             plan = self._schedule_mixed()
         else:
@@ -361,10 +362,12 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             end = seq.num_computed_tokens + 1
-            if not self._make_room(seq, end, scheduled):
+            reach = end if self.spec is None else self.spec.reach(seq)  # (the drafts' positions too)
+            if not self._make_room(seq, reach, scheduled):
                 continue
-            op = self._allocate(seq, end)
-            rows.append(self._row(seq, end, op))
+            op = self._allocate(seq, reach)
+            row = self._row(seq, end, op)
+            rows.append(row if self.spec is None else self.spec.row(seq, row))
             scheduled.add(seq.seq_id)
         return rows
 
@@ -400,10 +403,12 @@ class Scheduler:
             sample=sample, sampling_params=seq.sampling_params,
             num_generated=seq.num_generated,
             history=seq.history() if sample and seq.sampling_params.uses_penalties else None,
-            num_prompt_tokens=seq.num_prompt_tokens)
+            num_prompt_tokens=seq.num_prompt_tokens, next_token_id=seq.token_ids[end] if end < len(seq) else -1)
 
-    def postprocess(self, plan: StepPlan, sampled_token_ids: list[int | None]) -> list[Sequence]:
-        """Advance the sequences of an executed plan; return the ones that finished."""
+    def postprocess(self, plan: StepPlan, sampled_token_ids: list, drafts: list | None = None) -> list[Sequence]:
+        """Advance the sequences of an executed plan; return the ones that finished. A row's sample is a token, or
+        with speculation a list of them (a verify row's: one more than the drafts it accepted), which is cut after a
+        token that finishes the sequence; `drafts[i]`: the MTP block's drafts after row i's samples."""
         assert plan is self.inflight, "postprocess takes the plan of the last schedule()"
         if len(sampled_token_ids) != len(plan.seqs):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} rows")
@@ -415,7 +420,8 @@ class Scheduler:
             seq = self.seqs.get(row.seq_id)
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # aborted after it was scheduled
-            seq.num_computed_tokens = row.start_pos + len(row.token_ids)
+            seq.num_computed_tokens = row.start_pos + (len(row.token_ids) if self.spec is None else
+                                                       self.spec.computed(seq, row, token))
             prefill_row = i < plan.num_prefill_rows
             # a "scan" row saved its boundaries in the step, unless it started off the stride grid (`_plan_saves`)
             scanned = (prefill_row and self.config.checkpoint_mode == "scan"
@@ -432,10 +438,14 @@ class Scheduler:
                     self.prefilling.pop(seq.seq_id, None)
             if not row.sample:
                 continue
-            if token is None:
+            if self.spec is not None:  # (its samples are appended: `Speculation.computed`)
+                reason = self.spec.stopped
+                seq.draft_token_ids = list(drafts[i]) if drafts is not None and drafts[i] is not None else []
+            elif token is None:
                 raise ValueError(f"row for seq {row.seq_id} samples but got no token")
-            seq.append_token(token)
-            reason = self._stop_reason(seq, seq.token_ids[-1])
+            else:
+                seq.append_token(token)
+                reason = seq.stop_reason(token, self.config.eos_token_id, self.config.max_model_len)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
@@ -508,18 +518,6 @@ class Scheduler:
             seq.pending_save_hash = None
             self._preempt(seq)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        sp = seq.sampling_params
-        if seq.num_generated > sp.min_tokens:  # a stop token counts from output index min_tokens on
-            if not sp.ignore_eos and token == self.config.eos_token_id:
-                return "stop"
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                return "stop"
-        if (sp.max_tokens is not None and seq.num_generated >= sp.max_tokens
-                or len(seq.token_ids) >= self.config.max_model_len):
-            return "length"
-        return None
-
     # -- lifecycle -------------------------------------------------------------------------
     def _record_admission(self, seq: Sequence, m: PrefixMatch) -> None:
         if self.placement is not None and seq.num_admissions == 0:
@@ -567,7 +565,8 @@ class Scheduler:
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> dict:
-        out = dict(self.counters)
+        out = dict(self.counters, spec_draft_tokens=self.spec.num_draft_tokens if self.spec else 0,
+                   spec_accepted_tokens=self.spec.num_accepted_tokens if self.spec else 0)
         out.update(self.block_manager.stats(), num_running=len(self.running), num_waiting=len(self.waiting))
         return out
 

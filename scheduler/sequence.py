@@ -39,6 +39,8 @@ class Sequence:
         self.checkpoint_positions: tuple[int, ...] = ()
         self.replaced_hash: int | None = None  # "end_of_turn": its last checkpoint at the end of its output so far
 
+        self.draft_token_ids: list[int] = []  # speculative decoding: the MTP block's guesses of the next tokens
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # drafts verified, and accepted
         self._history = array("q")  # token_ids as C integers, as far as `history` has needed them
 
         # Two chained hash domains over the known tokens.
@@ -120,3 +122,15 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))
+
+    def stop_reason(self, token: int, eos_token_id: int | None, max_model_len: int) -> str | None:
+        """Why the sequence ends after appending `token` ("stop", "length"), or None."""
+        sp = self.sampling_params
+        if self.num_generated > sp.min_tokens:  # a stop token counts from output index min_tokens on
+            if not sp.ignore_eos and token == eos_token_id:
+                return "stop"
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                return "stop"
+        if sp.max_tokens is not None and self.num_generated >= sp.max_tokens or len(self.token_ids) >= max_model_len:
+            return "length"
+        return None

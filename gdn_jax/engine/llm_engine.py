@@ -30,6 +30,7 @@ from gdn_jax.tokenizer import get_tokenizer, text_stream
 from gdn_jax.worker.compile_cache import enable_compilation_cache
 from gdn_jax.worker.executable_store import StaleExecutable
 from gdn_jax.worker.host_tier import CompressedStore, HostStore
+from gdn_jax.worker.speculation import SpecWorker
 from gdn_jax.worker.memory import default_memory_budget, plan_memory
 from gdn_jax.worker.worker import Worker
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
@@ -83,7 +84,8 @@ class LLMEngine:
         enable_compilation_cache(config.compile.compilation_cache_dir)
         tp, ep = config.tensor_parallel_size, config.expert_parallel_size
         self.mesh = make_mesh(tp, ep) if tp * ep > 1 else None  # (no devices enough: an error before the model loads)
-        self.cfg, graphdef, params = load_model(config.model, dtype=dtype, seed=config.seed, mesh=self.mesh)
+        self.cfg, graphdef, params = load_model(config.model, dtype=dtype, seed=config.seed, mesh=self.mesh,
+                                                mtp=config.speculative_config is not None)
         model_cfg = tp_config(self.cfg, tp, ep)  # the config of the model as the worker runs it (its mesh layout)
         if sched.max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
@@ -115,6 +117,7 @@ class LLMEngine:
             num_host_checkpoints=(cache.host_checkpoint_bytes // self.memory.bytes_per_linear_slot
                                   if self.memory.bytes_per_linear_slot else 0) + self.memory.num_compressed_checkpoints,
             offload_checkpoints=self.memory.num_compressed_checkpoints > 0,
+            num_speculative_tokens=config.num_speculative_tokens,
             prefill_cost=PrefillCost(*self.cfg.prefill_flops()))
         if cache.unsafe_reuse is not None:
             warnings.warn(f"unsafe_reuse={cache.unsafe_reuse!r}: reusing KV matches with a {cache.unsafe_reuse} GDN "
@@ -125,8 +128,9 @@ class LLMEngine:
         self.host_store = (CompressedStore(cache.checkpoint_dtype) if self.memory.num_compressed_checkpoints else
                            HostStore())
         eos = [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]
-        self.worker = Worker(model_cfg, graphdef, params, self.memory, config,
-                             eos_token_ids=tuple(eos + self.extra_eos_ids), mesh=self.mesh)
+        self.worker = (SpecWorker if config.speculative_config is not None else Worker)(
+            model_cfg, graphdef, params, self.memory, config, eos_token_ids=tuple(eos + self.extra_eos_ids),
+            mesh=self.mesh)
         self.output_processor = OutputProcessor(self.tokenizer, self.cfg.eos_token_id,
                                                 lambda seq_id: self.scheduler.abort(seq_id))
         if config.verbose:
@@ -286,12 +290,14 @@ class LLMEngine:
         outputs, self._undelivered = list(self._undelivered.values()), {}
         return outputs
 
-    def _postprocess(self, plan, result, sampled: list[int | None]) -> tuple[list[RequestOutput], dict]:
+    def _postprocess(self, plan, result, sampled: list) -> tuple[list[RequestOutput], dict]:
         """The host's part of a step that ran: the scheduler advances its sequences, the requests record their
         tokens, logprobs and text; returns their outputs (finished requests leave the engine) and {request: what
         it raised} for the requests whose own part raised (a defect of the host's code, a tokenizer's error): the
         step went on for the others, and `step` ends those with "error" (`_end_with_error`)."""
-        self.scheduler.postprocess(plan, sampled)
+        drafts = (None if result.drafts is None else
+                  [None if d[0] < 0 else d.tolist() for d in result.drafts])  # (-1: no drafts)
+        self.scheduler.postprocess(plan, sampled, drafts)  # (a list of samples is cut after a finishing token)
         now = time.perf_counter()
         touched: dict[str, tuple[RequestState, list[int]]] = {}  # one output per request: the samples that stepped
         broken: dict[str, tuple[RequestState, Exception]] = {}
@@ -301,7 +307,11 @@ class LLMEngine:
                 continue
             try:
                 index = req.index(s.seq_id)
-                self.output_processor.record_token(req, index, sampled[i], result, i, now)
+                if result.accepted is None:
+                    self.output_processor.record_token(req, index, sampled[i], result, i, now)
+                else:  # the samples at a row's positions that the scheduler kept
+                    for j, token in enumerate(sampled[i]):
+                        self.output_processor.record_token(req, index, token, result, i * result.positions + j, now)
                 self.output_processor.update_text(req, index, now)
             except Exception as exc:
                 broken[req.request_id] = req, exc
@@ -311,6 +321,8 @@ class LLMEngine:
         outputs = []
         for req, changed in touched.values():
             req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)  # once per request, not per row
+            req.metrics.spec_draft_tokens = sum(s.num_draft_tokens for s in req.seqs)
+            req.metrics.spec_accepted_tokens = sum(s.num_accepted_tokens for s in req.seqs)
             if req.is_finished:
                 req.metrics.finished_time = now
             if req.final_only and not req.is_finished:
@@ -361,7 +373,12 @@ class LLMEngine:
             "tokens": sum(len(s.token_ids) for s in plan.seqs),
             "warm_restores": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.restores_checkpoint),
             "forks": sum(1 for s in plan.seqs if s.linear_op is not None and s.linear_op.fork)}
-        sampled = [int(result.tokens[i]) if s.sample else None for i, s in enumerate(plan.seqs)]
+        if result.accepted is None:
+            sampled = [int(result.tokens[i]) if s.sample else None for i, s in enumerate(plan.seqs)]
+        else:  # a row's samples up to its first that differs from its draft: one more than the drafts accepted
+            P = result.positions
+            sampled = [result.tokens[i * P:i * P + int(result.accepted[i]) + 1].tolist() if s.sample else None
+                       for i, s in enumerate(plan.seqs)]
         return result, sampled
 
     def _abandon_step(self) -> None:

@@ -51,6 +51,13 @@ class RequestMetrics:
     reuse_lost: int = 0             # kv_match - reuse: lost to alignment / clamp / missing checkpoints
     restored: bool = False          # a warm restore ran at admission
     num_preemptions: int = 0
+    spec_draft_tokens: int = 0      # speculative decoding: drafts its decode steps verified (all its samples)
+    spec_accepted_tokens: int = 0   # and those accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafts per draft verified (None: none verified)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
 
     @property
     def ttft(self) -> float | None:

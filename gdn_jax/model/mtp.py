@@ -42,12 +42,13 @@ class MultiTokenPredictor(nnx.Module):
         return self.fc(both, forms)
 
 
-def mtp_forward(model, hidden, next_tokens, batch, state, forms: Forms = GENERIC):
+def mtp_forward(model, hidden, next_tokens, batch, state, forms: Forms = GENERIC, logits: bool = True):
     """The MTP block over a step's rows, on the paged KV pools: `hidden` [B, T, D] the model's normed outputs at the
     batch's positions (`Qwen35Model.__call__(..., hidden=True)`), `next_tokens` [B, T] the token after each. Its
     keys and values are written at those positions, in the KV pools' layers after the model's own, and its queries
     attend to those of the positions before, as the main model's attention does. Returns (logits [B, T, V] of the
-    tokens after those, its normed outputs [B, T, D], which stand in for the hidden states when it drafts on, state).
+    tokens after those (None unless `logits`), its normed outputs [B, T, D], which stand in for the hidden states when
+    it drafts on, state).
     """
     x = model.mtp.inputs(model.embed_tokens[...][next_tokens], hidden, forms)
     valid = jnp.arange(x.shape[1])[None, :] < batch.lengths[:, None]
@@ -60,7 +61,7 @@ def mtp_forward(model, hidden, next_tokens, batch, state, forms: Forms = GENERIC
         x = layer.residual(x, h, forms, valid)
         state = dataclasses.replace(state, k=k, v=v)
     out = model.mtp.norm(x)
-    return model.head(out, forms), out, state
+    return model.head(out, forms) if logits else None, out, state
 
 
 def mtp_draft(model, hidden, token, batch, state, k: int, forms: Forms = GENERIC):
@@ -81,3 +82,19 @@ def mtp_draft(model, hidden, token, batch, state, k: int, forms: Forms = GENERIC
         hidden = out[:, 0]
         drafts.append(token)
     return jnp.stack(drafts, axis=1), state
+
+
+def mtp_propose(model, hidden, next_tokens, last, batch, state, k: int, forms: Forms = GENERIC):
+    """A step's drafting: the block over every position of the step's rows (`mtp_forward`: its keys and values there,
+    `next_tokens` [B, T] the token after each), then k greedy drafts per row from position `last` [B] of the row (the
+    last one computed and kept): the first from the block's output there, the others chained (`mtp_draft`) at the
+    positions after it. Returns (drafts [B, k] int32, state)."""
+    _, out, state = mtp_forward(model, hidden, next_tokens, batch, state, forms, logits=False)
+    at = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]  # [B, D]
+    first = jnp.argmax(model.head(at, forms), axis=-1).astype(jnp.int32)
+    if k == 1:
+        return first[:, None], state
+    # one token per row from the position after `last` (padding rows stay empty: length 0)
+    chain = dataclasses.replace(batch, start_pos=batch.start_pos + last + 1, lengths=jnp.minimum(batch.lengths, 1))
+    rest, state = mtp_draft(model, at, first, chain, state, k - 1, forms)
+    return jnp.concatenate([first[:, None], rest], axis=1), state

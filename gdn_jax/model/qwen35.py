@@ -281,14 +281,14 @@ class Qwen35Model(nnx.Module):
 
     def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int | None = None,
                  gdn_schedule: str = "auto", forms: Forms = GENERIC, hidden: bool = False):
-        """`hidden` (with `all_logits`): also returns every position's output after the final norm [B, T, D], what
-        the MTP block drafts from (`model.mtp`).
+        """`hidden`: also returns every position's output after the final norm [B, T, D], what the MTP block drafts
+        from (`model.mtp`); the logits are still the last position's unless `all_logits`.
         `gdn_schedule`: the chunked GDN rule's schedule ("auto", "fused", "parallel"; same maths).
         `chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
         boundary is a chunk boundary of a row's scan; None: `gated_delta.default_chunk_size`). `forms`: the forms
         the step takes (`Forms`; the default: XLA's generic ones; `Forms.deterministic`: `deterministic.forward`)."""
-        if hidden and (forms.deterministic or not all_logits):
-            raise ValueError("hidden states come with all_logits, in the default forms")
+        if hidden and forms.deterministic:
+            raise ValueError("hidden states come in the default forms")
         if forms.deterministic:
             return deterministic.forward(self, batch, state, all_logits, forms)
         x = self.embed_tokens[...][batch.tokens]  # [B, T, D]
@@ -306,7 +306,7 @@ class Qwen35Model(nnx.Module):
         # A step that samples needs the last layer's output at each row's last token only: there that layer's loop
         # turn computes what every position needs (its keys and values, its GDN state), keeps the rest of its inputs
         # at those tokens (`pending`), and `last_layer_tail` finishes one row each after the loop.
-        defer = not all_logits and T > 1
+        defer = not all_logits and not hidden and T > 1
         last_kind, last_j = self.cfg.layer_types[-1], self.cfg.layer_types.count(self.cfg.layer_types[-1]) - 1
 
         def tail(kind, j, whole, at_tokens, x, pending):
@@ -363,11 +363,11 @@ class Qwen35Model(nnx.Module):
         x, state, pending = self.scan_layers((x, state, pending), linear, full, unroll=forms.unrolled(T))
         if defer:
             x = self.last_layer_tail(pending, state, batch, last, last_j, forms)
+        elif hidden:
+            normed = self.norm(x)
+            return self.head(normed if all_logits else at_last(normed), forms), state, normed
         elif not all_logits:  # hidden state of each row's last real token
             x = at_last(x)
-        if hidden:
-            normed = self.norm(x)
-            return self.head(normed, forms), state, normed
         return self.logits(x, forms), state
 
     def last_layer_tail(self, pending, state: DeviceState, batch: Batch, last, j: int, forms: Forms):
@@ -408,7 +408,9 @@ def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
     `(1 + w)` vs `w` mistake shows."""
     model = Qwen35Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed), std=0.05)
     key = jax.random.PRNGKey(seed + 1)
-    for path, p in nnx.iter_graph(model):
+    # the main model's norms first: its weights are the same with and without the MTP block
+    nodes = sorted(nnx.iter_graph(model), key=lambda node: bool(node[0]) and node[0][0] == "mtp")
+    for path, p in nodes:
         if isinstance(p, (RMSNorm, GatedRMSNorm)):
             key, sub = jax.random.split(key)
             base = 1.0 if isinstance(p, GatedRMSNorm) else 0.0

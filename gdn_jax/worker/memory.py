@@ -30,6 +30,9 @@ class MemoryPlan:
     num_compressed_checkpoints: int = 0
     bytes_per_compressed_checkpoint: int = 0
     checkpoint_dtype: str = "float32"
+    # speculative decoding: the slots a verify step writes each sequence's state into after each draft (k per
+    # sequence), so that a rejection keeps the state of the last accepted position
+    num_draft_slots: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -39,12 +42,15 @@ class MemoryPlan:
     @property
     def num_checkpoint_slots(self) -> int:
         """Slots beyond padding slot 0 and one live slot per sequence: the room checkpoints always have."""
-        return max(0, self.num_linear_slots - 1 - self.max_num_seqs) if self.bytes_per_linear_slot else 0
+        return (max(0, self.num_linear_slots - 1 - self.max_num_seqs - self.num_draft_slots)
+                if self.bytes_per_linear_slot else 0)
 
     def describe(self) -> str:
         mib = 1 << 20
         linear = (f"linear state: {self.num_linear_slots} slots x {self.bytes_per_linear_slot / mib:.2f} MiB "
-                  f"(1 padding + {self.max_num_seqs} live + {self.num_checkpoint_slots} checkpoint); "
+                  f"(1 padding + {self.max_num_seqs} live + "
+                  f"{f'{self.num_draft_slots} draft + ' if self.num_draft_slots else ''}"
+                  f"{self.num_checkpoint_slots} checkpoint); "
                   if self.bytes_per_linear_slot else "")
         if self.num_compressed_checkpoints:
             linear += (f"{self.num_compressed_checkpoints} {self.checkpoint_dtype} checkpoints x "
@@ -117,7 +123,8 @@ def plan_memory(cfg: ModelConfig, config: EngineConfig, memory_budget_bytes: int
         (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * itemsize
         + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4) // devices
     caches_linear = cache.enable_prefix_caching and per_slot > 0
-    live = 1 + max_num_seqs
+    drafts = config.num_speculative_tokens * max_num_seqs if per_slot else 0
+    live = 1 + max_num_seqs + drafts  # (the draft slots are live states of the verify steps)
     if num_linear_slots is not None and caches_linear and num_linear_slots < live + 1:
         raise ValueError(f"num_linear_slots={num_linear_slots} leaves no room for a checkpoint with prefix caching on: "
                          f"slot 0 is padding and max_num_seqs={max_num_seqs} need live slots, so at least "
@@ -158,7 +165,8 @@ def plan_memory(cfg: ModelConfig, config: EngineConfig, memory_budget_bytes: int
         compressed = _compressed_checkpoints(cfg, cache.checkpoint_dtype, num_linear_slots - live, max_num_seqs,
                                              per_slot)
         num_linear_slots = live + compressed.pop("staging")
-    return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs, devices, **compressed)
+    return MemoryPlan(per_block, per_slot, num_kv_blocks, num_linear_slots, max_num_seqs, devices,
+                      num_draft_slots=drafts, **compressed)
 
 
 def _compressed_checkpoints(cfg: ModelConfig, dtype: str, slots: int, max_num_seqs: int, per_slot: int) -> dict:

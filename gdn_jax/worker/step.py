@@ -143,3 +143,8 @@ class StepResult:
     top_ids: np.ndarray         # [rows, MAX_LOGPROBS]
     top_logprobs: np.ndarray    # [rows, MAX_LOGPROBS]
     prompt: PromptLogprobs | None = None
+    # speculative decoding (`worker.speculation`): the arrays above hold `positions` samples per row (row i's j-th at
+    # i * positions + j), `accepted` [rows] the drafts each row kept, `drafts` [rows, k] its next ones (-1: none)
+    positions: int = 1
+    accepted: np.ndarray | None = None
+    drafts: np.ndarray | None = None

@@ -498,9 +498,10 @@ class Worker:
         # the decode sub-batch is dispatched while the device runs the prefill one, and both are waited for together
         launched = self._launch(*first, full_rows), self._launch(*second, False)
         first, second = self._collect(m, launched[0], full_rows), self._collect(k, launched[1], False)
-        fields = ("tokens", "logprobs", "ranks", "top_ids", "top_logprobs")
-        return StepResult(*(np.concatenate([getattr(first, f), getattr(second, f)]) for f in fields),
-                          prompt=first.prompt)
+        fields = [f.name for f in dataclasses.fields(StepResult) if f.name not in ("prompt", "positions")]
+        return StepResult(**{f: None if getattr(first, f) is None else np.concatenate([getattr(first, f),
+                                                                                       getattr(second, f)])
+                             for f in fields}, prompt=first.prompt, positions=first.positions)
 
     # the step's functions by kind (`step_functions`, `replace_functions`): the attribute holding each
     _STEP_FUNCTION_ATTRS = {"prefill": "_fn", "decode": "_decode_fn", "decode_wide": "_decode_wide_fn",
