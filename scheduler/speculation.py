@@ -6,9 +6,9 @@ writes the GDN state after each of the first n positions into a draft slot of it
 draft_slots`). The step samples at every position and keeps the drafts that match (`advance`): with a drafts accepted,
 the sequence has computed p + a + 1 tokens, and its state there is the live slot's (a = n) or draft slot a's, which
 then becomes the live slot (`LinearStateBlockManager.swap_draft_slot`); the KV of the positions past it is rolled
-back by length. No checkpoint is ever taken inside a row: n stops one short of the next checkpoint boundary
-(`num_drafts`), so a boundary is reached only at a row's last position, with every draft accepted, and saved from the
-live slot as any decode's.
+back by length. n stops one short of the next checkpoint boundary (`num_drafts`), so that a boundary is reached at
+a row's last position, with every draft accepted, and saved from the live slot as any decode's (a row that jumped
+over it would leave it unsaved); no checkpoint is taken inside a row.
 """
 from scheduler.plan import ScheduledSequence
 from scheduler.sequence import Sequence

@@ -291,3 +291,66 @@ print("RESOLVED", tuning.resolve_forms("float32").decode_vector_bits)
     assert measured["measured"] != "then" and measured["value"] in (256, 512)  # measured again, not the planted one
     assert int(lines["RESOLVED"]) == measured["value"]
     assert "float32: Forms(cpu=True" in run.stdout
+
+
+def test_speculative_config_flag_reaches_the_engine_and_a_bad_one_is_one_line(monkeypatch, capsys):
+    """`--speculative-config JSON` (vLLM's flag and keys), of serve and generate, is EngineConfig.speculative_config;
+    --help shows it; a value the engine refuses (another method, text that is not JSON, a bad count, an unknown key)
+    is one line naming speculative_config, before an engine is built."""
+    import types
+
+    import gdn_jax.engine
+    from gdn_jax.config import EngineConfig, SpeculativeConfig
+    from gdn_jax.entrypoints.openai import api_server
+    from gdn_jax.entrypoints.cli import main
+
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    for command in ("serve", "generate"):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and "--speculative-config" in out and "num_speculative_tokens" in out
+
+    seen = {}
+
+    class Engine:
+        def __init__(self, config):
+            seen["engine"] = config
+
+    class FakeLLM(Engine):
+        engine = types.SimpleNamespace(default_sampling={})
+
+        def generate(self, prompt, params, use_tqdm=True):
+            comp = types.SimpleNamespace(text="", token_ids=[], finish_reason="length", stop_reason=None, logprobs=None)
+            return [types.SimpleNamespace(outputs=[comp], metrics=types.SimpleNamespace(ttft=0.0, finished_time=None),
+                                          prompt_token_ids=[1], num_cached_tokens=0, error=None)]
+
+    monkeypatch.setattr(gdn_jax.engine, "LLMEngine", Engine)
+    monkeypatch.setattr(gdn_jax.engine, "LLM", FakeLLM)
+    monkeypatch.setattr(api_server, "serve", lambda engine, config, **kw: None)
+    for argv in (["serve", "--no-warm-up", "--port", "0", "--speculative-config", spec],
+                 ["generate", "--speculative-config", spec, "x"]):
+        seen.clear()
+        main(argv)
+        got = seen["engine"].speculative_config
+        assert got == SpeculativeConfig(method="mtp", num_speculative_tokens=2), argv
+        assert got.num_speculative_tokens == 2
+    main(["generate", "x"])
+    assert seen["engine"].speculative_config is None
+    capsys.readouterr()
+
+    monkeypatch.setattr(gdn_jax.engine, "LLMEngine", lambda *a, **k: pytest.fail("the engine was built first"))
+    monkeypatch.setattr(gdn_jax.engine, "LLM", lambda *a, **k: pytest.fail("the engine was built first"))
+    for value, message in (('{"method": "ngram"}', "speculative_config: method must be 'mtp'"),
+                           ("not json", "speculative_config: not JSON"),
+                           ('{"method": "mtp", "num_speculative_tokens": 0}',
+                            "speculative_config: num_speculative_tokens must be an int in [1, 8], got 0"),
+                           ('{"num_speculative_tokens": 2, "k": 1}', "speculative_config: unknown key(s) ['k']"),
+                           ("[2]", "speculative_config must be a dict")):
+        for command, rest in (("serve", ["--port", "0"]), ("generate", ["x"])):
+            with pytest.raises(SystemExit) as e:
+                main([command, "--speculative-config", value, *rest])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and message in err and "Traceback" not in err, (command, value, err)
+            assert err.strip().splitlines()[-1].startswith(f"gdn-jax {command}: error: speculative_config")
+    assert EngineConfig.create(speculative_config=spec).speculative_config.num_speculative_tokens == 2

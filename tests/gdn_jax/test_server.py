@@ -878,3 +878,44 @@ def test_a_hinted_position_is_kept_and_hit_and_a_bad_one_is_a_400(server, client
                    json={"model": "tiny", "prompt": shared, "max_tokens": 1, "checkpoint_positions": [51]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "checkpoint_positions"
     assert "51 is outside [16, 50]" in r.json()["error"]["message"]
+
+
+def test_speculative_decoding_serves_the_greedy_text_usage_and_spec_metrics():
+    """The trained `tiny` model (it has an MTP block) served with speculative_config {"method": "mtp",
+    "num_speculative_tokens": 2}: greedy completions, whole and streamed, are the text and usage of a plain offline
+    engine; usage counts output tokens only (accepted drafts are output tokens, rejected ones nothing), as does
+    gdn_jax_generation_tokens; /metrics counts the drafts verified and accepted."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    kw = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=256, verbose=False)
+    prompts = ["The gated delta rule keeps a state", "Once upon a time"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = LLM("tiny", **kw).generate(prompts, params, use_tqdm=False)
+    loop = EngineLoop(LLMEngine("tiny", speculative_config=spec, **kw)).start()
+    try:
+        with ServerThread(create_app(loop, ServerConfig(model_name="tiny"))) as srv:
+            m = _metrics(srv)
+            assert m["gdn_jax_spec_draft_tokens_total"] == 0 == m["gdn_jax_spec_accepted_tokens_total"]
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            body = dict(model="tiny", max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True})
+            both = c.completions.create(prompt=prompts, **body)
+            assert [ch.text for ch in sorted(both.choices, key=lambda ch: ch.index)] == [o.outputs[0].text
+                                                                                         for o in want]
+            outputs = sum(len(o.outputs[0].token_ids) for o in want)
+            assert outputs == 48 and both.usage.completion_tokens == outputs
+            assert both.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
+            assert both.usage.total_tokens == both.usage.prompt_tokens + outputs
+            chunks = list(c.completions.create(prompt=prompts[0], stream=True,
+                                               stream_options={"include_usage": True}, **body))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want[0].outputs[0].text
+            assert chunks[-1].usage.completion_tokens == 24
+            for _ in range(100):  # bounded: the engine thread snapshots its stats when it goes idle
+                m = _metrics(srv)
+                if m["gdn_jax_generation_tokens_total"] == 72:
+                    break
+                threading.Event().wait(0.1)
+            drafts, accepted = m["gdn_jax_spec_draft_tokens_total"], m["gdn_jax_spec_accepted_tokens_total"]
+            assert m["gdn_jax_generation_tokens_total"] == 72  # the outputs' tokens, no rejected draft
+            assert 0 < accepted <= drafts
+            assert m['gdn_jax_cache{stat="spec_draft_tokens"}'] == drafts  # the same engine counters
+    finally:
+        loop.shutdown()

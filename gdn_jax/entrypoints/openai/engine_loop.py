@@ -17,7 +17,7 @@ import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gdn_jax.engine import EngineFull, EngineStepError, LLMEngine, RequestOutput
 from gdn_jax.entrypoints.openai.protocol import BadRequest, EngineError
@@ -270,7 +270,9 @@ def _refusal(e: Exception) -> Exception:
 
 
 class _StatsCollector:
-    """Exposes the engine's `cache_stats()` snapshot at scrape time, as labelled gauges."""
+    """Exposes the engine's `cache_stats()` snapshot at scrape time, as labelled gauges, and its speculative-decoding
+    totals as counters (`gdn_jax_spec_draft_tokens_total`, `gdn_jax_spec_accepted_tokens_total`: 0 without
+    speculation; their ratio is the acceptance rate)."""
 
     def __init__(self, loop: EngineLoop):
         self.loop = loop
@@ -300,3 +302,8 @@ class _StatsCollector:
         yield reqs
         yield GaugeMetricFamily("gdn_jax_queued_sequences", "Sequences submitted and not started (what "
                                 "max_waiting_sequences bounds)", value=self.loop.queued_sequences)
+        yield CounterMetricFamily("gdn_jax_spec_draft_tokens", "Speculative decoding: MTP draft tokens verified",
+                                  value=s.get("spec_draft_tokens", 0))
+        yield CounterMetricFamily("gdn_jax_spec_accepted_tokens", "Speculative decoding: draft tokens accepted (each "
+                                  "an output token, counted in gdn_jax_generation_tokens too)",
+                                  value=s.get("spec_accepted_tokens", 0))
