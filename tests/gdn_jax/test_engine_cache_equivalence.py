@@ -58,25 +58,30 @@ def _summary(out):
 MESH = [pytest.param("scan-auto-2", marks=pytest.mark.mesh)]  # (the serial and random-workload tests)
 
 
-@pytest.fixture(scope="module", params=["scan", "promote", "scan-parallel"])
+@pytest.fixture(scope="module", params=["scan", "promote", "scan-parallel", "scan-spec"])
 def engines(request):
     """Cache on (in both checkpoint modes) and cache off. "scan-parallel": the cache-on engine computes the chunked
     GDN rule with the accelerators' "parallel" schedule, the cache-off one with the CPU's "fused" one, so the
     equivalence also holds across schedules. A third part: the cache-on engine's tensor_parallel_size (TxE: and its
     expert_parallel_size); a fourth, "moe": both engines run tiny-random-moe (sparse-MoE layers and a dense one).
-    (Expert parallelism against one device: test_tensor_parallel.py.)"""
+    (Expert parallelism against one device: test_tensor_parallel.py.) "scan-spec": the cache-on engine decodes with
+    speculation (its random MTP block's drafts are rejected: every verify row rolls back to a draft slot)."""
     parts = request.param.split("-")
+    spec = {"method": "mtp", "num_speculative_tokens": 2} if parts[1:] == ["spec"] else None
+    parts = parts[:1] if spec else parts
     mode, schedule, tp = parts[0], (parts[1:] or ["auto"])[0], (parts[2:] or ["1"])[0]
     tp, _, ep = tp.partition("x")
     model = "tiny-random-moe" if parts[3:] == ["moe"] else "tiny-random"
     return (LLM(model, enable_prefix_caching=True, checkpoint_mode=mode, gdn_schedule=schedule,
-                tensor_parallel_size=int(tp), expert_parallel_size=int(ep or 1), **ENGINE_KW),
+                tensor_parallel_size=int(tp), expert_parallel_size=int(ep or 1), speculative_config=spec,
+                **ENGINE_KW),
             LLM(model, enable_prefix_caching=False, gdn_schedule="fused", **ENGINE_KW))
 
 
 # (the sparse-MoE and the TP engines run this test and the random workloads only: what they change is their steps'
 # output, the cache's bookkeeping is the same)
-@pytest.mark.parametrize("engines", ["scan", "promote", "scan-parallel", "scan-auto-1-moe", *MESH], indirect=True)
+@pytest.mark.parametrize("engines", ["scan", "promote", "scan-parallel", "scan-auto-1-moe", "scan-spec", *MESH],
+                         indirect=True)
 def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):
     cached, plain = engines
     computed = []
