@@ -40,7 +40,10 @@ def _accuracy(ns):
         assert s[name]["mean_cached_tokens"] > s["exact"]["mean_cached_tokens"], name
     for name in ("ckpt_bfloat16", "ckpt_int8", "ckpt_float8"):  # exact's reuse, from rounded checkpoints
         assert s["exact"]["kl_mean"] < s[name]["kl_mean"] < s["unsafe_cold"]["kl_mean"], name
-    assert ns["fig"].axes[0].get_yscale() == "log" and len(ns["fig"].axes[0].lines) == 6
+    # speculation: exact's reuse and outputs
+    assert s["spec"]["greedy_agreement"] == 1.0 and s["spec"]["kl_max"] < 1e-6
+    assert s["spec"]["mean_cached_tokens"] == s["exact"]["mean_cached_tokens"]
+    assert ns["fig"].axes[0].get_yscale() == "log" and len(ns["fig"].axes[0].lines) == 7
 
 
 def _policies(ns):

@@ -33,7 +33,7 @@ def test_accuracy_study_shows_exact_equals_no_cache_and_both_unsafe_modes_drift(
     result = json.loads((tmp_path / "accuracy_study.json").read_text())
     assert (tmp_path / "accuracy_study.png").stat().st_size > 0
     modes = result["modes"]
-    assert set(modes) == {"exact", "unsafe_cold", "unsafe_stale", "ckpt_bfloat16", "ckpt_int8", "ckpt_float8"}
+    assert set(modes) == {"exact", "unsafe_cold", "unsafe_stale", "ckpt_bfloat16", "ckpt_int8", "ckpt_float8", "spec"}
     exact = modes["exact"]
     assert exact["kl_max"] < 1e-6 and exact["greedy_agreement"] == 1.0 and exact["first_divergence_mean"] is None
     assert exact["max_abs_logprob_diff"] < 1e-4
@@ -46,6 +46,17 @@ def test_accuracy_study_shows_exact_equals_no_cache_and_both_unsafe_modes_drift(
         m = modes[name]
         assert m["mean_cached_tokens"] == exact["mean_cached_tokens"], name
         assert exact["kl_mean"] < m["kl_mean"] < modes["unsafe_cold"]["kl_mean"], name
+    # speculative decoding (MTP drafts): exact's reuse and greedy outputs; its teacher-forced pass drafts nothing
+    spec = modes["spec"]
+    assert spec["greedy_agreement"] == exact["greedy_agreement"] == 1.0 and spec["first_divergence_mean"] is None
+    assert spec["mean_cached_tokens"] == exact["mean_cached_tokens"]
+    assert spec["mean_prompt_cached_tokens"] == exact["mean_prompt_cached_tokens"]
+    assert spec["kl_max"] < 1e-6 and spec["max_abs_logprob_diff"] < 1e-4
+    # the trained tiny's MTP block drafts tokens the model accepts (a random model's might accept none)
+    assert spec["spec_draft_tokens"] > 0 and 0 < spec["spec_acceptance"] <= 1
+    assert spec["spec_acceptance"] == spec["spec_accepted_tokens"] / spec["spec_draft_tokens"]
+    assert all(m["spec_acceptance"] is None and m["spec_draft_tokens"] == 0 for n, m in modes.items() if n != "spec")
+    assert result["config"]["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert result["config"]["max_model_len"] == 1024 and result["environment"]["jax"]
 
 
@@ -218,7 +229,8 @@ def test_accuracy_workload_user_turns_follow_the_seed():
         def generate(self, prompt, params, use_tqdm=False):
             self.prompts.append(prompt["prompt_token_ids"])
             out = types.SimpleNamespace(token_ids=[7])
-            return [types.SimpleNamespace(outputs=[out], num_cached_tokens=0, prompt_logprobs=[])]
+            metrics = types.SimpleNamespace(spec_draft_tokens=0, spec_accepted_tokens=0)
+            return [types.SimpleNamespace(outputs=[out], num_cached_tokens=0, prompt_logprobs=[], metrics=metrics)]
 
     last_lines = []
     for seed in (0, 1):
@@ -232,9 +244,10 @@ def test_accuracy_workload_user_turns_follow_the_seed():
 
 
 def test_the_studies_engines_share_the_accelerators_memory(monkeypatch):
-    """The accuracy study builds its engines side by side: the first sizes its pools from a quarter of the default
-    accelerator share (`gpu_memory_utilization` is per engine), the others copy its pools and ask for no budget (on a
-    GPU a second full share would not fit beside the first)."""
+    """The accuracy study builds its engines side by side: the first sizes its pools from its part of the default
+    accelerator share (`gpu_memory_utilization` is per engine; spec's larger pools count twice), the others copy its
+    pools and ask for no budget (on a GPU a second full share would not fit beside the first). spec's pools hold its
+    draft slots beside exact's checkpoint room; a model without an MTP block (tiny-random) runs no spec engine."""
     from gdn_jax.engine import llm_engine
     from gdn_jax.worker.memory import CPU_MEMORY_BUDGET_BYTES, GPU_MEMORY_UTILIZATION
 
@@ -245,11 +258,15 @@ def test_the_studies_engines_share_the_accelerators_memory(monkeypatch):
         return CPU_MEMORY_BUDGET_BYTES
 
     monkeypatch.setattr(llm_engine, "default_memory_budget", budget)
-    engines = _script("accuracy_study").make_engines("tiny-random", "float32", 32)
-    assert len(engines) == 7 and asked == [GPU_MEMORY_UTILIZATION / 7]
-    exact = engines["exact"].engine.memory  # (a compressed mode has fewer float32 slots of that many: given)
+    study = _script("accuracy_study")
+    assert set(study.modes_of("tiny-random")) == set(study.MODES) - {"spec"}
+    engines = study.make_engines("tiny", "float32", 32)
+    assert list(engines) == list(study.MODES) and asked == [GPU_MEMORY_UTILIZATION / 9]
+    exact, spec = engines["exact"].engine.memory, engines.pop("spec").engine.memory
     assert {(e.engine.memory.num_kv_blocks, e.engine.config.cache.num_linear_slots or e.engine.memory.num_linear_slots)
             for e in engines.values()} == {(exact.num_kv_blocks, exact.num_linear_slots)}
+    assert spec.num_kv_blocks == exact.num_kv_blocks and spec.num_draft_slots == 2 * 4  # k per sequence
+    assert spec.num_checkpoint_slots == exact.num_checkpoint_slots > 0
 
 
 def test_accuracy_progress_bar_counts_the_continued_turns(monkeypatch):
@@ -265,7 +282,8 @@ def test_accuracy_progress_bar_counts_the_continued_turns(monkeypatch):
     class Engine:  # answers every prompt with one fixed token
         def generate(self, prompt, params, use_tqdm=False):
             out = types.SimpleNamespace(token_ids=[7])
-            return [types.SimpleNamespace(outputs=[out], num_cached_tokens=0, prompt_logprobs=[])]
+            metrics = types.SimpleNamespace(spec_draft_tokens=0, spec_accepted_tokens=0)
+            return [types.SimpleNamespace(outputs=[out], num_cached_tokens=0, prompt_logprobs=[], metrics=metrics)]
 
     bars = []
 

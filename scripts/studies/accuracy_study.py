@@ -3,13 +3,17 @@
     .venv/bin/python scripts/studies/accuracy_study.py [--model tiny] [--dtype float32] [--out results] [--quick]
 
 One seeded workload (shared prefixes whose lengths fall between checkpoint boundaries, distinct suffixes, and
-multi-turn continuations) runs through seven engines on the same weights:
+multi-turn continuations) runs through eight engines on the same weights:
   no_cache      the reference: every position computed from scratch
   exact         the prefix cache: reuse = min(KV match, checkpoint reach) on a checkpoint
   unsafe_cold   the whole KV match with a zero GDN state   (`LLM(unsafe_reuse="cold")`)
   unsafe_stale  the whole KV match with the GDN state of the deepest checkpoint below it (`unsafe_reuse="stale"`)
   ckpt_bfloat16, ckpt_int8, ckpt_float8   exact's reuse from compressed checkpoints (`checkpoint_dtype`), in the
                 same pool bytes
+  spec          exact with speculative decoding: the model's MTP block drafts 2 tokens a step (`speculative_config`);
+                greedy outputs equal exact's, and the JSON records the drafts accepted over the free-running part
+                (`spec_acceptance`: accepted / drafted; the teacher-forced pass, with prompt logprobs, drafts none).
+                Left out, with a line on stdout, for a model without an MTP block (tiny-random)
 Per mode: teacher-forced on the reference continuation, KL(reference || mode) at every position the mode computed
 (from whole log-distributions, `prompt_logprobs=-1`), and the largest |delta logprob| of the reference tokens;
 free-running greedy agreement with the reference, and where the first token differs. Prints a table, writes
@@ -38,7 +42,8 @@ MODES = {"no_cache": dict(enable_prefix_caching=False), "exact": dict(enable_pre
          "unsafe_cold": dict(enable_prefix_caching=True, unsafe_reuse="cold"),
          "unsafe_stale": dict(enable_prefix_caching=True, unsafe_reuse="stale"),
          **{f"ckpt_{name}": dict(enable_prefix_caching=True, checkpoint_dtype=dtype)
-            for name, dtype in [("bfloat16", "bfloat16"), ("int8", "int8"), ("float8", "float8_e4m3fn")]}}
+            for name, dtype in [("bfloat16", "bfloat16"), ("int8", "int8"), ("float8", "float8_e4m3fn")]},
+         "spec": dict(enable_prefix_caching=True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})}
 # workload sizes: the full study and --quick (a test and the notebook's reduced mode run the latter)
 SIZES = {"full": dict(groups=6, per_group=4, turns=2, max_tokens=24),
          "quick": dict(groups=2, per_group=2, turns=1, max_tokens=12)}
@@ -97,6 +102,8 @@ def run_mode(llm: LLM, items, max_tokens: int, reference=None, bar=None):
         rows = {p: np.asarray(e.array, np.float64) for p, e in enumerate(tf.prompt_logprobs) if e is not None}
         results.append({"prompt_len": len(item["tokens"]), "free": free.outputs[0].token_ids,
                         "free_cached": free.num_cached_tokens, "tf_tokens": item["tokens"] + cont,
+                        # speculation (0 without): the MTP drafts the greedy generation verified, and those accepted
+                        "drafted": free.metrics.spec_draft_tokens, "accepted": free.metrics.spec_accepted_tokens,
                         "tf_cached": tf.num_cached_tokens, "rows": rows})
         if item.get("user_turns"):
             user, *later = item["user_turns"]
@@ -108,7 +115,9 @@ def run_mode(llm: LLM, items, max_tokens: int, reference=None, bar=None):
 
 
 def compare(ref, mode):
-    """KL(ref || mode) per computed position, |delta logprob| of the reference token, greedy agreement."""
+    """KL(ref || mode) per computed position, |delta logprob| of the reference token, greedy agreement; with
+    speculation, the share of the MTP block's drafts accepted over the free-running greedy generation (None
+    without)."""
     kls, by_distance, dlp, agree, total, firsts = [], {}, [], 0, 0, []
     for r, m in zip(ref, mode):
         for p, row in m["rows"].items():
@@ -122,12 +131,15 @@ def compare(ref, mode):
         agree, total = agree + sum(same), total + len(same)
         if not all(same):
             firsts.append(same.index(False))
+    drafted, accepted = sum(m["drafted"] for m in mode), sum(m["accepted"] for m in mode)
     return {"kl_mean": statistics.fmean(kls), "kl_max": max(kls), "greedy_agreement": agree / total,
             "first_divergence_mean": statistics.fmean(firsts) if firsts else None,
             "diverging_requests": len(firsts), "requests": len(mode),
             "max_abs_logprob_diff": float(max(dlp)), "positions": len(kls),
             "mean_cached_tokens": statistics.fmean(m["tf_cached"] for m in mode),  # the teacher-forced pass
             "mean_prompt_cached_tokens": statistics.fmean(m["free_cached"] for m in mode),  # the prompts
+            "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_acceptance": accepted / drafted if drafted else None,
             "kl_by_distance": {int(d): statistics.fmean(v) for d, v in sorted(by_distance.items())}}
 
 
@@ -146,19 +158,41 @@ def model_len(model: str, needed: int) -> int:
     return max(needed, fit_model_len(model, ENGINE["max_model_len"]))
 
 
+def modes_of(model: str) -> dict[str, dict]:
+    """MODES less `spec` for a model without an MTP block to draft with (its engine would refuse to start)."""
+    cfg = model_config(model)
+    if cfg is not None and not cfg.mtp_num_hidden_layers:
+        return {name: mode for name, mode in MODES.items() if "speculative_config" not in mode}
+    return dict(MODES)
+
+
+def pools_for(exact, mode: dict) -> dict:
+    """The pools of mode `mode`'s engine: those of the `exact` engine (`pools_of`), and for speculation its draft
+    slots (k per sequence) beside them, so that it has exact's checkpoint room."""
+    pools = pools_of(exact)
+    spec = mode.get("speculative_config")
+    if spec and exact.memory.bytes_per_linear_slot:
+        pools["num_linear_slots"] += spec["num_speculative_tokens"] * exact.config.scheduling.max_num_seqs
+    return pools
+
+
 def make_engines(model: str, dtype: str, chunk_stride: int, max_model_len: int = ENGINE["max_model_len"]
                  ) -> dict[str, LLM]:
-    """One engine per mode on the same weights. All get the pools of the `exact` engine: their steps have the same
-    shapes and the first engine's compiled steps serve the unsafe ones; the compressed ones, with fewer float32 slots
-    (`checkpoint_dtype`), share theirs."""
-    engines = {}
+    """One engine per mode of the model (`modes_of`) on the same weights. All get the pools of the `exact` engine:
+    their steps have the same shapes and the first engine's compiled steps serve the unsafe ones; the compressed ones,
+    with fewer float32 slots (`checkpoint_dtype`), share theirs; `spec`'s hold its draft slots too, and it compiles
+    its own steps (they draft)."""
+    modes, engines = modes_of(model), {}
+    # the accelerator's share per engine: spec's pools are larger (its MTP block's KV and its draft slots), counted
+    # as two engines' (at most about twice exact's)
+    shares = sum(2 if "speculative_config" in mode else 1 for mode in modes.values())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the unsafe modes warn by design
-        for name in sorted(MODES, key=lambda name: name != "exact"):
-            pools = pools_of(engines["exact"].engine) if engines else share_of(len(MODES))
+        for name in sorted(modes, key=lambda name: name != "exact"):
+            pools = pools_for(engines["exact"].engine, modes[name]) if engines else share_of(shares)
             engines[name] = LLM(model, dtype=dtype, chunk_stride=chunk_stride, verbose=False,
-                                **{**ENGINE, "max_model_len": max_model_len}, **pools, **MODES[name])
-    return {name: engines[name] for name in MODES}
+                                **{**ENGINE, "max_model_len": max_model_len}, **pools, **modes[name])
+    return {name: engines[name] for name in modes}
 
 
 def num_requests(groups: int, per_group: int, turns: int, **_) -> int:
@@ -166,15 +200,15 @@ def num_requests(groups: int, per_group: int, turns: int, **_) -> int:
 
 
 def run_all(engines: dict[str, LLM], items, max_tokens: int, progress: bool = True):
-    """The reference (no_cache) first, then every other mode teacher-forced on its continuations."""
+    """The reference (no_cache) first, then every other mode of `engines` teacher-forced on its continuations."""
     bar = None
     if progress:
         from tqdm.auto import tqdm
         n = len(items) + sum(len(i.get("user_turns", ())) for i in items)  # each user turn is one more request
-        bar = tqdm(total=n * len(MODES), desc="accuracy study", unit="req")
+        bar = tqdm(total=n * len(engines), desc="accuracy study", unit="req")
     ref = run_mode(engines["no_cache"], items, max_tokens, bar=bar)
     runs = {name: run_mode(engines[name], items, max_tokens, reference=ref, bar=bar)
-            for name in MODES if name != "no_cache"}
+            for name in engines if name != "no_cache"}
     if bar is not None:
         bar.close()
     return ref, runs
@@ -190,6 +224,10 @@ def table(summary) -> str:
                      f"{s['kl_mean']:>11.2e}{s['kl_max']:>11.2e}"
                      f"{s['max_abs_logprob_diff']:>12.2e}{s['greedy_agreement']:>12.3f}"
                      f"{s['diverging_requests']:>5}/{s['requests']:<5}{fd:>10}")
+    for name, s in summary.items():  # speculation: below the table (the other modes draft nothing)
+        if s["spec_acceptance"] is not None:
+            lines.append(f"{name}: {s['spec_acceptance']:.3f} of the MTP block's drafts accepted over the free-running "
+                         f"greedy generation ({s['spec_accepted_tokens']}/{s['spec_draft_tokens']})")
     return "\n".join(lines)
 
 
@@ -200,7 +238,8 @@ def plot(summary, path: Path | None = None, ax=None):
     for name, s in summary.items():
         d = np.array(list(s["kl_by_distance"]), float)
         kl = np.maximum(np.array(list(s["kl_by_distance"].values()), float), 1e-16)
-        ax.plot(d, kl, marker=".", linewidth=1, label=name)
+        ax.plot(d, kl, marker=".", linewidth=1, label=name,  # spec: dashed, over exact's line (the same pass)
+                linestyle="--" if s["spec_acceptance"] is not None else "-")
     ax.set_yscale("log")
     ax.set_xlabel("distance from the reuse point (tokens)")
     ax.set_ylabel("KL(no_cache || mode), mean over requests")
@@ -228,6 +267,8 @@ def main(argv=None) -> dict:
     if cfg is not None and cfg.vocab_size > MAX_FULL_ROW_VOCAB:  # the engine would refuse the first scoring pass
         ap.error(f"--model {args.model}: a vocabulary of {cfg.vocab_size} ids, above the {MAX_FULL_ROW_VOCAB} whose "
                  f"whole log-distributions (the KL) the engine returns")
+    if "spec" not in modes_of(args.model):
+        print(f"spec: left out, model {args.model} has no MTP block to draft with")
     engines = make_engines(args.model, args.dtype, args.chunk_stride, max_len)
     tok = engines["no_cache"].get_tokenizer()
     vocab = engines["no_cache"].engine.cfg.vocab_size
@@ -238,7 +279,8 @@ def main(argv=None) -> dict:
     print("\n" + table(summary))
     result = {"model": args.model, "dtype": args.dtype,
               "config": {"chunk_stride": args.chunk_stride, **ENGINE, "max_model_len": max_len, **sizes,
-                         "requests": num_requests(**sizes), "seed": args.seed, "quick": args.quick},
+                         "requests": num_requests(**sizes), "seed": args.seed, "quick": args.quick,
+                         **({"speculative_config": MODES["spec"]["speculative_config"]} if "spec" in engines else {})},
               "modes": summary, "environment": environment()}
     path = write_json(args.out, "accuracy_study.json", result)
     plot(summary, path.with_suffix(".png"))
