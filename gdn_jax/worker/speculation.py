@@ -71,7 +71,10 @@ def spec_step_function(graphdef, params_def, chunk_size: int, gdn_schedule: str,
         model = nnx.merge(graphdef, jax.tree.unflatten(params_def, param_leaves))
         return _spec_step(model, kind, k, (chunk_size, gdn_schedule, forms), state, batch, md, *next_tokens)
 
-    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options("prefill", forms),
+    # a verify step is short (k + 1 tokens per row): XLA's default options run it faster than the prefill steps'
+    # (`compilation.compiler_options`), at some compile time
+    kind_options = "prefill" if kind == "prefill" else "decode_wide"
+    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options(kind_options, forms),
                    keep_unused=KEEP_UNUSED)
 
 
