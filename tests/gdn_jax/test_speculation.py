@@ -16,7 +16,8 @@ from tests.gdn_jax.helpers import FIXTURE, random_ids
 pytestmark = pytest.mark.engine
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
-KW = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64,
+# (two rows and a budget of 32 tokens: few step shapes to compile)
+KW = dict(block_size=16, chunk_stride=32, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=32,
           verbose=False)
 
 
@@ -25,27 +26,31 @@ def _tokens(outs):
 
 
 def _workload(vocab: int):
-    """Prompts sharing a 70-token prefix (prefix-cache hits), more prompts than rows (mixed steps)."""
+    """Prompts sharing a 70-token prefix (prefix-cache hits), more prompts than rows (mixed steps), and two long ones
+    of their own (two of them outgrow a small KV pool: preemption)."""
     rng = np.random.default_rng(5)
     system = [int(t) for t in rng.integers(3, vocab, 70)]
-    return [{"prompt_token_ids": system + [int(t) for t in rng.integers(3, vocab, n)]} for n in (9, 40, 3, 77, 20)]
+    return [{"prompt_token_ids": ([] if n > 100 else system) + [int(t) for t in rng.integers(3, vocab, n)]}
+            for n in (9, 40, 3, 77, 20, 101, 102)]
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """`tiny` without and with speculation (its trained MTP block drafts well, so its verify rows both accept and
     reject), the latter with so few KV blocks that decodes preempt each other."""
-    return LLM("tiny", **KW), LLM("tiny", speculative_config=SPEC, num_kv_blocks=20, **KW)
+    return LLM("tiny", **KW), LLM("tiny", speculative_config=SPEC, num_kv_blocks=17, **KW)
 
 
 def test_outputs_are_those_of_plain_decoding_greedy_seeded_and_forked(tiny):
     prompts = _workload(280)  # (tiny: byte ids below 288)
-    greedy = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True, logprobs=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
     seeded = SamplingParams(temperature=0.9, top_k=40, seed=3, max_tokens=16, ignore_eos=True)
     forked = SamplingParams(temperature=0.9, n=3, seed=8, max_tokens=10, ignore_eos=True)
-    runs = []
+    runs, plans = [], []
+    schedule = tiny[1].engine.scheduler.schedule
+    tiny[1].engine.scheduler.schedule = lambda: (plans.append(plan := schedule()), plan)[1]
     for llm in tiny:
-        f = _tokens(llm.generate(prompts[:2], forked, use_tqdm=False))  # (first: its fork points are not cached)
+        f = _tokens(llm.generate(prompts[:1], forked, use_tqdm=False))  # (first: its fork point is not cached)
         g = llm.generate(prompts, greedy, use_tqdm=False)
         runs.append((g, _tokens(g), _tokens(llm.generate(prompts, seeded, use_tqdm=False)), f))
     (g0, *plain), (g1, *spec) = runs
@@ -58,6 +63,9 @@ def test_outputs_are_those_of_plain_decoding_greedy_seeded_and_forked(tiny):
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     assert sum(o.metrics.spec_draft_tokens for o in g1) > 0
     assert min(stats["hits"], stats["forks"], stats["preemptions"]) > 0, stats
+    # mixed steps: prefill rows beside verify rows with drafts
+    assert any(p is not None and p.is_mixed and any(r.draft_token_ids for r in p.decode_seqs) for p in plans)
+    tiny[1].engine.scheduler.schedule = schedule
 
 
 def _oracle(engine, want: dict[int, list[int]], step: list[int]):
@@ -83,8 +91,8 @@ def _oracle(engine, want: dict[int, list[int]], step: list[int]):
 def test_forced_rejections_never_leave_a_rejected_state_in_a_checkpoint():
     """tiny-random's random MTP block accepts almost nothing, so here the drafts come from the plain run (some made
     wrong). Every checkpoint left in the index holds the state of a committed prefix."""
-    kw = dict(KW, chunk_stride=16, max_num_batched_tokens=32)
-    prompts = [p["prompt_token_ids"][:n] for p, n in zip(_workload(500), (20, 33, 45))]
+    kw = dict(KW, chunk_stride=16)
+    prompts = [p["prompt_token_ids"][:n] for p, n in zip(_workload(500), (20, 33, 45))]  # (shared first 20)
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = LLMEngine("tiny-random", **kw)
     spec = LLMEngine("tiny-random", speculative_config=SPEC, **kw)
