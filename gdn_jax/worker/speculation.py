@@ -33,7 +33,7 @@ from flax import nnx
 from gdn_jax import jax_compat
 from gdn_jax.model.forms import Forms
 from gdn_jax.model.mtp import mtp_propose
-from gdn_jax.model.state import RestoreOps, validate_cache_ops
+from gdn_jax.model.state import RestoreOps
 from gdn_jax.sampling import SamplingMetadata
 from gdn_jax.worker.compilation import compile_threads_default, compiler_options, gc_paused
 from gdn_jax.worker.step import KEEP_UNUSED, StepResult, host_batch, sample_packed, unpack_sampled
@@ -148,20 +148,7 @@ class SpecWorker(Worker):
             raise ValueError(f"verify plan of {n} rows x {max(len(s.token_ids) for s in seqs)} tokens exceeds the "
                              f"worker's shapes ({self.max_rows} rows, {T} tokens per row)")
         B = self.rows_bucket(n)
-        tokens, slot_mapping = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
-        start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
-        tables = np.zeros((B, self.max_blocks), np.int32)
-        for i, s in enumerate(seqs):
-            m = len(s.token_ids)
-            tokens[i, :m], slot_mapping[i, :m] = s.token_ids, s.slot_mapping
-            start[i], lengths[i] = s.start_pos, m
-            tables[i, :len(s.block_table)] = s.block_table
-        ops = [s.linear_op for s in seqs if s.linear_op is not None]
-        if self.cfg.linear_layer_ids:
-            if len(ops) != n:
-                raise ValueError("every scheduled row of a model with GDN layers needs a LinearStateCacheOp")
-            validate_cache_ops(ops, self.memory.num_linear_slots)
-        restore = RestoreOps.from_ops(ops, B)
+        tokens, slot_mapping, start, lengths, tables, restore = self._row_arrays(seqs, B, T, self.max_blocks)
         busy = set(restore.linear_state_ids.tolist()) | set(restore.restore_src_slot_ids.tolist())
         batch = host_batch(tokens, start, lengths, tables, slot_mapping, restore, self._draft_saves(seqs, B, busy))
         # each position samples with the key of its output index, as plain decoding would
@@ -169,6 +156,18 @@ class SpecWorker(Worker):
         sampling = SamplingMetadata.from_rows(positions, B * T, self.history_width, self.cfg.vocab_size,
                                               self.eos_token_ids, self.seed)
         return n, batch, sampling, None, ("verify", None)
+
+    def _execute_mixed(self, plan, prompt_targets, full_rows: bool) -> StepResult:
+        """`Worker._execute_mixed`, no draft slot being a slot the step's prefill rows read, advance or save into."""
+        busy = {sv.slot for sv in plan.saves}
+        for s in plan.prefill_seqs:
+            if s.linear_op is not None:
+                busy |= {s.linear_op.linear_state_id, s.linear_op.restore_src_slot_id}
+        for s in plan.decode_seqs:
+            if busy & set(s.draft_slots):
+                raise ValueError(f"seq {s.seq_id}: draft slots {sorted(busy & set(s.draft_slots))} are read, advanced "
+                                 f"or saved into by a prefill row of this mixed step")
+        return super()._execute_mixed(plan, prompt_targets, full_rows)
 
     def _launch(self, batch, sampling, targets, spec, full_rows: bool) -> tuple:
         if targets is not None:  # prompt logprobs: the plain prefill step

@@ -412,23 +412,7 @@ class Worker:
             raise ValueError(f"step plan of {n} rows x {longest} tokens exceeds the worker's shapes "
                              f"({self.max_rows} rows, {self.max_chunk if plan.is_prefill else 1} tokens per row)")
         B, T, NB = self.step_shape(n, longest, plan.is_prefill)
-        tokens = np.zeros((B, T), np.int32)
-        slot_mapping = np.zeros((B, T), np.int32)  # padding tokens write into block 0
-        start = np.zeros(B, np.int32)
-        lengths = np.zeros(B, np.int32)
-        tables = np.zeros((B, NB), np.int32)
-        for i, s in enumerate(seqs):
-            m = len(s.token_ids)
-            tokens[i, :m] = s.token_ids
-            slot_mapping[i, :m] = s.slot_mapping
-            start[i], lengths[i] = s.start_pos, m
-            tables[i, :len(s.block_table)] = s.block_table
-        ops = [s.linear_op for s in seqs if s.linear_op is not None]
-        if self.cfg.linear_layer_ids:
-            if len(ops) != n:
-                raise ValueError("every scheduled row of a model with GDN layers needs a LinearStateCacheOp")
-            validate_cache_ops(ops, self.memory.num_linear_slots, in_place=T == 1)
-        restore = RestoreOps.from_ops(ops, B)
+        tokens, slot_mapping, start, lengths, tables, restore = self._row_arrays(seqs, B, T, NB)
         saves = self._save_arrays(getattr(plan, "saves", ()), B, T, start, lengths, restore)
         batch = host_batch(tokens, start, lengths, tables, slot_mapping, restore, saves)
         sampling = SamplingMetadata.from_rows(seqs, B, self.history_width, self.cfg.vocab_size,
@@ -439,6 +423,25 @@ class Worker:
             for i, t in enumerate(prompt_targets):
                 targets[i, :len(t or ())] = t or ()
         return n, batch, sampling, targets
+
+    def _row_arrays(self, seqs, B: int, T: int, NB: int) -> tuple:
+        """The rows as host arrays padded to B rows of T tokens (tokens, slot mapping, start positions, lengths,
+        block tables; padding tokens write into block 0) and their `RestoreOps`, the linear-state ops checked first
+        (fail closed; a one-token step advances its states in place)."""
+        tokens, slot_mapping = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+        start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        tables = np.zeros((B, NB), np.int32)
+        for i, s in enumerate(seqs):
+            m = len(s.token_ids)
+            tokens[i, :m], slot_mapping[i, :m] = s.token_ids, s.slot_mapping
+            start[i], lengths[i] = s.start_pos, m
+            tables[i, :len(s.block_table)] = s.block_table
+        ops = [s.linear_op for s in seqs if s.linear_op is not None]
+        if self.cfg.linear_layer_ids:
+            if len(ops) != len(seqs):
+                raise ValueError("every scheduled row of a model with GDN layers needs a LinearStateCacheOp")
+            validate_cache_ops(ops, self.memory.num_linear_slots, in_place=T == 1)
+        return tokens, slot_mapping, start, lengths, tables, RestoreOps.from_ops(ops, B)
 
     def _launch(self, batch: Batch, sampling: SamplingMetadata, targets, full_rows: bool) -> tuple:
         """Dispatches a `_prepare`d step and its sampling; returns their device results at once, while the device

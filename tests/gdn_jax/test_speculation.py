@@ -68,6 +68,27 @@ def test_outputs_are_those_of_plain_decoding_greedy_seeded_and_forked(tiny):
     tiny[1].engine.scheduler.schedule = schedule
 
 
+def test_the_worker_refuses_a_draft_slot_that_the_step_reads_or_advances(tiny):
+    engine = tiny[1].engine
+    engine.add_request("r", "The \"import\" statement", SamplingParams(temperature=0.0, max_tokens=8))
+    engine.step()
+    engine.add_request("s", "A function definition defines", SamplingParams(temperature=0.0, max_tokens=8))
+    plan = engine.scheduler.schedule()  # the new request's prefill beside the first one's verify row
+    assert plan.is_mixed and len(plan.decode_seqs[0].draft_slots) == 2
+    verify, prefill = plan.decode_seqs[0], plan.prefill_seqs[0]
+    rest = verify.draft_slots[1:]
+    try:
+        for slots, culprit in (((verify.linear_op.linear_state_id, *rest), "read or advanced by this step"),
+                               ((prefill.linear_op.linear_state_id, *rest), "by a prefill row of this mixed step"),
+                               ((rest[0], *rest), "are the same")):
+            bad = dataclasses.replace(plan, seqs=[prefill, dataclasses.replace(verify, draft_slots=slots)])
+            with pytest.raises(ValueError, match=culprit):
+                engine.worker.execute(bad)
+    finally:
+        engine.scheduler.redo_step(plan, pools_kept=True)  # (nothing ran)
+        engine.abort_request(["r", "s"])
+
+
 def _oracle(engine, want: dict[int, list[int]], step: list[int]):
     """Drafts the true continuation (`want`: seq_id -> the plain run's tokens), with the first draft wrong every
     third step and the second wrong every third step after it: every acceptance length happens."""
