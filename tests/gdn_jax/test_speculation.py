@@ -68,6 +68,34 @@ def test_outputs_are_those_of_plain_decoding_greedy_seeded_and_forked(tiny):
     tiny[1].engine.scheduler.schedule = schedule
 
 
+def test_every_other_sampling_setting_gives_what_plain_decoding_gives(tiny):
+    """Prompt logprobs (their rows run the plain prefill step and draft nothing), a stop string (the text is cut
+    where plain decoding cuts it), min_tokens (the ban at each verified position's own output index), penalties
+    (their rows verify no drafts), logprobs at every kept position, and max_tokens inside a verify row's reach."""
+    prompt = "The \"with\" statement is used to"
+    cases = [SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=2, logprobs=2),
+             SamplingParams(temperature=0.0, max_tokens=40, stop=["the"]),
+             SamplingParams(temperature=0.0, max_tokens=20, min_tokens=15, stop_token_ids=[32, 101]),
+             SamplingParams(temperature=0.7, seed=4, max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5),
+             SamplingParams(temperature=0.0, max_tokens=5)]
+    got = [[llm.generate([prompt], sp, use_tqdm=False)[0] for sp in cases] for llm in tiny]
+    for (a, b), sp in zip(zip(*got), cases):
+        assert (a.outputs[0].text, a.outputs[0].finish_reason) == (b.outputs[0].text, b.outputs[0].finish_reason), sp
+        n = len(b.outputs[0].token_ids) if not sp.stop else len(a.outputs[0].token_ids)
+        assert a.outputs[0].token_ids[:n] == b.outputs[0].token_ids[:n], sp
+        if sp.logprobs:
+            np.testing.assert_allclose([lp[t].logprob for t, lp in zip(a.outputs[0].token_ids, a.outputs[0].logprobs)],
+                                       [lp[t].logprob for t, lp in zip(b.outputs[0].token_ids, b.outputs[0].logprobs)],
+                                       atol=1e-4)
+            assert [list(lp) for lp in a.outputs[0].logprobs] == [list(lp) for lp in b.outputs[0].logprobs]
+        if sp.prompt_logprobs:
+            np.testing.assert_allclose([lp[t].logprob for t, lp in zip(a.prompt_token_ids[1:], a.prompt_logprobs[1:])],
+                                       [lp[t].logprob for t, lp in zip(b.prompt_token_ids[1:], b.prompt_logprobs[1:])],
+                                       atol=1e-4)
+    assert got[1][3].metrics.spec_draft_tokens == 0  # (penalties)
+    assert got[1][1].metrics.spec_accepted_tokens > 0
+
+
 def test_the_worker_refuses_a_draft_slot_that_the_step_reads_or_advances(tiny):
     engine = tiny[1].engine
     engine.add_request("r", "The \"import\" statement", SamplingParams(temperature=0.0, max_tokens=8))
