@@ -15,7 +15,7 @@ from gdn_jax.model.qwen35 import forward, init_model
 from gdn_jax.model.state import init_state
 from tests.gdn_jax.helpers import BLOCK_SIZE, random_ids, single_row_batch
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.startup  # (a forward of the model: beside the MTP block's tests)
 
 NB = 4  # KV blocks of the row: 64 positions
 

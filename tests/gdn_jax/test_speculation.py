@@ -140,7 +140,8 @@ def _oracle(engine, want: dict[int, list[int]], step: list[int]):
 def test_forced_rejections_never_leave_a_rejected_state_in_a_checkpoint():
     """tiny-random's random MTP block accepts almost nothing, so here the drafts come from the plain run (some made
     wrong). Every checkpoint left in the index holds the state of a committed prefix."""
-    kw = dict(KW, chunk_stride=16)
+    # the cache-equivalence fixtures' settings (tests/gdn_jax/test_engine_cache_equivalence.py): the same steps
+    kw = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=256, verbose=False)
     prompts = [p["prompt_token_ids"][:n] for p, n in zip(_workload(500), (20, 33, 45))]  # (shared first 20)
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = LLMEngine("tiny-random", **kw)
