@@ -221,8 +221,8 @@ def test_a_transformers_checkpoint_given_an_mtp_layer_decodes_as_without_it(tmp_
     tensors.update({k: v for k, v in hf_tensors(mtp_cfg, random_params).items() if k.startswith("mtp.")})
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     rng = np.random.default_rng(2)
-    prompts = [random_ids(rng, n) for n in (7, 40)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [random_ids(rng, 9)]  # (one step shape of each kind: this model compiles its own)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want = _tokens(LLM(str(folder), **KW).generate(prompts, greedy, use_tqdm=False))
     llm = LLM(str(folder), speculative_config=SPEC, **KW)
     assert _tokens(llm.generate(prompts, greedy, use_tqdm=False)) == want
