@@ -80,8 +80,7 @@ def engines(request):
 
 # (the sparse-MoE and the TP engines run this test and the random workloads only: what they change is their steps'
 # output, the cache's bookkeeping is the same)
-@pytest.mark.parametrize("engines", ["scan", "promote", "scan-parallel", "scan-auto-1-moe", "scan-spec", *MESH],
-                         indirect=True)
+@pytest.mark.parametrize("engines", ["scan", "promote", "scan-parallel", "scan-auto-1-moe", *MESH], indirect=True)
 def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):
     cached, plain = engines
     computed = []
@@ -135,6 +134,8 @@ def test_concurrent_cached_equals_uncached(engines):
     assert sum(o.num_cached_tokens for o in outs_a) >= 3 * 64
 
 
+# (speculation: here only, the cheapest of the three; its greedy outputs against a cache-off engine's, with hits,
+# forks and preemption: test_speculation.py)
 @pytest.mark.parametrize("engines", ["scan", "promote", "scan-parallel", "scan-spec"], indirect=True)
 def test_generation_is_reproducible_with_seeds(engines):
     cached, plain = engines

@@ -36,15 +36,17 @@ def _workload(vocab: int):
 
 @pytest.fixture(scope="module")
 def tiny():
-    """`tiny` without and with speculation (its trained MTP block drafts well, so its verify rows both accept and
-    reject), the latter with so few KV blocks that decodes preempt each other."""
-    return LLM("tiny", **KW), LLM("tiny", speculative_config=SPEC, num_kv_blocks=17, **KW)
+    """`tiny` without speculation or the prefix cache, and with both (its trained MTP block drafts well, so its
+    verify rows both accept and reject) and so few KV blocks that decodes preempt each other: cache on with
+    speculation against cache off without."""
+    return (LLM("tiny", enable_prefix_caching=False, **KW),
+            LLM("tiny", speculative_config=SPEC, num_kv_blocks=17, **KW))
 
 
 def test_outputs_are_those_of_plain_decoding_greedy_seeded_and_forked(tiny):
     prompts = _workload(280)  # (tiny: byte ids below 288)
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
-    seeded = SamplingParams(temperature=0.9, top_k=40, seed=3, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_k=40, seed=3, max_tokens=12, ignore_eos=True)
     forked = SamplingParams(temperature=0.9, n=3, seed=8, max_tokens=10, ignore_eos=True)
     runs, plans = [], []
     schedule = tiny[1].engine.scheduler.schedule
