@@ -10,6 +10,8 @@ back by length. n stops one short of the next checkpoint boundary (`num_drafts`)
 a row's last position, with every draft accepted, and saved from the live slot as any decode's (a row that jumped
 over it would leave it unsaved); no checkpoint is taken inside a row.
 """
+import dataclasses
+
 from scheduler.plan import ScheduledSequence
 from scheduler.sequence import Sequence
 
@@ -43,9 +45,11 @@ class Speculation:
             n = min(n, (p // self.grid + 1) * self.grid - p - 1)
         return max(n, 0)
 
-    def reach(self, seq: Sequence) -> int:
-        """KV positions `seq`'s verify row needs: its own, and the k - 1 after them that the MTP block drafts at."""
-        return min(seq.num_computed_tokens + self.num_drafts(seq) + self.k, self.config.max_model_len)
+    def reach(self, seq: Sequence, n: int | None = None) -> int:
+        """KV positions `seq`'s verify row of `n` drafts (default `num_drafts`) needs: its own, and the k - 1 after
+        them that the MTP block drafts at."""
+        n = self.num_drafts(seq) if n is None else n
+        return min(seq.num_computed_tokens + n + self.k, self.config.max_model_len)
 
     def row(self, seq: Sequence, row: ScheduledSequence) -> ScheduledSequence:
         """`seq`'s one-token decode row made its verify row: the drafts after the token, their positions, the block
@@ -53,13 +57,10 @@ class Speculation:
         n, bs, start = self.num_drafts(seq), self.config.block_size, seq.num_computed_tokens
         drafts = tuple(seq.draft_token_ids[:n])
         slots = tuple(self._free.pop() for _ in range(n)) if self.block_manager.linear is not None else ()
-        table = seq.block_table[:-(-self.reach(seq) // bs)]
+        table = seq.block_table[:-(-self.reach(seq, n) // bs)]
         mapping = [table[q // bs] * bs + q % bs for q in range(start, start + n + 1)]
-        return ScheduledSequence(
-            seq_id=row.seq_id, token_ids=row.token_ids + list(drafts), start_pos=start, block_table=table,
-            slot_mapping=mapping, linear_op=row.linear_op, sample=True, sampling_params=row.sampling_params,
-            num_generated=row.num_generated, history=row.history, num_prompt_tokens=row.num_prompt_tokens,
-            draft_token_ids=drafts, draft_slots=slots)
+        return dataclasses.replace(row, token_ids=row.token_ids + list(drafts), block_table=table, slot_mapping=mapping,
+                                   sample=True, draft_token_ids=drafts, draft_slots=slots)
 
     def computed(self, seq: Sequence, row: ScheduledSequence, tokens: list[int] | None) -> int:
         """The tokens `row` computed and kept. A sampling row's samples (`tokens`: a verify row's are one more than
