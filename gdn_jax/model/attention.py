@@ -180,14 +180,16 @@ class Attention(nnx.Module):
         k = rope(k, batch.positions, cfg.rotary_dim, cfg.rope_theta)
         return (q, gate, *write_kv(k_cache, v_cache, k, v, batch.slot_mapping, layer))
 
-    def attend(self, q, gate, k_cache, v_cache, layer, positions, block_tables, extent, forms: Forms):
+    def attend(self, q, gate, k_cache, v_cache, layer, positions, block_tables, extent, forms: Forms,
+               by_position: bool = False):
         """The attention output [B, T, D] of queries q [B, T, H, hd] at `positions` [B, T] over the cached keys
         (causal: a query sees the keys at its position and before), through the output gate and projection
         (`attend_heads`, then `gated_output`)."""
-        out = self.attend_heads(q, k_cache, v_cache, layer, positions, block_tables, extent, forms)
+        out = self.attend_heads(q, k_cache, v_cache, layer, positions, block_tables, extent, forms, by_position)
         return self.gated_output(out, gate, forms)
 
-    def attend_heads(self, q, k_cache, v_cache, layer, positions, block_tables, extent, forms: Forms):
+    def attend_heads(self, q, k_cache, v_cache, layer, positions, block_tables, extent, forms: Forms,
+                     by_position: bool = False):
         """The heads' attention outputs [B, T, H * hd] (q's dtype) of queries q [B, T, H, hd] at `positions` [B, T]
         over the cached keys, causal. `extent` [B]: the keys a row's queries reach at most (start + length), which
         bounds the chunks read.
@@ -198,11 +200,17 @@ class Attention(nnx.Module):
         head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv head) in front: the
         products read them as they are gathered, with no transposed copy. One query per row runs the compiled CPU
         kernel instead (`cpu_kernels.attention_decode`: the keys and values read in place, no gathered copy) where
-        the forms have the kernels."""
+        the forms have the kernels. `by_position` (a verify step's few positions): each query as a row of its own,
+        over the keys up to its position, as a one-token step attends."""
         cfg = self.cfg
         B, T = q.shape[:2]
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         dtype = q.dtype
+        if by_position and T > 1:  # (padding positions: their keys up to the row's last, at least one)
+            keys = jnp.maximum(jnp.minimum(positions + 1, extent[:, None]), 1).reshape(B * T, 1)
+            out = self.attend_heads(q.reshape(B * T, 1, H, hd), k_cache, v_cache, layer, keys - 1,
+                                    jnp.repeat(block_tables, T, axis=0), keys[:, 0], forms)
+            return out.reshape(B, T, H * hd)
         if T == 1 and cpu_kernels.attention_applies(k_cache, H, forms):  # one query per row: the compiled kernel
             out = cpu_kernels.attention_decode(k_cache, v_cache, layer, q[:, 0], block_tables, positions[:, 0] + 1)
             return out.astype(dtype).reshape(B, T, H * hd)

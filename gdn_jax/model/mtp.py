@@ -42,13 +42,14 @@ class MultiTokenPredictor(nnx.Module):
         return self.fc(both, forms)
 
 
-def mtp_forward(model, hidden, next_tokens, batch, state, forms: Forms = GENERIC, logits: bool = True):
+def mtp_forward(model, hidden, next_tokens, batch, state, forms: Forms = GENERIC, logits: bool = True,
+                by_position: bool = False):
     """The MTP block over a step's rows, on the paged KV pools: `hidden` [B, T, D] the model's normed outputs at the
     batch's positions (`Qwen35Model.__call__(..., hidden=True)`), `next_tokens` [B, T] the token after each. Its
     keys and values are written at those positions, in the KV pools' layers after the model's own, and its queries
     attend to those of the positions before, as the main model's attention does. Returns (logits [B, T, V] of the
     tokens after those (None unless `logits`), its normed outputs [B, T, D], which stand in for the hidden states when
-    it drafts on, state).
+    it drafts on, state). `by_position`: the attention per position (`Attention.attend_heads`).
     """
     x = model.mtp.inputs(model.embed_tokens[...][next_tokens], hidden, forms)
     valid = jnp.arange(x.shape[1])[None, :] < batch.lengths[:, None]
@@ -57,7 +58,7 @@ def mtp_forward(model, hidden, next_tokens, batch, state, forms: Forms = GENERIC
         attn = layer.self_attn
         q, gate, k, v = attn.project_write(layer.input_layernorm(x), state.k, state.v, batch, first + m, forms)
         h = attn.attend(q, gate, k, v, first + m, batch.positions, batch.block_tables, batch.start_pos + batch.lengths,
-                        forms)
+                        forms, by_position)
         x = layer.residual(x, h, forms, valid)
         state = dataclasses.replace(state, k=k, v=v)
     out = model.mtp.norm(x)
@@ -84,13 +85,40 @@ def mtp_draft(model, hidden, token, batch, state, k: int, forms: Forms = GENERIC
     return jnp.stack(drafts, axis=1), state
 
 
-def mtp_propose(model, hidden, next_tokens, last, batch, state, k: int, forms: Forms = GENERIC):
-    """A step's drafting: the block over every position of the step's rows (`mtp_forward`: its keys and values there,
+def mtp_at_last(model, hidden, next_tokens, last, batch, state, forms: Forms = GENERIC, by_position: bool = False):
+    """`mtp_forward`'s normed output at position `last` [B] of each row only, [B, D], and the state: its keys and
+    values are written at every position, but its last layer's attention and MLP run at `last` alone (as the main
+    model's `last_layer_tail` does), the position the drafts start from."""
+    *before, final = model.mtp.layers
+    x = model.mtp.inputs(model.embed_tokens[...][next_tokens], hidden, forms)
+    valid = jnp.arange(x.shape[1])[None, :] < batch.lengths[:, None]
+    first = len(model.cfg.full_layer_ids)  # the block's layers in the KV pools
+    for m, layer in enumerate(before):  # (a block of one layer, as released, has none)
+        attn = layer.self_attn
+        q, gate, k, v = attn.project_write(layer.input_layernorm(x), state.k, state.v, batch, first + m, forms)
+        h = attn.attend(q, gate, k, v, first + m, batch.positions, batch.block_tables, batch.start_pos + batch.lengths,
+                        forms, by_position)
+        x = layer.residual(x, h, forms, valid)
+        state = dataclasses.replace(state, k=k, v=v)
+    attn, m = final.self_attn, len(before)
+    q, gate, k, v = attn.project_write(final.input_layernorm(x), state.k, state.v, batch, first + m, forms)
+
+    def at(a):  # [B, T, ...] -> [B, 1, ...] at `last`
+        return jnp.take_along_axis(a, last.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)
+
+    position = batch.start_pos[:, None] + last[:, None]
+    h = attn.attend(at(q), at(gate), k, v, first + m, position, batch.block_tables, position[:, 0] + 1, forms)
+    x = final.residual(at(x), h, forms, (batch.lengths > 0)[:, None])
+    return model.mtp.norm(x[:, 0]), dataclasses.replace(state, k=k, v=v)
+
+
+def mtp_propose(model, hidden, next_tokens, last, batch, state, k: int, forms: Forms = GENERIC,
+                by_position: bool = False):
+    """A step's drafting: the block over every position of the step's rows (`mtp_at_last`: its keys and values there,
     `next_tokens` [B, T] the token after each), then k greedy drafts per row from position `last` [B] of the row (the
     last one computed and kept): the first from the block's output there, the others chained (`mtp_draft`) at the
     positions after it. Returns (drafts [B, k] int32, state)."""
-    _, out, state = mtp_forward(model, hidden, next_tokens, batch, state, forms, logits=False)
-    at = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]  # [B, D]
+    at, state = mtp_at_last(model, hidden, next_tokens, last, batch, state, forms, by_position)  # [B, D]
     first = jnp.argmax(model.head(at, forms), axis=-1).astype(jnp.int32)
     if k == 1:
         return first[:, None], state

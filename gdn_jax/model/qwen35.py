@@ -49,10 +49,10 @@ class GatedDeltaNet(nnx.Module):
         """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state).
         `chunk_size` of the chunked rule (same maths; None: `gated_delta.default_chunk_size`). `rule`, if given,
         replaces the gated delta rule and the ssm_state argument: (q, k, v, g, beta) -> (o, new ssm state); the
-        engine's decode step passes one that advances the states inside their pool. `saves` = (rows, offsets), [S]
-        each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv
+        engine's decode and verify steps pass one that advances the states inside their pool. `saves` = (rows, offsets),
+        [S] each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv
         [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states (or copied out by the CPU
-        kernel as it passes them). `schedule`: the chunked rule's (`chunk_gated_delta_rule`'s impl, "fused" or
+        kernel as it passes them); with a `rule`, the conv states only (ssm None: the rule writes its own). `schedule`: the chunked rule's (`chunk_gated_delta_rule`'s impl, "fused" or
         "parallel"; same maths), or "auto": "fused" with the CPU forms, else "parallel", and a step of more than one
         token per row runs the compiled kernel instead where the forms have the kernels (`cpu_kernels.gdn_prefill`,
         which has no gradient: training's forms have no kernels)."""
@@ -84,7 +84,11 @@ class GatedDeltaNet(nnx.Module):
         v = v.reshape(B, T, nv, dv)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
-        if T > 1 and rule is None and schedule == "auto" and cpu_kernels.prefill_applies(k, v, forms):
+        if rule is not None:  # the caller's (a decode or verify step: the states advance in their pool)
+            q, k = jnp.repeat(q, nv // nk, axis=2), jnp.repeat(k, nv // nk, axis=2)
+            o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
+            saved = (saved_conv, None)  # (the rule wrote the saved states)
+        elif T > 1 and schedule == "auto" and cpu_kernels.prefill_applies(k, v, forms):
             # the CPU kernel: token by token, each state in the core's cache, the key heads read where they lie
             # (cpu_kernels.gdn_prefill)
             o, ssm_state, *saved_ssm = cpu_kernels.gdn_prefill(q, k, v, g, beta, ssm_state, lengths, saves)
@@ -100,10 +104,9 @@ class GatedDeltaNet(nnx.Module):
                     saves_in_place=forms.cpu)  # [S, Hv, dk, dv]
                 saved = (saved_conv, saved_ssm)
             else:
-                if rule is None:
-                    kw = {} if T == 1 else {"chunk_size": chunk_size, "impl": impl}
-                    rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
-                                   initial_state=ssm_state, lengths=lengths, **kw)
+                kw = {} if T == 1 else {"chunk_size": chunk_size, "impl": impl}
+                rule = partial(recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule,
+                               initial_state=ssm_state, lengths=lengths, **kw)
                 o, ssm_state = rule(q, k, v, g, beta)  # o: [B, T, Hv, dv]
         o = self.norm(o.astype(mixed.dtype), z.reshape(B, T, nv, dv)).reshape(B, T, nv * dv)
         return (o, conv_state, ssm_state) if saves is None else (o, conv_state, ssm_state, saved)
@@ -171,6 +174,23 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer, 
     return o, pool
 
 
+
+
+def advance_positions_in_pool(pool, src, live, warm, lengths, dst, q, k, v, g, beta, *, layer, forms: Forms):
+    """A short step's tokens (a verify row's, T = k + 1) of the gated delta rule, one position at a time, on the
+    states kept in their pool (`advance_in_pool` per position): position t reads the state position t - 1 wrote
+    (t = 0: slot `src`, zeros where not `warm`) and writes its own to `dst[:, t]` [B, T] (a draft slot, the live slot
+    at the row's last token); positions past a row's end read and write its live slot, inert. Returns (o [B, T, Hv,
+    dv], pool)."""
+    outs, before = [], src
+    for t in range(q.shape[1]):
+        on = t < lengths
+        to = jnp.where(on, dst[:, t], live)
+        o, pool = advance_in_pool(pool, before, to, warm if t == 0 else jnp.ones_like(warm), on.astype(jnp.int32),
+                                  *(a[:, t:t + 1] for a in (q, k, v, g, beta)), layer=layer, forms=forms)
+        outs.append(o)
+        before = to
+    return jnp.concatenate(outs, axis=1), pool
 
 
 class DecoderLayer(nnx.Module):
@@ -280,8 +300,12 @@ class Qwen35Model(nnx.Module):
         return _repeat(repeats, group, carry, unroll)
 
     def __call__(self, batch: Batch, state: DeviceState, all_logits: bool = False, chunk_size: int | None = None,
-                 gdn_schedule: str = "auto", forms: Forms = GENERIC, hidden: bool = False):
-        """`hidden`: also returns every position's output after the final norm [B, T, D], what the MTP block drafts
+                 gdn_schedule: str = "auto", forms: Forms = GENERIC, hidden: bool = False, by_position: bool = False):
+        """`by_position`: a short step (a verify row's few tokens) on the one-token step's forms, each position in
+        turn: the GDN states advance in their pool (`advance_positions_in_pool`; the batch's saves name the slot
+        each position but a row's last writes, offset t + 1 for position t), and the attention runs per position
+        (`Attention.attend_heads`); the products still take every position at once.
+        `hidden`: also returns every position's output after the final norm [B, T, D], what the MTP block drafts
         from (`model.mtp`); the logits are still the last position's unless `all_logits`.
         `gdn_schedule`: the chunked GDN rule's schedule ("auto", "fused", "parallel"; same maths).
         `chunk_size`: the chunked GDN rule's (a divisor of the engine's chunk_stride, so that every checkpoint
@@ -326,14 +350,30 @@ class Qwen35Model(nnx.Module):
                 (jnp.zeros((B, cfg.num_attention_heads, cfg.head_dim), x.dtype),
                  jnp.zeros((B, cfg.num_attention_heads * cfg.head_dim), x.dtype)))
 
+        dst = None  # with `by_position`: the slot each position's state goes to
+        if by_position and T > 1:
+            dst = jnp.broadcast_to(ids[:, None], batch.tokens.shape)
+            if batch.save_slots is not None:  # (padding saves, into slot 0, are dropped)
+                rows = jnp.where(batch.save_slots > 0, batch.save_rows, dst.shape[0])
+                dst = dst.at[rows, batch.save_offsets - 1].set(batch.save_slots, mode="drop")
+
         def linear(layer, j, carry):
             x, st, pending = carry
             h = layer.input_layernorm(x)
             conv_in = jnp.where(warm[:, None, None], from_pool(read_slots(st.conv, src, j), x.dtype), 0)
             slots = ids
-            if batch.tokens.shape[1] == 1:  # decode: the states advance in their pool
+            if T == 1:  # decode: the states advance in their pool
                 rule = partial(advance_in_pool, st.ssm, src, ids, warm, batch.lengths, layer=j, forms=forms)
                 h, conv_out, ssm = layer.linear_attn(h, conv_in, None, batch.lengths, rule=rule, forms=forms)
+            elif dst is not None:  # position by position in the pool; the conv states saved as the scan's are
+                rule = partial(advance_positions_in_pool, st.ssm, src, ids, warm, batch.lengths, dst, layer=j,
+                               forms=forms)
+                saves = None if batch.save_slots is None else (batch.save_rows, batch.save_offsets)
+                h, conv_out, ssm, *saved = layer.linear_attn(h, conv_in, None, batch.lengths, rule=rule, saves=saves,
+                                                             forms=forms)
+                if saved:
+                    slots = jnp.concatenate([ids, batch.save_slots])
+                    conv_out = jnp.concatenate([conv_out, saved[0][0]])
             else:
                 ssm_in = jnp.where(warm[:, None, None, None], read_slots(st.ssm, src, j), 0.0)
                 if batch.save_slots is None:
@@ -355,8 +395,8 @@ class Qwen35Model(nnx.Module):
             x, st, pending = carry
             q, gate, k, v = layer.self_attn.project_write(layer.input_layernorm(x), st.k, st.v, batch, j, forms)
             x, pending = tail(FULL, j, lambda: layer.residual(x, layer.self_attn.attend(
-                q, gate, k, v, j, batch.positions, batch.block_tables, batch.start_pos + batch.lengths, forms), forms,
-                valid),
+                q, gate, k, v, j, batch.positions, batch.block_tables, batch.start_pos + batch.lengths, forms,
+                by_position), forms, valid),
                               lambda: (at_last(x), at_last(q), at_last(gate)), x, pending)
             return x, dataclasses.replace(st, k=k, v=v), pending
 
@@ -396,11 +436,13 @@ class Qwen35Model(nnx.Module):
 
 
 def forward(graphdef, params, batch: Batch, state: DeviceState, all_logits: bool = False,
-            chunk_size: int | None = None, gdn_schedule: str = "auto", forms: Forms = GENERIC):
+            chunk_size: int | None = None, gdn_schedule: str = "auto", forms: Forms = GENERIC,
+            by_position: bool = False):
     """Pure forward: (graphdef, params, batch, state) -> (logits [B, V] or [B, T, V] float32, new state), in the
     forms `forms` says (the default: XLA's generic ones; the engine's: `backends.cpu.tuning.resolve_forms`)."""
     model = nnx.merge(graphdef, params)
-    return model(batch, state, all_logits=all_logits, chunk_size=chunk_size, gdn_schedule=gdn_schedule, forms=forms)
+    return model(batch, state, all_logits=all_logits, chunk_size=chunk_size, gdn_schedule=gdn_schedule, forms=forms,
+                 by_position=by_position)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):

@@ -7,9 +7,10 @@ verifies).
 - A prefill sub-batch: the model over the rows' chunks (their hidden states kept), sampling at each row's last
   position, then the MTP block over every position (its keys and values) with the token after each: the next prompt
   token, or the one just sampled; the drafts come from the last position.
-- A verify sub-batch (the decode rows): rows of the last sampled token and its drafts, k + 1 tokens, run with the
-  chunked rule's chunk size 1 so that the GDN state after each draft is written into the row's draft slots (the
-  scan's checkpoint writes); sampling at every position, each with the request's key at that output index (as plain
+- A verify sub-batch (the decode rows): rows of the last sampled token and its drafts, k + 1 tokens, run on the
+  one-token step's forms position by position (`Qwen35Model.__call__(by_position=True)`): the GDN state after each
+  draft is written into the row's draft slot, in the pool, and the attention runs per position, while the products
+  take every position at once; sampling at every position, each with the request's key at that output index (as plain
   decoding draws it); the drafts a row keeps are the leading ones equal to the token sampled before them; then the MTP
   block over the row with the sampled tokens, and the next drafts from the last position kept.
 
@@ -52,13 +53,13 @@ def _spec_step(model, kind: str, k: int, rule, state, batch, md: SamplingMetadat
         last, accepted = jnp.maximum(batch.lengths - 1, 0), jnp.zeros_like(batch.lengths)
     else:
         logits, state, hidden = model(batch, state, all_logits=True, chunk_size=1, gdn_schedule=schedule,
-                                      forms=forms, hidden=True)
+                                      forms=forms, hidden=True, by_position=True)
         B, T, V = logits.shape
         packed = sample_packed(logits.reshape(B * T, V), md)
         after = packed[:, 0].reshape(B, T)  # the token sampled at each position
         keep = (after[:, :-1] == batch.tokens[:, 1:]) & (jnp.arange(1, T)[None, :] < batch.lengths[:, None])
         last = accepted = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)
-    drafts, state = mtp_propose(model, hidden, after, last, batch, state, k, forms)
+    drafts, state = mtp_propose(model, hidden, after, last, batch, state, k, forms, by_position=kind == "verify")
     return state, packed, accepted, drafts
 
 
@@ -148,7 +149,8 @@ class SpecWorker(Worker):
             raise ValueError(f"verify plan of {n} rows x {max(len(s.token_ids) for s in seqs)} tokens exceeds the "
                              f"worker's shapes ({self.max_rows} rows, {T} tokens per row)")
         B = self.rows_bucket(n)
-        tokens, slot_mapping, start, lengths, tables, restore = self._row_arrays(seqs, B, T, self.max_blocks)
+        tokens, slot_mapping, start, lengths, tables, restore = self._row_arrays(seqs, B, T, self.max_blocks,
+                                                                                in_place=True)
         busy = set(restore.linear_state_ids.tolist()) | set(restore.restore_src_slot_ids.tolist())
         batch = host_batch(tokens, start, lengths, tables, slot_mapping, restore, self._draft_saves(seqs, B, busy))
         # each position samples with the key of its output index, as plain decoding would

@@ -424,10 +424,10 @@ class Worker:
                 targets[i, :len(t or ())] = t or ()
         return n, batch, sampling, targets
 
-    def _row_arrays(self, seqs, B: int, T: int, NB: int) -> tuple:
+    def _row_arrays(self, seqs, B: int, T: int, NB: int, in_place: bool = False) -> tuple:
         """The rows as host arrays padded to B rows of T tokens (tokens, slot mapping, start positions, lengths,
         block tables; padding tokens write into block 0) and their `RestoreOps`, the linear-state ops checked first
-        (fail closed; a one-token step advances its states in place)."""
+        (fail closed; a one-token step, or one `in_place`, advances its states in their pool)."""
         tokens, slot_mapping = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
         start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
         tables = np.zeros((B, NB), np.int32)
@@ -440,7 +440,7 @@ class Worker:
         if self.cfg.linear_layer_ids:
             if len(ops) != len(seqs):
                 raise ValueError("every scheduled row of a model with GDN layers needs a LinearStateCacheOp")
-            validate_cache_ops(ops, self.memory.num_linear_slots, in_place=T == 1)
+            validate_cache_ops(ops, self.memory.num_linear_slots, in_place=in_place or T == 1)
         return tokens, slot_mapping, start, lengths, tables, RestoreOps.from_ops(ops, B)
 
     def _launch(self, batch: Batch, sampling: SamplingMetadata, targets, full_rows: bool) -> tuple:
