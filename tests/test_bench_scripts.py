@@ -1049,10 +1049,12 @@ def test_step_audit_keeps_the_op_counts_of_tiny_randoms_steps(tmp_path, capsys):
 
 
 @pytest.mark.slow  # ~15 s: two engines (k = 0 and k = 1) compile their steps
-def test_bench_spec_reports_every_k_and_batch(tmp_path, capsys):
+@pytest.mark.parametrize("interleave", [False, True])  # one engine after another, or both at once in turns
+def test_bench_spec_reports_every_k_and_batch(tmp_path, capsys, interleave):
     out = tmp_path / "spec.json"
     _script("bench_spec").main(["--models", "tiny-random", "--ks", "0,1", "--batches", "1", "--max-tokens", "6",
-                                "--runs", "1", "--max-model-len", "128", "--prompt-len", "16", "--out", str(out)])
+                                "--runs", "2" if interleave else "1", "--max-model-len", "128", "--prompt-len", "16",
+                                "--out", str(out)] + ["--interleave"] * interleave)
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["model"], r["k"], r["batch"]) for r in rows] == [
@@ -1061,11 +1063,14 @@ def test_bench_spec_reports_every_k_and_batch(tmp_path, capsys):
         assert r["decode_tok_s"] > 0 and r["output_tok_s"] > 0 and r["itl_p50_ms"] > 0, r
         assert r["compilations"] == 0, r  # the warm-up pass compiled every shape
         assert r["same_tokens_as_k0"] is True, r  # greedy: speculation changes no token
-        (run,) = r["runs"]
-        assert run["generated_tokens"] == 6 * r["batch"]
+        run, *_ = r["runs"]
+        assert len(r["runs"]) == 1 + interleave and run["generated_tokens"] == 6 * r["batch"]
         if r["k"] == 0:
             assert r["acceptance"] is None and r["tokens_per_step"] == 1.0 and r["x_k0"] == 1.0
         else:
             assert 0.0 <= r["acceptance"] <= 1.0 and run["draft_tokens"] > 0
             assert 1.0 <= r["tokens_per_step"] <= 2.0 and r["x_k0"] > 0
+    if interleave:  # each round's ratio, then their median
+        ratios = [a["decode_tok_s"] / z["decode_tok_s"] for a, z in zip(rows[1]["runs"], rows[0]["runs"])]
+        assert rows[1]["x_k0"] == pytest.approx(sum(ratios) / 2)
     assert "same as k=0" in capsys.readouterr().out

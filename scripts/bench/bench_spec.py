@@ -30,7 +30,8 @@ Per (model, k, batch), the median over the measured passes of:
 - `tokens_per_step`: the mean tokens a request got from a step after its first token (1 without speculation; with it
   1 + the drafts accepted, less where a request reached --max-tokens);
 - `compilations`: compilations during the measured passes, summed (`cache_stats()["compilations"]`; should be 0);
-- `x_k0`: decode_tok_s over k = 0's at the same model and batch (None when k = 0 was not run);
+- `x_k0`: decode_tok_s over k = 0's at the same model and batch (None when k = 0 was not run); with `--interleave`
+  (every k's engine built at once, their passes taken in turns) the median of each round's ratio;
 - `same_tokens_as_k0`: whether every pass (warm-up included) generated, request for request, the token ids of k =
   0's first measured pass (greedy: speculation must not change them; a check, reported, not an error). For k = 0
   itself: whether its passes agree with its first. None when k = 0 was not run.
@@ -159,6 +160,10 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=positive_int, default=128,
                     help="tokens each request generates, at least 2 (default: %(default)s)")
     ap.add_argument("--runs", type=positive_int, default=3, help="measured passes per batch size (default: %(default)s)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every k's engine of a model at once and run their passes in turns, one round after "
+                         "another; x k=0 is then the median of each round's ratio to k=0's pass of the same round "
+                         "(a machine whose speed drifts moves both sides of a ratio), at the memory of all of them")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="weights and activations (default: %(default)s)")
     ap.add_argument("--max-model-len", type=positive_int, default=1024,
@@ -181,18 +186,37 @@ def main(argv=None):
                      f"model {m}")
 
     from gdn_jax import LLMEngine
+
+    def make_engine(model, k):
+        spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+        return LLMEngine(model, dtype=args.dtype, max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
+                         verbose=False, **spec)
+
     rows, reference = [], {}  # reference: (model, batch) -> k = 0's token ids
+    paired = {}  # with --interleave: (model, k, batch) -> each round's pass
     for model in args.models:
+        if args.interleave:  # every k's engine at once, their passes in turns: round i of each k, then round i + 1
+            engines = {k: make_engine(model, k) for k in args.ks}
+            all_prompts = prompts(model, engines[args.ks[0]].cfg.vocab_size, max(args.batches), args)
+            for batch in args.batches:
+                for k, engine in engines.items():
+                    paired[model, k, batch] = [one_pass(engine, all_prompts[:batch], args)]  # the warm-up pass
+                for _ in range(args.runs):
+                    for k, engine in engines.items():
+                        paired[model, k, batch].append(one_pass(engine, all_prompts[:batch], args))
+            del engines
         for k in args.ks:
             engine = None  # the previous engine goes before the next one takes its share of an accelerator
             gc.collect()
-            spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
-            engine = LLMEngine(model, dtype=args.dtype, max_num_seqs=max(args.batches),
-                               max_model_len=args.max_model_len, verbose=False, **spec)
-            all_prompts = prompts(model, engine.cfg.vocab_size, max(args.batches), args)
+            if not args.interleave:
+                engine = make_engine(model, k)
+                all_prompts = prompts(model, engine.cfg.vocab_size, max(args.batches), args)
             for batch in args.batches:
-                warm = one_pass(engine, all_prompts[:batch], args)  # compiles the shapes of the workload
-                runs = [one_pass(engine, all_prompts[:batch], args) for _ in range(args.runs)]
+                if args.interleave:
+                    warm, *runs = paired[model, k, batch]
+                else:
+                    warm = one_pass(engine, all_prompts[:batch], args)  # compiles the shapes of the workload
+                    runs = [one_pass(engine, all_prompts[:batch], args) for _ in range(args.runs)]
                 if k == 0:
                     reference[model, batch] = runs[0]["token_ids"]
                 ref = reference.get((model, batch))
@@ -211,11 +235,16 @@ def main(argv=None):
     for r in rows:
         b = base.get((r["model"], r["batch"]))
         r["x_k0"] = r["decode_tok_s"] / b if b and r["decode_tok_s"] is not None else None
+        if args.interleave and b:  # the median of each round's ratio to k = 0's pass of the same round
+            r["x_k0"] = median([None if None in (a["decode_tok_s"], z["decode_tok_s"]) else
+                                a["decode_tok_s"] / z["decode_tok_s"] for a, z in
+                                zip(paired[r["model"], r["k"], r["batch"]][1:], paired[r["model"], 0, r["batch"]][1:])])
 
     def cell(value, fmt: str, width: int) -> str:
         return f"{value:{width}{fmt}}" if value is not None else f"{'-':>{width}}"
 
-    print(f"\n{args.dtype}, {args.max_tokens} tokens per request (greedy), median of {args.runs} runs")
+    print(f"\n{args.dtype}, {args.max_tokens} tokens per request (greedy), median of {args.runs} runs"
+          + (", interleaved (x k=0: median of the rounds' ratios)" if args.interleave else ""))
     print(f"{'model':>12} | {'k':>2} | {'batch':>5} | {'decode tok/s':>12} | {'x k=0':>5} | {'out tok/s':>9} | "
           f"{'ITL p50 ms':>10} | {'accept':>6} | {'tok/step':>8} | {'compiles':>8} | same as k=0")
     for r in rows:
