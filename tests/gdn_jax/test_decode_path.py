@@ -269,7 +269,9 @@ def test_single_row_bfloat16_decode_reads_the_weights_as_they_are(width):
     w.state = jax.device_put(state)
     pair = w.execute(StepPlan(False, [row([7], len(prompt), False) for row in rows]))
     assert one.tokens[0] == pair.tokens[0] == pair.tokens[1]
-    np.testing.assert_allclose(one.top_logprobs[0], pair.top_logprobs[0], atol=2e-2)  # bf16 activations either way
+    # bf16 activations either way; compiled without LLVM's optimisation (`make test`'s model group) XLA rounds every
+    # op's output to bfloat16, where its fused code keeps some in float32: 3.3e-2 seen there, 2e-2 otherwise
+    np.testing.assert_allclose(one.top_logprobs[0], pair.top_logprobs[0], atol=5e-2)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

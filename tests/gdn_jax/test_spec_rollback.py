@@ -54,5 +54,7 @@ def test_a_verify_step_saves_the_state_after_each_position_as_decoding_one_by_on
         for layer in range(len(cfg.linear_layer_ids)):
             np.testing.assert_allclose(np.asarray(after.ssm[layer, slot]), np.asarray(one.ssm[layer, 1]), atol=1e-5,
                                        rtol=0, err_msg=f"recurrent state after {i + 1} tokens, GDN layer {layer}")
-            np.testing.assert_allclose(np.asarray(after.conv[layer, slot]), np.asarray(one.conv[layer, 1]), atol=1e-6,
+            # (the conv state is the input projection's output: a product over 4 rows against one, summed in another
+            # order where XLA compiles without LLVM's optimisation, as `make test`'s group does: 1.04e-6 seen)
+            np.testing.assert_allclose(np.asarray(after.conv[layer, slot]), np.asarray(one.conv[layer, 1]), atol=4e-6,
                                        rtol=0, err_msg=f"conv state after {i + 1} tokens, GDN layer {layer}")
