@@ -42,6 +42,21 @@ class MultiTokenPredictor(nnx.Module):
         return self.fc(both, forms)
 
 
+def _layers(model, n: int, x, batch, state, forms: Forms, by_position: bool):
+    """The block's first n decoder layers over every position of x [B, T, D]: (x, state with their keys and values
+    written, in the KV pools' layers after the model's own)."""
+    valid = jnp.arange(x.shape[1])[None, :] < batch.lengths[:, None]
+    first = len(model.cfg.full_layer_ids)
+    for m, layer in enumerate(model.mtp.layers[:n]):
+        attn = layer.self_attn
+        q, gate, k, v = attn.project_write(layer.input_layernorm(x), state.k, state.v, batch, first + m, forms)
+        h = attn.attend(q, gate, k, v, first + m, batch.positions, batch.block_tables, batch.start_pos + batch.lengths,
+                        forms, by_position)
+        x = layer.residual(x, h, forms, valid)
+        state = dataclasses.replace(state, k=k, v=v)
+    return x, state
+
+
 def mtp_forward(model, hidden, next_tokens, batch, state, forms: Forms = GENERIC, logits: bool = True,
                 by_position: bool = False):
     """The MTP block over a step's rows, on the paged KV pools: `hidden` [B, T, D] the model's normed outputs at the
@@ -52,15 +67,7 @@ def mtp_forward(model, hidden, next_tokens, batch, state, forms: Forms = GENERIC
     it drafts on, state). `by_position`: the attention per position (`Attention.attend_heads`).
     """
     x = model.mtp.inputs(model.embed_tokens[...][next_tokens], hidden, forms)
-    valid = jnp.arange(x.shape[1])[None, :] < batch.lengths[:, None]
-    first = len(model.cfg.full_layer_ids)  # the block's layers in the KV pools
-    for m, layer in enumerate(model.mtp.layers):
-        attn = layer.self_attn
-        q, gate, k, v = attn.project_write(layer.input_layernorm(x), state.k, state.v, batch, first + m, forms)
-        h = attn.attend(q, gate, k, v, first + m, batch.positions, batch.block_tables, batch.start_pos + batch.lengths,
-                        forms, by_position)
-        x = layer.residual(x, h, forms, valid)
-        state = dataclasses.replace(state, k=k, v=v)
+    x, state = _layers(model, len(model.mtp.layers), x, batch, state, forms, by_position)
     out = model.mtp.norm(x)
     return model.head(out, forms) if logits else None, out, state
 
@@ -89,18 +96,11 @@ def mtp_at_last(model, hidden, next_tokens, last, batch, state, forms: Forms = G
     """`mtp_forward`'s normed output at position `last` [B] of each row only, [B, D], and the state: its keys and
     values are written at every position, but its last layer's attention and MLP run at `last` alone (as the main
     model's `last_layer_tail` does), the position the drafts start from."""
-    *before, final = model.mtp.layers
+    m = len(model.mtp.layers) - 1  # the layers before the last (a block of one layer, as released, has none)
     x = model.mtp.inputs(model.embed_tokens[...][next_tokens], hidden, forms)
-    valid = jnp.arange(x.shape[1])[None, :] < batch.lengths[:, None]
-    first = len(model.cfg.full_layer_ids)  # the block's layers in the KV pools
-    for m, layer in enumerate(before):  # (a block of one layer, as released, has none)
-        attn = layer.self_attn
-        q, gate, k, v = attn.project_write(layer.input_layernorm(x), state.k, state.v, batch, first + m, forms)
-        h = attn.attend(q, gate, k, v, first + m, batch.positions, batch.block_tables, batch.start_pos + batch.lengths,
-                        forms, by_position)
-        x = layer.residual(x, h, forms, valid)
-        state = dataclasses.replace(state, k=k, v=v)
-    attn, m = final.self_attn, len(before)
+    x, state = _layers(model, m, x, batch, state, forms, by_position)
+    final, first = model.mtp.layers[m], len(model.cfg.full_layer_ids)
+    attn = final.self_attn
     q, gate, k, v = attn.project_write(final.input_layernorm(x), state.k, state.v, batch, first + m, forms)
 
     def at(a):  # [B, T, ...] -> [B, 1, ...] at `last`
