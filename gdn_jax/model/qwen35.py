@@ -48,14 +48,14 @@ class GatedDeltaNet(nnx.Module):
                  schedule: str = "auto", forms: Forms = GENERIC):
         """x: [B, T, D]; conv_state: [B, K-1, C]; ssm_state: [B, Hv, dk, dv] -> (out, conv_state, ssm_state).
         `chunk_size` of the chunked rule (same maths; None: `gated_delta.default_chunk_size`). `rule`, if given,
-        replaces the gated delta rule and the ssm_state argument: (q, k, v, g, beta) -> (o, new ssm state); the
-        engine's decode and verify steps pass one that advances the states inside their pool. `saves` = (rows, offsets),
-        [S] each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv
-        [S, K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states (or copied out by the CPU
-        kernel as it passes them); with a `rule`, the conv states only (ssm None: the rule writes its own). `schedule`: the chunked rule's (`chunk_gated_delta_rule`'s impl, "fused" or
-        "parallel"; same maths), or "auto": "fused" with the CPU forms, else "parallel", and a step of more than one
-        token per row runs the compiled kernel instead where the forms have the kernels (`cpu_kernels.gdn_prefill`,
-        which has no gradient: training's forms have no kernels)."""
+        replaces the gated delta rule and the ssm_state argument: (q, k, v, g, beta) -> (o, new ssm state); the engine's
+        decode and verify steps pass one that advances the states inside their pool. `saves` = (rows, offsets), [S]
+        each, offsets multiples of `chunk_size`: also returns the states after those tokens of those rows, (conv [S,
+        K-1, C], ssm [S, Hv, dk, dv]), from the chunked scan's chunk-boundary states (or copied out by the CPU kernel as
+        it passes them); with a `rule`, the conv states only (ssm None: the rule writes its own). `schedule`: the
+        chunked rule's (`chunk_gated_delta_rule`'s impl, "fused" or "parallel"; same maths), or "auto": "fused" with the
+        CPU forms, else "parallel", and a step of more than one token per row runs the compiled kernel instead where the
+        forms have the kernels (`cpu_kernels.gdn_prefill`, which has no gradient: training's forms have no kernels)."""
         mixed, z, b, a = self.in_proj(x, forms)
         o, *states = self.mix(mixed, z, b, a, conv_state, ssm_state, lengths, chunk_size, rule, saves, schedule, forms)
         return (self.out_proj(o, forms), *states)

@@ -52,8 +52,7 @@ def _spec_step(model, kind: str, k: int, rule, state, batch, md: SamplingMetadat
         after = jnp.where(next_tokens < 0, packed[:, :1], next_tokens)  # -1: the token sampled there
         last, accepted = jnp.maximum(batch.lengths - 1, 0), jnp.zeros_like(batch.lengths)
     else:
-        logits, state, hidden = model(batch, state, all_logits=True, chunk_size=1, gdn_schedule=schedule,
-                                      forms=forms, hidden=True, by_position=True)
+        logits, state, hidden = model(batch, state, all_logits=True, forms=forms, hidden=True, by_position=True)
         B, T, V = logits.shape
         packed = sample_packed(logits.reshape(B * T, V), md)
         after = packed[:, 0].reshape(B, T)  # the token sampled at each position
@@ -92,9 +91,8 @@ class SpecWorker(Worker):
         if not self.cfg.mtp_num_hidden_layers:
             raise ValueError("speculative decoding drafts with the model's MTP block: load the model with mtp=True")
         params_def = jax.tree.structure(self.params)
-        self._spec_fns = {kind: spec_step_function(self.graphdef, params_def, self.chunk_size if kind == "prefill"
-                                                   else 1, self.gdn_schedule, self.forms, self.k, kind)
-                          for kind in ("prefill", "verify")}
+        self._spec_fns = {kind: spec_step_function(self.graphdef, params_def, self.chunk_size, self.gdn_schedule,
+                                                   self.forms, self.k, kind) for kind in ("prefill", "verify")}
 
     # -- shapes ----------------------------------------------------------------------------------------------
     def spec_shapes(self) -> list[tuple[str, int, int]]:

@@ -1,8 +1,8 @@
-"""The primitive that speculative decoding's rollback rests on: a verify step of k + 1 tokens, run as a prefill row
-with the chunked rule's chunk size 1, or as the engine runs it, on the one-token forms position by position, saves
-the GDN state after each of its positions into slots of their own; each saved state, and each position's logits, equal those of decoding the same tokens one at a
-time. A rejected draft then costs no recomputation: the row's live state becomes the slot of its last accepted
-position."""
+"""The primitive that speculative decoding's rollback rests on: a verify step of k + 1 tokens, run as a prefill row with
+the chunked rule's chunk size 1, or as the engine runs it, on the one-token forms position by position, saves the GDN
+state after each of its positions into slots of their own; each saved state, and each position's logits, equal those
+of decoding the same tokens one at a time. A rejected draft then costs no recomputation: the row's live state becomes
+the slot of its last accepted position."""
 
 import dataclasses
 
