@@ -1025,8 +1025,10 @@ def test_bench_deterministic_times_both_modes_and_batch_variance_finds_no_differ
 
 def test_step_audit_keeps_the_op_counts_of_tiny_randoms_steps(tmp_path, capsys):
     """The steps of tiny-random lowered for cuda from abstract shapes (no GPU): the layer loops' switches are its
-    conditionals, none once the layers are unrolled; a mixed step counts its two executables. On the CPU, compiled:
-    no step copies a pool. --compile for cuda is refused."""
+    conditionals, none once the layers are unrolled; its while loops are the layer loops and, unrolled, the key chunks
+    of its one attention layer (decode) and the chunked rule's and the attention's (prefill): no loop of one turn
+    over the rows; a mixed step counts its two executables. On the CPU, compiled in the engine's forms and in the
+    generic ones (the GPU's): no step copies a pool. --compile for cuda is refused."""
     audit = _script("step_audit")
     common = ["--model", "tiny-random", "--rows", "4", "--tokens", "64", "--max-model-len", "256"]
     ops = ("conditionals", "while_loops", "custom_calls", "collectives")
@@ -1035,13 +1037,17 @@ def test_step_audit_keeps_the_op_counts_of_tiny_randoms_steps(tmp_path, capsys):
         return {k: tuple(s[n] for n in ops) for k, s in audit.main([*common, *argv])["steps"].items()}
 
     assert run("--platform", "cuda", "--out", str(tmp_path / "loop")) == {
-        "decode": (5, 4, 0, 0), "prefill": (5, 4, 0, 0), "mixed": (10, 8, 0, 0)}
+        "decode": (5, 2, 0, 0), "prefill": (5, 3, 0, 0), "mixed": (10, 5, 0, 0)}
     assert run("--platform", "cuda", "--unroll", "1", "--out", str(tmp_path / "unrolled")) == {
-        "decode": (0, 5, 0, 0), "prefill": (0, 5, 0, 0), "mixed": (0, 10, 0, 0)}
+        "decode": (0, 1, 0, 0), "prefill": (0, 4, 0, 0), "mixed": (0, 5, 0, 0)}
     mixed = (tmp_path / "loop" / "mixed.mlir").read_text()
     assert mixed.count("// step shape") == 2 and len(re.findall(r"stablehlo\.case\b", mixed)) == 10
     cpu = audit.main([*common, "--platform", "cpu", "--compile", "--out", str(tmp_path / "cpu")])["steps"]
     assert all(s["pool_copies"] == 0 and s["conditionals"] == 5 * len(s["shapes"]) for s in cpu.values())
+    generic = audit.main([*common, "--platform", "cpu", "--forms", "generic", "--compile", "--unroll", "1", "--out",
+                          str(tmp_path / "generic")])["steps"]
+    assert {k: (s["conditionals"], s["while_loops"], s["pool_copies"]) for k, s in generic.items()} == {
+        "decode": (0, 1, 0), "prefill": (0, 4, 0), "mixed": (0, 5, 0)}
     assert "decode" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         audit.main([*common, "--platform", "cuda", "--compile", "--out", str(tmp_path / "x")])

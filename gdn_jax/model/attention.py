@@ -240,6 +240,8 @@ class Attention(nnx.Module):
 
         def tile(a):  # one query tile of every row; its chunk count is the same for all rows (a loop, not a mask)
             qt, pt, n = a
+            if rows == B and not forms.cpu:  # every row at once: no loop of one turn around them
+                return jax.vmap(lambda *r: attend(*r, n))(qt, tables, pt)
             return jax.lax.map(lambda r: attend(*r, n), (qt, tables, pt), batch_size=rows)
 
         if nq == 1:  # a decode step, a short chunk: no loop over tiles

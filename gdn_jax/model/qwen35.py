@@ -170,7 +170,9 @@ def advance_in_pool(pool, src, live, warm, lengths, q, k, v, g, beta, *, layer, 
         n = chunk if not isinstance(layer, int) else jnp.where(ids[0] >= 0, chunk, 0)
         return jax.lax.fori_loop(0, n, write, pool), o
 
-    pool, o = jax.lax.fori_loop(0, B // chunk, body, (pool, jnp.zeros(v.shape, v.dtype)))
+    carry = (pool, jnp.zeros(v.shape, v.dtype))
+    # off the CPU every row in one turn: no loop (XLA's GPU runtime may read a loop's condition back every turn)
+    pool, o = body(0, carry) if B == chunk and not forms.cpu else jax.lax.fori_loop(0, B // chunk, body, carry)
     return o, pool
 
 

@@ -3,12 +3,14 @@ calls and collectives of the decode, prefill and mixed steps, without a device o
 
     .venv/bin/python scripts/tools/step_audit.py --model qwen3.5-9b --platform cuda --out results/step_audit
     .venv/bin/python scripts/tools/step_audit.py --model tiny-random --platform cpu --compile --out results/audit
+    .venv/bin/python scripts/tools/step_audit.py --model tiny-random --platform cpu --forms generic --compile --out DIR
 
 Each step is traced from abstract weights and pools (nothing allocated) and lowered with `lowering_platforms`: a
 StableHLO module as the platform's compiler would receive it. The forms are those the engine takes there: XLA's
-generic ones off the CPU (`--unroll` as GDN_JAX_UNROLL_LAYERS sets it), this machine's resolved ones on the CPU. A mixed
-step runs as its prefill and its decode sub-batch, two executables (docs/design.md, "Mixed prefill and decode
-steps"): mixed.mlir holds both modules and its counts are their sums.
+generic ones off the CPU (`--unroll` as GDN_JAX_UNROLL_LAYERS sets it), this machine's resolved ones on the CPU
+(`--forms generic`: the generic ones there too). A mixed step runs as its prefill and its decode sub-batch, two
+executables (docs/design.md, "Mixed prefill and decode steps"): mixed.mlir holds both modules and its counts are
+their sums.
 
 Counted in the StableHLO text: `conditionals` (stablehlo.case and stablehlo.if: each is a branch index XLA's GPU
 runtime reads back to the host), `while_loops` (stablehlo.while; XLA may fold a loop of known trip count, so the
@@ -68,8 +70,8 @@ def audit_worker(a) -> Worker:
     settings = EngineConfig.create(dtype=a.dtype, max_num_seqs=a.rows, max_model_len=a.max_model_len,
                                    max_num_batched_tokens=max(a.tokens, 64))
     # the forms are given before the worker jits its steps with them
-    forms = dataclasses.replace(tuning.resolve_forms(dtype), unroll=a.unroll) if a.platform == "cpu" else Forms(
-        unroll=a.unroll)
+    engine_cpu = a.platform == "cpu" and a.forms == "engine"
+    forms = dataclasses.replace(tuning.resolve_forms(dtype), unroll=a.unroll) if engine_cpu else Forms(unroll=a.unroll)
     graphdef, params = abstract_model(cfg, dtype)
     # (abstract pools: the budget only has to hold the settings' minimum, and their size changes no op)
     return Worker(cfg, graphdef, params, plan_memory(cfg, settings, 64 << 30), settings, forms=forms)
@@ -94,6 +96,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-model-len", type=positive_int, default=4096, help="(default: %(default)s)")
     ap.add_argument("--unroll", default="0", choices=UNROLL_SETTINGS,
                     help="layers traced one by one: every step (1), one-token steps (decode), none (0; default)")
+    ap.add_argument("--forms", default="engine", choices=["engine", "generic"],
+                    help="the forms the engine takes on --platform (engine), or XLA's generic ones, those of every "
+                         "platform but the CPU (generic: with --platform cpu --compile, the program a GPU gets, "
+                         "compiled here) (default: %(default)s)")
     ap.add_argument("--compile", action="store_true", help="also compile each step (--platform cpu) and count its "
                     "copies of a whole pool")
     a = parse(ap, argv, files=("decode.mlir", "prefill.mlir", "mixed.mlir", "step_audit.json"))
@@ -111,12 +117,13 @@ def main(argv=None) -> dict:
         if a.compile:
             total["pool_copies"] = sum(pool_copies(worker, s) for s in kind_shapes)
         steps[kind] = {"shapes": [list(s) for s in kind_shapes], **total}
-    print(f"{a.model} lowered for {a.platform}, {a.dtype}, unroll {a.unroll}")
+    print(f"{a.model} lowered for {a.platform}, {a.dtype}, unroll {a.unroll}, {a.forms} forms")
     names = list(steps["decode"])[1:]
     print(f"{'step':<9}" + "".join(f"{n:>14}" for n in names))
     for kind, row in steps.items():
         print(f"{kind:<9}" + "".join(f"{row[n]:>14}" for n in names))
     result = {"model": a.model, "platform": a.platform, "dtype": a.dtype, "unroll": a.unroll, "steps": steps,
+              "forms_kind": a.forms,
               "forms": dataclasses.asdict(worker.forms), "environment": environment()}
     write_json(out, "step_audit.json", result)
     return result
