@@ -49,6 +49,8 @@ VARIABLES = {v.name: v for v in (
              positive_int=True),
     Variable("GDN_JAX_UNROLL_LAYERS", "trace every layer with its index known: 1 every step, decode one-token steps, "
              "0 or unset none", choices=("0", "1", "decode")),
+    Variable("GDN_JAX_PAGED_DECODE", "one-token attention on a GPU by the paged Pallas kernel: 1 on, 0 or unset off "
+             "(XLA's loop over key chunks)", choices=("0", "1")),
     Variable("GDN_JAX_COMPILE_THREADS", "threads the warm-up compiles on (default: the usable cores, at most 8)",
              positive_int=True),
     Variable("GDN_JAX_EXECUTABLE_STORE", "0 keeps compiled steps in JAX's persistent cache alone, without the "
@@ -64,7 +66,8 @@ VARIABLES = {v.name: v for v in (
 )}
 
 # Variables that change a compiled step without appearing in its arguments: part of the executable store's key.
-COMPILE_AFFECTING = ("XLA_FLAGS", "GDN_JAX_UNROLL_LAYERS", "GDN_JAX_PREFILL_KV_CHUNK_KEYS", "GDN_JAX_CPU_KERNELS")
+COMPILE_AFFECTING = ("XLA_FLAGS", "GDN_JAX_UNROLL_LAYERS", "GDN_JAX_PREFILL_KV_CHUNK_KEYS", "GDN_JAX_CPU_KERNELS",
+                     "GDN_JAX_PAGED_DECODE")
 
 
 def get(name: str) -> str:

@@ -1027,8 +1027,9 @@ def test_step_audit_keeps_the_op_counts_of_tiny_randoms_steps(tmp_path, capsys):
     """The steps of tiny-random lowered for cuda from abstract shapes (no GPU): the layer loops' switches are its
     conditionals, none once the layers are unrolled; its while loops are the layer loops and, unrolled, the key chunks
     of its one attention layer (decode) and the chunked rule's and the attention's (prefill): no loop of one turn
-    over the rows; a mixed step counts its two executables. On the CPU, compiled in the engine's forms and in the
-    generic ones (the GPU's): no step copies a pool. --compile for cuda is refused."""
+    over the rows; the GPU's paged decode kernel leaves none in a decode step; a mixed step counts its two
+    executables. On the CPU, compiled in the engine's forms and in the generic ones (the GPU's): no step copies a
+    pool. --compile for cuda and --paged-decode for the CPU are refused."""
     audit = _script("step_audit")
     common = ["--model", "tiny-random", "--rows", "4", "--tokens", "64", "--max-model-len", "256"]
     ops = ("conditionals", "while_loops", "custom_calls", "collectives")
@@ -1040,6 +1041,10 @@ def test_step_audit_keeps_the_op_counts_of_tiny_randoms_steps(tmp_path, capsys):
         "decode": (5, 2, 0, 0), "prefill": (5, 3, 0, 0), "mixed": (10, 5, 0, 0)}
     assert run("--platform", "cuda", "--unroll", "1", "--out", str(tmp_path / "unrolled")) == {
         "decode": (0, 1, 0, 0), "prefill": (0, 4, 0, 0), "mixed": (0, 5, 0, 0)}
+    # the GPU's paged decode kernel: a custom call in place of a one-token attention's loop over key chunks, in
+    # the decode step and in a prefill step's last layer, which attends at each row's last token only
+    assert run("--platform", "cuda", "--unroll", "1", "--paged-decode", "--out", str(tmp_path / "paged")) == {
+        "decode": (0, 0, 1, 0), "prefill": (0, 3, 1, 0), "mixed": (0, 3, 2, 0)}
     mixed = (tmp_path / "loop" / "mixed.mlir").read_text()
     assert mixed.count("// step shape") == 2 and len(re.findall(r"stablehlo\.case\b", mixed)) == 10
     cpu = audit.main([*common, "--platform", "cpu", "--compile", "--out", str(tmp_path / "cpu")])["steps"]
@@ -1052,6 +1057,9 @@ def test_step_audit_keeps_the_op_counts_of_tiny_randoms_steps(tmp_path, capsys):
     with pytest.raises(SystemExit):
         audit.main([*common, "--platform", "cuda", "--compile", "--out", str(tmp_path / "x")])
     assert "--compile" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        audit.main([*common, "--platform", "cpu", "--paged-decode", "--out", str(tmp_path / "x")])
+    assert "--paged-decode" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # ~15 s: two engines (k = 0 and k = 1) compile their steps

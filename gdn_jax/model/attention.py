@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.backends.cpu import kernels as cpu_kernels
+from gdn_jax.backends.gpu import paged_attention
 from gdn_jax.config import ModelConfig
 from gdn_jax.model.state import Batch, from_pool, layer_ids, write_rows
 from gdn_jax.model.dense import float32_precision
@@ -200,7 +201,8 @@ class Attention(nnx.Module):
         head-major so that a row's gathered keys, [kvh, S, hd], have the matmuls' batch axis (kv head) in front: the
         products read them as they are gathered, with no transposed copy. One query per row runs the compiled CPU
         kernel instead (`cpu_kernels.attention_decode`: the keys and values read in place, no gathered copy) where
-        the forms have the kernels. `by_position` (a verify step's few positions): each query as a row of its own,
+        the forms have the kernels, and on a GPU the paged kernel with `Forms.paged_decode` (`paged_attention`: no
+        loop whose trip count only the device knows). `by_position` (a verify step's few positions): each query as a row of its own,
         over the keys up to its position, as a one-token step attends."""
         cfg = self.cfg
         B, T = q.shape[:2]
@@ -213,6 +215,10 @@ class Attention(nnx.Module):
             return out.reshape(B, T, H * hd)
         if T == 1 and cpu_kernels.attention_applies(k_cache, H, forms):  # one query per row: the compiled kernel
             out = cpu_kernels.attention_decode(k_cache, v_cache, layer, q[:, 0], block_tables, positions[:, 0] + 1)
+            return out.astype(dtype).reshape(B, T, H * hd)
+        if T == 1 and paged_attention.applies(k_cache, H, forms):  # one query per row on a GPU: the paged kernel
+            out = paged_attention.paged_decode(k_cache, v_cache, layer, q[:, 0], block_tables, positions[:, 0] + 1,
+                                               interpret=forms.paged_decode == "interpret")
             return out.astype(dtype).reshape(B, T, H * hd)
         bs = k_cache.shape[3]
         g = H // kvh  # per (row, kv head) one matmul over its g * Tq queries

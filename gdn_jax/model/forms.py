@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 UNROLL_SETTINGS = ("0", "1", "decode")
+PAGED_DECODE_SETTINGS = ("off", "on", "interpret")
 VECTOR_BITS = (256, 512)
 
 
@@ -25,12 +26,18 @@ class Forms:
     unroll: str = "0"                        # layers traced one by one: "1" every step, "decode" one-token steps
     decode_vector_bits: int = 256            # LLVM's vector width of narrow decode steps (a compile option)
     deterministic: bool = False              # the batch-invariant forward (`model.deterministic`)
+    paged_decode: str = "off"                # one-token attention by the GPU's paged kernel: "on", "interpret" (CPU)
 
     def __post_init__(self):
         if self.kernels and not self.cpu:
             raise ValueError("Forms.kernels=True needs cpu=True: the kernels run on XLA's CPU backend only")
-        if self.deterministic and (self.cpu or self.unroll != "0"):
-            raise ValueError("Forms.deterministic=True takes XLA's generic forms: cpu=False, kernels=False, unroll='0'")
+        if self.deterministic and (self.cpu or self.unroll != "0" or self.paged_decode != "off"):
+            raise ValueError("Forms.deterministic=True takes XLA's generic forms: cpu=False, kernels=False, "
+                             "unroll='0', paged_decode='off'")
+        if self.paged_decode not in PAGED_DECODE_SETTINGS:
+            raise ValueError(f"Forms.paged_decode must be one of {PAGED_DECODE_SETTINGS}, got {self.paged_decode!r}")
+        if self.paged_decode != "off" and self.cpu:
+            raise ValueError("Forms.paged_decode needs cpu=False: the CPU's one-token attention is its own kernel")
         if self.unroll not in UNROLL_SETTINGS:
             raise ValueError(f"Forms.unroll must be one of {UNROLL_SETTINGS}, got {self.unroll!r}")
         if self.decode_vector_bits not in VECTOR_BITS:

@@ -77,7 +77,8 @@ class Worker:
         `mesh`: the "tp" mesh the params lie on (`weights.shard_model`; `cfg` is then the config it returned); the
         pools are split by heads over it (`sharding.state_specs`), every step keeps them so (its output shardings),
         and the logits are gathered for sampling. The steps then take XLA's forms without the compiled CPU kernels
-        (a custom call the partitioner cannot split), and the executable store is off (its keys hold no mesh)."""
+        or the GPU's paged kernel (custom calls the partitioner cannot split), and the executable store is off (its
+        keys hold no mesh)."""
         cache, max_model_len = config.cache, config.scheduling.max_model_len
         block_size, chunk_stride = cache.block_size, cache.chunk_stride
         dtype, gdn_schedule = getattr(jnp, config.dtype), config.compile.gdn_schedule  # jnp.float32, jnp.bfloat16
@@ -89,7 +90,7 @@ class Worker:
         self.mesh = mesh
         self.shardings = None if mesh is None else (*sharding.state_shardings(mesh), sharding.replicated(mesh))
         if mesh is not None:
-            self.forms = dataclasses.replace(self.forms, kernels=False, rows_kernel_rows=0)
+            self.forms = dataclasses.replace(self.forms, kernels=False, rows_kernel_rows=0, paged_decode="off")
         self.stride, self.chunk_size = chunk_stride, math.gcd(default_chunk_size(self.forms.cpu), chunk_stride)
         self.budget = config.token_budget
         self.scan = cache.checkpoint_mode == "scan"

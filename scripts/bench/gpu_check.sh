@@ -51,11 +51,12 @@ if [ "$status" -ne 0 ]; then
 fi
 
 # the tests whose assertions hold on any backend: the model against transformers' reference outputs, both schedules
-# of the GDN rule, the scan checkpoints, restore, cache on == cache off, mixed steps, sampling, forks, prompt logprobs
-# (GPU_CHECK_TESTS, a space-separated list, replaces them)
+# of the GDN rule, the scan checkpoints, restore, cache on == cache off, mixed steps, sampling, forks, prompt logprobs,
+# the paged decode kernel against XLA's attention (GPU_CHECK_TESTS, a space-separated list, replaces them)
 tests=(tests/gdn_jax/test_model_vs_hf.py tests/gdn_jax/test_gated_delta.py tests/gdn_jax/test_scan_checkpoints.py
        tests/gdn_jax/test_restore.py tests/gdn_jax/test_engine_cache_equivalence.py tests/gdn_jax/test_mixed_steps.py
-       tests/gdn_jax/test_sampling_engine.py tests/gdn_jax/test_fork_engine.py tests/gdn_jax/test_prompt_logprobs.py)
+       tests/gdn_jax/test_sampling_engine.py tests/gdn_jax/test_fork_engine.py tests/gdn_jax/test_prompt_logprobs.py
+       tests/gdn_jax/test_paged_decode.py)
 # shellcheck disable=SC2206  # a list of paths
 [ -n "${GPU_CHECK_TESTS:-}" ] && tests=($GPU_CHECK_TESTS)
 # with pytest-xdist there, TESTS_WORKERS processes (default 8) share the GPU, each allocating what it uses
@@ -87,9 +88,9 @@ if [ "${COMPILE_SHAPES:-6}" -gt 0 ]; then
 fi
 
 # VARIANTS: settings to compare, separated by ';', each a space-separated list of NAME=VALUE put in bench_gpu.py's
-# environment (e.g. "GDN_JAX_UNROLL_LAYERS=1;XLA_FLAGS=--xla_gpu_enable_command_buffer="); each runs bench_gpu.py
-# with VARIANT_ARGS (default: the decode stage alone, traced) under VARIANT_TIMEOUT seconds. Their results go into
-# one file, variants.json: [{"env", "exit", "result", "log_tail"}, ...].
+# environment (e.g. "GDN_JAX_PAGED_DECODE=1;GDN_JAX_PAGED_DECODE=1 GDN_JAX_UNROLL_LAYERS=decode"); each runs
+# bench_gpu.py with VARIANT_ARGS (default: the decode stage alone, traced) under VARIANT_TIMEOUT seconds. Their
+# results go into one file, variants.json: [{"env", "exit", "result", "log_tail"}, ...].
 variant_status=()
 if [ -n "${VARIANTS:-}" ]; then
   IFS=';' read -ra sets <<<"$VARIANTS"

@@ -71,7 +71,8 @@ def audit_worker(a) -> Worker:
                                    max_num_batched_tokens=max(a.tokens, 64))
     # the forms are given before the worker jits its steps with them
     engine_cpu = a.platform == "cpu" and a.forms == "engine"
-    forms = dataclasses.replace(tuning.resolve_forms(dtype), unroll=a.unroll) if engine_cpu else Forms(unroll=a.unroll)
+    forms = (dataclasses.replace(tuning.resolve_forms(dtype), unroll=a.unroll) if engine_cpu else
+             Forms(unroll=a.unroll, paged_decode="on" if a.paged_decode else "off"))
     graphdef, params = abstract_model(cfg, dtype)
     # (abstract pools: the budget only has to hold the settings' minimum, and their size changes no op)
     return Worker(cfg, graphdef, params, plan_memory(cfg, settings, 64 << 30), settings, forms=forms)
@@ -100,11 +101,16 @@ def main(argv=None) -> dict:
                     help="the forms the engine takes on --platform (engine), or XLA's generic ones, those of every "
                          "platform but the CPU (generic: with --platform cpu --compile, the program a GPU gets, "
                          "compiled here) (default: %(default)s)")
+    ap.add_argument("--paged-decode", action="store_true", help="one-token attention by the GPU's paged kernel "
+                    "(GDN_JAX_PAGED_DECODE=1; --platform cuda): a custom call per attention layer in place of its "
+                    "loop over key chunks")
     ap.add_argument("--compile", action="store_true", help="also compile each step (--platform cpu) and count its "
                     "copies of a whole pool")
     a = parse(ap, argv, files=("decode.mlir", "prefill.mlir", "mixed.mlir", "step_audit.json"))
     if a.compile and a.platform != "cpu":
         ap.error("--compile: this process compiles for its own backend, the CPU: use --platform cpu")
+    if a.paged_decode and a.platform != "cuda":
+        ap.error("--paged-decode: the kernel is the GPU's: use --platform cuda")
     worker = audit_worker(a)
     shapes = {"decode": [worker.step_shape(a.rows, 1, False)], "prefill": [worker.step_shape(1, a.tokens, True)]}
     shapes["mixed"] = [worker.step_shape(1, a.tokens, True), worker.step_shape(a.rows - 1 or 1, 1, False)]
@@ -117,7 +123,8 @@ def main(argv=None) -> dict:
         if a.compile:
             total["pool_copies"] = sum(pool_copies(worker, s) for s in kind_shapes)
         steps[kind] = {"shapes": [list(s) for s in kind_shapes], **total}
-    print(f"{a.model} lowered for {a.platform}, {a.dtype}, unroll {a.unroll}, {a.forms} forms")
+    print(f"{a.model} lowered for {a.platform}, {a.dtype}, unroll {a.unroll}, {a.forms} forms"
+          + ", the paged decode kernel" * a.paged_decode)
     names = list(steps["decode"])[1:]
     print(f"{'step':<9}" + "".join(f"{n:>14}" for n in names))
     for kind, row in steps.items():

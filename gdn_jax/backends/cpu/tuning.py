@@ -37,6 +37,7 @@ DECODE_VECTOR_BITS_ENV = "GDN_JAX_DECODE_VECTOR_BITS"
 # Forms that are settings, not measurements.
 PREFILL_KV_CHUNK_ENV = "GDN_JAX_PREFILL_KV_CHUNK_KEYS"  # `attention.kv_chunk_keys`
 UNROLL_ENV = "GDN_JAX_UNROLL_LAYERS"  # `Forms.unroll`
+PAGED_DECODE_ENV = "GDN_JAX_PAGED_DECODE"  # `Forms.paged_decode`, off the CPU
 
 # XLA options of the step and sampling executables on the CPU backend (`worker.compilation.compiler_options`): the
 # older LLVM IR fusion emitters, which compile a step much faster than XLA's default MLIR emitters, its time
@@ -58,8 +59,8 @@ def resolve_forms(dtype) -> Forms:
     the environment's settings, whether the compiled kernels load (`library.available`), and this machine's measured
     choices, read from the per-machine file or measured once (`remembered`). Off the CPU: XLA's generic forms."""
     settings = dict(prefill_kv_chunk_keys=envs.optional_int(PREFILL_KV_CHUNK_ENV), unroll=envs.get(UNROLL_ENV) or "0")
-    if jax.default_backend() != "cpu":
-        return Forms(**settings)
+    if jax.default_backend() != "cpu":  # (the paged kernel is opt-in until measured on a GPU)
+        return Forms(**settings, paged_decode="on" if envs.optional_bool(PAGED_DECODE_ENV) else "off")
     forms = product_forms(dtype)
     return dataclasses.replace(forms, **settings, decode_vector_bits=decode_vector_bits(jnp.dtype(dtype).name, forms))
 
