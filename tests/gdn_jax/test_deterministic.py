@@ -122,16 +122,27 @@ def test_alone_equals_after_preemption(engines, target, others):
 
 
 def test_qwen3_next_moe_alone_equals_batched():
-    """A sparse-MoE model (routing by rows, experts in tiles, the shared expert's gate; Qwen3-Next's layout) keeps
-    the guarantee. (Four rows: the batches of up to 16 rows are the tests above', on the dense model.)"""
+    """A sparse-MoE model (routing by rows, experts in tiles, the shared expert's gate; Qwen3-Next's layout, with a
+    dense layer among the MoE ones) keeps the guarantee: a request alone and in a batch of 8, the same tokens and
+    the same float32 logprobs, bit for bit."""
     rng = np.random.default_rng(3)
     target = rng.integers(4, 200, 90).tolist()
-    others = [rng.integers(4, 200, int(n)).tolist() for n in rng.integers(3, 120, 3)]
-    engine = LLMEngine(str(FIXTURE.parent / "hf_tiny_next"), enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=64, **KW)
+    others = [rng.integers(4, 200, int(n)).tolist() for n in rng.integers(3, 120, 7)]
+    engine = LLMEngine(str(FIXTURE.parent / "hf_tiny_next"), enable_prefix_caching=False, max_num_seqs=8,
+                       max_num_batched_tokens=64, **KW)
     alone = _fingerprint(_drive(engine, {0: [("a", target, PARAMS)]})["a"])
     jobs = [(f"o{i}", p, SamplingParams(temperature=0.0, max_tokens=8)) for i, p in enumerate(others)]
-    batched = _drive(engine, {0: jobs[:2] + [("b", target, PARAMS)] + jobs[2:]})["b"]
+    rows, step = [], engine.step
+
+    def counted_step():
+        outputs = step()
+        rows.append(engine.last_step_info["rows"])
+        return outputs
+
+    engine.step = counted_step
+    batched = _drive(engine, {0: jobs[:3] + [("b", target, PARAMS)] + jobs[3:]})["b"]
     assert _fingerprint(batched) == alone
+    assert max(rows) == 8  # the target among seven others in a step
 
 
 def test_every_step_shape_updates_the_pools_in_place():

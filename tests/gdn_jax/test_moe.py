@@ -84,9 +84,16 @@ def test_greedy_tokens_match_transformers_and_a_cache_hit_gives_them_again(name)
     assert again.num_cached_tokens == 32 and again.metrics.restored
 
 
-def test_a_request_alone_equals_it_in_a_batch_of_eight():
+# the default mode's products take forms by row count, whose float32 rounding differs (a dense model's too: 7.6e-6
+# seen on hf_tiny); the Qwen3-Next fixture's worst seen is 2.2e-5, one token of 48. The deterministic mode gives the
+# same bits alone and batched (tests/gdn_jax/test_deterministic.py, on hf_tiny_next in a batch of 8).
+ALONE_ATOL = {"hf_tiny_moe": 1e-5, "hf_tiny_next": 5e-5}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_request_alone_equals_it_in_a_batch_of_eight(name):
     """Dropless routing: a token's experts and result do not depend on the other rows of its step."""
-    llm = LLM(str(FIXTURES / "hf_tiny_moe"), enable_prefix_caching=False, **KW)
+    llm = LLM(str(FIXTURES / name), enable_prefix_caching=False, **KW)
     rng = np.random.default_rng(4)
     prompts = [random_ids(rng, int(n)) for n in rng.integers(5, 60, 8)]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
@@ -95,7 +102,8 @@ def test_a_request_alone_equals_it_in_a_batch_of_eight():
     for a, b in zip(alone, together, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose([lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)],
-                                   [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], atol=1e-5, rtol=0)
+                                   [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], atol=ALONE_ATOL[name],
+                                   rtol=0)
 
 
 def test_no_compilation_as_the_routing_changes():
