@@ -47,6 +47,10 @@ class SchedulerConfig:
     # of its own (its first prefill, with no decode rows), and the next step is an ordinary one: a short request's
     # first token waits for no one else's prefill, as under a flood of samples.
     new_request_steps: bool = True
+    # The engine plans the next step while the device runs this one, before this one's samples are known: a row's
+    # token sampled by the step in flight is `PENDING_TOKEN` in the plan, which the worker takes from that step's
+    # results on the device (`Scheduler.postprocess(ahead=True)`, `resolve`). Not with speculation.
+    async_scheduling: bool = False
     # Which unpinned checkpoint an eviction takes (`scheduler.eviction`): the least recently used ("lru"), or the
     # least useful by Marconi's recency + alpha x FLOPs saved ("flop_aware"), the FLOPs from `prefill_cost`.
     checkpoint_eviction: str = "lru"

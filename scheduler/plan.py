@@ -9,6 +9,10 @@ from dataclasses import asdict, dataclass, field
 
 from scheduler.sampling_params import SamplingParams
 
+# A decode row's token that the step in flight samples (async scheduling): the worker takes it from that step's
+# results on the device, so it never passes through the host.
+PENDING_TOKEN = -1
+
 
 @dataclass(frozen=True)
 class LinearStateCacheOp:

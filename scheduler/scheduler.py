@@ -20,13 +20,14 @@ from scheduler.composite import CompositeBlockManager, PrefixMatch
 from scheduler.config import SchedulerConfig
 from scheduler.forks import ForkScheduling
 from scheduler.placement import OverlapPlacement
-from scheduler.plan import CheckpointSave, LinearStateCacheOp, ScheduledSequence, StepPlan
+from scheduler.lookahead import AheadScheduling
+from scheduler.plan import PENDING_TOKEN, CheckpointSave, LinearStateCacheOp, ScheduledSequence, StepPlan
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.speculation import Speculation
 from scheduler.waiting import WaitingQueue
 
 
-class Scheduler(ForkScheduling):
+class Scheduler(ForkScheduling, AheadScheduling):
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
@@ -114,8 +115,9 @@ class Scheduler(ForkScheduling):
         if seq is None or seq_id in self.aborted_inflight:
             return False
         if self.inflight is not None and any(row.seq_id == seq_id for row in self.inflight.seqs):
-            self.aborted_inflight.add(seq_id)
-            return True
+            if not self.config.async_scheduling:  # (async: released at once, as `scheduler.lookahead` says)
+                self.aborted_inflight.add(seq_id)
+                return True
         if seq_id in self.forks:  # the children no longer have a parent to fork from
             self._release_forks(seq_id)
         parent = self.fork_parent.pop(seq_id, None)
@@ -342,27 +344,32 @@ class Scheduler(ForkScheduling):
             slot_mapping = [table[start // bs] * bs + start % bs]
         else:
             slot_mapping = [table[p // bs] * bs + p % bs for p in range(start, end)]
-        sample = end == len(seq.token_ids)
+        known = seq.token_ids[start:end]  # (async scheduling: less the token the step in flight samples)
+        sample = end == len(seq.token_ids) + seq.num_pending
+        assert not (seq.num_pending and sample and seq.sampling_params.uses_penalties), "a history lacks a token"
         return ScheduledSequence(
-            seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
+            seq_id=seq.seq_id, token_ids=known + [PENDING_TOKEN] * (end - start - len(known)), start_pos=start,
             block_table=table, slot_mapping=slot_mapping, linear_op=op,
             sample=sample, sampling_params=seq.sampling_params,
-            num_generated=seq.num_generated,
+            num_generated=seq.num_generated + seq.num_pending,
             history=seq.history() if sample and seq.sampling_params.uses_penalties else None,
             num_prompt_tokens=seq.num_prompt_tokens, next_token_id=seq.token_ids[end] if end < len(seq) else -1)
 
-    def postprocess(self, plan: StepPlan, sampled_token_ids: list, drafts: list | None = None) -> list[Sequence]:
+    def postprocess(self, plan: StepPlan, sampled_token_ids: list | None, drafts: list | None = None,
+                    ahead: bool = False) -> list[Sequence]:
         """Advance the sequences of an executed plan; return the ones that finished. A row's sample is a token, or
         with speculation a list of them (a verify row's: one more than the drafts it accepted), which is cut after a
-        token that finishes the sequence; `drafts[i]`: the MTP block's drafts after row i's samples."""
+        token that finishes the sequence; `drafts[i]`: the MTP block's drafts after row i's samples. `ahead` (async
+        scheduling): the plan is still running and its samples are not known: each sampling row's token is left
+        pending (`resolve` appends it), so that the next step can be planned now."""
         assert plan is self.inflight, "postprocess takes the plan of the last schedule()"
-        if len(sampled_token_ids) != len(plan.seqs):
+        if not ahead and len(sampled_token_ids) != len(plan.seqs):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} rows")
         self.inflight = None
         self.block_manager.finish_step(plan, completed=True)
         self._release_aborted_inflight()
         finished = []
-        for i, (row, token) in enumerate(zip(plan.seqs, sampled_token_ids)):
+        for i, (row, token) in enumerate(zip(plan.seqs, sampled_token_ids or [None] * len(plan.seqs))):
             seq = self.seqs.get(row.seq_id)
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # aborted after it was scheduled
@@ -383,6 +390,9 @@ class Scheduler(ForkScheduling):
                 else:
                     self.prefilling.pop(seq.seq_id, None)
             if not row.sample:
+                continue
+            if ahead:
+                seq.num_pending += 1
                 continue
             if self.spec is not None:  # (its samples are appended: `Speculation.computed`)
                 reason = self.spec.stopped
@@ -445,6 +455,7 @@ class Scheduler(ForkScheduling):
             if seq is not None:
                 seq.pending_save_hash = None
         self.counters["redone_steps"] += 1
+        self.drop_pending()  # (async scheduling: every sequence is computed again, its samples too)
         if pools_kept:
             self._preempt_running()
         else:
@@ -522,7 +533,7 @@ class Scheduler(ForkScheduling):
         for seq in self.running:
             assert seq.status == SequenceStatus.RUNNING and self.seqs[seq.seq_id] is seq
             assert len(seq.block_table) * bs >= seq.num_computed_tokens
-            assert seq.num_computed_tokens < len(seq.token_ids) <= self.config.max_model_len
+            assert seq.num_computed_tokens < len(seq.token_ids) + seq.num_pending <= self.config.max_model_len
         for seq in self.waiting:
             assert seq.status == SequenceStatus.WAITING and self.seqs[seq.seq_id] is seq
             assert not seq.block_table and seq.linear_state_id == -1 and seq.num_computed_tokens == 0

@@ -39,6 +39,8 @@ class Sequence:
         self.checkpoint_positions: tuple[int, ...] = ()
         self.replaced_hash: int | None = None  # "end_of_turn": its last checkpoint at the end of its output so far
 
+        # async scheduling: tokens a step in flight samples, not yet known (0 or 1): the next row computes one
+        self.num_pending = 0
         self.draft_token_ids: list[int] = []  # speculative decoding: the MTP block's guesses of the next tokens
         self.num_draft_tokens = self.num_accepted_tokens = 0  # drafts verified, and accepted
         self._history = array("q")  # token_ids as C integers, as far as `history` has needed them
