@@ -149,6 +149,10 @@ class SchedulingConfig:
     new_request_steps: bool = _setting(
         True, "with mixed_steps, a new request's first prefill runs ahead of its turn in a step of its own, at most "
               "every other step, so that its first token waits for no one else's prefill")
+    async_scheduling: bool = _setting(
+        False, "plan the next step while the device runs this one: its sampled tokens feed the next step on the "
+               "device, and a request that ends computes one more token, dropped (vLLM's name; not with speculation "
+               "or on several devices)")
     # (no flags: `gdn-jax serve` bounds a whole HTTP request, prompts x n, and its queue with flags of its own)
     max_seqs_per_request: int = _setting(
         MAX_N, "sequences one request may add (its n); more is a ValueError", min=1, cli=False)
@@ -274,6 +278,10 @@ class EngineConfig:
             if refused:
                 raise ValueError(f"speculative_config runs on one device, in the default forms and checkpoint_mode "
                                  f"'scan': not with {refused}")
+        if self.scheduling.async_scheduling and (self.speculative_config is not None or
+                                                 self.tensor_parallel_size * self.expert_parallel_size > 1):
+            raise ValueError("async_scheduling runs on one device, without speculative_config: a verify step's "
+                             "tokens are known only once its drafts are checked")
         if self.token_budget < self.cache.chunk_stride:
             raise ValueError(f"max_num_batched_tokens ({self.token_budget}) must be >= chunk_stride "
                              f"({self.cache.chunk_stride})")

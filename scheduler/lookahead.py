@@ -21,13 +21,14 @@ class AheadScheduling:
         return (self.config.async_scheduling and self.spec is None and not self.forks
                 and not any(r.sample and r.sampling_params.uses_penalties for r in plan.seqs))
 
-    def resolve(self, plan: StepPlan, sampled_token_ids: list) -> list[Sequence]:
+    def resolve(self, plan: StepPlan, sampled_token_ids: list) -> set[int]:
         """The samples of a plan postprocessed ahead: each pending token is appended, and the sequences they finish
-        end (returned). A sequence finished, aborted or computed again meanwhile (`redo_step`) is passed over."""
+        end. A sequence finished, aborted or computed again meanwhile (`redo_step`) is passed over. Returns the rows
+        whose tokens were appended."""
         if len(sampled_token_ids) != len(plan.seqs):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} rows")
-        finished = []
-        for row, token in zip(plan.seqs, sampled_token_ids):
+        kept = set()
+        for i, (row, token) in enumerate(zip(plan.seqs, sampled_token_ids)):
             seq = self.seqs.get(row.seq_id)
             if not row.sample or seq is None or not seq.num_pending:
                 continue
@@ -35,6 +36,7 @@ class AheadScheduling:
                 raise ValueError(f"row for seq {row.seq_id} samples but got no token")
             seq.num_pending -= 1
             seq.append_token(token)
+            kept.add(i)
             reason = seq.stop_reason(token, self.config.eos_token_id, self.config.max_model_len)
             if reason is None:
                 continue
@@ -42,8 +44,26 @@ class AheadScheduling:
             if seq.status == SequenceStatus.WAITING:  # preempted when the step in flight was planned
                 self.waiting.remove(seq)
             self._finish(seq, reason)
-            finished.append(seq)
-        return finished
+        return kept
+
+    def fail_pending(self, plan: StepPlan, step_counted: bool) -> list[Sequence]:
+        """A plan postprocessed ahead whose samples will not come (its step, or the launch of the next, raised): the
+        sequences waiting for them end with "error", as a failed step's do (`fail_step`; `step_counted`: it counted
+        this failure already), and every other pending token is dropped. Returns the sequences failed."""
+        failed = []
+        for row in plan.seqs:
+            seq = self.seqs.get(row.seq_id)
+            if seq is None or not seq.num_pending:
+                continue
+            if seq.status == SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+            seq.pending_save_hash = None
+            self._finish(seq, "error")
+            failed.append(seq)
+        self.counters["failed_steps"] += not step_counted
+        self.counters["failed_requests"] += len(failed)
+        self.drop_pending()
+        return failed
 
     def _in_flight(self, seq: Sequence) -> bool:
         return self.inflight is not None and any(row.seq_id == seq.seq_id for row in self.inflight.seqs)

@@ -42,10 +42,11 @@ class Scheduler(ForkScheduling, AheadScheduling):
         # first admissions only: queries, hits, query_tokens, reused_tokens (re-admissions after preemption are
         # `readmissions`); checkpoints_restored: admissions that restored a checkpoint; rotation_copies: the copies
         # into a fresh live slot after each deferred save; forks: samples of n > 1 forked from their parent (not
-        # cache hits); failed_steps: device steps that raised; redone_steps: those recomputed instead (`redo_step`)
+        # cache hits); failed_steps: device steps that raised; redone_steps: those recomputed instead (`redo_step`);
+        # planned_ahead: steps planned before the samples of the step before were known (async scheduling)
         self.counters = Counter(queries=0, hits=0, query_tokens=0, reused_tokens=0, readmissions=0,
                                 checkpoints_restored=0, rotation_copies=0, preemptions=0, forks=0, fork_fallbacks=0,
-                                failed_steps=0, failed_requests=0, redone_steps=0)
+                                failed_steps=0, failed_requests=0, redone_steps=0, planned_ahead=0)
         # parent seq_id -> (fork point, children not yet forked); the children are in `seqs` only
         self.forks: dict[int, tuple[int, list[Sequence]]] = {}
         # child seq_id -> its parent's, and parent seq_id -> its place in `forks`: a step and an abort look up only
@@ -365,6 +366,7 @@ class Scheduler(ForkScheduling, AheadScheduling):
         assert plan is self.inflight, "postprocess takes the plan of the last schedule()"
         if not ahead and len(sampled_token_ids) != len(plan.seqs):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(plan.seqs)} rows")
+        self.counters["planned_ahead"] += ahead
         self.inflight = None
         self.block_manager.finish_step(plan, completed=True)
         self._release_aborted_inflight()

@@ -1062,6 +1062,35 @@ def test_step_audit_keeps_the_op_counts_of_tiny_randoms_steps(tmp_path, capsys):
     assert "--paged-decode" in capsys.readouterr().err
 
 
+def test_qwen35_9b_steps_lowered_for_cuda_hold_no_conditional_and_decode_no_loop(tmp_path):
+    """The GPU's forms at the 9B's shapes (abstract: nothing allocated), the layers unrolled and the one-token
+    attention by the paged kernel: no conditional in any step, no while loop in the decode step (the prefill keeps
+    its chunked rule's and attention's loops)."""
+    steps = _script("step_audit").main(["--model", "qwen3.5-9b", "--platform", "cuda", "--unroll", "1",
+                                        "--paged-decode", "--out", str(tmp_path)])["steps"]
+    assert all(s["conditionals"] == 0 for s in steps.values()) and steps["decode"]["while_loops"] == 0
+    assert steps["decode"]["custom_calls"] == 1 and steps["prefill"]["while_loops"] > 0
+
+
+def test_bench_async_compares_both_schedulings_round_by_round(tmp_path, capsys):
+    """Both engines' passes in turns: the same greedy tokens, steps planned ahead only with async scheduling, nothing
+    compiled in the measured rounds, and a latency ratio per batch; a --max-tokens too small is refused."""
+    out = tmp_path / "async.json"
+    bench = _script("bench_async")
+    bench.main(["--model", "tiny-random", "--batches", "2", "--max-tokens", "6", "--runs", "2", "--prompt-len", "9",
+                "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["async_scheduling"]) for r in rows] == [(2, False), (2, True)]
+    for r in rows:
+        assert r["same_tokens"] is True and r["compilations"] == 0 and len(r["runs"]) == 2, r
+        assert r["itl_p50_ms"] > 0 and r["decode_tok_s"] > 0 and r["itl_ratio"] == rows[0]["itl_ratio"] > 0
+        assert (r["planned_ahead"] > 0) == r["async_scheduling"]
+    assert "ITL off/on" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--max-tokens", "2", "--out", str(out)])
+    assert "--max-tokens must be at least 3" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # ~15 s: two engines (k = 0 and k = 1) compile their steps
 @pytest.mark.parametrize("interleave", [False, True])  # one engine after another, or both at once in turns
 def test_bench_spec_reports_every_k_and_batch(tmp_path, capsys, interleave):

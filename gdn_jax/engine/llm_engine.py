@@ -31,6 +31,7 @@ from gdn_jax.worker.compile_cache import enable_compilation_cache
 from gdn_jax.worker.executable_store import StaleExecutable
 from gdn_jax.worker.host_tier import CompressedStore, HostStore
 from gdn_jax.worker.speculation import SpecWorker
+from gdn_jax.worker.step import StepResult
 from gdn_jax.worker.memory import default_memory_budget, plan_memory
 from gdn_jax.worker.worker import Worker
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
@@ -111,7 +112,7 @@ class LLMEngine:
             state_fingerprint=f"{self.cfg.fingerprint()}:{config.dtype}", eos_token_id=self.cfg.eos_token_id,
             unsafe_reuse=cache.unsafe_reuse, checkpoint_mode=cache.checkpoint_mode,
             checkpoint_policy=cache.checkpoint_policy, mixed_steps=sched.mixed_steps,
-            new_request_steps=sched.new_request_steps,
+            new_request_steps=sched.new_request_steps, async_scheduling=sched.async_scheduling,
             checkpoint_eviction=cache.checkpoint_eviction, eviction_alpha=cache.eviction_alpha,
             checkpoint_placement=cache.checkpoint_placement,
             num_host_checkpoints=(cache.host_checkpoint_bytes // self.memory.bytes_per_linear_slot
@@ -151,6 +152,8 @@ class LLMEngine:
         self._seq_ids = itertools.count(1)
         self.max_model_len = sched.max_model_len
         self.last_step_info: dict = {}
+        self._ahead: tuple | None = None  # async scheduling: (the plan launched ahead, its `_launch` handle)
+        self._planned_ahead = None  # the plan postprocessed ahead whose samples are not resolved yet
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate_request(self, prompt, sampling_params: SamplingParams | None = None):
@@ -243,7 +246,8 @@ class LLMEngine:
         return SamplingParams(**self.default_sampling)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._undelivered)
+        """(Also while a step planned ahead runs whose requests have all finished: the next step reads it out.)"""
+        return self.scheduler.has_unfinished() or bool(self._undelivered) or self._ahead is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
@@ -263,12 +267,17 @@ class LLMEngine:
         outputs of a step so interrupted come with the next step's (`has_unfinished_requests` stays true until
         they did)."""
         try:
-            with _interrupts_held():  # planning takes a moment: half-planned, the scheduler would hold no queue
-                plan = self.scheduler.schedule()
-            ran = None if plan is None else self._execute(plan)
+            plan, launched = self._take_ahead()
+            if plan is None:
+                with _interrupts_held():  # planning takes a moment: half-planned, the scheduler would hold no queue
+                    plan = self.scheduler.schedule()
+                launched = None if plan is None else self._launch(plan)
+            ahead = launched is not None and self._plan_ahead(plan, launched)
+            ran = None if launched is None else self._collect(plan, launched)
             if ran is not None:
                 with _interrupts_held():  # half-postprocessed, some live slots would be a step ahead of their rows
-                    outputs, broken = self._postprocess(plan, *ran)
+                    outputs, broken = self._postprocess(plan, *ran, ahead=ahead)
+                    self._planned_ahead = None
                     for out in outputs:
                         self._undelivered.pop(out.request_id, None)  # this one holds everything the older one did
                         self._undelivered[out.request_id] = out
@@ -278,7 +287,8 @@ class LLMEngine:
         except EngineStepError:  # the step raised, or the host's work for some of its requests: those ended
             raise
         except Exception as exc:
-            if self.scheduler.inflight is None:  # planning (a request's postprocess raising is `_end_with_error`'s)
+            # planning raised (a request's postprocess raising is `_end_with_error`'s)
+            if self.scheduler.inflight is None and self._planned_ahead is None:
                 raise
             # raised between the planning and the postprocess, outside the worker (recording prompt logprobs, say):
             # the step's requests fail as if the device step had, nothing of the step is indexed (the device may
@@ -290,20 +300,25 @@ class LLMEngine:
         outputs, self._undelivered = list(self._undelivered.values()), {}
         return outputs
 
-    def _postprocess(self, plan, result, sampled: list) -> tuple[list[RequestOutput], dict]:
+    def _postprocess(self, plan, result, sampled: list, ahead: bool = False) -> tuple[list[RequestOutput], dict]:
         """The host's part of a step that ran: the scheduler advances its sequences, the requests record their
         tokens, logprobs and text; returns their outputs (finished requests leave the engine) and {request: what
         it raised} for the requests whose own part raised (a defect of the host's code, a tokenizer's error): the
-        step went on for the others, and `step` ends those with "error" (`_end_with_error`)."""
+        step went on for the others, and `step` ends those with "error" (`_end_with_error`). `ahead`: the scheduler
+        advanced the plan's sequences already (`_plan_ahead`), and only appends their samples now."""
         drafts = (None if result.drafts is None else
                   [None if d[0] < 0 else d.tolist() for d in result.drafts])  # (-1: no drafts)
-        self.scheduler.postprocess(plan, sampled, drafts)  # (a list of samples is cut after a finishing token)
+        kept = None  # the rows whose samples count: all, but a row planned ahead for a sample that ended meanwhile
+        if ahead:
+            kept = self.scheduler.resolve(plan, sampled)
+        else:
+            self.scheduler.postprocess(plan, sampled, drafts)  # (a list of samples is cut after a finishing token)
         now = time.perf_counter()
         touched: dict[str, tuple[RequestState, list[int]]] = {}  # one output per request: the samples that stepped
         broken: dict[str, tuple[RequestState, Exception]] = {}
         for i, s in enumerate(plan.seqs):
             req = self._by_seq.get(s.seq_id)
-            if req is None or not s.sample or req.request_id in broken:
+            if req is None or not s.sample or req.request_id in broken or kept is not None and i not in kept:
                 continue
             try:
                 index = req.index(s.seq_id)
@@ -339,10 +354,11 @@ class LLMEngine:
                     self._by_seq.pop(seq.seq_id, None)
         return outputs, broken
 
-    def _execute(self, plan) -> tuple | None:
-        """Runs `plan` on the worker: (its result, the token sampled per row, None where a row samples none), or
-        None when the step is to be recomputed (a stale executable). A step that raises is failed here
-        (`_fail_step`)."""
+    def _launch(self, plan, feed=None) -> tuple | None:
+        """Dispatches `plan` on the worker: (its `Worker.launch` handle, or step by step its `StepResult`; the rows'
+        prompt-logprob targets or None), or None when the step is to be recomputed (a stale executable). `feed`: the
+        handle of the step before, whose samples are this plan's pending tokens (async scheduling). A step that
+        raises is failed here (`_fail_step`)."""
         now = time.perf_counter()
         for s in plan.seqs:
             m = self._by_seq[s.seq_id].metrics
@@ -352,17 +368,51 @@ class LLMEngine:
                    if plan.is_prefill else None)
         full = any(t is not None and self._by_seq[s.seq_id].seq.sampling_params.prompt_logprobs == -1
                    for s, t in zip(plan.seqs, targets or ()))
+        targets = targets if targets and any(targets) else None
         try:
             if plan.host_ops:  # the host tier's copies, before the step
                 self.worker.state = self.host_store.apply(self.worker.state, plan.host_ops)
-            result = (self.worker.execute(plan, targets, full) if targets and any(targets)
-                      else self.worker.execute(plan))
+            if self.config.scheduling.async_scheduling:
+                return self.worker.launch(plan, targets, full, feed=feed), targets
+            # step by step: the worker runs the plan and waits for its results here (`_collect` takes them)
+            return (self.worker.execute(plan, targets, full) if targets else self.worker.execute(plan)), targets
         except StaleExecutable:  # (the worker warned) the step is recomputed with that shape compiled again
-            self.scheduler.redo_step(plan)
-            self.worker.reset_state()
+            self._redo_step()
+        except Exception as exc:
+            self._fail_step(self.scheduler.inflight, exc)  # raises EngineStepError
+        return None
+
+    def _plan_ahead(self, plan, launched: tuple) -> bool:
+        """Async scheduling: while the device runs `plan`, its sequences advance with their samples pending and the
+        next step is planned and launched, its pending tokens taken from `plan`'s results on the device (`_ahead`);
+        the next `step` takes it. Whether it did: not where the scheduler cannot plan ahead of `plan`
+        (`Scheduler.can_look_ahead`) or a row of it scores prompt logprobs."""
+        if launched[1] is not None or not self.scheduler.can_look_ahead(plan):
+            return False
+        with _interrupts_held():
+            self._planned_ahead = plan
+            self.scheduler.postprocess(plan, None, ahead=True)
+            following = self.scheduler.schedule()
+        if following is not None and (handle := self._launch(following, feed=launched[0])) is not None:
+            self._ahead = following, handle
+        return True
+
+    def _take_ahead(self) -> tuple:
+        """The plan launched ahead and its handle, or (None, None): none, or its step was failed or redone since."""
+        ahead, self._ahead = self._ahead, None
+        return ahead if ahead is not None and ahead[0] is self.scheduler.inflight else (None, None)
+
+    def _collect(self, plan, launched: tuple) -> tuple | None:
+        """Waits for a launched step: (its result, the token sampled per row, None where a row samples none), or None
+        when the step is to be recomputed (a stale executable). A step that raises is failed here (`_fail_step`)."""
+        handle, targets = launched
+        try:
+            result = handle if isinstance(handle, StepResult) else self.worker.collect(handle)
+        except StaleExecutable:
+            self._redo_step()
             return None
         except Exception as exc:
-            self._fail_step(plan, exc)  # raises EngineStepError
+            self._fail_step(self.scheduler.inflight, exc)
         if result.prompt is not None:
             for i, (s, t) in enumerate(zip(plan.seqs, targets)):
                 if t is not None:
@@ -381,6 +431,16 @@ class LLMEngine:
                        for i, s in enumerate(plan.seqs)]
         return result, sampled
 
+    def _redo_step(self) -> None:
+        """The step in flight is recomputed from fresh pools (`Scheduler.redo_step`), and so is a plan postprocessed
+        ahead (`_plan_ahead`) with none after it in flight."""
+        inflight, ahead, self._ahead, self._planned_ahead = self.scheduler.inflight, self._planned_ahead, None, None
+        if inflight is not None:
+            self.scheduler.redo_step(inflight)
+        elif ahead is not None:
+            self.scheduler.drop_device_state()
+        self.worker.reset_state()
+
     def _abandon_step(self) -> None:
         """A step was interrupted between its planning and its postprocess (a KeyboardInterrupt, or any other
         BaseException, wherever it landed: the device may have advanced its rows' live slots and written its
@@ -391,19 +451,23 @@ class LLMEngine:
         if the pools were consumed, they are rebuilt and the cache is emptied. With no step in flight (it was
         postprocessed, failed or redone, or never planned) only pools that a failed step consumed and the interrupt
         kept from being rebuilt are replaced."""
-        if self.scheduler.inflight is not None:
-            self.scheduler.redo_step(self.scheduler.inflight, pools_kept=not self.worker.state_lost())
-        elif self.worker.state_lost():  # interrupted in `_fail_step` or a redo, before the pools were rebuilt
-            self.scheduler.drop_device_state()
-        if self.worker.state_lost():
+        ahead, self._ahead, self._planned_ahead = self._planned_ahead, None, None
+        if self.scheduler.inflight is not None:  # (after a plan postprocessed ahead, from nothing: `_redo_step`)
+            self.scheduler.redo_step(self.scheduler.inflight, pools_kept=not self.worker.state_lost() and ahead is None)
+        elif self.worker.state_lost() or ahead is not None:  # interrupted in `_fail_step` or a redo, before the
+            self.scheduler.drop_device_state()                # pools were rebuilt; or after a plan postprocessed ahead
+        if self.worker.state_lost() or ahead is not None:
             self.worker.reset_state()
 
     def _fail_step(self, plan, exc: Exception) -> None:
         """Finish the step's requests with "error" (every sample of them), release what they held, and re-raise as an
         EngineStepError. If the failure consumed the donated device state, the pools are rebuilt and every other
         running request is recomputed from scratch (the prefix cache is emptied), so the engine keeps serving."""
-        failed = self.scheduler.fail_step(plan)
-        if self.worker.state_lost():
+        ahead, self._ahead, self._planned_ahead = self._planned_ahead, None, None
+        failed = self.scheduler.fail_step(plan) if plan is not None else []
+        if ahead is not None:  # async scheduling: its samples will not come, and its checkpoints were indexed
+            failed += self.scheduler.fail_pending(ahead, step_counted=plan is not None)
+        if self.worker.state_lost() or ahead is not None:
             self.scheduler.drop_device_state()
             self.worker.reset_state()
         reqs = {}

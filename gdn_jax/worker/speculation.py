@@ -157,8 +157,8 @@ class SpecWorker(Worker):
                                               self.eos_token_ids, self.seed)
         return n, batch, sampling, None, ("verify", None)
 
-    def _execute_mixed(self, plan, prompt_targets, full_rows: bool) -> StepResult:
-        """`Worker._execute_mixed`, no draft slot being a slot the step's prefill rows read, advance or save into."""
+    def _check_mixed(self, plan) -> None:
+        """`Worker._check_mixed`, and no draft slot being a slot the step's prefill rows read, advance or save into."""
         busy = {sv.slot for sv in plan.saves}
         for s in plan.prefill_seqs:
             if s.linear_op is not None:
@@ -167,7 +167,7 @@ class SpecWorker(Worker):
             if busy & set(s.draft_slots):
                 raise ValueError(f"seq {s.seq_id}: draft slots {sorted(busy & set(s.draft_slots))} are read, advanced "
                                  f"or saved into by a prefill row of this mixed step")
-        return super()._execute_mixed(plan, prompt_targets, full_rows)
+        super()._check_mixed(plan)
 
     def _launch(self, batch, sampling, targets, spec, full_rows: bool) -> tuple:
         if targets is not None:  # prompt logprobs: the plain prefill step

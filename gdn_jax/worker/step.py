@@ -79,6 +79,26 @@ def unpack_sampled(packed: np.ndarray) -> tuple:
 
 
 @dataclasses.dataclass
+class Launched:
+    """A step dispatched to the device (`Worker.launch`), its results not read yet: per sub-batch (its rows, its
+    device results, full_rows), and where each sampling row's token lies, seq_id -> (sub-batch, row), for the next
+    step's pending tokens (`fed_tokens`)."""
+    parts: list
+    sources: dict
+
+
+@jax.jit
+def fed_tokens(tokens, part, row, packed: tuple):
+    """tokens [B, 1] with row i's token taken from the sampled token of packed[part[i]][row[i]] (`sample_packed`'s
+    column 0) where part[i] >= 0: async scheduling's pending tokens, from the step before's results on the device,
+    never through the host."""
+    out = tokens[:, 0]
+    for j, p in enumerate(packed):
+        out = jnp.where(part == j, p[jnp.clip(row, 0, p.shape[0] - 1), 0], out)
+    return out[:, None]
+
+
+@dataclasses.dataclass
 class PromptLogprobs:
     """Per scheduled row and chunk position t: the logprob and rank of the prompt token at start + t + 1."""
     logprobs: np.ndarray        # [rows, T]

@@ -38,7 +38,9 @@ from gdn_jax.model.state import RestoreOps, validate_cache_ops
 from gdn_jax.sampling import SamplingMetadata
 from gdn_jax.worker.memory import MemoryPlan
 from gdn_jax.worker.compilation import compile_threads_default, compiler_options, executable_kind, gc_paused
-from gdn_jax.worker.step import PromptLogprobs, StepResult, host_batch, prompt_step_function, sample_function, step_function, unpack_sampled
+from gdn_jax.worker.step import (Launched, PromptLogprobs, StepResult, fed_tokens, host_batch, prompt_step_function,
+                                  sample_function, step_function, unpack_sampled)
+from scheduler.plan import PENDING_TOKEN
 
 
 _POOLS = tuple(f.name for f in dataclasses.fields(DeviceState))
@@ -388,23 +390,67 @@ class Worker:
 
         `prompt_targets[i]` (prefill rows only): the prompt tokens at positions start+1, start+2, ... of row i to
         score from this chunk's logits; when any row has some, the step also returns `StepResult.prompt`."""
+        return self.collect(self.launch(plan, prompt_targets, full_rows))
+
+    def launch(self, plan, prompt_targets: list[list[int] | None] | None = None, full_rows: bool = False,
+               feed: Launched | None = None) -> Launched:
+        """Dispatches one step plan and returns while the device runs it (`collect` reads its results). Every check
+        of every sub-batch passes before anything is dispatched (fail closed). `feed`: the step launched before this
+        one, whose samples are this plan's pending tokens (`PENDING_TOKEN`, async scheduling): they are taken from
+        its results on the device."""
         self._called = []
         try:
             if getattr(plan, "is_mixed", False):
-                return self._execute_mixed(plan, prompt_targets, full_rows)
-            return self._execute_one(plan, prompt_targets, full_rows)
+                self._check_mixed(plan)
+                n = plan.num_prefill_rows
+                parts = [(type(plan)(True, plan.prefill_seqs, plan.saves), prompt_targets[:n] if prompt_targets
+                          else None, full_rows), (type(plan)(False, plan.decode_seqs), None, False)]
+            else:
+                parts = [(plan, prompt_targets, full_rows)]
+            prepared = [self._prepare(part, targets) for part, targets, _ in parts]
+            # a mixed plan's decode sub-batch is dispatched while the device runs its prefill one
+            launched = [(n, self._launch(self._fed(part, batch, feed), *rest, full), full)
+                        for (part, _, full), (n, batch, *rest) in zip(parts, prepared)]
         except Exception as exc:
             if self._drop_stale(exc):
                 raise executables.StaleExecutable(str(exc)) from exc
             raise
+        sources = {s.seq_id: (j, i) for j, (part, _, _) in enumerate(parts) for i, s in enumerate(part.seqs)
+                   if s.sample}
+        return Launched(launched, sources)
 
-    def _execute_one(self, plan, prompt_targets, full_rows: bool) -> StepResult:
-        """An all-prefill or all-decode plan: one step executable."""
-        n, *prepared = self._prepare(plan, prompt_targets)
-        return self._collect(n, self._launch(*prepared, full_rows), full_rows)
+    def collect(self, launched: Launched) -> StepResult:
+        """Waits for a launched step and returns its samples per row, in the plan's order (a mixed plan's
+        sub-batches joined)."""
+        try:
+            results = [self._collect(n, out, full) for n, out, full in launched.parts]
+        except Exception as exc:
+            if self._drop_stale(exc):
+                raise executables.StaleExecutable(str(exc)) from exc
+            raise
+        if len(results) == 1:
+            return results[0]
+        first = results[0]
+        fields = [f.name for f in dataclasses.fields(StepResult) if f.name not in ("prompt", "positions")]
+        return StepResult(**{f: None if getattr(first, f) is None else np.concatenate([getattr(r, f) for r in results])
+                             for f in fields}, prompt=first.prompt, positions=first.positions)
+
+    def _fed(self, plan, batch: Batch, feed: Launched | None) -> Batch:
+        """`batch` with its rows' pending tokens taken from the results of the step `feed` (on the device)."""
+        pending = [(i, s.seq_id) for i, s in enumerate(plan.seqs) if s.token_ids and s.token_ids[-1] == PENDING_TOKEN]
+        if not pending:
+            return batch
+        if batch.tokens.shape[1] != 1 or feed is None or any(seq_id not in feed.sources for _, seq_id in pending):
+            raise ValueError(f"rows {[i for i, _ in pending]}: a pending token (async scheduling) in a step of "
+                             f"{batch.tokens.shape[1]} tokens per row, or one the step launched before does not sample")
+        part, row = np.full(len(batch.tokens), -1, np.int32), np.zeros(len(batch.tokens), np.int32)
+        for i, seq_id in pending:
+            part[i], row[i] = feed.sources[seq_id]
+        packed = tuple(out[0] for _, out, _ in feed.parts)  # each sub-batch's packed samples, still on the device
+        return dataclasses.replace(batch, tokens=fed_tokens(batch.tokens, part, row, packed))
 
     def _prepare(self, plan, prompt_targets) -> tuple:
-        """The host side of `_execute_one`: every check (fail closed) and the step's arrays, nothing dispatched.
+        """The host side of one sub-batch of `launch`: every check (fail closed) and its arrays, nothing dispatched.
         Returns (rows, batch, sampling, prompt targets [B, T] or None)."""
         seqs = plan.seqs
         n = len(seqs)
@@ -466,11 +512,11 @@ class Worker:
         rows = prompt[0][4][:n] if full_rows else None
         return StepResult(*sampled, PromptLogprobs(*(a[:n] for a in prompt[0][:4]), rows))
 
-    def _execute_mixed(self, plan, prompt_targets, full_rows: bool) -> StepResult:
-        """A mixed plan runs as its prefill sub-batch, then its decode sub-batch: the two executables of the
-        all-prefill and all-decode shapes, back to back on the same pools (so a mixed step compiles nothing new,
-        and each row's result is bit for bit that of the same row scheduled in a step of its own kind). No decode
-        row pads to the prefill length.
+    def _check_mixed(self, plan) -> None:
+        """The whole-step checks of a mixed plan. It runs as its prefill sub-batch, then its decode sub-batch
+        (`launch`): the two executables of the all-prefill and all-decode shapes, back to back on the same pools (so
+        a mixed step compiles nothing new, and each row's result is bit for bit that of the same row scheduled in a
+        step of its own kind). No decode row pads to the prefill length.
 
         The rows of the two sub-batches touch disjoint slots, which is checked here for the whole step before
         anything runs (fail closed): the linear-state ops of all rows together, no restore source that a decode row
@@ -494,18 +540,6 @@ class Worker:
             for sv in plan.saves:
                 if sv.slot in decode_slot_ids:
                     raise ValueError(f"save into slot {sv.slot}: a decode row of this mixed step reads or advances it")
-        prefill = type(plan)(True, plan.prefill_seqs, plan.saves)
-        decode = type(plan)(False, plan.decode_seqs)
-        # both sub-batches pass every check of their own before either is dispatched
-        (m, *first), (k, *second) = (self._prepare(prefill, prompt_targets[:n] if prompt_targets else None),
-                                     self._prepare(decode, None))
-        # the decode sub-batch is dispatched while the device runs the prefill one, and both are waited for together
-        launched = self._launch(*first, full_rows), self._launch(*second, False)
-        first, second = self._collect(m, launched[0], full_rows), self._collect(k, launched[1], False)
-        fields = [f.name for f in dataclasses.fields(StepResult) if f.name not in ("prompt", "positions")]
-        return StepResult(**{f: None if getattr(first, f) is None else np.concatenate([getattr(first, f),
-                                                                                       getattr(second, f)])
-                             for f in fields}, prompt=first.prompt, positions=first.positions)
 
     # the step's functions by kind (`step_functions`, `replace_functions`): the attribute holding each
     _STEP_FUNCTION_ATTRS = {"prefill": "_fn", "decode": "_decode_fn", "decode_wide": "_decode_wide_fn",

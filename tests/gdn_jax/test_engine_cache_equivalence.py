@@ -58,29 +58,32 @@ def _summary(out):
 MESH = [pytest.param("scan-auto-2", marks=pytest.mark.mesh)]  # (the serial and random-workload tests)
 
 
-@pytest.fixture(scope="module", params=["scan", "promote", "scan-parallel"])
+@pytest.fixture(scope="module", params=["scan", "promote", "scan-parallel", "scan-async"])
 def engines(request):
     """Cache on (in both checkpoint modes) and cache off. "scan-parallel": the cache-on engine computes the chunked
     GDN rule with the accelerators' "parallel" schedule, the cache-off one with the CPU's "fused" one, so the
     equivalence also holds across schedules. A third part: the cache-on engine's tensor_parallel_size (TxE: and its
     expert_parallel_size); a fourth, "moe": both engines run tiny-random-moe (sparse-MoE layers and a dense one).
     (Expert parallelism against one device: test_tensor_parallel.py.) "scan-spec": the cache-on engine decodes with
-    speculation (its random MTP block's drafts are rejected: every verify row rolls back to a draft slot)."""
+    speculation (its random MTP block's drafts are rejected: every verify row rolls back to a draft slot).
+    "scan-async": the cache-on engine plans each step while the one before runs (`async_scheduling`)."""
     parts = request.param.split("-")
     spec = {"method": "mtp", "num_speculative_tokens": 2} if parts[1:] == ["spec"] else None
-    parts = parts[:1] if spec else parts
+    ahead = parts[1:] == ["async"]
+    parts = parts[:1] if spec or ahead else parts
     mode, schedule, tp = parts[0], (parts[1:] or ["auto"])[0], (parts[2:] or ["1"])[0]
     tp, _, ep = tp.partition("x")
     model = "tiny-random-moe" if parts[3:] == ["moe"] else "tiny-random"
     return (LLM(model, enable_prefix_caching=True, checkpoint_mode=mode, gdn_schedule=schedule,
                 tensor_parallel_size=int(tp), expert_parallel_size=int(ep or 1), speculative_config=spec,
-                **ENGINE_KW),
+                async_scheduling=ahead, **ENGINE_KW),
             LLM(model, enable_prefix_caching=False, gdn_schedule="fused", **ENGINE_KW))
 
 
 # (the sparse-MoE and the TP engines run this test and the random workloads only: what they change is their steps'
 # output, the cache's bookkeeping is the same)
-@pytest.mark.parametrize("engines", ["scan", "promote", "scan-parallel", "scan-auto-1-moe", *MESH], indirect=True)
+@pytest.mark.parametrize("engines", ["scan", "promote", "scan-parallel", "scan-auto-1-moe", "scan-async", *MESH],
+                         indirect=True)
 def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):
     cached, plain = engines
     computed = []
@@ -109,6 +112,7 @@ def test_serial_cached_equals_uncached_and_reuses_deepest_checkpoint(engines):
     assert a.num_cached_tokens == _expected_reuse(turn2, computed) == 64
     stats = cached.cache_stats()
     assert stats["hits"] >= 4 and stats["reused_tokens"] > 0 and stats["checkpoints_restored"] >= stats["hits"]
+    assert (stats["planned_ahead"] > 0) == cached.engine.config.scheduling.async_scheduling
 
 
 def test_concurrent_cached_equals_uncached(engines):
@@ -136,7 +140,7 @@ def test_concurrent_cached_equals_uncached(engines):
 
 # (speculation: here only, the cheapest of the three; its greedy outputs against a cache-off engine's, with hits,
 # forks and preemption: test_speculation.py)
-@pytest.mark.parametrize("engines", ["scan", "promote", "scan-parallel", "scan-spec"], indirect=True)
+@pytest.mark.parametrize("engines", ["scan", "promote", "scan-parallel", "scan-spec", "scan-async"], indirect=True)
 def test_generation_is_reproducible_with_seeds(engines):
     cached, plain = engines
     rng = np.random.default_rng(3)
@@ -281,19 +285,20 @@ def _random_workload(rng, num_requests: int) -> list[tuple[int, str, list[int], 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engines, eviction", [("scan", "lru"), ("scan", "flop_aware"),
-                                               pytest.param("scan-auto-2", "lru", marks=pytest.mark.mesh)],
+@pytest.mark.parametrize("engines, eviction, ahead", [("scan", "lru", False), ("scan", "flop_aware", False),
+                                                      ("scan", "lru", True),
+                                                      pytest.param("scan-auto-2", "lru", False, marks=pytest.mark.mesh)],
                          indirect=["engines"])
-def test_random_workloads_under_memory_pressure_equal_each_request_alone_without_the_cache(engines, eviction):
+def test_random_workloads_under_memory_pressure_equal_each_request_alone_without_the_cache(engines, eviction, ahead):
     """Random mixed workloads on an engine with so few KV blocks and linear slots that blocks and checkpoints are
     evicted and requests preempted all the time: every request that is not aborted ends exactly as it does alone on
     the cache-off engine (tokens, finish reason, logprobs), whatever its batch; after every step the scheduler's
     invariants hold and the counters agree; no request is lost, duplicated or heard from after its abort. With
-    either checkpoint eviction policy."""
+    either checkpoint eviction policy, and with the steps planned ahead (`async_scheduling`)."""
     plain = engines[1].engine
     tight = LLMEngine("tiny-random", enable_prefix_caching=True, num_kv_blocks=18, num_linear_slots=9,
                       max_num_batched_tokens=64, tensor_parallel_size=engines[0].engine.config.tensor_parallel_size,
-                      checkpoint_eviction=eviction, eviction_alpha=2.0, **ENGINE_KW)
+                      checkpoint_eviction=eviction, eviction_alpha=2.0, async_scheduling=ahead, **ENGINE_KW)
     assert tight.scheduler.block_manager.linear.index.policy.name == eviction
     alone = {}
     for seed in range(2):
@@ -313,7 +318,10 @@ def test_random_workloads_under_memory_pressure_equal_each_request_alone_without
             tight.scheduler.check_invariants()
             s = tight.cache_stats()
             assert s["hits"] <= s["queries"] and s["reused_tokens"] <= s["query_tokens"]
-            assert s["live_slots"] + s["checkpoint_slots"] + s["free_slots"] == tight.memory.num_linear_slots - 1
+            saving = len(tight.scheduler.block_manager.linear.saving)  # (the saves of a step planned ahead)
+            slots = s["live_slots"] + s["checkpoint_slots"] + s["free_slots"] + saving
+            assert slots == tight.memory.num_linear_slots - 1
+            assert saving == 0 or ahead
             step += 1
         assert finished.keys() | aborted == {w[1] for w in work} and tight.get_num_unfinished_requests() == 0
         for _, rid, prompt, params, _ in work:
@@ -337,3 +345,4 @@ def test_random_workloads_under_memory_pressure_equal_each_request_alone_without
     s = tight.cache_stats()
     assert s["live_slots"] == 0
     assert min(s["hits"], s["preemptions"], s["checkpoints_evicted"], s["kv_blocks_evicted"], s["forks"]) > 0, s
+    assert (s["planned_ahead"] > 0) == ahead

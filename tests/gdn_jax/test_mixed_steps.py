@@ -184,26 +184,19 @@ def test_mixed_step_checks_every_save_against_one_set_of_decode_slots():
     from gdn_jax.worker.worker import Worker
     from scheduler.plan import LinearStateCacheOp
 
-    class Checked(Exception):
-        pass
-
-    def prepare(*args):
-        raise Checked
-
     rows = 4
     seqs = [SimpleNamespace(linear_op=LinearStateCacheOp(1, True, -1))] + [
         SimpleNamespace(linear_op=LinearStateCacheOp(_CountedSlot(2 + i), True, _CountedSlot(2 + rows + i)))
         for i in range(rows)]
     worker = SimpleNamespace(cfg=SimpleNamespace(linear_layer_ids=(0,)),
-                             memory=SimpleNamespace(num_linear_slots=1000), _prepare=prepare)
+                             memory=SimpleNamespace(num_linear_slots=1000))
     comparisons = []
     for saves in (1, 200):
         plan = StepPlan(True, seqs, [SimpleNamespace(slot=100 + j) for j in range(saves)], num_decode_rows=rows)
         _CountedSlot.comparisons = 0
-        with pytest.raises(Checked):  # every check passed
-            Worker._execute_mixed(worker, plan, None, False)
+        Worker._check_mixed(worker, plan)  # every check passes
         comparisons.append(_CountedSlot.comparisons)
     assert comparisons[0] == comparisons[1] > 0  # no work per save on the decode rows' slots
     bad = StepPlan(True, seqs, plan.saves + [SimpleNamespace(slot=_CountedSlot(2 + rows))], num_decode_rows=rows)
     with pytest.raises(ValueError, match=f"save into slot {2 + rows}: a decode row"):
-        Worker._execute_mixed(worker, bad, None, False)
+        Worker._check_mixed(worker, bad)

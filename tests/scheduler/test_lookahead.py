@@ -122,3 +122,20 @@ def test_a_pending_token_is_in_the_next_row_not_in_the_sequence():
     assert row.token_ids == [PENDING_TOKEN] and row.start_pos == 5 and row.sample and row.num_generated == 1
     sched.resolve(plan, sampled)
     assert seq.num_pending == 0 and seq.token_ids == [1, 2, 3, 4, 5, sampled[0]]
+
+
+def test_samples_that_will_not_come_end_their_sequences_with_error():
+    """The step of a plan postprocessed ahead raised: its sequences waiting for a sample end with "error" (one that
+    was preempted meanwhile leaves the queue too), the failure is counted once, and nothing stays pending."""
+    cfg = small_config(async_scheduling=True)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    a, b = (submit(sched, dev, make_seq(i, [1, 2, 3, i], max_tokens=3)) for i in range(2))
+    plan = sched.schedule()
+    dev.execute(plan)
+    sched.postprocess(plan, None, ahead=True)
+    sched._preempt(b)  # as planning the next step may
+    assert sched.fail_pending(plan, step_counted=False) == [a, b]
+    assert (a.finish_reason, b.finish_reason) == ("error", "error") and not sched.has_unfinished()
+    stats = sched.stats()
+    assert stats["failed_steps"] == 1 and stats["failed_requests"] == 2 and stats["live_slots"] == 0
+    sched.check_invariants()
