@@ -87,14 +87,20 @@ class Launched:
     sources: dict
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def token_column(packed, rows: int):
+    """The tokens of a sub-batch's packed samples (`sample_packed`'s column 0), padded to `rows`: one shape for
+    every rows bucket, so that `fed_tokens` compiles per bucket of the step it feeds only."""
+    return jnp.pad(packed[:, 0], (0, rows - packed.shape[0]))
+
+
 @jax.jit
-def fed_tokens(tokens, part, row, packed: tuple):
-    """tokens [B, 1] with row i's token taken from the sampled token of packed[part[i]][row[i]] (`sample_packed`'s
-    column 0) where part[i] >= 0: async scheduling's pending tokens, from the step before's results on the device,
-    never through the host."""
+def fed_tokens(tokens, part, row, columns: tuple):
+    """tokens [B, 1] with row i's token taken from columns[part[i]][row[i]] (`token_column`) where part[i] >= 0:
+    async scheduling's pending tokens, from the step before's samples on the device, never through the host."""
     out = tokens[:, 0]
-    for j, p in enumerate(packed):
-        out = jnp.where(part == j, p[jnp.clip(row, 0, p.shape[0] - 1), 0], out)
+    for j, column in enumerate(columns):
+        out = jnp.where(part == j, column[row], out)
     return out[:, None]
 
 

@@ -39,8 +39,9 @@ from gdn_jax.sampling import SamplingMetadata
 from gdn_jax.worker.memory import MemoryPlan
 from gdn_jax.worker.compilation import compile_threads_default, compiler_options, executable_kind, gc_paused
 from gdn_jax.worker.step import (Launched, PromptLogprobs, StepResult, fed_tokens, host_batch, prompt_step_function,
-                                  sample_function, step_function, unpack_sampled)
+                                  sample_function, step_function, token_column, unpack_sampled)
 from scheduler.plan import PENDING_TOKEN
+from scheduler.sampling_params import MAX_LOGPROBS
 
 
 _POOLS = tuple(f.name for f in dataclasses.fields(DeviceState))
@@ -263,6 +264,8 @@ class Worker:
                     self._run(*self._padding_args(*shape))
             for B, T, NB in extra:
                 self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
+            if self.config.scheduling.async_scheduling:
+                self._warm_up_feeds()
             jax.block_until_ready(self.state)
         return len(shapes) + len(extra)
 
@@ -446,8 +449,18 @@ class Worker:
         part, row = np.full(len(batch.tokens), -1, np.int32), np.zeros(len(batch.tokens), np.int32)
         for i, seq_id in pending:
             part[i], row[i] = feed.sources[seq_id]
-        packed = tuple(out[0] for _, out, _ in feed.parts)  # each sub-batch's packed samples, still on the device
-        return dataclasses.replace(batch, tokens=fed_tokens(batch.tokens, part, row, packed))
+        columns = tuple(token_column(out[0], self.max_rows) for _, out, _ in feed.parts)  # (still on the device)
+        return dataclasses.replace(batch, tokens=fed_tokens(batch.tokens, part, row, columns))
+
+    def _warm_up_feeds(self) -> None:
+        """Compiles what async scheduling's feeds call (`_fed`): each rows bucket's token column, and the gather for
+        each rows bucket of the step it feeds, from one sub-batch or two (a mixed step's)."""
+        width = 3 + 2 * min(MAX_LOGPROBS, self.cfg.vocab_size)  # (`sample_packed`)
+        column = jnp.zeros(self.max_rows, jnp.int32)
+        for B in self.sample_buckets():
+            token_column(jnp.zeros((B, width), jnp.int32), self.max_rows)
+            for parts in (1, 2):
+                fed_tokens(np.zeros((B, 1), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32), (column,) * parts)
 
     def _prepare(self, plan, prompt_targets) -> tuple:
         """The host side of one sub-batch of `launch`: every check (fail closed) and its arrays, nothing dispatched.

@@ -113,3 +113,20 @@ def test_refused_with_speculation_or_on_several_devices():
                   **KW)
     with pytest.raises(ValueError, match="async_scheduling runs on one device"):
         LLMEngine("tiny-random", async_scheduling=True, tensor_parallel_size=2, **KW)
+
+
+def test_the_feeds_compile_in_warm_up_not_while_serving(pair):
+    """What a feed calls (`token_column`, `fed_tokens`) compiles per rows bucket in warm-up; mixed steps, prefills
+    and decodes of any batch then compile nothing more."""
+    from gdn_jax import jax_compat
+    from gdn_jax.worker import step
+
+    ahead, _ = pair
+    ahead.engine.worker._warm_up_feeds()
+    before = jax_compat.compilations((step.token_column, step.fed_tokens))
+    rng = np.random.default_rng(9)
+    for n in (1, 3, 6):
+        ahead.generate([{"prompt_token_ids": _ids(rng, int(k))} for k in rng.integers(3, 70, n)],
+                       SamplingParams(temperature=0.0, max_tokens=int(rng.integers(3, 20)), ignore_eos=True),
+                       use_tqdm=False)
+    assert jax_compat.compilations((step.token_column, step.fed_tokens)) == before
