@@ -41,6 +41,8 @@ VARIABLES = {v.name: v for v in (
              "measured", choices=("0", "1")),
     Variable("GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT", "1-15-row bfloat16 products with the weight on the left on the "
              "CPU: 1 always, 0 never, unset measured", choices=("0", "1")),
+    Variable("GDN_JAX_F32_ROWS_KERNEL", "2-16-row float32 products by the compiled kernel: 1 always, 0 never, "
+             "unset measured", choices=("0", "1")),
     Variable("GDN_JAX_BF16_ROWS_KERNEL", "2-16-row bfloat16 products by the compiled kernel: 1 always, 0 never, "
              "unset measured", choices=("0", "1")),
     Variable("GDN_JAX_DECODE_VECTOR_BITS", "LLVM vector width of narrow decode steps on the CPU: 256 or 512, unset "

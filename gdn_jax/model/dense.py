@@ -156,10 +156,12 @@ def library_weight_left(x, kernel):
 
 
 def _rows_kernel(x, kernel, forms: Forms) -> bool:
-    """Whether the compiled kernel multiplies this product (`cpu_kernels.rows_product`): bfloat16 x [m, n_in] and
-    kernel [n_out, n_in], with the kernels, 2 <= m <= `forms.rows_kernel_rows`."""
-    return (forms.kernels and x.ndim == 2 and kernel.ndim == 2 and x.dtype == jnp.bfloat16
-            and kernel.dtype == jnp.bfloat16 and 2 <= x.shape[0] <= forms.rows_kernel_rows)
+    """Whether the compiled kernel multiplies this product (`cpu_kernels.rows_product`): x [m, n_in] and kernel
+    [n_out, n_in] of one dtype, with the kernels, 2 <= m <= `forms.rows_kernel_rows` (bfloat16) or
+    `forms.f32_rows_kernel_rows` (float32)."""
+    most = {jnp.dtype(jnp.bfloat16): forms.rows_kernel_rows, jnp.dtype(jnp.float32): forms.f32_rows_kernel_rows}
+    return (forms.kernels and x.ndim == 2 and kernel.ndim == 2 and x.dtype == kernel.dtype
+            and 2 <= x.shape[0] <= most.get(jnp.dtype(x.dtype), 0))
 
 
 @partial(jax.jit, static_argnums=2)

@@ -22,6 +22,7 @@ class Forms:
     bf16_upcast: bool = False                # 16-bit products of many rows multiplied in float32
     few_rows_weight_left: bool = False       # bfloat16 products of 1-15 rows with the weight on the left
     rows_kernel_rows: int = 0                # most rows (from 2) of a bfloat16 product the few-row kernel takes
+    f32_rows_kernel_rows: int = 0            # the same for float32 products
     prefill_kv_chunk_keys: int | None = None  # keys per attention iteration in prefill steps (None: the default)
     unroll: str = "0"                        # layers traced one by one: "1" every step, "decode" one-token steps
     decode_vector_bits: int = 256            # LLVM's vector width of narrow decode steps (a compile option)
@@ -42,9 +43,10 @@ class Forms:
             raise ValueError(f"Forms.unroll must be one of {UNROLL_SETTINGS}, got {self.unroll!r}")
         if self.decode_vector_bits not in VECTOR_BITS:
             raise ValueError(f"Forms.decode_vector_bits must be one of {VECTOR_BITS}, got {self.decode_vector_bits}")
-        if self.rows_kernel_rows < 0 or (self.rows_kernel_rows and not self.kernels):
-            raise ValueError(f"Forms.rows_kernel_rows must be 0, or positive with kernels=True, got "
-                             f"{self.rows_kernel_rows} (kernels={self.kernels})")
+        for name in ("rows_kernel_rows", "f32_rows_kernel_rows"):
+            if getattr(self, name) < 0 or (getattr(self, name) and not self.kernels):
+                raise ValueError(f"Forms.{name} must be 0, or positive with kernels=True, got "
+                                 f"{getattr(self, name)} (kernels={self.kernels})")
         if self.prefill_kv_chunk_keys is not None and self.prefill_kv_chunk_keys < 1:
             raise ValueError(f"Forms.prefill_kv_chunk_keys must be positive or None, got {self.prefill_kv_chunk_keys}")
 

@@ -349,9 +349,11 @@ def test_the_attention_kernel_attends_as_xla_does(dtype, block_size, dim, longes
     assert np.abs(a).max() > 0.1 and not np.array_equal(a[:, 0], a[:, 3])  # outputs that tell the rows apart
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("rows", [2, 5, 11, 12, 16])
-def test_the_product_kernel_multiplies_few_bfloat16_rows_as_the_library_does(rows, fresh_choice):
-    """Where `Forms.rows_kernel_rows` gives the kernel these rows, a bfloat16 product of 2-16 rows is its FFI call,
+def test_the_product_kernel_multiplies_few_rows_as_the_library_does(rows, dtype, fresh_choice):
+    """Where `Forms.rows_kernel_rows` (bfloat16) or `Forms.f32_rows_kernel_rows` (float32) gives the kernel these
+    rows, a product of 2-16 rows is its FFI call,
     else XLA's library with the weight on the left; both equal the float64 product to float32 accuracy (an odd
     number of weight rows, so a last block of fewer than 16; widths that are not a multiple of the kernel's vectors
     nor of its packed chunks, and an odd one, which 9-16 rows multiply in the 2-8 rows' form), and the kernel's result
@@ -364,18 +366,19 @@ def test_the_product_kernel_multiplies_few_bfloat16_rows_as_the_library_does(row
         return
     assert library.available()
     for most, k in ((16, 1000 + rows), (0, 1100 + rows)):  # widths of their own: `_products` keeps its trace per shape
-        forms = Forms(cpu=True, kernels=True, rows_kernel_rows=most)
+        forms = Forms(cpu=True, kernels=True, **{"rows_kernel_rows" if dtype == "bfloat16" else "f32_rows_kernel_rows":
+                                                 most})
         product = jax.jit(lambda x, w, forms=forms: dense.dense(x, w, forms))
-        x = jax.random.normal(kx, (rows, 1, k), jnp.bfloat16)
-        w = jax.random.normal(kw, (n, k), jnp.bfloat16)
+        x = jax.random.normal(kx, (rows, 1, k), dtype)
+        w = jax.random.normal(kw, (n, k), dtype)
         text = product.lower(x, w).as_text()
         assert (cpu_kernels.ROWS_TARGET in text) == bool(most)
         y = np.asarray(product(x, w))
         ref = np.asarray(x, np.float64)[:, 0] @ np.asarray(w, np.float64).T
         assert y.shape == (rows, 1, n) and y.dtype == np.float32
         np.testing.assert_allclose(y[:, 0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
-        if most:  # fewer rows of the same form (2-8 rows, 9-16): the same values for them
-            fewer = 9 if rows > 8 else 2
+        if most:  # fewer rows of the same form (2-8 rows, 9-16; float32: one form): the same values for them
+            fewer = 9 if rows > 8 and dtype == "bfloat16" else 2
             np.testing.assert_array_equal(np.asarray(product(x[:fewer], w)), y[:fewer])
 
 
@@ -424,16 +427,18 @@ def test_the_measured_products_run_in_turn_each_on_the_rows_the_last_one_left():
     assert not np.array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
 
 
-def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_says(fresh_choice):
-    """`tuning.rows_kernel_rows` times the kernel against XLA's library form at 4, 8 and 16 rows of 8 bfloat16 matrices
-    of 4096 x 1024, each product's rows feeding the next's (one result: the rows after the last), and takes the counts
-    up to the first where the kernel is not `FEW_ROWS_MARGIN` faster;
-    GDN_JAX_BF16_ROWS_KERNEL=1 / 0 decides without measuring (16 / none); another value is an error naming it;
-    without the kernels, none."""
-    fresh_choice.delenv(tuning.ROWS_KERNEL_ENV, raising=False)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_says(dtype, fresh_choice):
+    """`tuning.rows_kernel_rows` times the kernel against XLA's library form at 4, 8 and 16 rows of 8 matrices (of
+    4096 x 1024 in bfloat16, of 2048 x 512 in float32), each product's rows feeding the next's (one result: the rows
+    after the last), and takes the counts up to the first where the kernel is not `FEW_ROWS_MARGIN` faster;
+    GDN_JAX_BF16_ROWS_KERNEL (GDN_JAX_F32_ROWS_KERNEL) =1 / 0 decides without measuring (16 / none); another value
+    is an error naming it; without the kernels, none."""
+    variable, shape, _ = tuning.ROWS_KERNEL_MEASURE[dtype]
+    fresh_choice.delenv(variable, raising=False)
     if library.compiler() is None:
         with pytest.warns(RuntimeWarning, match="could not be built"):
-            assert tuning.rows_kernel_rows(lambda *a: pytest.fail("measured")) == 0
+            assert tuning.rows_kernel_rows(lambda *a: pytest.fail("measured"), dtype) == 0
         return
     seen = []
 
@@ -449,17 +454,17 @@ def test_the_rows_the_product_kernel_takes_are_measured_unless_the_environment_s
     for kernel_seconds, want in (({4: 0.5, 8: 0.9, 16: 1.0}, 8), ({4: 0.97, 8: 0.5, 16: 0.5}, 0),
                                  ({4: 0.5, 8: 0.5, 16: 0.5}, 16), ({4: 0.5, 8: 2.0, 16: 0.5}, 4)):
         seen.clear()
-        assert tuning.rows_kernel_rows(timer(kernel_seconds)) == want
-        assert {s[1:4] for s in seen} == {(8, (4096, 1024), "bfloat16")} and all(s[5] for s in seen)
+        assert tuning.rows_kernel_rows(timer(kernel_seconds), dtype) == want
+        assert {s[1:4] for s in seen} == {(8, shape, dtype)} and all(s[5] for s in seen)
         measured = [4, 8, 16][:[0, 4, 8, 16].index(want) + 1]  # up to the first count the kernel loses at
         assert [s[0] for s in seen] == [r for r in measured for _ in range(2 * tuning.FEW_ROWS_ROUNDS)]
     for value, want in (("1", 16), ("0", 0)):
-        fresh_choice.setenv(tuning.ROWS_KERNEL_ENV, value)
-        assert tuning.rows_kernel_rows(lambda *a: pytest.fail("measured")) == want
-    fresh_choice.setenv(tuning.ROWS_KERNEL_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{tuning.ROWS_KERNEL_ENV} must be one of 0, 1"):
-        tuning.rows_kernel_rows()
-    fresh_choice.setenv(tuning.ROWS_KERNEL_ENV, "1")
+        fresh_choice.setenv(variable, value)
+        assert tuning.rows_kernel_rows(lambda *a: pytest.fail("measured"), dtype) == want
+    fresh_choice.setenv(variable, "yes")
+    with pytest.raises(ValueError, match=f"{variable} must be one of 0, 1"):
+        tuning.rows_kernel_rows(dtype=dtype)
+    fresh_choice.setenv(variable, "1")
     fresh_choice.setenv(library.KERNELS_ENV, "0")
     library.available.cache_clear()
-    assert tuning.rows_kernel_rows() == 0
+    assert tuning.rows_kernel_rows(dtype=dtype) == 0

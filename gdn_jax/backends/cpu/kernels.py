@@ -107,8 +107,8 @@ def attention_decode(k_cache, v_cache, layer, q, block_tables, keys):
 
 
 def rows_product(x, kernel):
-    """x [m, n_in] @ kernel[n_out, n_in].T -> [m, n_out] float32 for bfloat16 x and kernel, by the few-row product
-    kernel (float32 products and sums; a row's result depends only on whether its batch has 2-8 rows or 9-16, the
-    kernel's two forms, not on the other rows). Only with `Forms.kernels`, which `library.available()` (it registers
-    the kernel with XLA) decided."""
+    """x [m, n_in] @ kernel[n_out, n_in].T -> [m, n_out] float32, x and kernel both bfloat16 or both float32, by the
+    few-row product kernel (float32 products and sums; a row's result depends only on whether its batch has 2-8 rows
+    or 9-16, the kernel's two forms, not on the other rows). Only with `Forms.kernels`, which `library.available()`
+    (it registers the kernel with XLA) decided."""
     return jax.ffi.ffi_call(ROWS_TARGET, jax.ShapeDtypeStruct((x.shape[0], kernel.shape[0]), jnp.float32))(x, kernel)

@@ -33,6 +33,7 @@ from gdn_jax.model.forms import VECTOR_BITS, Forms
 UPCAST_ENV = "GDN_JAX_BF16_UPCAST"
 FEW_ROWS_ENV = "GDN_JAX_BF16_FEW_ROWS_WEIGHT_LEFT"
 ROWS_KERNEL_ENV = "GDN_JAX_BF16_ROWS_KERNEL"  # "1": 2-16 rows, "0": never
+F32_ROWS_KERNEL_ENV = "GDN_JAX_F32_ROWS_KERNEL"  # the same for float32 products
 DECODE_VECTOR_BITS_ENV = "GDN_JAX_DECODE_VECTOR_BITS"
 # Forms that are settings, not measurements.
 PREFILL_KV_CHUNK_ENV = "GDN_JAX_PREFILL_KV_CHUNK_KEYS"  # `attention.kv_chunk_keys`
@@ -47,6 +48,10 @@ DECODE_VECTOR_BITS = VECTOR_BITS  # the LLVM vector widths a narrow decode step 
 DECODE_VECTOR_ROUNDS, DECODE_VECTOR_MARGIN = 15, 0.05
 FEW_ROWS_ROUNDS, FEW_ROWS_MARGIN = 15, 0.05
 ROWS_KERNEL_COUNTS = (4, 8, 16)  # the row counts measured: 2-4 rows take the kernel if it wins at 4, 5-8 at 8, ...
+# per dtype of the products: (the variable that decides without measuring, the weights' shape measured on, the name
+# the choice is kept under). bfloat16: a 9B-size layer's; float32: a smaller one's, as the float32 models a CPU runs
+ROWS_KERNEL_MEASURE = {"bfloat16": (ROWS_KERNEL_ENV, (4096, 1024), "bf16_rows_kernel_chained"),
+                       "float32": (F32_ROWS_KERNEL_ENV, (2048, 512), "f32_rows_kernel_chained")}
 
 
 def vector_width_options(bits: int) -> dict:
@@ -67,8 +72,11 @@ def resolve_forms(dtype) -> Forms:
 
 def product_forms(dtype) -> Forms:
     """The CPU forms of a `dtype` model's products: the kernels where they load, and for a 16-bit model the measured
-    choices of `upcast_is_faster`, `few_rows_weight_left` and `rows_kernel_rows`."""
+    choices of `upcast_is_faster`, `few_rows_weight_left` and `rows_kernel_rows`; for a float32 one, the float32
+    `rows_kernel_rows`."""
     forms = Forms(cpu=True, kernels=library.available())
+    if jnp.dtype(dtype) == jnp.float32:
+        return dataclasses.replace(forms, f32_rows_kernel_rows=rows_kernel_rows(dtype="float32"))
     if jnp.dtype(dtype).itemsize != 2:
         return forms
     return dataclasses.replace(forms, bf16_upcast=upcast_is_faster(), few_rows_weight_left=few_rows_weight_left(),
@@ -249,22 +257,24 @@ def few_rows_weight_left(timer=None) -> bool:
     return measured_choice("bf16_few_rows_weight_left", measure, lambda v: isinstance(v, bool), keep=timer is None)
 
 
-def rows_kernel_rows(timer=None) -> int:
-    """The most rows of a bfloat16 product (from 2 on) that the compiled few-row kernel multiplies
+def rows_kernel_rows(timer=None, dtype: str = "bfloat16") -> int:
+    """The most rows of a `dtype` product (from 2 on) that the compiled few-row kernel multiplies
     (`cpu_kernels.rows_product`) instead of XLA's library with the weight on the left: 0 (none) or one of
-    `ROWS_KERNEL_COUNTS` (`Forms.rows_kernel_rows`). On a CPU without matrix units XLA streams the weight of a
-    product of 2-16 bfloat16 rows far slower than that of one row, where the kernel reads each weight row once for
-    all the rows; a CPU with matrix units multiplies them there (docs/benchmarks.md).
+    `ROWS_KERNEL_COUNTS` (`Forms.rows_kernel_rows`, `Forms.f32_rows_kernel_rows`). On a CPU without matrix units XLA
+    streams the weight of a product of 2-16 bfloat16 rows far slower than that of one row, where the kernel reads
+    each weight row once for all the rows; a CPU with matrix units multiplies them there. At float32, XLA's library
+    spends more per call on a few rows than the kernel (docs/benchmarks.md).
 
-    Measured once per machine (`remembered`), unless `ROWS_KERNEL_ENV` says "1" (16) or "0" (0), where the kernels
-    load (`library.available`; else 0): for each of `ROWS_KERNEL_COUNTS`, in turn `FEW_ROWS_ROUNDS` times over 8
-    bfloat16 matrices of 4096 x 1024, the kernel against the library's form, each product's rows feeding the next's
-    (`_chained`, as a decode step's products follow one another: products that do not depend on one another would
-    run side by side on XLA's threads and share the kernel's); the count is taken while the median of the rounds'
-    time ratios is `FEW_ROWS_MARGIN` below 1. `timer(fn, *args) -> seconds` replaces the clock (tests; then nothing
+    Measured once per machine and dtype (`remembered`), unless its variable (`ROWS_KERNEL_MEASURE`) says "1" (16) or
+    "0" (0), where the kernels load (`library.available`; else 0): for each of `ROWS_KERNEL_COUNTS`, in turn
+    `FEW_ROWS_ROUNDS` times over 8 matrices of the dtype's shape, the kernel against the library's form, each
+    product's rows feeding the next's (`_chained`, as a decode step's products follow one another: products that do
+    not depend on one another would run side by side on XLA's threads and share the kernel's); the count is taken
+    while the median of the rounds' time ratios is `FEW_ROWS_MARGIN` below 1. `timer(fn, *args) -> seconds` replaces the clock (tests; then nothing
     is kept). The values agree to float32 summation order. A one-row product padded to two rows goes to the kernel
     too where it takes 2 rows."""
-    setting = envs.optional_bool(ROWS_KERNEL_ENV)
+    variable, shape, name = ROWS_KERNEL_MEASURE[dtype]
+    setting = envs.optional_bool(variable)
     if jax.default_backend() != "cpu" or not library.available():
         return 0
     if setting is not None:
@@ -272,13 +282,13 @@ def rows_kernel_rows(timer=None) -> int:
 
     def measure():
         rng = np.random.default_rng(0)
-        weights = tuple(jnp.asarray(rng.standard_normal((4096, 1024)) * 0.02, jnp.bfloat16) for _ in range(8))
+        weights = tuple(jnp.asarray(rng.standard_normal(shape) * 0.02, dtype) for _ in range(8))
         kernel = _chained(cpu_kernels.rows_product)
         library_form = _chained(lambda x, w: library_weight_left(x, w).T)  # transposed after, as in a step
         clock = timer or seconds_of
         most = 0
         for rows in ROWS_KERNEL_COUNTS:
-            x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.bfloat16)
+            x = jnp.asarray(rng.standard_normal((rows, shape[1])), dtype)
             for fn in (kernel, library_form):  # compiled and run once, untimed
                 jax.block_until_ready(fn(x, weights))
             ratios = [clock(kernel, x, weights) / clock(library_form, x, weights) for _ in range(FEW_ROWS_ROUNDS)]
@@ -287,8 +297,7 @@ def rows_kernel_rows(timer=None) -> int:
             most = rows
         return most
 
-    return measured_choice("bf16_rows_kernel_chained", measure, lambda v: v in (0, *ROWS_KERNEL_COUNTS),
-                           keep=timer is None)
+    return measured_choice(name, measure, lambda v: v in (0, *ROWS_KERNEL_COUNTS), keep=timer is None)
 
 
 def _chained(product):

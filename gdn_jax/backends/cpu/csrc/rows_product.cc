@@ -1,6 +1,6 @@
-// Few-row bfloat16 products, y[n, m] = sum_k x[m, k] w[n, k] for the 2-16 rows of a decode step: the CPU kernel
-// behind gdn_jax.model's products with the weight on the left where it is the faster form (`model.rows_kernel_rows`;
-// gdn_jax/cpu_kernels.py builds and registers it).
+// Few-row bfloat16 and float32 products, y[n, m] = sum_k x[m, k] w[n, k] for the 2-16 rows of a decode step: the
+// CPU kernel behind gdn_jax.model's products with the weight on the left where it is the faster form
+// (`Forms.rows_kernel_rows`, `Forms.f32_rows_kernel_rows`; gdn_jax/backends/cpu/kernels.py registers it).
 //
 // A decode step reads every weight once for a few rows, so its products should run as fast as memory delivers the
 // weight. XLA's CPU routines do not at 2-16 bfloat16 rows on an AMD EPYC without matrix units (13-14 GB/s where one
@@ -15,15 +15,19 @@
 // Both prefetch the weight rows they multiply next into the L2 cache while they multiply these (into L1 it was ~25%
 // slower at 8 rows). Pairs of bfloat16 numbers go to the AVX-512 BF16 dot-product instruction where the CPU has it
 // (their float32 products summed in float32); elsewhere the first form widens them to float32 in registers for any
-// row count. Each form adds an output's terms in an order that does not depend on the other rows of the batch, so a
+// row count. Float32 weights take the first form at any row count, sixteen lanes at a time (`lanes.h`)
+// (XLA's library spends more per call on a few float32 rows than the product costs at the sizes of a verify or
+// decode step). Each form adds an output's terms in an order that does not depend on the other rows of the batch, so a
 // row's result depends only on which form its batch's row count takes. Blocks of kBlockRows weight rows are shared
 // among XLA's CPU threads (parallel.h).
 //
-// x [M, K] and w [N, K], bfloat16. Result: y [M, N] float32, x @ w.T: the rows' outputs as the model uses them (XLA's
-// weight-left form gives [N, M], which the model transposes after the product: 1.2-1.3 ms more per 16-row step).
+// x [M, K] and w [N, K], both bfloat16 or both float32. Result: y [M, N] float32, x @ w.T: the rows' outputs as the
+// model uses them (XLA's weight-left form gives [N, M], which the model transposes after the product: 1.2-1.3 ms more
+// per 16-row step).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -45,39 +49,41 @@ constexpr int64_t kBlockRows = 16;  // weight rows per item of work
 
 // y[r * N + p] = w_p . x_r for the P weight rows of w and the R x rows of x (row stride K), while `ahead` bytes from
 // `next` are prefetched, spread over the loop.
-template <int P, int R>
-inline void Tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, float* y, const char* next,
-                 int64_t ahead) {
+template <typename T, int P, int R>
+inline void Tile(const T* x, const T* w, int64_t K, int64_t N, float* y, const char* next, int64_t ahead) {
   Lanes acc[kPair * kRowGroup] = {};  // acc[p * kRowGroup + r]; Sums adds sixteen
   int64_t k = 0, fetched = 0;
 #if defined(__AVX512BF16__)
-  constexpr int64_t kStep = 2 * kLanes;  // 32 bfloat16 per vector, summed in pairs into 16 float32 lanes
+  constexpr bool kPairs = std::is_same_v<T, uint16_t>;  // bfloat16 pairs to the dot-product instruction
 #else
-  constexpr int64_t kStep = kLanes;
+  constexpr bool kPairs = false;
 #endif
+  constexpr int64_t kStep = kPairs ? 2 * kLanes : kLanes;  // (32 bfloat16 per vector, summed in pairs)
   const int64_t per_step = 64 * (ahead / 64 / std::max<int64_t>(1, K / kStep) + 1);
   for (; k + kStep <= K; k += kStep) {
     for (const int64_t end = std::min(ahead, fetched + per_step); fetched < end; fetched += 64)
       __builtin_prefetch(next + fetched, 0, 2);
 #if defined(__AVX512BF16__)
-    __m512i wv[P];
-    for (int p = 0; p < P; p++) wv[p] = _mm512_loadu_si512(w + p * K + k);
-    for (int r = 0; r < R; r++) {
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * K + k));
-      for (int p = 0; p < P; p++) {
-        Lanes& a = acc[p * kRowGroup + r];
-        a = reinterpret_cast<Lanes>(
-            _mm512_dpbf16_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512bh>(wv[p]), xv));
+    if constexpr (kPairs) {
+      __m512i wv[P];
+      for (int p = 0; p < P; p++) wv[p] = _mm512_loadu_si512(w + p * K + k);
+      for (int r = 0; r < R; r++) {
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * K + k));
+        for (int p = 0; p < P; p++) {
+          Lanes& a = acc[p * kRowGroup + r];
+          a = reinterpret_cast<Lanes>(
+              _mm512_dpbf16_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512bh>(wv[p]), xv));
+        }
       }
+      continue;
     }
-#else
+#endif
     Lanes wv[P];
     for (int p = 0; p < P; p++) wv[p] = Load(w + p * K + k);
     for (int r = 0; r < R; r++) {
       const Lanes xv = Load(x + r * K + k);
       for (int p = 0; p < P; p++) acc[p * kRowGroup + r] += wv[p] * xv;
     }
-#endif
   }
   float sums[kLanes];
   const Lanes total = Sums(acc);
@@ -169,50 +175,60 @@ bool PackedRows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t M, int6
 }
 #endif
 
-template <int P>
-inline void Rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t rows, float* y,
+template <typename T, int P>
+inline void Rows(const T* x, const T* w, int64_t K, int64_t N, int64_t rows, float* y,
                  const char* next, int64_t ahead) {
   switch (rows) {  // x rows in this group
 #define GDN_ROWS(r) \
   case r:           \
-    return Tile<P, r>(x, w, K, N, y, next, ahead);
+    return Tile<T, P, r>(x, w, K, N, y, next, ahead);
     GDN_ROWS(1) GDN_ROWS(2) GDN_ROWS(3) GDN_ROWS(4) GDN_ROWS(5) GDN_ROWS(6) GDN_ROWS(7) GDN_ROWS(8)
 #undef GDN_ROWS
   }
 }
 
-void Run(ffi::ThreadPool& threads, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, float* y) {
+template <typename T>
+void Run(ffi::ThreadPool& threads, const T* x, const T* w, int64_t M, int64_t N, int64_t K, float* y) {
   const int64_t blocks = (N + kBlockRows - 1) / kBlockRows, groups = (M + kRowGroup - 1) / kRowGroup;
   // each group of x rows prefetches its share of the pair of weight rows two pairs ahead (into L2)
-  const int64_t share = (kPair * K * 2 / groups + 63) / 64 * 64;
-  gdn_jax::ParallelFor(threads, blocks, kBlockRows * K * 2, [=](int64_t block) {
+  const int64_t share = (kPair * K * static_cast<int64_t>(sizeof(T)) / groups + 63) / 64 * 64;
+  gdn_jax::ParallelFor(threads, blocks, kBlockRows * K * static_cast<int64_t>(sizeof(T)), [=](int64_t block) {
     const int64_t last = std::min(N, (block + 1) * kBlockRows);
 #if defined(__AVX512BF16__)
-    if (M > kRowGroup && K % 2 == 0 &&
-        PackedRows(x, w + block * kBlockRows * K, K, M, N, last - block * kBlockRows, y + block * kBlockRows))
-      return;
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (M > kRowGroup && K % 2 == 0 &&
+          PackedRows(x, w + block * kBlockRows * K, K, M, N, last - block * kBlockRows, y + block * kBlockRows))
+        return;
+    }
 #endif
     for (int64_t n = block * kBlockRows; n < last; n += kPair) {
       const char* next = reinterpret_cast<const char*>(w + (n + 2 * kPair) * K);
       for (int64_t g = 0; g < groups; g++) {
         const int64_t m = g * kRowGroup, rows = std::min<int64_t>(kRowGroup, M - m);
         if (n + kPair <= last)
-          Rows<kPair>(x + m * K, w + n * K, K, N, rows, y + m * N + n, next + g * share, share);
+          Rows<T, kPair>(x + m * K, w + n * K, K, N, rows, y + m * N + n, next + g * share, share);
         else  // an odd weight row at the end
-          Rows<1>(x + m * K, w + n * K, K, N, rows, y + m * N + n, next, 0);
+          Rows<T, 1>(x + m * K, w + n * K, K, N, rows, y + m * N + n, next, 0);
       }
     }
   });
 }
 
-ffi::Error RowsProduct(ffi::ThreadPool threads, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                       ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error RowsProduct(ffi::ThreadPool threads, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("rows_product: x must be [M, K] and w [N, K]");
-  Run(threads, reinterpret_cast<const uint16_t*>(x.typed_data()), reinterpret_cast<const uint16_t*>(w.typed_data()),
-      xd[0], wd[0], xd[1], y->typed_data());
+  if (x.element_type() != w.element_type())
+    return ffi::Error::InvalidArgument("rows_product: x and w must have one dtype");
+  if (x.element_type() == ffi::DataType::F32)
+    Run(threads, static_cast<const float*>(x.untyped_data()), static_cast<const float*>(w.untyped_data()), xd[0],
+        wd[0], xd[1], y->typed_data());
+  else if (x.element_type() == ffi::DataType::BF16)
+    Run(threads, static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(w.untyped_data()),
+        xd[0], wd[0], xd[1], y->typed_data());
+  else
+    return ffi::Error::InvalidArgument("rows_product: x and w must be float32 or bfloat16");
   return ffi::Error::Success();
 }
 
@@ -221,6 +237,6 @@ ffi::Error RowsProduct(ffi::ThreadPool threads, ffi::Buffer<ffi::BF16> x, ffi::B
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GdnJaxRowsProduct, RowsProduct,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // x
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // w
+                                  .Arg<ffi::AnyBuffer>()           // x
+                                  .Arg<ffi::AnyBuffer>()           // w
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
