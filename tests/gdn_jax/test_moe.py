@@ -85,9 +85,10 @@ def test_greedy_tokens_match_transformers_and_a_cache_hit_gives_them_again(name)
 
 
 # the default mode's products take forms by row count, whose float32 rounding differs (a dense model's too: 7.6e-6
-# seen on hf_tiny); the Qwen3-Next fixture's worst seen is 2.2e-5, one token of 48. The deterministic mode gives the
-# same bits alone and batched (tests/gdn_jax/test_deterministic.py, on hf_tiny_next in a batch of 8).
-ALONE_ATOL = {"hf_tiny_moe": 1e-5, "hf_tiny_next": 5e-5}
+# seen on hf_tiny): the worst seen is 1.05e-5 on hf_tiny_moe, with the few-row kernel where it is measured faster,
+# and 2.2e-5 on the Qwen3-Next fixture, one token of 48. The deterministic mode gives the same bits alone and
+# batched (tests/gdn_jax/test_deterministic.py, on hf_tiny_next in a batch of 8).
+ALONE_ATOL = {"hf_tiny_moe": 2e-5, "hf_tiny_next": 5e-5}
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -87,7 +87,8 @@ def _write_choices(path, bits: int, upcast: bool, few_rows: bool, kernel_rows: i
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({tuning.choice_key(name): {"value": value} for name, value in (
         ("decode_vector_bits bfloat16", bits), ("decode_vector_bits float32", bits), ("bf16_upcast", upcast),
-        ("bf16_few_rows_weight_left", few_rows), ("bf16_rows_kernel_chained", kernel_rows))}))
+        ("bf16_few_rows_weight_left", few_rows), ("bf16_rows_kernel_chained", kernel_rows),
+        ("f32_rows_kernel_chained", kernel_rows // 2))}))
 
 
 def _clear_choices():
@@ -97,9 +98,9 @@ def _clear_choices():
 def test_the_forms_are_read_from_the_kept_choices_without_measuring(tmp_path, monkeypatch):
     """With JAX's cache on, `resolve_forms` takes what the machine's choices file holds (whatever it holds: the
     values come back as written), without measuring; the environment still decides first. A float32 model's forms
-    hold none of the 16-bit choices."""
+    hold none of the 16-bit choices, and its own few-row kernel choice."""
     for name in (tuning.DECODE_VECTOR_BITS_ENV, tuning.UPCAST_ENV, tuning.FEW_ROWS_ENV, tuning.ROWS_KERNEL_ENV,
-                 tuning.UNROLL_ENV, tuning.PREFILL_KV_CHUNK_ENV):
+                 tuning.F32_ROWS_KERNEL_ENV, tuning.UNROLL_ENV, tuning.PREFILL_KV_CHUNK_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(tuning, "_measured", {})  # what this process measured or read before: not served here
     real = tuning.remembered
@@ -113,7 +114,8 @@ def test_the_forms_are_read_from_the_kept_choices_without_measuring(tmp_path, mo
         assert tuning.resolve_forms(jnp.bfloat16) == Forms(
             cpu=True, kernels=kernels, bf16_upcast=faster, few_rows_weight_left=not faster,
             rows_kernel_rows=kernel_rows if kernels else 0, decode_vector_bits=bits)
-        assert tuning.resolve_forms(jnp.float32) == Forms(cpu=True, kernels=kernels, decode_vector_bits=bits)
+        assert tuning.resolve_forms(jnp.float32) == Forms(cpu=True, kernels=kernels, decode_vector_bits=bits,
+                                                          f32_rows_kernel_rows=kernel_rows // 2 if kernels else 0)
     monkeypatch.setenv(tuning.DECODE_VECTOR_BITS_ENV, "512")
     monkeypatch.setenv(tuning.UPCAST_ENV, "1")
     monkeypatch.setenv(tuning.UNROLL_ENV, "decode")
@@ -129,7 +131,8 @@ def test_the_forms_are_read_from_the_kept_choices_without_measuring(tmp_path, mo
 def test_measuring_again_replaces_the_kept_choices(tmp_path, monkeypatch):
     """`measure_again` (`gdn-jax tune`) deletes the kept choices, measures each anew and keeps it: the forms it
     returns are those a later start reads back."""
-    for name in (tuning.DECODE_VECTOR_BITS_ENV, tuning.UPCAST_ENV, tuning.FEW_ROWS_ENV, tuning.ROWS_KERNEL_ENV):
+    for name in (tuning.DECODE_VECTOR_BITS_ENV, tuning.UPCAST_ENV, tuning.FEW_ROWS_ENV, tuning.ROWS_KERNEL_ENV,
+                 tuning.F32_ROWS_KERNEL_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(tuning, "_measured", {})
     path = tuning.choices_file(str(tmp_path))
@@ -140,13 +143,15 @@ def test_measuring_again_replaces_the_kept_choices(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "remembered", lambda name, measure, valid, cache=None: real(
         name, lambda: measured.append(name) or measure(), valid, cache or str(tmp_path)))
     resolved = tuning.measure_again(("float32",), cache=str(tmp_path))
-    assert measured == ["decode_vector_bits float32"]  # a float32 model's one choice, measured though it was kept
+    mine = ["f32_rows_kernel_chained", "decode_vector_bits float32"] if library.available() else [
+        "decode_vector_bits float32"]
+    assert measured == mine  # a float32 model's choices, measured though they were kept
     kept = json.loads(path.read_text())
-    assert set(kept) == {tuning.choice_key("decode_vector_bits float32")} and kept != stale  # the rest deleted
+    assert set(kept) == {tuning.choice_key(name) for name in mine} and kept != stale  # the rest deleted
     assert resolved["float32"].decode_vector_bits == kept[tuning.choice_key("decode_vector_bits float32")]["value"]
     _clear_choices()
     assert tuning.resolve_forms(jnp.float32) == resolved["float32"]  # read back, not measured
-    assert measured == ["decode_vector_bits float32"]
+    assert measured == mine
 
 
 _FRESH_PROCESS = """
