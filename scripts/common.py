@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -198,6 +199,17 @@ def save(fig, path: str | Path | None) -> None:
 
 
 # ---- timing -------------------------------------------------------------------------------------------------------
+def median(values: list):
+    """The median of the values that are not None (None: none is)."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def percentile_ms(seconds: list, q: float) -> float | None:
+    """The q-th percentile of durations in seconds, in milliseconds (None: no durations)."""
+    return 1e3 * float(np.percentile(seconds, q)) if seconds else None
+
+
 def best_time(fn, *args, repeats: int) -> float:
     """Seconds of the fastest of `repeats` calls of fn(*args) (waited for), after one untimed call."""
     fn(*args).block_until_ready()

@@ -93,7 +93,8 @@ class Worker:
         self.mesh = mesh
         self.shardings = None if mesh is None else (*sharding.state_shardings(mesh), sharding.replicated(mesh))
         if mesh is not None:
-            self.forms = dataclasses.replace(self.forms, kernels=False, rows_kernel_rows=0, paged_decode="off")
+            self.forms = dataclasses.replace(self.forms, kernels=False, rows_kernel_rows=0, f32_rows_kernel_rows=0,
+                                             paged_decode="off")
         self.stride, self.chunk_size = chunk_stride, math.gcd(default_chunk_size(self.forms.cpu), chunk_stride)
         self.budget = config.token_budget
         self.scan = cache.checkpoint_mode == "scan"

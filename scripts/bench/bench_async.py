@@ -27,8 +27,6 @@ Prints a table and writes JSON (default results/bench_async.json).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +36,8 @@ import numpy as np
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int, positive_ints
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
-from common import environment, model_config, run_command  # noqa: E402
+from common import (environment, median, model_config, percentile_ms, run_command,  # noqa: E402
+                    write_json)
 
 
 def one_pass(engine, prompts: list, args) -> dict:
@@ -66,17 +65,11 @@ def one_pass(engine, prompts: list, args) -> dict:
     gaps = [b - a for s in stamps.values() for a, b in zip(s, s[1:]) if a >= last_first]
     decode = sum(1 for s in stamps.values() for t in s if t > last_first)
     end = max(s[-1] for s in stamps.values())
-    return {"itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps else None,
-            "itl_p90_ms": 1e3 * float(np.percentile(gaps, 90)) if gaps else None,
+    return {"itl_p50_ms": percentile_ms(gaps, 50), "itl_p90_ms": percentile_ms(gaps, 90),
             "decode_tok_s": decode / (end - last_first) if end > last_first else None,
             "planned_ahead": after["planned_ahead"] - before["planned_ahead"],
             "compilations": after["compilations"] - before["compilations"],
             "token_ids": [tokens[str(i)] for i in range(len(prompts))]}
-
-
-def median(values: list):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def main(argv=None):
@@ -142,10 +135,8 @@ def main(argv=None):
               f"{r['planned_ahead']:>5} | {r['compilations']:>8} | {r['same_tokens']}")
     if any(not r["same_tokens"] for r in rows):
         print("note: some greedy outputs differ from those planned step by step (the same-tokens column)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), "environment": environment(), "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    result, out = {"config": vars(args), "environment": environment(), "rows": rows}, Path(args.out)
+    print(f"wrote {write_json(out.parent, out.name, result)}")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def _timed(layer, x, repeats: int, mesh=None) -> tuple[float, float]:
     places them."""
     forms = tuning.resolve_forms(x.dtype)
     if mesh is not None:
-        forms = dataclasses.replace(forms, kernels=False, rows_kernel_rows=0)
+        forms = dataclasses.replace(forms, kernels=False, rows_kernel_rows=0, f32_rows_kernel_rows=0)
     graphdef, params = nnx.split(layer)
     if mesh is not None:
         params = jax.tree_util.tree_map_with_path(lambda path, a: jax.device_put(a, jax.sharding.NamedSharding(

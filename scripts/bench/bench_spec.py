@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,7 +53,8 @@ from gdn_jax.config import MAX_SPECULATIVE_TOKENS
 from gdn_jax.entrypoints.cli import nonnegative_int, output_file, positive_int, positive_ints
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared helpers in common.py
-from common import environment, model_config, run_command  # noqa: E402
+from common import (environment, median, model_config, percentile_ms, run_command,  # noqa: E402
+                    write_json)
 
 TEXT_MODEL = "tiny"  # the trained built-in model: text prompts; any other model gets random token ids
 
@@ -131,19 +130,12 @@ def one_pass(engine, batch_prompts: list, args) -> dict:
     generated = sum(len(ids) for ids in tokens.values())
     return {"decode_tok_s": decode_tokens / (end - last_first) if end > last_first else None,
             "output_tok_s": generated / (end - start),
-            "itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps else None,
-            "itl_p90_ms": 1e3 * float(np.percentile(gaps, 90)) if gaps else None,
+            "itl_p50_ms": percentile_ms(gaps, 50), "itl_p90_ms": percentile_ms(gaps, 90),
             "acceptance": accepted / drafts if drafts else None, "draft_tokens": drafts, "accepted_tokens": accepted,
             "tokens_per_step": float(np.mean(per_step)) if per_step else None, "decode_tokens": decode_tokens,
             "generated_tokens": generated, "steps": steps, "wall_s": end - start,
             "compilations": after["compilations"] - before["compilations"],
             "token_ids": [tokens[str(i)] for i in range(len(batch_prompts))]}
-
-
-def median(values: list):
-    """The median of the values that are not None (None: none is)."""
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def main(argv=None):
@@ -256,10 +248,8 @@ def main(argv=None):
         print("note: some measured passes compiled (the compiles column): their times include it")
     if any(r["same_tokens_as_k0"] is False for r in rows):
         print("note: some greedy outputs differ from k=0's (the same-as-k=0 column)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), "environment": environment(), "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    result, out = {"config": vars(args), "environment": environment(), "rows": rows}, Path(args.out)
+    print(f"wrote {write_json(out.parent, out.name, result)}")
 
 
 if __name__ == "__main__":
