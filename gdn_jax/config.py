@@ -151,8 +151,8 @@ class SchedulingConfig:
               "every other step, so that its first token waits for no one else's prefill")
     async_scheduling: bool = _setting(
         False, "plan the next step while the device runs this one: its sampled tokens feed the next step on the "
-               "device, and a request that ends computes one more token, dropped (vLLM's name; not with speculation "
-               "or on several devices)")
+               "device, and a request that ends computes one more token, dropped (vLLM's name; not with "
+               "speculation)")
     # (no flags: `gdn-jax serve` bounds a whole HTTP request, prompts x n, and its queue with flags of its own)
     max_seqs_per_request: int = _setting(
         MAX_N, "sequences one request may add (its n); more is a ValueError", min=1, cli=False)
@@ -278,10 +278,9 @@ class EngineConfig:
             if refused:
                 raise ValueError(f"speculative_config runs on one device, in the default forms and checkpoint_mode "
                                  f"'scan': not with {refused}")
-        if self.scheduling.async_scheduling and (self.speculative_config is not None or
-                                                 self.tensor_parallel_size * self.expert_parallel_size > 1):
-            raise ValueError("async_scheduling runs on one device, without speculative_config: a verify step's "
-                             "tokens are known only once its drafts are checked")
+        if self.scheduling.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling runs without speculative_config: a verify step's tokens are known "
+                             "only once its drafts are checked")
         if self.token_budget < self.cache.chunk_stride:
             raise ValueError(f"max_num_batched_tokens ({self.token_budget}) must be >= chunk_stride "
                              f"({self.cache.chunk_stride})")

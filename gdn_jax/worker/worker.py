@@ -457,9 +457,11 @@ class Worker:
         """Compiles what async scheduling's feeds call (`_fed`): each rows bucket's token column, and the gather for
         each rows bucket of the step it feeds, from one sub-batch or two (a mixed step's)."""
         width = 3 + 2 * min(MAX_LOGPROBS, self.cfg.vocab_size)  # (`sample_packed`)
-        column = jnp.zeros(self.max_rows, jnp.int32)
+        # placed as a step's samples are (replicated over a mesh): a jitted function compiles per placement too
+        put = (lambda x: x) if self.mesh is None else functools.partial(jax.device_put, device=self.shardings[-1])
+        column = put(jnp.zeros(self.max_rows, jnp.int32))
         for B in self.sample_buckets():
-            token_column(jnp.zeros((B, width), jnp.int32), self.max_rows)
+            token_column(put(jnp.zeros((B, width), jnp.int32)), self.max_rows)
             for parts in (1, 2):
                 fed_tokens(np.zeros((B, 1), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32), (column,) * parts)
 

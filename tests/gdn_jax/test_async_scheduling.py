@@ -107,12 +107,34 @@ def test_a_failing_step_with_one_planned_ahead_fails_its_requests_and_the_engine
     _assert_same(ahead.generate(prompts, greedy, use_tqdm=False), want)
 
 
-def test_refused_with_speculation_or_on_several_devices():
-    with pytest.raises(ValueError, match="async_scheduling runs on one device, without speculative_config"):
+def test_refused_with_speculation():
+    with pytest.raises(ValueError, match="async_scheduling runs without speculative_config"):
         LLMEngine("tiny", async_scheduling=True, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
                   **KW)
-    with pytest.raises(ValueError, match="async_scheduling runs on one device"):
-        LLMEngine("tiny-random", async_scheduling=True, tensor_parallel_size=2, **KW)
+
+
+@pytest.mark.mesh
+def test_on_a_mesh_outputs_equal_one_device_step_by_step():
+    """Tensor parallelism over 2 devices, planned ahead: the samples a feed gathers are replicated over the mesh, and
+    warm-up compiles the feeds for that placement."""
+    from gdn_jax import jax_compat
+    from gdn_jax.worker import step
+
+    rng = np.random.default_rng(6)
+    prompts = [_ids(rng, int(n)) for n in rng.integers(5, 80, 6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    mesh = LLM("tiny-random", async_scheduling=True, tensor_parallel_size=2, **KW)
+    mesh.engine.worker._warm_up_feeds()
+    before = jax_compat.compilations((step.token_column, step.fed_tokens))
+    got = mesh.generate(prompts, greedy, use_tqdm=False)
+    want = LLM("tiny-random", **KW).generate(prompts, greedy, use_tqdm=False)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose([lp[t].logprob for t, lp in zip(a.outputs[0].token_ids, a.outputs[0].logprobs)],
+                                   [lp[t].logprob for t, lp in zip(b.outputs[0].token_ids, b.outputs[0].logprobs)],
+                                   atol=1e-4)
+    assert mesh.cache_stats()["planned_ahead"] > 5
+    assert jax_compat.compilations((step.token_column, step.fed_tokens)) == before
 
 
 def test_the_feeds_compile_in_warm_up_not_while_serving(pair):
