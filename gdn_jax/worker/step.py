@@ -81,10 +81,15 @@ def unpack_sampled(packed: np.ndarray) -> tuple:
 @dataclasses.dataclass
 class Launched:
     """A step dispatched to the device (`Worker.launch`), its results not read yet: per sub-batch (its rows, its
-    device results, full_rows), and where each sampling row's token lies, seq_id -> (sub-batch, row), for the next
-    step's pending tokens (`fed_tokens`)."""
+    device results, full_rows), and the sub-batches' plans."""
     parts: list
-    sources: dict
+    plans: list
+
+    @functools.cached_property
+    def sources(self) -> dict:
+        """Where each sampling row's token lies, seq_id -> (sub-batch, row), for the next step's pending tokens
+        (`fed_tokens`): read only when a step is fed from this one, so a step-by-step engine never builds it."""
+        return {s.seq_id: (j, i) for j, plan in enumerate(self.plans) for i, s in enumerate(plan.seqs) if s.sample}
 
 
 @functools.partial(jax.jit, static_argnums=1)

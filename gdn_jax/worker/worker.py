@@ -419,9 +419,7 @@ class Worker:
             if self._drop_stale(exc):
                 raise executables.StaleExecutable(str(exc)) from exc
             raise
-        sources = {s.seq_id: (j, i) for j, (part, _, _) in enumerate(parts) for i, s in enumerate(part.seqs)
-                   if s.sample}
-        return Launched(launched, sources)
+        return Launched(launched, [part for part, _, _ in parts])
 
     def collect(self, launched: Launched) -> StepResult:
         """Waits for a launched step and returns its samples per row, in the plan's order (a mixed plan's
