@@ -7,10 +7,10 @@ persistent compilation cache, every executable kept, so that a process loads the
 compiled, in a fresh clone too, and a re-traced identical program (a fresh jit of the same function) loads instead
 of compiling. Unset, the cache stays off.
 
-Either way the engine's executable store (gdn_jax.worker.executable_store) stays off unless a test names its folder, and the
-subprocesses the tests start (servers, CLIs) run without any cache: an executable that JAX loaded from its cache
-cannot be serialized again on the CPU (the copy fails at dispatch, "Function ... not found"), and the store saves
-what warm-up compiled, which with the cache on may be such a load."""
+Either way the engine's executable store (gdn_jax.worker.executable_store) stays off unless a test names its folder:
+an executable that JAX loaded from its cache cannot be serialized again on the CPU (the copy fails at dispatch,
+"Function ... not found"), and the store saves what warm-up compiled, which with the cache on may be such a load. The
+subprocesses the tests start (servers, CLIs, scripts) share the lane's JAX cache, with no store either."""
 
 import os
 from pathlib import Path
@@ -28,6 +28,12 @@ if _cache and _cache != "0":
     _folder = Path(__file__).resolve().parent.parent / ".cache" / "jax" if _cache == "1" else Path(_cache)
     jax.config.update("jax_compilation_cache_dir", str(_folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # the subprocesses too (servers, scripts, notebooks), through JAX's own variables: they load what the lane
+    # compiled, and read the CPU choices the lane measured (kept beside the cache), where each used to compile and
+    # measure afresh; a test that names a folder of its own for the engine drops them
+    # (`tests.gdn_jax.helpers.own_cache_env`)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_folder)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 _default_folder = executables.default_folder
 executables.default_folder = lambda cache=None: _default_folder(cache) if cache else None  # store: named folders only

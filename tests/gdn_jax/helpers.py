@@ -1,5 +1,7 @@
-"""Small builders shared by the model tests: a one-row batch over a contiguous block table; prefill compile options."""
+"""Small builders shared by the model tests: a one-row batch over a contiguous block table; prefill compile options;
+the environment of a subprocess with caches of its own."""
 
+import os
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -13,6 +15,13 @@ BLOCK_SIZE = 16
 # and its kernels compile with it too, as the engine would, and faster than with XLA's default emitters.
 PREFILL_OPTIONS = compiler_options("prefill")
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_tiny"
+
+
+def own_cache_env(**env) -> dict:
+    """This process's environment for a subprocess whose engine keeps its caches where `env` says (GDN_JAX_CACHE_DIR),
+    less the lane's JAX cache (tests/conftest.py), which the engine would take as the folder already configured."""
+    lane = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    return {**{k: v for k, v in os.environ.items() if k not in lane}, **env}
 
 
 def random_ids(rng, n) -> list[int]:

@@ -19,7 +19,7 @@ from gdn_jax.backends.cpu import library
 from gdn_jax import LLM, SamplingParams
 from gdn_jax.model.forms import Forms
 from gdn_jax.worker import executable_store as executables
-from tests.gdn_jax.helpers import random_ids
+from tests.gdn_jax.helpers import own_cache_env, random_ids
 
 pytestmark = pytest.mark.startup
 
@@ -592,7 +592,7 @@ def _cache_child(folder, max_mb, programs, *flags):
     import subprocess
     import sys
 
-    env = dict(os.environ, GDN_JAX_CACHE_DIR=str(folder), GDN_JAX_CACHE_MAX_MB=max_mb, JAX_PLATFORMS="cpu")
+    env = own_cache_env(GDN_JAX_CACHE_DIR=str(folder), GDN_JAX_CACHE_MAX_MB=max_mb, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(programs), *flags], env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -653,7 +653,7 @@ def test_a_damaged_entry_of_jax_cache_warns_at_one_start_not_at_every_one(tmp_pa
     import sys
 
     def start():
-        env = dict(os.environ, GDN_JAX_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+        env = own_cache_env(GDN_JAX_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
         done = subprocess.run([sys.executable, "-c", _DAMAGED_CACHE_CHILD], env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -713,7 +713,7 @@ def test_a_store_refilled_while_jax_cache_holds_the_programs_serves_the_next_pro
     import subprocess
     import sys
 
-    env = {**os.environ, "GDN_JAX_CACHE_DIR": str(tmp_path)}
+    env = own_cache_env(GDN_JAX_CACHE_DIR=str(tmp_path))
 
     def start():
         r = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, timeout=300)
