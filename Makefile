@@ -24,12 +24,13 @@ run: $(VENV)/.installed
 # lists the groups), since one process compiling all the suite's step shapes ran out of memory maps (.ci/run raises
 # vm.max_map_count). Compiling takes most of the time, on one core, so two lanes of processes run at once; a lane's
 # processes share compiled executables through JAX's persistent cache in a folder of its own (tests/conftest.py).
-# Modules that name no group run in the engine lane's third process. Every group but the engine's and the
-# deterministic mode's compiles with LLVM's optimisation off (in half the time): the model's parts against their
-# references, loading and starting, what the server, training, the studies and the scripts do with the model's
-# results, and the mesh tests (tensor and expert parallelism against one device, in a process of 8 host devices).
-# The engine group, compiled as a user's engine is, holds the claims about the code XLA emits (pools updated in
-# place, bitwise-equal states); the xla_forms tests run (again) with the CPU kernels off, in XLA's forms.
+# Modules that name no group run in the engine lane's fourth process. Every group but the compiled and the
+# deterministic mode's compiles with LLVM's optimisation off (in half the time): the engine's behaviour and
+# exactness, the model's parts against their references, loading and starting, what the server, training, the
+# studies and the scripts do with the model's results, and the mesh tests (tensor and expert parallelism against one
+# device, in a process of 8 host devices). The compiled group, compiled as a user's engine is, holds the claims about
+# the code XLA emits (pools updated in place, bitwise-equal states, the server's compile options) and speculation
+# (its sampling test runs many steps); the xla_forms tests run (again) with the CPU kernels off, in XLA's forms.
 PYTEST = $(PY) -m pytest -q --ignore=tests/reference
 PLUMBING := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 .PHONY: test-serial test-lane-engine test-lane-rest
@@ -43,9 +44,10 @@ test: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j2 --output-sync=line test-lane-engine test-lane-rest
 test-serial: test-lane-engine test-lane-rest
 test-lane-engine: $(VENV)/.installed
-	$(PYTEST) -m "engine and not mesh"
+	$(PLUMBING) $(PYTEST) -m "engine and not mesh"
+	$(PYTEST) -m "compiled and not mesh"
 	$(PLUMBING) $(PYTEST) -m model
-	$(PYTEST) -m "not (engine or model or startup or server or studies or bench or mesh or deterministic or xla_forms)"
+	$(PYTEST) -m "not (engine or compiled or model or startup or server or studies or bench or mesh or deterministic or xla_forms)"
 	$(PLUMBING) $(PYTEST) -m studies
 test-lane-rest: $(VENV)/.installed
 	$(PLUMBING) $(PYTEST) -m startup

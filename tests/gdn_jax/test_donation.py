@@ -12,7 +12,7 @@ from gdn_jax.engine import LLMEngine
 
 # the engine group: every step shape, the CPU's forms; `make test` runs the xla_forms tests again with the CPU kernels
 # off (XLA's forms): there a subset of the shapes, the ones that differ most
-ENGINE, XLA_FORMS = pytest.mark.engine, pytest.mark.xla_forms
+COMPILED, XLA_FORMS = pytest.mark.compiled, pytest.mark.xla_forms
 
 # pools far larger than any activation of the tiny model, so a pool-sized temporary cannot hide among them
 ENGINE_KW = dict(max_num_seqs=2, max_model_len=64, chunk_stride=32, num_kv_blocks=1024, num_linear_slots=1024,
@@ -38,7 +38,7 @@ def _layer_pools(state) -> list:
     return [state.k[:, 0], state.v[:, 0], state.conv[0], state.ssm[0]]
 
 
-@ENGINE
+@COMPILED
 @pytest.mark.slow  # compiles every bucket: ~30 s without the compilation cache
 @pytest.mark.parametrize("dtype", ["float32"])  # bfloat16 (16-bit pools): the subset below, and the deterministic steps
 def test_no_step_shape_copies_a_pool(dtype):
@@ -78,7 +78,7 @@ def _assert_no_pool_copied(worker, shapes):
         assert mem.temp_size_in_bytes < min(p.nbytes for p in _layer_pools(worker.state)), (shape, mem.temp_size_in_bytes)
 
 
-@ENGINE
+@COMPILED
 @XLA_FORMS
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_unrolled_one_row_decode_step_updates_the_pools_in_place(monkeypatch, dtype):

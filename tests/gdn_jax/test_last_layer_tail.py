@@ -15,7 +15,7 @@ from gdn_jax.model.qwen35 import forward, init_model
 from gdn_jax.model.state import Batch, init_state
 from tests.gdn_jax.helpers import BLOCK_SIZE, PREFILL_OPTIONS
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.compiled
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from gdn_jax.entrypoints.openai.api_server import ServerThread, create_app
 from gdn_jax.entrypoints.openai.engine_loop import EngineLoop
 from gdn_jax.entrypoints.openai.serving_engine import ServerConfig
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.compiled
 
 # a geometry of its own: no other test of its group compiles its step shapes into the persistent cache first
 ENGINE_KW = dict(block_size=16, chunk_stride=32, max_num_seqs=4, max_model_len=112, verbose=False)

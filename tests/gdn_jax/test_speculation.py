@@ -13,7 +13,7 @@ from gdn_jax import LLM, LLMEngine, SamplingParams
 from gdn_jax.model.weights import hf_tensors, load_model
 from tests.gdn_jax.helpers import FIXTURE, random_ids
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.compiled
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 # (two rows and a budget of 32 tokens: few step shapes to compile)
