@@ -149,6 +149,10 @@ class SchedulingConfig:
     new_request_steps: bool = _setting(
         True, "with mixed_steps, a new request's first prefill runs ahead of its turn in a step of its own, at most "
               "every other step, so that its first token waits for no one else's prefill")
+    max_running_per_request: int | None = _setting(
+        None, "sequences of one request (the server's: one HTTP request's prompts x n) running at once; the rest "
+              "wait while other requests' are admitted, so that one client's flood keeps the steps short (None: "
+              "max_num_seqs)", min=1)
     async_scheduling: bool = _setting(
         False, "plan the next step while the device runs this one: its sampled tokens feed the next step on the "
                "device, and a request that ends computes one more token, dropped (vLLM's name; not with "

@@ -47,6 +47,11 @@ class SchedulerConfig:
     # of its own (its first prefill, with no decode rows), and the next step is an ordinary one: a short request's
     # first token waits for no one else's prefill, as under a flood of samples.
     new_request_steps: bool = True
+    # Sequences of one request (one lane of the waiting queue: `Scheduler.add`'s group, the server's HTTP request)
+    # running at once (None: no bound but max_num_seqs). A request at its bound passes its turn to the others, and
+    # forks only as many samples as it has room for; a step then holds fewer of its rows, which keeps a flood's steps
+    # short where a step costs about in proportion to its rows (the CPU), at the cost of the flood's throughput.
+    max_running_per_request: int | None = None
     # The engine plans the next step while the device runs this one, before this one's samples are known: a row's
     # token sampled by the step in flight is `PENDING_TOKEN` in the plan, which the worker takes from that step's
     # results on the device (`Scheduler.postprocess(ahead=True)`, `resolve`). Not with speculation.
@@ -80,6 +85,8 @@ class SchedulerConfig:
                 f"({self.block_size}), got {self.chunk_stride}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_running_per_request is not None and self.max_running_per_request < 1:
+            raise ValueError(f"max_running_per_request must be >= 1 or None, got {self.max_running_per_request}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens < self.chunk_stride:

@@ -31,6 +31,7 @@ class ForkScheduling:
         advances the parent), in the order the parents were added; the ones that do not fit now run as ordinary
         requests. Adds to `parents` the parents that forked a child. Returns the budget left. Only running parents
         are looked at: a queued one cannot fork, and a step's work must not grow with the queue."""
+        running = self._running_per_request()
         ready = [s.seq_id for s in self.running
                  if s.seq_id in self.forks and s.num_computed_tokens == self.forks[s.seq_id][0]]
         for parent_id in sorted(ready, key=self.fork_rank.__getitem__):
@@ -39,7 +40,7 @@ class ForkScheduling:
             left = []
             for child in children:
                 need = len(child.token_ids) - point
-                if (len(self.running) >= self.config.max_num_seqs or need > budget
+                if (len(self.running) >= self.config.max_num_seqs or need > budget or self._at_bound(running, child)
                         or not self.block_manager.can_fork(child, point)):
                     left.append(child)
                     continue
@@ -52,6 +53,8 @@ class ForkScheduling:
                 child.kv_match = child.num_cached_tokens = point
                 child.num_admissions = 1
                 self.running.append(child)
+                if running is not None:
+                    running[child.lane] += 1
                 budget -= need
                 rows.append(self._row(child, len(child.token_ids), op))
                 self.counters["forks"] += 1

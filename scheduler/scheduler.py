@@ -83,6 +83,8 @@ class Scheduler(ForkScheduling, AheadScheduling):
             seq.checkpoint_positions = tuple(sorted({*seq.checkpoint_positions, end}))
         self.seqs[seq.seq_id] = seq
         self.lane_of[seq.seq_id] = lane
+        for s in [seq] + forks:
+            s.lane = lane
         self.waiting.append(seq, request=lane)
         for c in forks:
             self.seqs[c.seq_id] = c
@@ -246,7 +248,13 @@ class Scheduler(ForkScheduling, AheadScheduling):
     def _admit(self, rows: list[ScheduledSequence], budget: int, longest: int, head, pop) -> None:
         """Admit `head()` (None: no more) while it fits in the rows, blocks, slots and `budget`; `pop` takes it
         out of the waiting queue."""
+        running, passed = self._running_per_request(), set()
         while len(self.running) < self.config.max_num_seqs and (seq := head()) is not None:
+            if self._at_bound(running, seq) and self.waiting.pass_turn():  # the other requests' turn
+                if seq.lane in passed:  # every request that waits is at its bound
+                    break
+                passed.add(seq.lane)
+                continue
             m = self.block_manager.admissible(seq, self.block_manager.match(seq))
             if m is None:
                 break
@@ -263,9 +271,19 @@ class Scheduler(ForkScheduling, AheadScheduling):
             self._record_admission(seq, m)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if running is not None:
+                running[seq.lane] += 1
             budget -= end - m.reuse
             rows.append(self._row(seq, end, op))
             longest = max(longest, end - m.reuse)
+
+    def _running_per_request(self) -> Counter | None:
+        """Running sequences per request (lane), where `max_running_per_request` bounds them (else None)."""
+        return Counter(s.lane for s in self.running) if self.config.max_running_per_request else None
+
+    def _at_bound(self, running: Counter | None, seq: Sequence) -> bool:
+        """Whether `seq`'s request runs `max_running_per_request` sequences (`running`: `_running_per_request`)."""
+        return running is not None and running[seq.lane] >= self.config.max_running_per_request
 
     def _plan_saves(self, rows: list[ScheduledSequence]) -> list[CheckpointSave]:
         """"scan" mode: a checkpoint slot for each boundary a row crosses (policy "all") or for the deepest one

@@ -23,6 +23,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.num_computed_tokens = 0
+        self.lane = seq_id  # its request's lane of the waiting queue (`Scheduler.add`): a request's sequences share it
 
         # KV leaf: physical blocks covering positions [0, len(block_table) * block_size).
         self.block_table: list[int] = []

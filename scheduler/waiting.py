@@ -153,6 +153,16 @@ class WaitingQueue:
                 del self._lanes[lane.request]
         return seq
 
+    def pass_turn(self) -> bool:
+        """The head's request passes its turn: its lane goes after every other (a request at its bound of running
+        sequences, `Scheduler._admit`). False, and nothing changes, when the head is a preempted sequence (it has no
+        turn: it goes first) or nothing waits."""
+        lane = self._head_lane()
+        if lane is None or lane is self._preempted:
+            return False
+        self._turns.rotate(-1)
+        return True
+
     def new_head(self) -> Sequence | None:
         """The next sequence of the oldest request none of whose sequences was admitted yet, if one waits (nothing
         preempted waits). The scheduler admits it ahead of its turn (`pop_new`), in a step of its own, so that a

@@ -362,14 +362,14 @@ def test_bench_moe_times_both_layers_and_plans_every_split(tmp_path):
 
 @pytest.mark.slow
 def test_bench_flood_reports_both_phases_and_the_refusal_past_the_limit(tmp_path):
-    """A flood of 2 prompts x n=16 (16 tokens each) behind a server of 4 sequences: the small requests get their
-    first token in both phases, the flood finishes every sequence, and a request of n's largest is refused with 429
-    past the limit."""
+    """A flood of 2 prompts x n=16 (16 tokens each) behind a server of 4 sequences, 2 of one request at once: the
+    small requests get their first token in both phases, the flood finishes every sequence, and a request of n's
+    largest is refused with 429 past the limit."""
     out = tmp_path / "flood.json"
     _script("bench_flood").main(["--model", "tiny-random", "--prompts", "2", "--n", "16", "--warm-prompts", "1",
                                  "--flood-max-tokens", "16",
                                  "--rounds", "2", "--interval", "0.05", "--headroom", "8", "--max-num-seqs", "4",
-                                 "--max-model-len", "64", "--out", str(out)])
+                                 "--max-running-per-request", "2", "--max-model-len", "64", "--out", str(out)])
     result = json.loads(out.read_text())
     for phase in ("idle", "behind the flood"):
         assert result[phase]["requests"] == 2 and 0 < result[phase]["ttft_p50_ms"] <= result[phase]["ttft_max_ms"]

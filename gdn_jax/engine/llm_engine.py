@@ -112,7 +112,8 @@ class LLMEngine:
             state_fingerprint=f"{self.cfg.fingerprint()}:{config.dtype}", eos_token_id=self.cfg.eos_token_id,
             unsafe_reuse=cache.unsafe_reuse, checkpoint_mode=cache.checkpoint_mode,
             checkpoint_policy=cache.checkpoint_policy, mixed_steps=sched.mixed_steps,
-            new_request_steps=sched.new_request_steps, async_scheduling=sched.async_scheduling,
+            new_request_steps=sched.new_request_steps,
+            max_running_per_request=sched.max_running_per_request, async_scheduling=sched.async_scheduling,
             checkpoint_eviction=cache.checkpoint_eviction, eviction_alpha=cache.eviction_alpha,
             checkpoint_placement=cache.checkpoint_placement,
             num_host_checkpoints=(cache.host_checkpoint_bytes // self.memory.bytes_per_linear_slot

@@ -134,7 +134,9 @@ async def measure(url: str, args) -> dict:
 def server_process(args) -> ServerProcess:
     """`gdn-jax serve` admitting the flood."""
     size = max(args.prompts * args.n, MAX_N)  # the flood, and the request past the limit
-    return ServerProcess(["--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
+    extra = [] if args.max_running_per_request is None else ["--max-running-per-request",
+                                                             str(args.max_running_per_request)]
+    return ServerProcess(["--model", args.model, "--max-num-seqs", str(args.max_num_seqs), *extra,
                           "--max-model-len", str(args.max_model_len),
                           "--max-tokens-limit", str(max(args.max_tokens, args.flood_max_tokens)),
                           "--max-sequences-per-request", str(size), "--max-waiting-sequences",
@@ -163,6 +165,8 @@ def main(argv=None):
                     help="--max-waiting-sequences past the flood's size (default: %(default)s)")
     ap.add_argument("--max-num-seqs", type=positive_int, default=64,
                     help="the server's running sequences (default: %(default)s)")
+    ap.add_argument("--max-running-per-request", type=positive_int, default=None,
+                    help="the server's bound on one request's running sequences (default: none)")
     ap.add_argument("--max-model-len", type=positive_int, default=256,
                     help="the server's context (default: %(default)s)")
     ap.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed (default: %(default)s)")

@@ -49,6 +49,38 @@ def test_requests_of_one_group_take_one_turn_together():
     assert sched.lane_of == {}
 
 
+@pytest.mark.parametrize("prompt_len", [3, 18], ids=["plain-samples", "forked-samples"])
+def test_a_request_at_its_bound_of_running_sequences_lets_the_others_in(prompt_len):
+    """`max_running_per_request=2`, 8 rows: 12 samples of one prompt (plain, or forked) never run more than 2 at once,
+    while a group of 3 one-sample requests queued after them and a lone request arriving later run beside them (the
+    group's 3 at most 2 at once too): the flood's lane passes its turn instead of holding the queue. Without the
+    bound the flood takes 7 rows at once."""
+    cfg = small_config(max_num_seqs=8, max_running_per_request=2)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    flood = [make_seq(i, P[:prompt_len], max_tokens=6) for i in range(12)]
+    sched.add(flood[0], forks=flood[1:])
+    group = [make_seq(20 + i, P[i:i + 3], max_tokens=6) for i in range(3)]
+    for seq in group:
+        sched.add(seq, group="client-b")
+    for seq in flood + group:
+        dev.add(seq)
+    lanes = {s.seq_id: "flood" for s in flood} | {s.seq_id: "group" for s in group} | {99: "lone"}
+    most, plans = {}, []
+    while sched.has_unfinished():
+        if len(plans) == 3:
+            submit(sched, dev, make_seq(99, P[20:25], max_tokens=2))
+        plans.append(plan := sched.schedule())
+        sched.check_invariants()
+        sched.postprocess(plan, dev.execute(plan))
+        running = [lanes[s.seq_id] for s in sched.running]
+        for lane in set(running):
+            most[lane] = max(most.get(lane, 0), running.count(lane))
+    assert most == {"flood": 2, "group": 2, "lone": 1}
+    lone = next(i for i, p in enumerate(plans) if any(r.seq_id == 99 for r in p.seqs))
+    assert lone <= 4  # the step after it arrived, or the one after (a new request's own step)
+    assert all(len(s.output_token_ids) == 6 for s in flood + group)
+
+
 def test_requests_take_one_admission_each_in_turn():
     cfg = small_config(max_num_seqs=1)
     sched, dev = Scheduler(cfg), FakeDevice(cfg)

@@ -30,9 +30,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 caching=st.sampled_from([True, True, True, False]), eos=st.sampled_from([None, 0]),
                 mode=st.sampled_from(["scan", "promote"]), policy=st.sampled_from(["all", "last"]),
                 placement=st.sampled_from(["stride", "end_of_turn"]), host=st.sampled_from([0, 0, 1, 3]),
-                offload=st.booleans())
+                offload=st.booleans(), per_request=st.sampled_from([None, None, 1, 2]))
     def setup(self, block_size, chunk_blocks, max_num_seqs, extra_slots, extra_blocks,
-              budget_chunks, has_linear, caching, eos, mode, policy, placement, host, offload):
+              budget_chunks, has_linear, caching, eos, mode, policy, placement, host, offload, per_request):
         chunk_stride = block_size * chunk_blocks
         self.config = SchedulerConfig(
             block_size=block_size, chunk_stride=chunk_stride,
@@ -41,7 +41,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=chunk_stride * budget_chunks,
             enable_prefix_caching=caching, has_linear_attention_layers=has_linear,
             eos_token_id=eos, state_fingerprint="prop", checkpoint_mode=mode, checkpoint_policy=policy,
-            checkpoint_placement=placement, num_host_checkpoints=host, offload_checkpoints=offload and host > 0)
+            checkpoint_placement=placement, num_host_checkpoints=host, offload_checkpoints=offload and host > 0,
+            max_running_per_request=per_request)
         self.sched = Scheduler(self.config)
         self.dev = FakeDevice(self.config)
         self.next_id = 0
