@@ -911,11 +911,13 @@ def test_bench_decode_checks_that_the_profiled_and_the_last_steps_run_the_whole_
 @pytest.mark.slow  # ~25 s: the tiny model's training step compiles in both compute dtypes
 def test_bench_train_times_compilation_apart_from_the_first_step(tmp_path):
     """Per compute dtype: compilation alone (`compile_s`), the first step apart from it (`first_step_s`), then the
-    timed steps; the JSON holds what the table prints. compile_s held the first step too."""
+    timed steps, at a smaller batch than the training run's; the JSON holds what the table prints. compile_s held
+    the first step too."""
     out = tmp_path / "train.json"
-    rows = _script("bench_train").main(["--repeats", "1", "--out", str(out)])
+    rows = _script("bench_train").main(["--repeats", "1", "--batch", "2", "--seq-len", "64", "--out", str(out)])
     assert json.loads(out.read_text()) == rows
     assert [r["compute_dtype"] for r in rows] == ["float32", "bfloat16"]
+    assert {(r["batch"], r["seq_len"]) for r in rows} == {(2, 64)}
     for r in rows:
         assert r["compile_s"] > 0 and r["first_step_s"] > 0 and 0 < r["step_s_min"] <= r["step_s_median"]
         assert r["tokens_per_s_best"] == pytest.approx(r["batch"] * r["seq_len"] / r["step_s_min"])

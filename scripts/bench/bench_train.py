@@ -1,7 +1,7 @@
 """Training throughput of the shipped `tiny` config: one optimiser step (forward + backward + AdamW) in float32 vs
 bfloat16 compute (float32 master weights either way), at the batch shape of its training run.
 
-    .venv/bin/python scripts/bench/bench_train.py [--repeats 10]
+    .venv/bin/python scripts/bench/bench_train.py [--repeats 10] [--batch B --seq-len T]
 
 Prints a table and writes results/bench_train.json.
 """
@@ -33,13 +33,17 @@ from common import run_command  # noqa: E402
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="bench_train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=positive_int, default=10, help="timed steps per dtype (default: %(default)s)")
+    ap.add_argument("--batch", type=positive_int, default=None,
+                    help="sequences per step (default: the training run's)")
+    ap.add_argument("--seq-len", type=positive_int, default=None,
+                    help="tokens per sequence (default: the training run's)")
     ap.add_argument("--out", type=output_file, default=str(ROOT / "results" / "bench_train.json"),
                     help="JSON output (default: %(default)s)")
     args = ap.parse_args(argv)
     folder = MODELS_DIR / "tiny"
     cfg = ModelConfig.from_pretrained(folder)
     hp = json.loads((folder / "training.json").read_text())["args"]
-    B, T = hp["batch"], hp["seq_len"]
+    B, T = args.batch or hp["batch"], args.seq_len or hp["seq_len"]
     tc = TrainConfig(steps=1000, batch=B, seq_len=T, lr=hp["lr"], warmup=hp["warmup"])
     stream = load_corpus(hp["heldout_bytes"]).train
     rows = []
