@@ -247,7 +247,7 @@ class Scheduler(ForkScheduling, AheadScheduling):
 
     def _admit(self, rows: list[ScheduledSequence], budget: int, longest: int, head, pop) -> None:
         """Admit `head()` (None: no more) while it fits in the rows, blocks, slots and `budget`; `pop` takes it
-        out of the waiting queue."""
+        out of the waiting queue. A request at `max_running_per_request` passes its turn instead."""
         running, passed = self._running_per_request(), set()
         while len(self.running) < self.config.max_num_seqs and (seq := head()) is not None:
             if self._at_bound(running, seq) and self.waiting.pass_turn():  # the other requests' turn
