@@ -23,7 +23,8 @@ class ForkScheduling:
         """The children of `parent_id` become ordinary sequences of its request, first in its lane of the waiting
         queue, which takes the next turn unless it has one already."""
         children = self._pop_forks(parent_id)
-        self.waiting.push_first(children, self.lane_of.get(parent_id, parent_id))
+        if children:
+            self.waiting.push_first(children, children[0].lane)
         self.counters["fork_fallbacks"] += len(children)
 
     def _schedule_forks(self, rows: list[ScheduledSequence], budget: int, parents: set[int] | None = None) -> int:

@@ -36,7 +36,6 @@ class Scheduler(ForkScheduling, AheadScheduling):
         self.running: list[Sequence] = []  # admission order, oldest first
         self.prefilling: dict[int, Sequence] = {}  # running, more than one token left to compute
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
-        self.lane_of: dict[int, object] = {}  # a request's first sequence -> its lane in the waiting queue (`add`)
         self.inflight: StepPlan | None = None  # scheduled, not yet postprocessed
         self.aborted_inflight: set[int] = set()  # aborted while their step runs: released at postprocess
         # first admissions only: queries, hits, query_tokens, reused_tokens (re-admissions after preemption are
@@ -82,7 +81,6 @@ class Scheduler(ForkScheduling, AheadScheduling):
             end = len(seq.token_ids) // bs * bs
             seq.checkpoint_positions = tuple(sorted({*seq.checkpoint_positions, end}))
         self.seqs[seq.seq_id] = seq
-        self.lane_of[seq.seq_id] = lane
         for s in [seq] + forks:
             s.lane = lane
         self.waiting.append(seq, request=lane)
@@ -533,7 +531,6 @@ class Scheduler(ForkScheduling, AheadScheduling):
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
-        self.lane_of.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block and checkpoint not in use (e.g. between A/B runs). True when the prefix

@@ -46,7 +46,25 @@ def test_requests_of_one_group_take_one_turn_together():
     submit(sched, dev, make_seq(99, P[20:23], max_tokens=1))
     assert [s.seq_id for s in sched.waiting] == [0, 99, 1, 2, 3, 4, 5]
     assert _admission_order(run(sched, dev)) == [0, 99, 1, 2, 3, 4, 5]
-    assert sched.lane_of == {}
+    assert sched.seqs == {} and not sched.waiting
+
+
+def test_samples_that_cannot_fork_wait_in_their_groups_lane():
+    """A group's request of 4 samples (18 tokens: the parent forks at 16) and a one-sample request, then a lone
+    request; one row, so the 3 children fall back to the queue. They go first in the group's lane, whose turns
+    alternate with the lone request's: the lone request is admitted second (a lane of their own would take the next
+    turn and put it third)."""
+    cfg = small_config(max_num_seqs=1)
+    sched, dev = Scheduler(cfg), FakeDevice(cfg)
+    samples = [make_seq(i, P[:18], max_tokens=2) for i in range(4)]
+    sched.add(samples[0], forks=samples[1:], group="client-a")
+    other = make_seq(10, P[20:23], max_tokens=1)
+    sched.add(other, group="client-a")
+    for seq in [*samples, other]:
+        dev.add(seq)
+    submit(sched, dev, make_seq(99, P[24:27], max_tokens=1))
+    assert _admission_order(run(sched, dev)) == [0, 99, 1, 2, 3, 10]
+    assert sched.counters["fork_fallbacks"] == 3
 
 
 @pytest.mark.parametrize("prompt_len", [3, 18], ids=["plain-samples", "forked-samples"])
