@@ -22,7 +22,6 @@ plain decoding: a seeded request gives the same tokens with speculation as witho
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 
@@ -193,22 +192,37 @@ class SpecWorker(Worker):
         sampled = unpack_sampled(packed[:n * P] if kind == "verify" else np.repeat(packed[:n], P, axis=0))
         return StepResult(*sampled, positions=P, accepted=accepted[:n], drafts=drafts[:n])
 
+    def _run_padding(self, kind: str, B: int, T: int):
+        """Runs the spec executable (kind, B, T) on an all-padding sub-batch; returns the state."""
+        args = (self._param_leaves, self.state, *self._spec_padding(kind, B, T))
+        self.state = self._call((kind, B, T), self._spec_fns[kind], args)[0]
+        return self.state
+
+    def _lower_spec(self, kind: str, B: int, T: int):
+        return self._spec_fns[kind].lower(self._param_leaves, self.state, *self._spec_padding(kind, B, T))
+
     def warm_up(self, prompt_logprobs: bool = False, compile_threads: int | None = None) -> int:
-        """Compiles every spec executable (`spec_shapes`; the executable store keeps none of them) and runs each
-        once on an all-padding sub-batch; the prompt-logprobs prefill too with `prompt_logprobs`."""
+        """Every spec executable (`spec_shapes`) from the executable store, else compiled and stored (keyed by the
+        number of drafts too), as `Worker.warm_up` does; then runs each once on an all-padding sub-batch; the
+        prompt-logprobs prefill too with `prompt_logprobs`."""
         threads = compile_threads_default() if compile_threads is None else compile_threads
         shapes = self.spec_shapes()
-        with gc_paused(), concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            futures = [pool.submit(self._spec_fns[kind].lower(self._param_leaves, self.state,
-                                                              *self._spec_padding(kind, B, T)).compile)
-                       for kind, B, T in shapes]
-            for (kind, B, T), future in zip(shapes, futures):
-                self._executables[(kind, B, T)] = future.result()
-        self.warm_up_stats = {"loaded": 0, "compiled": len(shapes)}
+        jobs = [((kind, B, T), (self._param_leaves, self.state, *self._spec_padding(kind, B, T)), None,
+                 functools.partial(self._lower_spec, kind, B, T)) for kind, B, T in shapes]
+        with gc_paused():
+            loaded, compiled = self._load_or_compile(
+                jobs, (repr(self.cfg), self.chunk_size, self.gdn_schedule, self.k), max(1, threads))
+        self.warm_up_stats = {"loaded": loaded, "compiled": compiled}
         if not self.abstract:
             for kind, B, T in shapes:
-                self.state = self._executables[(kind, B, T)](self._param_leaves, self.state,
-                                                             *self._spec_padding(kind, B, T))[0]
+                self._called = []
+                try:
+                    jax.block_until_ready(self._run_padding(kind, B, T))
+                except Exception as exc:  # a stored executable that no longer runs: dropped, compiled (`Worker`)
+                    if not self._drop_stale(exc):
+                        raise
+                    self.reset_state()
+                    self._run_padding(kind, B, T)
             if prompt_logprobs:
                 for B, T, NB in self.shape_buckets():
                     if T > 1:

@@ -228,31 +228,15 @@ class Worker:
             raise ValueError(f"compile_threads must be at least 1, got {compile_threads}")
         shapes = self.shape_buckets()
         extra = [(B, T, NB) for B, T, NB in shapes if T > 1] if prompt_logprobs else []
-        folder, static = self.executable_dir, (repr(self.cfg), self.chunk_size, self.gdn_schedule)
         jobs = ([(("step", B, T), self._key_args(B, T), compiler_options(executable_kind(B, T), self.forms),
                   functools.partial(self.lowered_step, (B, T, NB))) for B, T, NB in shapes]
                 + [(("sample", B), self._sample_key_args(B), compiler_options("sample"),
                     functools.partial(self.lowered_sample, B))
                    for B in self.sample_buckets()])
-        keys = [executables.executable_key(name[0], static, args, options, self.forms) if folder else None
-                for name, args, options, _ in jobs]
-        # two threads (deserializing releases the GIL); what a load warns points at the user's line
-        found = map_on_threads(functools.partial(executables.load, folder), keys, threads=2)
-        loaded, pending = 0, []
-        fresh = executables.fresh_compilation() if folder else contextlib.nullcontext()  # what the store saves
-        with fresh, concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            for (name, _, _, lower), key, compiled in zip(jobs, keys, found):
-                if compiled is not None:
-                    self._executables[name], self._stored[name], loaded = compiled, key, loaded + 1
-                else:
-                    pending.append((name, key, pool.submit(lower().compile)))
-            prompt = [pool.submit(self.lowered_prompt_step(shape).compile) for shape in extra]
-            for name, key, future in pending:
-                self._executables[name] = future.result()
-                executables.save(folder, key, self._executables[name])
-            for future in prompt:
-                future.result()
-        self.warm_up_stats = {"loaded": loaded, "compiled": len(pending) + len(extra)}
+        prompt = [functools.partial(self.lowered_prompt_step, shape) for shape in extra]
+        loaded, compiled = self._load_or_compile(jobs, (repr(self.cfg), self.chunk_size, self.gdn_schedule), threads,
+                                                 prompt)
+        self.warm_up_stats = {"loaded": loaded, "compiled": compiled}
         if not self.abstract:
             for shape in shapes:
                 self._called = []
@@ -269,6 +253,31 @@ class Worker:
                 self._warm_up_feeds()
             jax.block_until_ready(self.state)
         return len(shapes) + len(extra)
+
+    def _load_or_compile(self, jobs: list, static, threads: int, unstored: list = ()) -> tuple[int, int]:
+        """Each job's executable (name, its key's arguments, compiler options, a function that lowers it) from the
+        executable store, else compiled and stored (`warm_up`); `static`: what the traced function closes over, for
+        the key. `unstored`: more lowering functions, compiled alongside and not stored. Returns (loaded, compiled)."""
+        folder = self.executable_dir
+        keys = [executables.executable_key(name[0], static, args, options, self.forms) if folder else None
+                for name, args, options, _ in jobs]
+        # two threads (deserializing releases the GIL); what a load warns points at the user's line
+        found = map_on_threads(functools.partial(executables.load, folder), keys, threads=2)
+        loaded, pending = 0, []
+        fresh = executables.fresh_compilation() if folder else contextlib.nullcontext()  # what the store saves
+        with fresh, concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            for (name, _, _, lower), key, compiled in zip(jobs, keys, found):
+                if compiled is not None:
+                    self._executables[name], self._stored[name], loaded = compiled, key, loaded + 1
+                else:
+                    pending.append((name, key, pool.submit(lower().compile)))
+            others = [pool.submit(lower().compile) for lower in unstored]
+            for name, key, future in pending:
+                self._executables[name] = future.result()
+                executables.save(folder, key, self._executables[name])
+            for future in others:
+                future.result()
+        return loaded, len(pending) + len(others)
 
     def _key_args(self, B: int, T: int) -> tuple:
         """The step's arguments for one shape, as the executable store keys them."""

@@ -118,6 +118,49 @@ def test_a_second_start_loads_every_warm_up_executable_and_generates_the_same(tm
     assert _generate(fourth, prompts) == want
 
 
+def test_speculations_executables_are_stored_and_loaded_on_the_next_start(tmp_path, monkeypatch):
+    """With MTP speculation every step runs a spec executable (prefill, verify): the first start stores them all, a
+    second loads them all without lowering any and decodes the same tokens, and one that no longer runs is dropped
+    from the store and compiled at warm-up."""
+    spec = dict(KW, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    prompts = [random_ids(np.random.default_rng(5), n) for n in (7, 33)]
+    first = LLM("tiny-random", **spec)
+    first.engine.worker.executable_dir = str(tmp_path)
+    n = first.engine.warm_up()
+    assert n == len(first.engine.worker.spec_shapes()) and {k for k, _, _ in first.engine.worker.spec_shapes()} == {
+        "prefill", "verify"}
+    assert first.engine.worker.warm_up_stats == {"loaded": 0, "compiled": n}
+    assert len([p for p in tmp_path.iterdir() if not p.name.endswith(".tmp")]) == n
+    want = _generate(first, prompts)
+
+    second = LLM("tiny-random", **spec)
+    worker = second.engine.worker
+    worker.executable_dir = str(tmp_path)
+    monkeypatch.setattr(worker, "_lower_spec", lambda *shape: pytest.fail(f"a stored executable lowered: {shape}"))
+    second.engine.warm_up()
+    assert worker.warm_up_stats == {"loaded": n, "compiled": 0} and len(worker._stored) == n
+    assert _generate(second, prompts) == want
+    monkeypatch.undo()
+
+    name, key = next((name, key) for name, key in worker._stored.items() if name[0] == "verify")
+    real_load = executables.load
+
+    def lacking(*args):
+        for x in jax.tree.leaves(args[1]):  # the failed call consumed the donated state
+            x.delete()
+        raise jax.errors.JaxRuntimeError("NOT_FOUND: Function convert_bitcast_fusion.3 not found (type id: 1)")
+
+    monkeypatch.setattr(executables, "load", lambda folder, k: lacking if k == key else real_load(folder, k))
+    third = LLM("tiny-random", **spec)
+    third.engine.worker.executable_dir = str(tmp_path)
+    with pytest.warns(RuntimeWarning, match=re.escape(f"deleted from the executable store, compiled again: verify "
+                                                      f"{name[1:]}")):
+        third.engine.warm_up()
+    assert third.engine.worker.warm_up_stats == {"loaded": n, "compiled": 0} and not (tmp_path / key).exists()
+    assert third.engine.worker.state_resets >= 1 and name not in third.engine.worker._stored
+    assert _generate(third, prompts) == want
+
+
 @pytest.mark.slow  # compiles the tiny grid twice
 def test_an_executable_stored_while_jax_cache_holds_its_program_runs_on_the_next_start(tmp_path):
     """The store misses after any source edit (its key holds the source digest), JAX's persistent cache does not when
