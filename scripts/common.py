@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import gzip
 import json
@@ -48,6 +49,7 @@ from gdn_jax.worker import executable_store as executables
 from gdn_jax.worker.compilation import (DECODE_VECTOR_BITS, compiler_options, executable_kind,
                                         vector_width_options)
 from gdn_jax.worker.memory import GPU_MEMORY_UTILIZATION, default_memory_budget, plan_memory
+from gdn_jax.worker.speculation import SpecWorker
 from gdn_jax.worker.worker import Worker
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -407,15 +409,21 @@ def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int, int]
 
 def build_worker(a) -> Worker:
     """A worker as the engine builds it, on abstract weights (nothing allocated), from the flags `a` (preset, dtype,
-    block_size, max_num_seqs, max_model_len, chunk_stride, max_num_batched_tokens, checkpoint_mode and _policy)."""
+    block_size, max_num_seqs, max_model_len, chunk_stride, max_num_batched_tokens, checkpoint_mode and _policy;
+    `speculative_tokens`, where `a` has it and it is not 0: the speculating worker, the model with its MTP block)."""
     cfg = get_preset(a.preset)
+    k = getattr(a, "speculative_tokens", 0)
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    if spec:
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=cfg.mtp_num_hidden_layers or 1)
     settings = EngineConfig.create(
         dtype=a.dtype, block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
         chunk_stride=a.chunk_stride, max_num_batched_tokens=a.max_num_batched_tokens,
-        checkpoint_mode=a.checkpoint_mode, checkpoint_policy=a.checkpoint_policy)
+        checkpoint_mode=a.checkpoint_mode, checkpoint_policy=a.checkpoint_policy, speculative_config=spec)
     graphdef, params = abstract_model(cfg, getattr(jnp, a.dtype))
     params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    return Worker(cfg, graphdef, params, plan_memory(cfg, settings, default_memory_budget(params_bytes)), settings)
+    return (SpecWorker if spec else Worker)(cfg, graphdef, params,
+                                            plan_memory(cfg, settings, default_memory_budget(params_bytes)), settings)
 
 
 # ---- where a jitted step's time goes ------------------------------------------------------------------------------

@@ -472,6 +472,8 @@ def test_bench_vs_vllm_reports_each_figure_and_the_ratios(tmp_path):
     ("bench_compile", ["--preset", "tiny-random", "--max-num-seqs", "1", "--max-model-len", "32", "--chunk-stride",
                        "16", "--max-num-batched-tokens", "16", "--limit", "1", "--out", "/dev/null"],
      "--limit 1: the largest prefill and the largest decode shape are always timed: give 2 or more"),
+    ("bench_compile", ["--preset", "tiny-random", "--speculative-tokens", "2"], "--speculative-tokens applies to "
+     "--warm-up"),
     ("bench_compile", ["--preset", "tiny-random", "--warm-up", "--shapes", "1x1x8"], "--warm-up times the whole grid: "
      "--shapes does not apply"),
     ("bench_compile", ["--preset", "tiny-random", "--shapes", "1x1", "--out", "/dev/null"],
@@ -652,6 +654,18 @@ def test_bench_compile_summarises_and_extrapolates_the_shapes_it_timed(tmp_path)
     assert r["total_extrapolated"] and r["total_s"] == pytest.approx(r["measured_total_s"] + (a + b) / 2 + d
                                                                      + r["sampling_s"])
 
+
+def test_bench_compile_times_the_speculating_workers_warm_up(tmp_path):
+    """--speculative-tokens: the warm-up of the worker with the MTP block, which compiles a prefill executable per
+    prefill shape of the grid and a verify executable per rows bucket (with the store off: none loaded)."""
+    out = tmp_path / "compile.json"
+    _script("bench_compile").main(["--preset", "tiny-random", "--dtype", "float32", "--max-num-seqs", "2",
+                                   "--max-model-len", "32", "--chunk-stride", "16", "--max-num-batched-tokens", "16",
+                                   "--warm-up", "--speculative-tokens", "1", "--out", str(out)])
+    r = json.loads(out.read_text())
+    prefill = sum(s[1] > 1 for s in r["grid"])
+    assert r["speculative_tokens"] == 1 and r["num_spec_shapes"] == prefill + 2  # rows buckets 1 and 2
+    assert r["warm_up_stats"] == {"loaded": 0, "compiled": r["num_spec_shapes"]} and r["total_s"] > 0
 
 def test_bench_compile_times_a_shape_named_twice_twice_and_counts_it_once(tmp_path):
     """A repeated shape is lowered and compiled again (it was found in JAX's in-memory caches: 0 s), and the

@@ -6,7 +6,8 @@ allocated, so the Qwen3.5-9B preset compiles on a machine that could not hold it
                                                     [--max-num-batched-tokens 2048] [--checkpoint-mode scan|promote]
                                                     [--checkpoint-policy all|last]
                                                     [--shapes 16x64x256,16x1x256 | --limit N] [--prompt-logprobs]
-                                                    [--warm-up [--compile-threads N]] [--cache-dir off|DIR]
+                                                    [--warm-up [--compile-threads N] [--speculative-tokens K]]
+                                                    [--cache-dir off|DIR]
                                                     [--second-start] [--out results/bench_compile_<preset>.json]
 
 The worker is built as the engine builds it (same memory plan, same shape buckets, `Worker.shape_buckets()`), but on
@@ -27,14 +28,16 @@ other kind with no mean to extrapolate from: `total_s` is then null, and the pri
 
 The persistent compilation cache is off by default (`--cache-dir off`), so every shape compiles from scratch (the
 figure of a first start). `--cache-dir DIR` turns it on in DIR (every compilation is written, whatever it took).
-`--second-start` measures what a second process start costs: it runs this script twice in fresh processes on one
-new cache folder (the first fills it, the second reads it) and reports both, with each process's wall time (imports,
+`--second-start` measures what a second process start costs: it runs this script twice in fresh processes on one new
+cache folder (the first fills it, the second reads it) and reports both, with each process's wall time (imports,
 model setup and every shape). `--warm-up` times `Worker.warm_up()` as a whole instead (the engine's own warm-up,
 which lowers one executable while `--compile-threads` threads, by default one per core, compile the ones before, and
-first looks each up in the executable store beside the cache, `gdn_jax.worker.executable_store`): with `--second-start`, the
-second start of the engine. Timing shape by shape (without `--warm-up`) fills JAX's persistent cache but not the
-executable store; it times one compilation at a time, so its `total_s` is the sum over shapes, not a warm-up's wall
-time on a machine of several cores.
+first looks each up in the executable store beside the cache, `gdn_jax.worker.executable_store`): with
+`--second-start`, the second start of the engine; `--speculative-tokens K` times the warm-up of the speculating
+worker instead (the model with its MTP block, K drafts: a prefill executable per prefill shape and a verify one per
+rows bucket). Timing shape by shape (without `--warm-up`) fills JAX's persistent cache but not the executable store;
+it times one compilation at a time, so its `total_s` is the sum over shapes, not a warm-up's wall time on a machine
+of several cores.
 
 Timings on a shared machine are noisy: repeat a run and read the minimum. `cpu s` (the process's CPU time over all
 its threads, `time.process_time`) moves less with the load of other processes than the wall time does; `lower cpu s`
@@ -133,15 +136,18 @@ def measure(a) -> dict:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = getattr(worker, "warm_up_stats", None)  # executables loaded from the store / compiled
         threads = compile_threads_default() if a.compile_threads is None else a.compile_threads
+        spec = worker.spec_shapes() if a.speculative_tokens else None
         print(f"Worker.warm_up ({threads} compile threads): {wall:.1f} s ({cpu:.1f} s process CPU time) for "
-              f"{len(grid)} step shapes"
-              + (f" + {len(worker.sample_buckets())} sampling shapes" if hasattr(worker, "sample_buckets") else "")
-              + (f"; {stats['loaded']} loaded from the executable store, {stats['compiled']} compiled" if stats else ""))
+              + (f"{len(spec)} spec shapes ({a.speculative_tokens} drafts)" if spec else f"{len(grid)} step shapes"
+                 + f" + {len(worker.sample_buckets())} sampling shapes")
+              + (f"; {stats['loaded']} loaded from the executable store, {stats['compiled']} compiled"
+                 if stats else ""))
         return {"mode": "warm_up", "preset": a.preset, "dtype": a.dtype, "cache_dir": a.cache_dir, "setup_s": setup_s,
                 "choices_s": choices_s, "num_shapes": len(grid), "grid": [list(s) for s in grid], "per_shape_s": [],
                 "total_s": wall,
                 "cpu_s": cpu, "compile_threads": threads, "total_extrapolated": False,
-                "process_s": time.perf_counter() - T_START, "warm_up_stats": stats}
+                "process_s": time.perf_counter() - T_START, "warm_up_stats": stats,
+                "speculative_tokens": a.speculative_tokens, "num_spec_shapes": len(spec) if spec else 0}
     print(f"{'rows':>5} {'tokens':>6} {'blocks':>6} {'saves':>5} {'lower s':>8} {'compile s':>9} {'total s':>8} "
           f"{'cpu s':>7} {'lower cpu s':>11}")
     # sampling: its own executable per rows bucket, shared by the step shapes with that many rows
@@ -259,6 +265,8 @@ def main(argv=None):
                    "with compilation, as the engine warms up) instead of shape by shape")
     p.add_argument("--compile-threads", type=positive_int, default=None, help="with --warm-up: threads compiling at once "
                    "(default: Worker.warm_up's, the cores this process may use)")
+    p.add_argument("--speculative-tokens", type=nonnegative_int, default=0, help="with --warm-up: the speculating "
+                   "worker with this many MTP drafts (its prefill and verify executables; 0: off)")
     p.add_argument("--cache-dir", default="off", help="persistent compilation cache folder, or 'off' (default)")
     p.add_argument("--second-start", action="store_true", help="run twice in fresh processes on one new cache "
                    "folder (or --cache-dir) and report the second start")
@@ -277,6 +285,8 @@ def main(argv=None):
         p.error("--limit picks shapes from the grid: give it or --shapes, not both")
     if a.warm_up and (a.shapes or a.limit):
         p.error(f"--warm-up times the whole grid: {'--shapes' if a.shapes else '--limit'} does not apply")
+    if a.speculative_tokens and not a.warm_up:
+        p.error("--speculative-tokens applies to --warm-up (the spec executables are not timed shape by shape)")
     if a.compile_threads is not None and not a.warm_up:
         p.error("--compile-threads applies to --warm-up (shape by shape, one compilation runs at a time)")
     if a.limit == 1:  # spread() keeps the largest prefill shape and drops the decode ones: no decode total
