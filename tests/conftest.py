@@ -12,7 +12,9 @@ an executable that JAX loaded from its cache cannot be serialized again on the C
 "Function ... not found"), and the store saves what warm-up compiled, which with the cache on may be such a load. The
 subprocesses the tests start (servers, CLIs, scripts) share the lane's JAX cache, with no store either."""
 
+import itertools
 import os
+import re
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -42,3 +44,33 @@ executables.default_folder = lambda cache=None: _default_folder(cache) if cache 
 settings.register_profile("ci", derandomize=True, max_examples=200, deadline=None, print_blob=True)
 settings.register_profile("soak", derandomize=False, deadline=None, print_blob=True, max_examples=5000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# A group's pytest process (`make test`, `-m EXPR`) collects only the modules that can hold one of its tests: each
+# collected module imports what it tests, seconds a process for the whole suite. tests/test_groups.py checks the rule
+# against a full collection.
+_WORD = re.compile(r"\b(?!(?:and|or|not)\b)(\w+)\b")
+
+
+def selects(expr: str, names: set[str]) -> bool:
+    """Whether the `-m` expression `expr` selects a test with these marker names."""
+    return eval(_WORD.sub(lambda m: repr(m.group(1) in names), expr), {})
+
+
+def may_hold(path: Path, expr: str) -> bool:
+    """Whether a test module can hold a test `expr` selects: its module mark (`pytestmark = pytest.mark.NAME`) with
+    any subset of the markers the expression names that the module's text names anywhere else (a test's own mark)."""
+    text = path.read_text()
+    module = set(re.findall(r"^pytestmark = pytest\.mark\.(\w+)", text, re.M))
+    named = set(_WORD.findall(expr))
+    others = sorted(set(re.findall(r"mark\.(\w+)", text)) & named - module)
+    return any(selects(expr, module | set(extra))
+               for r in range(len(others) + 1) for extra in itertools.combinations(others, r))
+
+
+def pytest_ignore_collect(collection_path, config):
+    expr = config.getoption("markexpr")
+    if expr and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        if not may_hold(collection_path, expr):
+            return True
+    return None
