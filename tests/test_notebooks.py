@@ -50,6 +50,9 @@ def _policies(ns):
     workloads = ns["workloads"]
     assert set(workloads) == {"chat", "agentic", "fewshot"}
     assert all(set(rows) == {"lru", "flop_aware", "overlap", "end_of_turn"} for rows in workloads.values())
+    for name, rows in workloads.items():  # every policy exact, in the same checkpoint bytes
+        assert all(r["exact"] and 0 < r["token_hit_rate"] <= 1 for r in rows.values()), name
+        assert len({r["checkpoint_bytes"] for r in rows.values()}) == 1, name
     assert all(len(ax.patches) == 12 for ax in ns["axes"])  # 3 workloads x 4 policies, hit rate and saves
 
 

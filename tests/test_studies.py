@@ -442,7 +442,9 @@ def test_accuracy_study_takes_the_positions_of_a_model_that_has_fewer_than_its_m
 
 
 def test_policy_study_compares_eviction_policies_exactly_at_equal_memory(tmp_path):
-    _script("policy_study").main(["--quick", "--model", MODEL, "--out", str(tmp_path)])
+    """lru and lru_int8 (notebooks/03_policies.ipynb's test runs the other float32 policies of the same quick study
+    and checks how their hit rates compare), and the host tier."""
+    _script("policy_study").main(["--quick", "--model", MODEL, "--policies", "lru,lru_int8", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "policy_study.json").read_text())
     workloads, tier = result["workloads"], result["host_tier"]
     # the host tier: a checkpoint moved to the host is restored whole, as from the device, and exactly
@@ -452,7 +454,7 @@ def test_policy_study_compares_eviction_policies_exactly_at_equal_memory(tmp_pat
     assert (tmp_path / "policy_study.png").stat().st_size > 0
     assert set(workloads) == {"chat", "agentic", "fewshot"}
     for name, every in workloads.items():
-        assert set(every) == {"lru", "flop_aware", "overlap", "end_of_turn", "lru_int8"}
+        assert set(every) == {"lru", "lru_int8"}
         rows = {k: r for k, r in every.items() if r["checkpoint_dtype"] == "float32"}
         assert all(r["exact"] for r in rows.values()), name  # cache on equals off under every float32 policy
         assert len({r["checkpoint_bytes"] for r in rows.values()}) == 1 and rows["lru"]["checkpoint_bytes"] > 0
@@ -463,7 +465,3 @@ def test_policy_study_compares_eviction_policies_exactly_at_equal_memory(tmp_pat
         assert int8["token_hit_rate"] > 0 and int8["checkpoint_dtype"] == "int8", name
         assert all(0 < r["token_hit_rate"] <= 1 and r["flops_saved"] > 0 and r["ttft_p95_ms"] >= r["ttft_p50_ms"]
                    for r in rows.values()), name
-    for name in ("chat", "agentic"):
-        assert workloads[name]["flop_aware"]["token_hit_rate"] >= workloads[name]["lru"]["token_hit_rate"]
-    # the next turn of a chat restores where the last one ended
-    assert workloads["chat"]["end_of_turn"]["token_hit_rate"] > workloads["chat"]["lru"]["token_hit_rate"]
