@@ -23,14 +23,17 @@ run: $(VENV)/.installed
 # `make test`: one pytest process per group of test modules (a module names its group in `pytestmark`; pyproject.toml
 # lists the groups), since one process compiling all the suite's step shapes ran out of memory maps (.ci/run raises
 # vm.max_map_count). Compiling takes most of the time, on one core, so two lanes of processes run at once; a lane's
-# processes share compiled executables through JAX's persistent cache in a folder of its own (tests/conftest.py).
+# processes share compiled executables through JAX's persistent cache in a folder of its own (tests/conftest.py),
+# and each collects only the modules that can hold its group's tests (tests/test_groups.py checks that rule).
 # Modules that name no group run in the engine lane's fourth process. Every group but the compiled and the
 # deterministic mode's compiles with LLVM's optimisation off (in half the time): the engine's behaviour and
 # exactness, the model's parts against their references, loading and starting, what the server, training, the
 # studies and the scripts do with the model's results, and the mesh tests (tensor and expert parallelism against one
 # device, in a process of 8 host devices). The compiled group, compiled as a user's engine is, holds the claims about
 # the code XLA emits (pools updated in place, bitwise-equal states, the server's compile options) and speculation
-# (its sampling test runs many steps); the xla_forms tests run (again) with the CPU kernels off, in XLA's forms.
+# (its sampling test runs many steps); the deterministic mode's bit-identity holds with XLA's fusions as a user's
+# engine has them, LLVM's optimisation off (`make soak` runs it at XLA's defaults, with many more examples); the
+# xla_forms tests run (again) with the CPU kernels off, in XLA's forms.
 PYTEST = $(PY) -m pytest -q --ignore=tests/reference
 PLUMBING := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 .PHONY: test-serial test-lane-engine test-lane-rest
@@ -53,7 +56,7 @@ test-lane-rest: $(VENV)/.installed
 	$(PLUMBING) $(PYTEST) -m startup
 	$(PLUMBING) $(PYTEST) -m server
 	$(PLUMBING) $(PYTEST) -m bench
-	$(PYTEST) -m deterministic
+	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" $(PYTEST) -m deterministic
 	GDN_JAX_CPU_KERNELS=0 $(PYTEST) -m xla_forms
 	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false \
 	  --xla_force_host_platform_device_count=8" $(PYTEST) -m mesh
