@@ -31,6 +31,17 @@ def _generate(llm, prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _with_store(folder, **settings):
+    """tiny-random, its worker's executable store in `folder`."""
+    llm = LLM("tiny-random", **settings)
+    llm.engine.worker.executable_dir = str(folder)
+    return llm
+
+
+def _entries(folder) -> int:
+    return len([p for p in folder.iterdir() if not p.name.endswith(".tmp")])
+
+
 @pytest.fixture(autouse=True)
 def without_persistent_cache():
     """JAX's persistent compilation cache off in this file (`make test` turns it on, tests/conftest.py): what the
@@ -48,16 +59,14 @@ def without_persistent_cache():
 def test_a_second_start_loads_every_warm_up_executable_and_generates_the_same(tmp_path, monkeypatch):
     rng = np.random.default_rng(4)
     prompts = [random_ids(rng, n) for n in (5, 40, 21)]
-    first = LLM("tiny-random", **KW)
-    first.engine.worker.executable_dir = str(tmp_path)
+    first = _with_store(tmp_path, **KW)
     n = first.engine.warm_up() + len(first.engine.worker.sample_buckets())
     assert first.engine.worker.warm_up_stats == {"loaded": 0, "compiled": n}
-    assert len([p for p in tmp_path.iterdir() if not p.name.endswith(".tmp")]) == n
+    assert _entries(tmp_path) == n
     want = _generate(first, prompts)
 
-    second = LLM("tiny-random", **KW)
+    second = _with_store(tmp_path, **KW)
     worker = second.engine.worker
-    worker.executable_dir = str(tmp_path)
     lowered = []
     worker.lowered_step = lambda shape: lowered.append(shape)  # a hit must not lower
     second.engine.warm_up()
@@ -73,9 +82,8 @@ def test_a_second_start_loads_every_warm_up_executable_and_generates_the_same(tm
 
     # A stored executable that fails at its call for a kernel it lacks (as XLA's CPU runtime reports it) is deleted
     # from the store and compiled again, and its step recomputed: no request fails.
-    third = LLM("tiny-random", **KW)
+    third = _with_store(tmp_path, **KW)
     worker = third.engine.worker
-    worker.executable_dir = str(tmp_path)
     third.engine.warm_up()
 
     def lacking(name):
@@ -107,8 +115,7 @@ def test_a_second_start_loads_every_warm_up_executable_and_generates_the_same(tm
     real_load = executables.load
     monkeypatch.setattr(executables, "load", lambda folder, key: lacking(name) if key == stored[name] else real_load(
         folder, key))
-    fourth = LLM("tiny-random", **KW)
-    fourth.engine.worker.executable_dir = str(tmp_path)
+    fourth = _with_store(tmp_path, **KW)
     with pytest.warns(RuntimeWarning, match=re.escape(f"deleted from the executable store, compiled again: step {name[1:]}")):
         fourth.engine.warm_up()
     assert fourth.engine.worker.state_resets >= 1 and not (tmp_path / stored[name]).exists()
@@ -124,18 +131,16 @@ def test_speculations_executables_are_stored_and_loaded_on_the_next_start(tmp_pa
     from the store and compiled at warm-up."""
     spec = dict(KW, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     prompts = [random_ids(np.random.default_rng(5), n) for n in (7, 33)]
-    first = LLM("tiny-random", **spec)
-    first.engine.worker.executable_dir = str(tmp_path)
+    first = _with_store(tmp_path, **spec)
     n = first.engine.warm_up()
     assert n == len(first.engine.worker.spec_shapes()) and {k for k, _, _ in first.engine.worker.spec_shapes()} == {
         "prefill", "verify"}
     assert first.engine.worker.warm_up_stats == {"loaded": 0, "compiled": n}
-    assert len([p for p in tmp_path.iterdir() if not p.name.endswith(".tmp")]) == n
+    assert _entries(tmp_path) == n
     want = _generate(first, prompts)
 
-    second = LLM("tiny-random", **spec)
+    second = _with_store(tmp_path, **spec)
     worker = second.engine.worker
-    worker.executable_dir = str(tmp_path)
     monkeypatch.setattr(worker, "_lower_spec", lambda *shape: pytest.fail(f"a stored executable lowered: {shape}"))
     second.engine.warm_up()
     assert worker.warm_up_stats == {"loaded": n, "compiled": 0} and len(worker._stored) == n
@@ -151,8 +156,7 @@ def test_speculations_executables_are_stored_and_loaded_on_the_next_start(tmp_pa
         raise jax.errors.JaxRuntimeError("NOT_FOUND: Function convert_bitcast_fusion.3 not found (type id: 1)")
 
     monkeypatch.setattr(executables, "load", lambda folder, k: lacking if k == key else real_load(folder, k))
-    third = LLM("tiny-random", **spec)
-    third.engine.worker.executable_dir = str(tmp_path)
+    third = _with_store(tmp_path, **spec)
     with pytest.warns(RuntimeWarning, match=re.escape(f"deleted from the executable store, compiled again: verify "
                                                       f"{name[1:]}")):
         third.engine.warm_up()
