@@ -8,12 +8,10 @@ EXTRAS ?= dev
 
 REF_VENV := .venv-ref
 
-# (--no-compile: Python writes the bytecode of the modules a process imports when it first imports them, where pip
-# would write every installed module's first, most never imported: 35 -> 19 s for .venv)
 %/.installed: pyproject.toml $(LOCK)  # any venv folder: .venv, or .venv-ref for test-reference
 	$(PYTHON) -m venv $*
 	$*/bin/python -m pip install -q -c $(LOCK) pip
-	$*/bin/python -m pip install -q --no-compile -c $(LOCK) -e '.[$(EXTRAS)]'
+	$*/bin/python -m pip install -q -c $(LOCK) -e '.[$(EXTRAS)]'
 	touch $@
 
 .PHONY: install run test test-fast test-reference soak lock notebooks
