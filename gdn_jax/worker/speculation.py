@@ -192,14 +192,14 @@ class SpecWorker(Worker):
         sampled = unpack_sampled(packed[:n * P] if kind == "verify" else np.repeat(packed[:n], P, axis=0))
         return StepResult(*sampled, positions=P, accepted=accepted[:n], drafts=drafts[:n])
 
-    def _run_padding(self, kind: str, B: int, T: int):
-        """Runs the spec executable (kind, B, T) on an all-padding sub-batch; returns the state."""
-        args = (self._param_leaves, self.state, *self._spec_padding(kind, B, T))
+    def _run_spec(self, kind: str, B: int, T: int, padding: tuple):
+        """Runs the spec executable (kind, B, T) on `padding` (`_spec_padding`); returns the state."""
+        args = (self._param_leaves, self.state, *padding)
         self.state = self._call((kind, B, T), self._spec_fns[kind], args)[0]
         return self.state
 
-    def _lower_spec(self, kind: str, B: int, T: int):
-        return self._spec_fns[kind].lower(self._param_leaves, self.state, *self._spec_padding(kind, B, T))
+    def _lower_spec(self, kind: str, padding: tuple):
+        return self._spec_fns[kind].lower(self._param_leaves, self.state, *padding)
 
     def warm_up(self, prompt_logprobs: bool = False, compile_threads: int | None = None) -> int:
         """Every spec executable (`spec_shapes`) from the executable store, else compiled and stored (keyed by the
@@ -207,22 +207,16 @@ class SpecWorker(Worker):
         prompt-logprobs prefill too with `prompt_logprobs`."""
         threads = compile_threads_default() if compile_threads is None else compile_threads
         shapes = self.spec_shapes()
-        jobs = [((kind, B, T), (self._param_leaves, self.state, *self._spec_padding(kind, B, T)), None,
-                 functools.partial(self._lower_spec, kind, B, T)) for kind, B, T in shapes]
+        padding = {shape: self._spec_padding(*shape) for shape in shapes}  # for the key, the lowering and the run
+        jobs = [(shape, (self._param_leaves, self.state, *padding[shape]), None,
+                 functools.partial(self._lower_spec, shape[0], padding[shape])) for shape in shapes]
         with gc_paused():
             loaded, compiled = self._load_or_compile(
                 jobs, (repr(self.cfg), self.chunk_size, self.gdn_schedule, self.k), max(1, threads))
         self.warm_up_stats = {"loaded": loaded, "compiled": compiled}
         if not self.abstract:
-            for kind, B, T in shapes:
-                self._called = []
-                try:
-                    jax.block_until_ready(self._run_padding(kind, B, T))
-                except Exception as exc:  # a stored executable that no longer runs: dropped, compiled (`Worker`)
-                    if not self._drop_stale(exc):
-                        raise
-                    self.reset_state()
-                    self._run_padding(kind, B, T)
+            for shape in shapes:
+                self._warm_run(functools.partial(self._run_spec, *shape, padding[shape]))
             if prompt_logprobs:
                 for B, T, NB in self.shape_buckets():
                     if T > 1:

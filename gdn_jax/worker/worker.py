@@ -239,20 +239,25 @@ class Worker:
         self.warm_up_stats = {"loaded": loaded, "compiled": compiled}
         if not self.abstract:
             for shape in shapes:
-                self._called = []
-                try:
-                    jax.block_until_ready((self._run(*self._padding_args(*shape)), self.state))
-                except Exception as exc:
-                    if not self._drop_stale(exc):
-                        raise
-                    self.reset_state()  # (the caller's scheduler must drop its view of the pools: `state_resets`)
-                    self._run(*self._padding_args(*shape))
+                self._warm_run(functools.partial(self._run, *self._padding_args(*shape)))
             for B, T, NB in extra:
                 self._run(*self._padding_args(B, T, NB), np.zeros((B, T), np.int32), False, fn=self._prompt_fn)
             if self.config.scheduling.async_scheduling:
                 self._warm_up_feeds()
             jax.block_until_ready(self.state)
         return len(shapes) + len(extra)
+
+    def _warm_run(self, run) -> None:
+        """run() once in warm-up; when it fails in an executable the store gave (`_drop_stale`), that one is dropped
+        and run() again on fresh pools (the caller's scheduler must drop its view of them: `state_resets`)."""
+        self._called = []
+        try:
+            jax.block_until_ready((run(), self.state))
+        except Exception as exc:
+            if not self._drop_stale(exc):
+                raise
+            self.reset_state()
+            run()
 
     def _load_or_compile(self, jobs: list, static, threads: int, unstored: list = ()) -> tuple[int, int]:
         """Each job's executable (name, its key's arguments, compiler options, a function that lowers it) from the

@@ -141,7 +141,7 @@ def test_speculations_executables_are_stored_and_loaded_on_the_next_start(tmp_pa
 
     second = _with_store(tmp_path, **spec)
     worker = second.engine.worker
-    monkeypatch.setattr(worker, "_lower_spec", lambda *shape: pytest.fail(f"a stored executable lowered: {shape}"))
+    monkeypatch.setattr(worker, "_lower_spec", lambda kind, _: pytest.fail(f"a stored {kind} executable lowered"))
     second.engine.warm_up()
     assert worker.warm_up_stats == {"loaded": n, "compiled": 0} and len(worker._stored) == n
     assert _generate(second, prompts) == want
